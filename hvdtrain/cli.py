@@ -1,0 +1,33 @@
+"""``python -m hvdtrain.<task>``: parse, train, and turn known failures into one line.
+
+Exit status: 0 trained; 1 a runtime failure (data file, a rank, the launcher, Keras);
+2 a bad command line or setting. Nothing is written before the settings are validated.
+"""
+import sys
+
+from hvdtrain import compat, distributed
+from hvdtrain.config import ConfigError, parse_args
+from hvdtrain.data import DataError
+from hvdtrain.train import train
+
+
+def _fail(prog: str, message: str, status: int, show: bool = True) -> int:
+    if show:
+        sys.stderr.write(f"{prog}: error: {message}\n")
+        sys.stderr.flush()
+    return status
+
+
+def run(task, argv=None) -> int:
+    prog = f"hvdtrain.{task.name}"
+    config = parse_args(task.name, argv)  # exits 2 with one line on a bad flag
+    try:
+        train(task, config)
+    except ConfigError as e:
+        return _fail(prog, str(e), 2)
+    except distributed.RankError as e:
+        # Every rank raised the same agreed message: rank 0 says it once.
+        return _fail(prog, str(e), 1, show=distributed.launcher_rank() == 0)
+    except (DataError, distributed.LaunchError, compat.KerasVersionError) as e:
+        return _fail(prog, str(e), 1)
+    return 0

@@ -1,0 +1,209 @@
+"""Everything rank-dependent: the ONLY module that imports horovod.
+
+``init()`` picks the backend (Horovod, or one process), starts it, pins devices and thread
+pools, and returns a ``World``: rank, size, chief, and the few collectives the loop needs
+(optimizer wrapping, broadcast, sums, barrier, agreement on errors). Nothing else in
+hvdtrain asks ``rank() == 0``; it asks ``world.is_chief``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+# Variables launchers set in every process they start: mpirun (Open MPI, MPICH/Hydra,
+# MVAPICH), horovodrun --gloo, and srun.
+LAUNCHER_SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                      "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+class LaunchError(RuntimeError):
+    """The processes cannot train together as launched; ``str()`` is one line."""
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed a step that all ranks take together."""
+
+
+def launcher_size() -> int:
+    """The number of processes a launcher says it started (1 when there is no launcher)."""
+    sizes = []
+    for name in LAUNCHER_SIZE_VARS:
+        try:
+            sizes.append(int(os.environ.get(name, "1")))
+        except ValueError:
+            pass
+    return max(sizes, default=1)
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher numbered it (0 without a launcher)."""
+    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class World:
+    """One process's view of the job. The single-process world needs no Horovod."""
+
+    backend = "single"
+
+    def __init__(self):
+        self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
+
+    @property
+    def is_chief(self) -> bool:
+        """Rank 0 owns printing, files, checkpoints: the seeds' chief worker."""
+        return self.rank == 0
+
+    def wrap_optimizer(self, optimizer):
+        return optimizer
+
+    def broadcast_variables(self, variables) -> None:
+        pass
+
+    def allreduce_sum(self, values: Sequence[float]) -> np.ndarray:
+        return np.asarray(values, dtype=np.float64)
+
+    def broadcast_object(self, obj):
+        return obj
+
+    def allgather_object(self, obj) -> list:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+    def agree(self, fn: Callable, catch=(Exception,)):
+        """Run ``fn`` on every rank; if it raised on any, raise RankError on all of them.
+
+        Without this, a rank whose local file is corrupt exits while the others block in
+        the next collective forever.
+        """
+        try:
+            value, error = fn(), None
+        except catch as e:
+            value, error = None, str(e)
+        errors = self.allgather_object(error)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            if self.size == 1:
+                raise RankError(failed[0][1])
+            raise RankError("; ".join(f"rank {r}: {e}" for r, e in failed))
+        return value
+
+    def describe(self) -> str:
+        return "1 process (no Horovod)"
+
+
+class HorovodWorld(World):
+    backend = "horovod"
+
+    def __init__(self, hvd, hvd_keras):
+        super().__init__()
+        self.hvd, self.hvd_keras = hvd, hvd_keras
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        self.controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "?"
+
+    def wrap_optimizer(self, optimizer):
+        # Horovod: average gradients over all ranks with ring-allreduce before each update,
+        # the synchronous update SyncReplicasOptimizer made.
+        return self.hvd_keras.DistributedOptimizer(optimizer)
+
+    def broadcast_variables(self, variables) -> None:
+        # Horovod: start every rank from rank 0's state (initial, or restored).
+        self.hvd.broadcast_variables(list(variables), root_rank=0)
+
+    def allreduce_sum(self, values: Sequence[float]) -> np.ndarray:
+        import tensorflow as tf
+
+        tensor = tf.constant(np.asarray(values, dtype=np.float64))
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.sum").numpy()
+
+    def broadcast_object(self, obj):
+        return self.hvd.broadcast_object(obj, root_rank=0)
+
+    def allgather_object(self, obj) -> list:
+        return self.hvd.allgather_object(obj)
+
+    def barrier(self) -> None:
+        # An allreduce returns only once every rank has entered it.
+        self.allreduce_sum([0.0])
+
+    def describe(self) -> str:
+        return f"{self.size} process{'es' if self.size > 1 else ''}, Horovod over {self.controller}"
+
+
+def _import_horovod():
+    """((horovod.tensorflow, horovod.tensorflow.keras), None) or (None, reason)."""
+    try:
+        import horovod.tensorflow as hvd
+        import horovod.tensorflow.keras as hvd_keras
+        return (hvd, hvd_keras), None
+    except Exception as e:  # ImportError, or a TF op library built for another TensorFlow
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _configure_devices(local_rank: int, local_size: int) -> None:
+    """Pin one GPU per process and size CPU thread pools so local ranks share the cores."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        # Horovod: one GPU per process, chosen by local rank; memory growth so that a
+        # process does not reserve the whole card up front.
+        gpu = gpus[local_rank % len(gpus)]
+        tf.config.set_visible_devices(gpu, "GPU")
+        tf.config.experimental.set_memory_growth(gpu, True)
+    if "TF_NUM_INTRAOP_THREADS" not in os.environ:
+        # Two ranks on two cores each running a full-width pool oversubscribe the CPU.
+        threads = max(1, usable_cores() // max(1, local_size))
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+
+
+def init(backend: str = "auto", num_workers: Optional[int] = None,
+         notice: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> World:
+    """Start the backend and return this process's World.
+
+    backend: "auto" (Horovod if importable, else one process), "horovod" or "single".
+    num_workers: the configured count; compared with the launcher's and warned about.
+    """
+    launched = launcher_size()
+    if backend == "single":
+        if launched > 1:
+            raise LaunchError(f"--backend single, but a launcher started {launched} processes: "
+                              f"they would train {launched} independent copies")
+        world = World()
+    else:
+        modules, why = _import_horovod()
+        if modules is None:
+            if backend == "horovod" or launched > 1:
+                raise LaunchError(
+                    f"horovod cannot be imported ({why}), but "
+                    + (f"a launcher started {launched} processes: refusing to train "
+                       f"{launched} independent copies" if launched > 1 else
+                       "--backend horovod asks for it")
+                    + "; run scripts/setup.sh")
+            notice(f"hvdtrain: horovod unavailable ({why}); training in one process "
+                   "with the plain optimizer")
+            world = World()
+        else:
+            modules[0].init()
+            world = HorovodWorld(*modules)
+    _configure_devices(world.local_rank, world.local_size)
+    if num_workers is not None and num_workers != world.size and world.is_chief:
+        notice(f"hvdtrain: warning: --num-workers is {num_workers} but the launcher started "
+               f"{world.size} process(es); training with world size {world.size}")
+    return world

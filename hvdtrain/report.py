@@ -1,0 +1,89 @@
+"""What a run leaves behind: console lines and the run directory, written by rank 0 only.
+
+Run directory layout:
+    config.json      the validated configuration, plus world size and backend
+    metrics.jsonl    one JSON line per epoch: epoch, global_step, loss, metrics, samples_per_sec
+    tensorboard/     the same scalars for TensorBoard
+    result.json      written last (atomically): the run's outcome
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+def default_run_dir(task: str, root: str = "runs") -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = os.path.join(root, f"{task}-{stamp}"), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(root, f"{task}-{stamp}-{n}")
+    return path
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Readers see the old file or the whole new one, never half of it."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+class Reporter:
+    """Prints and writes on the chief; does nothing on other ranks."""
+
+    def __init__(self, world, config, verbose: int = 1):
+        self.enabled = world.is_chief
+        self.verbose = verbose if self.enabled else 0
+        # Rank 0 names the directory (its clock decides the default) and tells the others.
+        path = config.run_dir or (default_run_dir(config.task) if world.is_chief else None)
+        self.run_dir = os.path.abspath(world.broadcast_object(path))
+        self._tb = None
+
+    def print(self, message: str, level: int = 1) -> None:
+        if self.verbose >= level:
+            print(message, flush=True)
+
+    def notice(self, message: str) -> None:
+        """A one-line notice on stderr (rank 0), shown even at verbose 0."""
+        if self.enabled:
+            print(message, file=sys.stderr, flush=True)
+
+    def start(self, config_dict: dict) -> None:
+        if not self.enabled:
+            return
+        os.makedirs(self.run_dir, exist_ok=True)
+        write_json_atomic(os.path.join(self.run_dir, "config.json"), config_dict)
+        import tensorflow as tf
+
+        self._tb = tf.summary.create_file_writer(os.path.join(self.run_dir, "tensorboard"))
+
+    def epoch(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+        import tensorflow as tf
+
+        with self._tb.as_default(step=record["global_step"]):
+            for key, value in record.items():
+                if key not in ("epoch", "epochs", "global_step") and isinstance(value, float):
+                    tf.summary.scalar(key, value)
+        self._tb.flush()
+
+    def result(self, result: dict) -> None:
+        if not self.enabled:
+            return
+        write_json_atomic(os.path.join(self.run_dir, "result.json"), result)
+        if self._tb is not None:
+            self._tb.close()

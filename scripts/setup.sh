@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Idempotent environment for hvdtrain on Debian 12 (run as root, or with sudo for apt).
+#
+#   scripts/setup.sh            # Debian packages, .venv, TensorFlow, Horovod, hvdtrain
+#
+# A second run on a ready machine only verifies (well under a minute).
+# Environment knobs:
+#   HVDTRAIN_VENV=DIR           where the virtual environment lives (default: .venv)
+#   PYTHON=python3.11           interpreter for the venv
+#   HOROVOD_GPU_OPERATIONS=NCCL passed through to Horovod's build (CUDA images)
+#   HVDTRAIN_SKIP_APT=1         skip apt (the packages are already there)
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${HVDTRAIN_VENV:-$root/.venv}
+python=${PYTHON:-python3.11}
+horovod_version=0.28.1
+
+log() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+
+# --- Debian packages --------------------------------------------------------------
+# Open MPI: Horovod's MPI controller and mpirun; build tools: Horovod compiles from source;
+# dataset-fashion-mnist: full Fashion-MNIST with no network.
+apt_packages=(build-essential cmake git openmpi-bin libopenmpi-dev python3-venv python3-dev
+              dataset-fashion-mnist procps iproute2)
+if [[ "${HVDTRAIN_SKIP_APT:-0}" != 1 ]]; then
+    missing=()
+    for p in "${apt_packages[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+    if ((${#missing[@]})); then
+        log "installing Debian packages: ${missing[*]}"
+        sudo=""; [[ $(id -u) == 0 ]] || sudo=sudo
+        export DEBIAN_FRONTEND=noninteractive
+        $sudo apt-get update -q
+        $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+    fi
+fi
+command -v "$python" >/dev/null || die "$python not found (install python3.11 or set PYTHON=...)"
+
+# --- virtual environment -----------------------------------------------------------
+if [[ ! -x "$venv/bin/python" ]]; then
+    log "creating $venv with $python"
+    "$python" -m venv "$venv"
+fi
+pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+
+# The pinned stack (from setup.py) plus what Horovod's build needs in the same env.
+stamp="$venv/.hvdtrain-deps"
+want=$(cat "$root/setup.py" | sha1sum | cut -c1-16)
+if [[ ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
+    log "installing the pinned Python stack (TensorFlow, tf-keras, mpi4py, test tools)"
+    pip install --upgrade "pip>=23" "setuptools>=65,<70" wheel packaging
+    pip install -e "$root[mpi,test]"
+    echo "$want" >"$stamp"
+fi
+
+# --- Horovod, compiled against this TensorFlow -------------------------------------
+horovod_ok() {
+    "$venv/bin/python" - "$horovod_version" <<'PY' >/dev/null 2>&1
+import sys
+import horovod
+assert horovod.__version__ == sys.argv[1], horovod.__version__
+import horovod.tensorflow as hvd  # fails if built against another TensorFlow
+assert hvd.mpi_built() and hvd.gloo_built()
+PY
+}
+if ! horovod_ok; then
+    log "compiling horovod $horovod_version against TensorFlow (a few minutes on 2 cores)"
+    export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
+    export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+    export MAKEFLAGS="-j$(nproc)"
+    # --no-build-isolation: Horovod must compile against the TensorFlow in this venv.
+    # --no-cache-dir: a wheel cached from another TensorFlow would import and then crash.
+    pip install --no-build-isolation --no-cache-dir "horovod==$horovod_version"
+fi
+
+# --- verify -------------------------------------------------------------------------
+check=$(PATH="$venv/bin:$PATH" "$venv/bin/horovodrun" --check-build 2>&1) || true
+for want_line in "\[X\] TensorFlow" "\[X\] MPI" "\[X\] Gloo"; do
+    grep -q "$want_line" <<<"$check" || { printf '%s\n' "$check" >&2; die "horovodrun --check-build lacks ${want_line//\\/}"; }
+done
+"$venv/bin/python" -c "import hvdtrain" || die "hvdtrain does not import from $venv"
+log "ready: $("$venv/bin/python" -c 'import tensorflow as tf, horovod; print("tensorflow", tf.__version__, "horovod", horovod.__version__)' 2>/dev/null)"
+log "activate with: source ${venv#$root/}/bin/activate"
