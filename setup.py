@@ -23,11 +23,15 @@ setup(
     package_data={"hvdtrain": ["resources/*.gz", "resources/*.md"]},
     install_requires=[
         # 2.19+ fails Horovod 0.28.1's build (xla_mpi_ops.cc includes headers the wheel
-        # lacks); 2.18.1 is the newest that builds and trains.
-        "tensorflow-cpu==2.18.1; platform_machine=='x86_64'",
-        "tensorflow==2.18.1; platform_machine!='x86_64'",
+        # lacks); 2.18.1 is the newest that builds and trains. The plain "tensorflow" wheel
+        # (not tensorflow-cpu): tf-keras requires it by that name, and it runs on CPU; GPUs
+        # come with the "and-cuda" extra (scripts/setup.sh with HVDTRAIN_GPU=1).
+        "tensorflow==2.18.1",
         # Keras 2 for TF 2.18; Keras 3 fails at Horovod's first step.
         "tf-keras==2.18.0",
+        # Keras 3 stays installed (TensorFlow requires it; horovod.tensorflow.keras imports
+        # its backend module): capped at the newest release seen to import with TF 2.18.
+        "keras>=3.5,<3.16",
         "numpy>=1.26,<2.1",
     ],
     extras_require={

@@ -237,6 +237,7 @@ def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, wor
                         "dataset-fashion-mnist) nor in --data-dir")
 
     cached = os.path.join(KERAS_CACHE, NPZ_NAMES[dataset])
+    tried = "--data-dir, ~/.keras/datasets/mnist.npz"
     if not os.path.exists(cached) and download:
         # One download per host: local rank 0 fetches, the others wait at the barrier, so
         # nobody reads a half-written file (the rename is atomic besides).
@@ -247,13 +248,12 @@ def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, wor
             except Exception as e:  # no network is the normal case on clusters
                 error = e
         world.barrier()
-        if error is not None and world.is_chief:
-            notice(f"hvdtrain: MNIST download failed ({type(error).__name__}: {error})")
+        tried += f", download ({type(error).__name__})" if error else ", download"
     if os.path.exists(cached):
         return tagged(load_npz(cached))
-    notice("hvdtrain: no MNIST found (--data-dir, ~/.keras/datasets/mnist.npz, download); "
-           "training on the bundled 5,000-digit sample (4,000 train / 1,000 test). "
-           "For full MNIST pass --data-dir with the IDX files or mnist.npz.")
+    notice(f"hvdtrain: no MNIST found ({tried}); training on the bundled 5,000-digit sample "
+           "(4,000 train / 1,000 test); for full MNIST pass --data-dir with the IDX files or "
+           "mnist.npz")
     data = load_sample()
     data.info["dataset"] = "mnist_sample"
     return data

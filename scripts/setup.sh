@@ -7,7 +7,8 @@
 # Environment knobs:
 #   HVDTRAIN_VENV=DIR           where the virtual environment lives (default: .venv)
 #   PYTHON=python3.11           interpreter for the venv
-#   HOROVOD_GPU_OPERATIONS=NCCL passed through to Horovod's build (CUDA images)
+#   HVDTRAIN_GPU=1              CUDA TensorFlow (tensorflow[and-cuda]) and Horovod with NCCL
+#                               allreduce; needs a CUDA toolkit with NCCL (the CUDA devel images)
 #   HVDTRAIN_SKIP_APT=1         skip apt (the packages are already there)
 set -euo pipefail
 
@@ -23,18 +24,23 @@ die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 # Open MPI: Horovod's MPI controller and mpirun; build tools: Horovod compiles from source;
 # dataset-fashion-mnist: full Fashion-MNIST with no network.
 apt_packages=(build-essential cmake git openmpi-bin libopenmpi-dev python3-venv python3-dev
-              dataset-fashion-mnist procps iproute2)
+              procps iproute2 ca-certificates)
+apt_optional=(dataset-fashion-mnist)  # not in every distribution: --data-dir works instead
+gpu=${HVDTRAIN_GPU:-0}
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 if [[ "${HVDTRAIN_SKIP_APT:-0}" != 1 ]]; then
     missing=()
-    for p in "${apt_packages[@]}"; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-    done
+    for p in "${apt_packages[@]}" "${apt_optional[@]}"; do installed "$p" || missing+=("$p"); done
     if ((${#missing[@]})); then
         log "installing Debian packages: ${missing[*]}"
         sudo=""; [[ $(id -u) == 0 ]] || sudo=sudo
         export DEBIAN_FRONTEND=noninteractive
         $sudo apt-get update -q
-        $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+        $sudo apt-get install -y -q --no-install-recommends "${apt_packages[@]}"
+        for p in "${apt_optional[@]}"; do
+            $sudo apt-get install -y -q --no-install-recommends "$p" ||
+                log "warning: optional package $p unavailable; Fashion-MNIST needs --data-dir"
+        done
     fi
 fi
 command -v "$python" >/dev/null || die "$python not found (install python3.11 or set PYTHON=...)"
@@ -48,22 +54,27 @@ pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
 # The pinned stack (from setup.py) plus what Horovod's build needs in the same env.
 stamp="$venv/.hvdtrain-deps"
-want=$(cat "$root/setup.py" | sha1sum | cut -c1-16)
+want=$( (cat "$root/setup.py"; echo "gpu=$gpu") | sha1sum | cut -c1-16)
 if [[ ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
     log "installing the pinned Python stack (TensorFlow, tf-keras, mpi4py, test tools)"
     pip install --upgrade "pip>=23" "setuptools>=65,<70" wheel packaging
+    if [[ "$gpu" == 1 ]]; then
+        tf_pin=$(grep -o '"tensorflow==[0-9.]*"' "$root/setup.py" | tr -d '"')
+        pip install "tensorflow[and-cuda]==${tf_pin#tensorflow==}"
+    fi
     pip install -e "$root[mpi,test]"
     echo "$want" >"$stamp"
 fi
 
 # --- Horovod, compiled against this TensorFlow -------------------------------------
 horovod_ok() {
-    "$venv/bin/python" - "$horovod_version" <<'PY' >/dev/null 2>&1
+    "$venv/bin/python" - "$horovod_version" "$gpu" <<'PY' >/dev/null 2>&1
 import sys
 import horovod
 assert horovod.__version__ == sys.argv[1], horovod.__version__
 import horovod.tensorflow as hvd  # fails if built against another TensorFlow
 assert hvd.mpi_built() and hvd.gloo_built()
+assert sys.argv[2] != "1" or hvd.nccl_built(), "no NCCL"
 PY
 }
 if ! horovod_ok; then
@@ -71,6 +82,7 @@ if ! horovod_ok; then
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
     export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
     export MAKEFLAGS="-j$(nproc)"
+    if [[ "$gpu" == 1 ]]; then export HOROVOD_GPU_OPERATIONS=${HOROVOD_GPU_OPERATIONS:-NCCL}; fi
     # --no-build-isolation: Horovod must compile against the TensorFlow in this venv.
     # --no-cache-dir: a wheel cached from another TensorFlow would import and then crash.
     pip install --no-build-isolation --no-cache-dir "horovod==$horovod_version"
@@ -78,7 +90,9 @@ fi
 
 # --- verify -------------------------------------------------------------------------
 check=$(PATH="$venv/bin:$PATH" "$venv/bin/horovodrun" --check-build 2>&1) || true
-for want_line in "\[X\] TensorFlow" "\[X\] MPI" "\[X\] Gloo"; do
+wanted=("\[X\] TensorFlow" "\[X\] MPI" "\[X\] Gloo")
+if [[ "$gpu" == 1 ]]; then wanted+=("\[X\] NCCL"); fi
+for want_line in "${wanted[@]}"; do
     grep -q "$want_line" <<<"$check" || { printf '%s\n' "$check" >&2; die "horovodrun --check-build lacks ${want_line//\\/}"; }
 done
 "$venv/bin/python" -c "import hvdtrain" || die "hvdtrain does not import from $venv"

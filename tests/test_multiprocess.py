@@ -1,0 +1,93 @@
+"""Two processes through the real launchers: horovodrun (Gloo, MPI) and plain mpirun."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import launch, module_cmd, result, run
+
+SEED = [0.1, 0.2, 0.3]
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi", "mpirun"])
+def test_linear_two_workers_learn_the_seed_weights(launcher, env, tmp_path):
+    p = run(launch(launcher, 2, "linear", "--run-dir", str(tmp_path)), env)
+    assert p.returncode == 0, p.stderr
+    r = result(tmp_path)
+    assert (r["world_size"], r["backend"], r["global_step"]) == (2, "horovod", 10)
+    np.testing.assert_allclose(r["weights"], SEED, atol=1e-3)
+    assert abs(r["bias"] - 0.4) < 1e-3
+    assert r["batch_size"] == 500 and r["global_batch_size"] == 1000
+    # The seed's output, from rank 0 only.
+    lines = [l for l in p.stdout.splitlines() if "Epoch:" in l]
+    assert len(lines) == 10 and "Epoch: 10  Step: 10  Loss:" in lines[-1]
+
+
+@pytest.mark.parametrize("epochs, lr", [(2, 0.1), (10, 0.5)])
+def test_parity_one_process_and_two(epochs, lr, env, tmp_path):
+    """Averaged full-batch gradients over equal shards equal the one-process gradient."""
+    args = ["--epochs", str(epochs), "--learning-rate", str(lr)]
+    one = run(module_cmd("linear", "--run-dir", str(tmp_path / "one"), *args), env)
+    two = run(launch("gloo", 2, "linear", "--run-dir", str(tmp_path / "two"), *args), env)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    a, b = result(tmp_path / "one"), result(tmp_path / "two")
+    assert (a["world_size"], b["world_size"]) == (1, 2)
+    np.testing.assert_allclose(a["weights"], b["weights"], atol=1e-5)
+    assert abs(a["bias"] - b["bias"]) < 1e-5
+    if epochs == 2:  # not yet converged, so equality is not just both reaching the target
+        assert abs(a["weights"][2] - 0.3) > 0.05
+
+
+def test_mnist_two_workers_on_the_bundled_sample(env, tmp_path):
+    p = run(launch("gloo", 2, "mnist", "--run-dir", str(tmp_path), "--learning-rate", "0.5",
+                   "--no-download"), env)
+    assert p.returncode == 0, p.stderr
+    r = result(tmp_path)
+    assert (r["world_size"], r["dataset"], r["test_examples"]) == (2, "mnist_sample", 1000)
+    assert r["test_accuracy"] >= 0.85
+    assert r["global_step"] == 10 * 4000 // 200
+    assert "bundled 5,000-digit sample" in p.stdout and "Test accuracy:" in p.stdout
+    metrics = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert len(metrics) == 10
+
+
+def test_mnist_default_command_without_network(env, tmp_path):
+    """The README's main command, unchanged: the seed's learning rate, no data, no network."""
+    p = run(launch("mpi", 2, "mnist", "--run-dir", str(tmp_path)), env)
+    assert p.returncode == 0, p.stderr
+    r = result(tmp_path)
+    assert r["dataset"] == "mnist_sample" and 0.5 < r["test_accuracy"] <= 1.0
+
+
+def test_fashion_mnist_full_dataset(env, tmp_path):
+    p = run(launch("gloo", 2, "mnist", "--dataset", "fashion_mnist", "--epochs", "1",
+                   "--learning-rate", "0.1", "--run-dir", str(tmp_path)), env)
+    assert p.returncode == 0, p.stderr
+    r = result(tmp_path)
+    assert (r["train_examples"], r["test_examples"], r["dataset"]) == (60000, 10000,
+                                                                        "fashion_mnist")
+    assert r["global_step"] == 300 and r["test_accuracy"] > 0.7
+
+
+def test_corrupt_data_stops_every_rank_with_one_line(env, tmp_path):
+    from test_data import corrupt, make_idx_dir
+
+    make_idx_dir(tmp_path)
+    corrupt(tmp_path / "train-images-idx3-ubyte.gz", "truncate")
+    p = run(launch("gloo", 2, "mnist", "--data-dir", str(tmp_path), "--run-dir",
+                   str(tmp_path / "run")), env, timeout=120)
+    assert p.returncode != 0
+    errors = [l for l in p.stderr.splitlines() if "error:" in l]
+    assert len(errors) == 1, p.stderr
+    assert "train-images-idx3-ubyte.gz: truncated gzip stream" in errors[0]
+    assert "rank 0" in errors[0] and "rank 1" in errors[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_worker_count_mismatch_warns_once(env, tmp_path):
+    p = run(launch("gloo", 2, "linear", "--num-workers", "4", "--run-dir", str(tmp_path),
+                   "--epochs", "1"), env)
+    assert p.returncode == 0, p.stderr
+    warnings = [l for l in p.stderr.splitlines() if "--num-workers is 4" in l]
+    assert len(warnings) == 1 and "world size 2" in warnings[0]
+    assert result(tmp_path)["world_size"] == 2

@@ -1,0 +1,114 @@
+"""One process, the real loop in this interpreter: results, files, and the public API."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import hvdtrain
+from hvdtrain import distributed
+from hvdtrain.data import Data, DataError
+from hvdtrain.linear import LinearTask
+from hvdtrain.mnist import MnistTask
+
+
+@pytest.fixture(scope="module")
+def world():
+    return distributed.init("auto")  # Horovod with size 1: the path users get with no launcher
+
+
+def test_linear_learns_the_seed_weights(world, tmp_path):
+    config = hvdtrain.preset("linear", run_dir=str(tmp_path), verbose=0, num_workers=1)
+    result = hvdtrain.train(LinearTask(), config, world)
+    np.testing.assert_allclose(result["weights"], [0.1, 0.2, 0.3], atol=1e-4)
+    assert abs(result["bias"] - 0.4) < 1e-4
+    assert result["global_step"] == 10 and result["world_size"] == 1
+    assert result["backend"] == "horovod"
+
+
+def test_horovod_size_1_equals_plain_optimizer(world, tmp_path):
+    """The Horovod-wrapped optimizer at size 1 takes exactly the plain optimizer's steps."""
+    args = dict(verbose=0, epochs=3, learning_rate=0.05, num_workers=1)
+    a = hvdtrain.train(LinearTask(), hvdtrain.preset("linear", run_dir=str(tmp_path / "a"),
+                                                     **args), world)
+    b = hvdtrain.train(LinearTask(), hvdtrain.preset("linear", run_dir=str(tmp_path / "b"),
+                                                     **args), distributed.World())
+    assert b["backend"] == "single"
+    np.testing.assert_allclose(a["weights"], b["weights"], atol=1e-7)
+    assert a["weights"][0] < 0.09  # three small steps: far from converged, so this compares
+
+
+def test_run_directory_contents(world, tmp_path):
+    config = hvdtrain.preset("mnist", run_dir=str(tmp_path), verbose=0, epochs=2,
+                             learning_rate=0.5, download=False, num_workers=1)
+    result = hvdtrain.train(MnistTask(notice=lambda m: None), config, world)
+    assert json.load(open(tmp_path / "config.json"))["learning_rate"] == 0.5
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [l["epoch"] for l in lines] == [1, 2]
+    assert [l["global_step"] for l in lines] == [40, 80]  # 4,000 / 100 per step
+    assert all(l["samples_per_sec"] > 0 and 0 < l["accuracy"] <= 1 for l in lines)
+    assert lines[1]["loss"] < lines[0]["loss"]
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
+    saved = json.load(open(tmp_path / "result.json"))
+    assert saved == json.loads(json.dumps(result))
+    for key in ("task", "backend", "world_size", "global_step", "final_loss", "test_accuracy",
+                "test_examples", "train_examples", "dataset"):
+        assert key in saved
+    assert (saved["train_examples"], saved["test_examples"]) == (4000, 1000)
+    assert saved["dataset"] == "mnist_sample" and saved["test_accuracy"] > 0.8
+
+
+def test_mlp_model_option(world, tmp_path):
+    config = hvdtrain.preset("mnist", run_dir=str(tmp_path), verbose=0, epochs=1, model="mlp",
+                             hidden_units=32, learning_rate=0.1, download=False, num_workers=1)
+    result = hvdtrain.train(MnistTask(notice=lambda m: None), config, world)
+    assert result["test_accuracy"] > 0.5
+
+
+class Xor(hvdtrain.Task):
+    """A user's own task through the public API: XOR with a 2-layer network."""
+
+    name = "xor"
+
+    def load_data(self, config, world):
+        x = np.array([[0, 0], [0, 1], [1, 0], [1, 1]] * 64, dtype=np.float32)
+        y = (x[:, 0] != x[:, 1]).astype(np.int32)
+        return Data(x, y, x[:4], y[:4])
+
+    def build_model(self, config):
+        import tf_keras as k
+        return k.Sequential([k.Input(shape=(2,)), k.layers.Dense(16, activation="tanh"),
+                             k.layers.Dense(2)])
+
+    def loss(self, y, pred):
+        import tensorflow as tf
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=pred)
+
+    def metrics(self):
+        import tensorflow as tf
+        return {"accuracy": lambda y, p: tf.equal(tf.argmax(p, -1, output_type=tf.int32), y)}
+
+
+def test_users_own_task(world, tmp_path):
+    config = hvdtrain.Config(task="mnist", learning_rate=0.5, momentum=0.9, epochs=40,
+                             batch_size=16, run_dir=str(tmp_path), verbose=0, num_workers=1)
+    result = hvdtrain.train(Xor(), config, world)
+    assert result["task"] == "xor" and result["test_accuracy"] == 1.0
+
+
+def test_batch_larger_than_data_is_a_config_error(world, tmp_path):
+    config = hvdtrain.preset("linear", batch_size=5000, run_dir=str(tmp_path / "r"), verbose=0)
+    with pytest.raises(hvdtrain.ConfigError, match="--batch-size=5000: a global batch"):
+        hvdtrain.train(LinearTask(), config, world)
+    assert not (tmp_path / "r").exists()
+
+
+def test_data_error_reaches_the_caller(world, tmp_path):
+    class Broken(LinearTask):
+        def load_data(self, config, world):
+            raise DataError("/data/x.gz: truncated gzip stream")
+
+    config = hvdtrain.preset("linear", run_dir=str(tmp_path / "r"), verbose=0)
+    with pytest.raises(distributed.RankError, match="^/data/x.gz: truncated gzip stream$"):
+        hvdtrain.train(Broken(), config, world)
+    assert not (tmp_path / "r").exists()
