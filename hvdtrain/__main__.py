@@ -1,7 +1,11 @@
-"""``python -m hvdtrain TASK [flags]``: the same as ``python -m hvdtrain.TASK [flags]``."""
+"""``python -m hvdtrain TASK [flags]``: the same as ``python -m hvdtrain.TASK [flags]``.
+
+``python -m hvdtrain workers TASK [flags]`` prints the worker count those flags configure
+(the launch scripts start that many processes).
+"""
 import sys
 
-from hvdtrain.config import TASKS
+from hvdtrain.config import TASKS, parse_args
 
 
 def main(argv=None) -> int:
@@ -10,6 +14,9 @@ def main(argv=None) -> int:
         print(f"usage: python -m hvdtrain {{{','.join(TASKS)}}} [flags]  (--help after the task)")
         return 0 if argv else 2
     task, rest = argv[0], argv[1:]
+    if task == "workers" and rest and rest[0] in TASKS:
+        print(parse_args(rest[0], rest[1:]).num_workers)
+        return 0
     if task == "linear":
         from hvdtrain.linear import main as task_main
     elif task == "mnist":

@@ -200,3 +200,4 @@ def die(prog: str, message: str, status: int = 1):
     sys.stderr.write(f"{prog}: error: {message}\n")
     sys.stderr.flush()
     sys.exit(status)
+

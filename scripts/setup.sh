@@ -24,7 +24,7 @@ die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 # Open MPI: Horovod's MPI controller and mpirun; build tools: Horovod compiles from source;
 # dataset-fashion-mnist: full Fashion-MNIST with no network.
 apt_packages=(build-essential cmake git openmpi-bin libopenmpi-dev python3-venv python3-dev
-              procps iproute2 ca-certificates)
+              procps iproute2 ca-certificates shellcheck)
 apt_optional=(dataset-fashion-mnist)  # not in every distribution: --data-dir works instead
 gpu=${HVDTRAIN_GPU:-0}
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
@@ -62,7 +62,7 @@ if [[ ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
         tf_pin=$(grep -o '"tensorflow==[0-9.]*"' "$root/setup.py" | tr -d '"')
         pip install "tensorflow[and-cuda]==${tf_pin#tensorflow==}"
     fi
-    pip install -e "$root[mpi,test]"
+    pip install -e "${root}[mpi,test]"
     echo "$want" >"$stamp"
 fi
 
@@ -81,7 +81,8 @@ if ! horovod_ok; then
     log "compiling horovod $horovod_version against TensorFlow (a few minutes on 2 cores)"
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
     export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
-    export MAKEFLAGS="-j$(nproc)"
+    MAKEFLAGS="-j$(nproc)"
+    export MAKEFLAGS
     if [[ "$gpu" == 1 ]]; then export HOROVOD_GPU_OPERATIONS=${HOROVOD_GPU_OPERATIONS:-NCCL}; fi
     # --no-build-isolation: Horovod must compile against the TensorFlow in this venv.
     # --no-cache-dir: a wheel cached from another TensorFlow would import and then crash.
@@ -97,4 +98,4 @@ for want_line in "${wanted[@]}"; do
 done
 "$venv/bin/python" -c "import hvdtrain" || die "hvdtrain does not import from $venv"
 log "ready: $("$venv/bin/python" -c 'import tensorflow as tf, horovod; print("tensorflow", tf.__version__, "horovod", horovod.__version__)' 2>/dev/null)"
-log "activate with: source ${venv#$root/}/bin/activate"
+log "activate with: source ${venv#"$root"/}/bin/activate"
