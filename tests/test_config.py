@@ -77,3 +77,13 @@ def test_unknown_task(env):
     p = run(["python", "-m", "hvdtrain", "regression"], env, timeout=60)
     assert p.returncode == 2 and "unknown task 'regression'" in p.stderr
 
+
+
+def test_readme_documents_every_flag():
+    import os
+    from conftest import ROOT
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for f in dataclasses.fields(Config):
+        if f.name != "task":
+            assert "`--" + f.name.replace("_", "-") in readme, f.name
