@@ -1,14 +1,16 @@
 """``python -m hvdtrain.<task>``: parse, train, and turn known failures into one line.
 
-Exit status: 0 trained; 1 a runtime failure (data file, a rank, the launcher, Keras);
-2 a bad command line or setting. Nothing is written before the settings are validated.
+Exit status: 0 trained; 1 a runtime failure (data file, checkpoint, a failed or frozen
+rank, the launcher, Keras); 2 a bad command line or setting; 75 preempted by SIGTERM after
+saving a checkpoint (run the same command again to resume). Nothing is written before the settings are validated.
 """
 import sys
 
 from hvdtrain import compat, distributed
+from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.config import ConfigError, parse_args
 from hvdtrain.data import DataError
-from hvdtrain.train import train
+from hvdtrain.train import EXIT_PREEMPTED, Preempted, train
 
 
 def _fail(prog: str, message: str, status: int, show: bool = True) -> int:
@@ -25,9 +27,13 @@ def run(task, argv=None) -> int:
         train(task, config)
     except ConfigError as e:
         return _fail(prog, str(e), 2)
+    except Preempted as e:
+        if distributed.launcher_rank() == 0:
+            sys.stderr.write(f"{prog}: {e}\n")
+        return EXIT_PREEMPTED
     except distributed.RankError as e:
         # Every rank raised the same agreed message: rank 0 says it once.
         return _fail(prog, str(e), 1, show=distributed.launcher_rank() == 0)
-    except (DataError, distributed.LaunchError, compat.KerasVersionError) as e:
+    except (DataError, CheckpointError, distributed.LaunchError, compat.KerasVersionError) as e:
         return _fail(prog, str(e), 1)
     return 0

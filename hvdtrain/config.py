@@ -77,6 +77,15 @@ class Config:
     true_weights: Tuple[float, ...] = _f((0.1, 0.2, 0.3), "linear task: weights generating y",
                                          nargs="+")
     true_bias: float = _f(0.4, "linear task: bias generating y")
+    # Fault tolerance.
+    checkpoint_every: int = _f(100, "rank 0 saves a checkpoint every N synchronous steps (and at "
+                               "each epoch end); 0: only at epoch ends")
+    keep_checkpoints: int = _f(3, "how many of the newest checkpoints to keep")
+    resume: Optional[bool] = _f(None, "--resume: continue from the run dir's newest valid "
+                                "checkpoint (error if none); --no-resume: refuse a run dir that "
+                                "holds checkpoints; unset: resume when there is one")
+    peer_timeout: float = _f(30.0, "seconds without a heartbeat before a peer counts as frozen "
+                             "and every rank stops (0 disables the watchdog)")
     # Output.
     run_dir: Optional[str] = _f(None, "where rank 0 writes config, metrics, TensorBoard and result "
                                 "(default: runs/<task>-<time>)")
@@ -88,6 +97,11 @@ class Config:
                      "hidden_units"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "must be greater than 0")
+        for name in ("checkpoint_every", "peer_timeout"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "must be 0 or more")
+        if self.keep_checkpoints < 1:
+            raise ConfigError("keep_checkpoints", self.keep_checkpoints, "must be at least 1")
         if self.batch_size is not None and self.batch_size < 0:
             raise ConfigError("batch_size", self.batch_size, "must be greater than 0")
         if self.batch_size == 0 and self.task != "linear":
@@ -167,7 +181,7 @@ def build_parser(task: str, prog: Optional[str] = None) -> argparse.ArgumentPars
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         kwargs = dict(default=default, help=f.metadata["help"], dest=f.name)
-        if isinstance(default, bool):
+        if isinstance(default, bool) or f.name == "resume":
             kwargs["action"] = argparse.BooleanOptionalAction
         elif f.name == "batch_size":
             kwargs["type"] = _parse_optional_int

@@ -75,6 +75,10 @@ class World:
     def allreduce_sum(self, values: Sequence[float]) -> np.ndarray:
         return np.asarray(values, dtype=np.float64)
 
+    def sum_in_graph(self, tensor):
+        """Sum a tensor over ranks inside a compiled step."""
+        return tensor
+
     def broadcast_object(self, obj):
         return obj
 
@@ -130,6 +134,9 @@ class HorovodWorld(World):
 
         tensor = tf.constant(np.asarray(values, dtype=np.float64))
         return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.sum").numpy()
+
+    def sum_in_graph(self, tensor):
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.stop")
 
     def broadcast_object(self, obj):
         return self.hvd.broadcast_object(obj, root_rank=0)

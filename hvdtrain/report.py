@@ -28,6 +28,7 @@ def write_json_atomic(path: str, obj) -> None:
     """Readers see the old file or the whole new one, never half of it."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path))
     try:
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=True)
             f.write("\n")
@@ -59,11 +60,19 @@ class Reporter:
         if self.enabled:
             print(message, file=sys.stderr, flush=True)
 
-    def start(self, config_dict: dict) -> None:
+    def start(self, config_dict: dict, completed_epochs: int = 0) -> None:
+        """Create the run directory; keep only the metrics of epochs a resume starts after."""
         if not self.enabled:
             return
         os.makedirs(self.run_dir, exist_ok=True)
         write_json_atomic(os.path.join(self.run_dir, "config.json"), config_dict)
+        metrics = os.path.join(self.run_dir, "metrics.jsonl")
+        if os.path.exists(metrics):
+            # Epochs after the checkpoint will be trained (and logged) again.
+            with open(metrics) as f:
+                kept = [l for l in f if l.strip() and json.loads(l)["epoch"] <= completed_epochs]
+            with open(metrics, "w") as f:
+                f.writelines(kept)
         import tensorflow as tf
 
         self._tb = tf.summary.create_file_writer(os.path.join(self.run_dir, "tensorboard"))

@@ -1,144 +1,298 @@
-"""The one training loop every task uses: shard, build, wrap, train, evaluate, report.
+"""The one training loop every task uses: shard, build, wrap, restore, train, evaluate, report.
 
-It never names a task; see ``task.py`` for the interface and ``distributed.py`` for every
-rank-dependent decision.
+It never names a task (see ``task.py``) and never asks for a rank (see ``distributed.py``).
+Fault tolerance lives here too: checkpoints every N steps and at epoch ends, exact resume,
+a SIGTERM that stops every rank at the same step boundary, and the peer watchdog.
 """
 from __future__ import annotations
 
+import signal
 import time
 from typing import Optional
 
 import numpy as np
 
-from hvdtrain import compat, distributed
+from hvdtrain import checkpoint, compat, distributed
 from hvdtrain.config import Config, ConfigError
 from hvdtrain.data import DataError, epoch_plan, steps_per_epoch, test_shard
 from hvdtrain.report import Reporter
 from hvdtrain.task import Task
+from hvdtrain.watchdog import Watchdog
 
 EVAL_BATCH = 1000  # evaluation has no collectives inside, so its batch is free to choose
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after saving; rerun to resume
+# Settings that define a run's trajectory: a resume must not silently change them.
+RUN_DEFINING = ("task", "model", "hidden_units", "dataset", "batch_size", "seed", "learning_rate",
+                "momentum", "scale_lr", "num_samples", "num_features", "true_weights",
+                "true_bias")
+
+
+class Preempted(RuntimeError):
+    """SIGTERM reached a rank; every rank stopped after the same step, rank 0 saved."""
 
 
 def train(task: Task, config: Config, world: Optional[distributed.World] = None) -> dict:
     """Train ``task`` under ``config`` on every rank and return the result (all ranks).
 
     Rank 0 prints and writes the run directory. Raises ConfigError, DataError,
-    distributed.LaunchError / RankError, compat.KerasVersionError on bad input.
+    distributed.LaunchError / RankError, compat.KerasVersionError, or Preempted.
     """
-    keras = compat.keras()
-    import tensorflow as tf
-
+    compat.keras()  # fail early, with one line, if Keras 3 is active
     config.validate()
     world = world or distributed.init(config.backend, config.num_workers)
-    out = Reporter(world, config, config.verbose)
-    data = world.agree(lambda: task.load_data(config, world), catch=(DataError, OSError))
+    dog = Watchdog(world, config.peer_timeout).start()
+    try:
+        result = _Run(task, config, world, dog).run()
+    except (ConfigError, distributed.RankError, Preempted):
+        dog.close()  # every rank raised the same error; nobody waits for anyone
+        raise
+    except BaseException as e:
+        dog.abort(f"{type(e).__name__}: {e}")  # this rank alone: stop the others too
+        raise
+    dog.close()
+    return result
 
-    n_train = len(data.x_train)
-    # Full batch (None or 0): each worker's whole shard per step, as the linear seed does.
-    batch = config.batch_size or n_train // world.size
-    steps = steps_per_epoch(n_train, batch, world.size) if batch else 0
-    if steps < 1:
-        raise ConfigError("batch_size", batch, f"a global batch of {batch} x {world.size} "
-                          f"workers needs more than the {n_train} training examples")
 
-    keras.utils.set_random_seed(config.seed)  # rank 0's init wins anyway (broadcast below)
-    model = task.build_model(config)
-    learning_rate = config.learning_rate * (world.size if config.scale_lr else 1)
-    optimizer = world.wrap_optimizer(
-        keras.optimizers.SGD(learning_rate=learning_rate, momentum=config.momentum))
-    # Create the optimizer's slots now so that one broadcast covers the whole state.
-    optimizer.build(model.trainable_variables)
-    world.broadcast_variables(list(model.variables) + list(optimizer.variables))
+class _Run:
+    def __init__(self, task, config, world, dog):
+        self.task, self.config, self.world, self.dog = task, config, world, dog
+        self.out = Reporter(world, config, config.verbose)
+        self.ckpt_dir = self.out.run_dir + "/checkpoints"
+        self.stop_requested = False
+        self.last_record = None  # the newest finished epoch's metrics (kept in checkpoints)
 
-    metric_fns = task.metrics()
-    sums = tf.Variable(tf.zeros(2 + len(metric_fns), tf.float64), trainable=False)
-    x_all, y_all = tf.constant(data.x_train), tf.constant(data.y_train)
+    # --- setup ------------------------------------------------------------------------------
+    def run(self) -> dict:
+        import tensorflow as tf
 
-    def scores(y, pred):
-        per_example = task.loss(y, pred)
+        task, config, world = self.task, self.config, self.world
+        keras = compat.keras()
+        self.data = world.agree(lambda: task.load_data(config, world), catch=(DataError, OSError))
+        n = len(self.data.x_train)
+        # Full batch (None or 0): each worker's whole shard per step, as the linear seed does.
+        self.batch = config.batch_size or n // world.size
+        self.steps = steps_per_epoch(n, self.batch, world.size) if self.batch else 0
+        if self.steps < 1:
+            raise ConfigError("batch_size", self.batch, f"a global batch of {self.batch} x "
+                              f"{world.size} workers needs more than the {n} training examples")
+        state = world.agree(self._find_checkpoint, catch=(checkpoint.CheckpointError,))
+
+        keras.utils.set_random_seed(config.seed)  # rank 0's init wins anyway (broadcast below)
+        self.model = task.build_model(config)
+        self.lr = config.learning_rate * (world.size if config.scale_lr else 1)
+        self.optimizer = world.wrap_optimizer(
+            keras.optimizers.SGD(learning_rate=self.lr, momentum=config.momentum))
+        # Create the optimizer's slots now so that one broadcast covers the whole state.
+        self.optimizer.build(self.model.trainable_variables)
+        self.metric_fns = task.metrics()
+        self.sums = tf.Variable(tf.zeros(2 + len(self.metric_fns), tf.float64), trainable=False)
+        self.variables = list(self.model.variables) + list(self.optimizer.variables) + [self.sums]
+        position = world.broadcast_object(world.agree(
+            lambda: self._restore(state) if world.is_chief else None,
+            catch=(checkpoint.CheckpointError,)))
+        # Horovod: every rank starts from rank 0's state, initial or restored.
+        world.broadcast_variables(self.variables[:-1])
+        if not world.is_chief:
+            self.sums.assign(tf.zeros_like(self.sums))  # rank 0 holds the restored partial sums
+        self._compile_step()
+
+        self.last_record = position["last_record"]
+        self.out.start({**config.to_dict(), "world_size": world.size, "backend": world.backend},
+                       completed_epochs=position["epoch"])
+        self.out.print(f"hvdtrain: {task.name} on {world.describe()}; global batch "
+                       f"{self.batch * world.size} ({self.batch} per worker), {self.steps} steps "
+                       f"per epoch, learning rate {self.lr:g}; run dir {self.out.run_dir}")
+        if position["global_step"]:
+            self.out.notice(f"hvdtrain: resumed from {position['path']} at epoch "
+                           f"{position['epoch'] + 1}, step {position['global_step']}")
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            history = self._loop(position)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        return self._finish(history)
+
+    def _compile_step(self):
+        import tensorflow as tf
+
+        task, model, optimizer, world = self.task, self.model, self.optimizer, self.world
+        x_all, y_all = tf.constant(self.data.x_train), tf.constant(self.data.y_train)
+
+        @tf.function
+        def train_step(idx, stop):
+            x, y = task.preprocess(tf.gather(x_all, idx), tf.gather(y_all, idx))
+            with tf.GradientTape() as tape:
+                pred = model(x, training=True)
+                per_example, step_sums = self.scores(y, pred)
+                loss = tf.reduce_mean(per_example)
+            # Horovod: the wrapped optimizer's compute_gradients averages over all ranks.
+            optimizer.minimize(loss, model.trainable_variables, tape=tape)
+            self.sums.assign_add(step_sums)
+            # Horovod fuses this one-number allreduce with the gradients': any rank's
+            # SIGTERM becomes every rank's decision at this same step.
+            return world.sum_in_graph(stop)
+
+        self.train_step = train_step
+        self._stop_values = (tf.constant(0.0), tf.constant(1.0))
+
+    def scores(self, y, pred):
+        import tensorflow as tf
+
+        per_example = self.task.loss(y, pred)
         parts = [per_example, tf.ones_like(per_example)]
-        parts += [tf.cast(fn(y, pred), per_example.dtype) for fn in metric_fns.values()]
+        parts += [tf.cast(fn(y, pred), per_example.dtype) for fn in self.metric_fns.values()]
         return per_example, tf.stack([tf.reduce_sum(tf.cast(p, tf.float64)) for p in parts])
 
-    @tf.function
-    def train_step(idx):
-        x, y = task.preprocess(tf.gather(x_all, idx), tf.gather(y_all, idx))
-        with tf.GradientTape() as tape:
-            pred = model(x, training=True)
-            per_example, step_sums = scores(y, pred)
-            loss = tf.reduce_mean(per_example)
-        # Horovod: the wrapped optimizer's compute_gradients averages over all ranks.
-        optimizer.minimize(loss, model.trainable_variables, tape=tape)
-        sums.assign_add(step_sums)
+    # --- checkpoints --------------------------------------------------------------------------
+    def _find_checkpoint(self):
+        """Rank 0: the newest valid checkpoint's (meta, arrays, path), or None to start fresh."""
+        if not self.world.is_chief:
+            return None
+        found = checkpoint.list_checkpoints(self.ckpt_dir)
+        if self.config.resume is False and found:
+            raise checkpoint.CheckpointError(
+                f"{self.ckpt_dir} holds {len(found)} checkpoint(s) and --no-resume was given: "
+                "choose a new --run-dir, or drop --no-resume to continue")
+        state = checkpoint.load_latest(self.ckpt_dir, self.out.notice) if found else None
+        if state is None and self.config.resume:
+            raise checkpoint.CheckpointError(f"--resume: no checkpoint in {self.ckpt_dir}")
+        if state is not None:
+            saved, now = state[0]["run"], self.config.to_dict()
+            changed = [f"--{k.replace('_', '-')} {saved.get(k)} -> {now[k]}" for k in RUN_DEFINING
+                       if k in saved and saved[k] != (list(now[k]) if isinstance(now[k], tuple)
+                                                      else now[k])]
+            if changed:
+                raise checkpoint.CheckpointError(
+                    f"{state[2]} was made with other settings ({'; '.join(changed)}): resume "
+                    "with the same settings, or choose a new --run-dir")
+        return state
 
-    out.start({**config.to_dict(), "world_size": world.size, "backend": world.backend})
-    out.print(f"hvdtrain: {task.name} on {world.describe()}; global batch "
-              f"{batch * world.size} ({batch} per worker), {steps} steps per epoch, "
-              f"learning rate {learning_rate:g}; run dir {out.run_dir}")
-    names = ["loss"] + list(metric_fns)
-    history, started = [], time.perf_counter()
-    for epoch in range(config.epochs):
-        plan = epoch_plan(n_train, batch, world.rank, world.size, config.seed, epoch)
-        bar = None
-        if out.verbose == 1 and task.progress_bar:
-            out.print(f"Epoch {epoch + 1}/{config.epochs}")
-            bar = keras.utils.Progbar(steps, stateful_metrics=names + ["samples/s"])
-        sums.assign(tf.zeros_like(sums))
-        tick = time.perf_counter()
-        for step, idx in enumerate(tf.data.Dataset.from_tensor_slices(plan).prefetch(2)):
-            train_step(idx)
-            if bar is not None and (step + 1) % max(1, steps // 20) == 0 and step + 1 < steps:
-                local = sums.numpy()  # rank 0's running means, for the eye only
-                bar.update(step + 1, [(k, local[i] / local[1] if i == 0 else local[i + 1] /
-                                       local[1]) for i, k in enumerate(names)])
-        totals = world.allreduce_sum(sums.numpy())  # exact global sums over every rank
-        elapsed = time.perf_counter() - tick
-        record = {"epoch": epoch + 1, "epochs": config.epochs,
-                  "global_step": int(optimizer.iterations.numpy()),
-                  "loss": float(totals[0] / totals[1]),
-                  **{k: float(totals[2 + i] / totals[1]) for i, k in enumerate(metric_fns)},
-                  "samples_per_sec": float(totals[1] / elapsed), "seconds": elapsed}
-        history.append(record)
-        out.epoch(record)
-        if bar is not None:
-            bar.update(steps, [(k, record[k]) for k in names] +
-                       [("samples/s", record["samples_per_sec"])], finalize=True)
-        else:
-            out.print(task.format_epoch(record))
+    def _restore(self, state) -> dict:
+        """Rank 0: load ``state`` into the variables; return the position to start from."""
+        if state is None:
+            return {"epoch": 0, "step": 0, "global_step": 0, "path": None, "last_record": None}
+        meta, arrays, path = state
+        if len(arrays) != len(self.variables) or any(
+                list(a.shape) != list(v.shape) for a, v in zip(arrays, self.variables)):
+            raise checkpoint.CheckpointError(f"{path}: its variables do not match this model")
+        for variable, value in zip(self.variables, arrays):
+            variable.assign(value)
+        step = meta["step_in_epoch"]
+        if meta["world_size"] != self.world.size and step:
+            # Another world size means another global batch: continue after the same number
+            # of this epoch's examples, rounded up to a whole new global batch.
+            done = step * meta["global_batch"]
+            step = -(-done // (self.batch * self.world.size))
+        return {"epoch": meta["epoch"], "step": min(step, self.steps),
+                "global_step": meta["global_step"], "path": path,
+                "last_record": meta.get("last_record")}
 
-    result = {
-        "task": task.name, "backend": world.backend, "world_size": world.size,
-        "global_step": int(optimizer.iterations.numpy()), "epochs": config.epochs,
-        "batch_size": batch, "global_batch_size": batch * world.size,
-        "learning_rate": learning_rate, "final_loss": history[-1]["loss"],
-        "train_examples": n_train, "train_seconds": time.perf_counter() - started,
-        **{f"final_{k}": history[-1][k] for k in metric_fns},
-        **data.info,
-    }
-    if data.x_test is not None:
-        result.update(evaluate(model, task, data, world, scores))
-    result.update(task.summarize(model))
-    out.result(result)
-    out.print(task.format_result(result), level=1)
-    return result
+    def _save(self, epoch: int, step_in_epoch: int, record: Optional[dict] = None) -> None:
+        """All ranks: combine the epoch's partial sums; rank 0 writes the checkpoint."""
+        partial = self.world.allreduce_sum(self.sums.numpy())
+        if not self.world.is_chief:
+            return
+        arrays = [v.numpy() for v in self.variables[:-1]] + [partial]
+        meta = {"epoch": epoch, "step_in_epoch": step_in_epoch,
+                "global_step": int(self.optimizer.iterations.numpy()),
+                "global_batch": self.batch * self.world.size, "world_size": self.world.size,
+                "run": self.config.to_dict(), "time": time.time(),
+                "last_record": record or self.last_record}
+        checkpoint.save(self.ckpt_dir, arrays, [v.name for v in self.variables], meta,
+                        self.config.keep_checkpoints)
 
+    def _on_sigterm(self, signum, frame):
+        self.stop_requested = True
 
-def evaluate(model, task: Task, data, world, scores) -> dict:
-    """Loss and metrics over the whole test set: each rank scores its part, sums combine."""
-    import tensorflow as tf
+    # --- the loop -----------------------------------------------------------------------------
+    def _loop(self, position) -> list:
+        import tensorflow as tf
 
-    @tf.function(reduce_retracing=True)
-    def eval_step(x, y):
-        x, y = task.preprocess(x, y)
-        return scores(y, model(x, training=False))[1]
+        config, world, out, every = self.config, self.world, self.out, self.config.checkpoint_every
+        keras = compat.keras()
+        names = ["loss"] + list(self.metric_fns)
+        history = []
+        for epoch in range(position["epoch"], config.epochs):
+            first = position["step"] if epoch == position["epoch"] else 0
+            if epoch != position["epoch"]:
+                self.sums.assign(tf.zeros_like(self.sums))
+            plan = epoch_plan(len(self.data.x_train), self.batch, world.rank, world.size,
+                              config.seed, epoch)[first:]
+            bar = None
+            if out.verbose == 1 and self.task.progress_bar:
+                out.print(f"Epoch {epoch + 1}/{config.epochs}")
+                bar = keras.utils.Progbar(self.steps, stateful_metrics=names + ["samples/s"])
+            tick = time.perf_counter()
+            for step, idx in enumerate(tf.data.Dataset.from_tensor_slices(plan).prefetch(2),
+                                       start=first + 1):
+                stop = self.train_step(idx, self._stop_values[self.stop_requested]) > 0
+                global_step = int(self.optimizer.iterations.numpy())
+                self.dog.step = global_step
+                if stop or (every and global_step % every == 0 and step < self.steps):
+                    self._save(epoch, step)
+                if stop:
+                    world.barrier()  # nobody exits (and gets the job killed) before the save
+                    raise Preempted(f"stopped by SIGTERM at step {global_step}; checkpoint saved "
+                                    f"in {self.ckpt_dir}; run the same command to resume")
+                if bar is not None and step % max(1, self.steps // 20) == 0 and step < self.steps:
+                    local = self.sums.numpy()  # rank 0's running means, for the eye only
+                    bar.update(step, [(k, local[0 if i == 0 else i + 1] / local[1])
+                                      for i, k in enumerate(names)])
+            totals = world.allreduce_sum(self.sums.numpy())  # exact sums over every rank
+            elapsed = time.perf_counter() - tick
+            record = {"epoch": epoch + 1, "epochs": config.epochs,
+                      "global_step": int(self.optimizer.iterations.numpy()),
+                      "loss": float(totals[0] / totals[1]),
+                      **{k: float(totals[2 + i] / totals[1]) for i, k in enumerate(self.metric_fns)},
+                      # examples trained in this process's part of the epoch (after a resume)
+                      "samples_per_sec": (self.steps - first) * self.batch * world.size / elapsed,
+                      "seconds": elapsed}
+            history.append(record)
+            self.last_record = record
+            out.epoch(record)
+            self._save(epoch + 1, 0, record)
+            if bar is not None:
+                bar.update(self.steps, [(k, record[k]) for k in names] +
+                           [("samples/s", record["samples_per_sec"])], finalize=True)
+            else:
+                out.print(self.task.format_epoch(record))
+        return history
 
-    idx = test_shard(len(data.x_test), world.rank, world.size)
-    local = np.zeros(2 + len(task.metrics()))
-    for start in range(0, len(idx), EVAL_BATCH):
-        part = idx[start:start + EVAL_BATCH]
-        local += eval_step(tf.constant(data.x_test[part]), tf.constant(data.y_test[part])).numpy()
-    totals = world.allreduce_sum(local)
-    result = {"test_examples": int(totals[1]), "test_loss": float(totals[0] / totals[1])}
-    result.update({f"test_{k}": float(totals[2 + i] / totals[1])
-                   for i, k in enumerate(task.metrics())})
-    return result
+    def _finish(self, history) -> dict:
+        config, world, data = self.config, self.world, self.data
+        result = {
+            "task": self.task.name, "backend": world.backend, "world_size": world.size,
+            "global_step": int(self.optimizer.iterations.numpy()), "epochs": config.epochs,
+            "batch_size": self.batch, "global_batch_size": self.batch * world.size,
+            "learning_rate": self.lr, "train_examples": len(data.x_train),
+            "final_loss": self.last_record["loss"],
+            **{f"final_{k}": self.last_record[k] for k in self.metric_fns},
+            **data.info,
+        }
+        if data.x_test is not None:
+            result.update(self._evaluate())
+        result.update(self.task.summarize(self.model))
+        self.out.result(result)
+        self.out.print(self.task.format_result(result), level=1)
+        return result
+
+    def _evaluate(self) -> dict:
+        """Loss and metrics over the whole test set: each rank scores its part, sums combine."""
+        import tensorflow as tf
+
+        @tf.function(reduce_retracing=True)
+        def eval_step(x, y):
+            x, y = self.task.preprocess(x, y)
+            return self.scores(y, self.model(x, training=False))[1]
+
+        data, world = self.data, self.world
+        idx = test_shard(len(data.x_test), world.rank, world.size)
+        local = np.zeros(2 + len(self.metric_fns))
+        for start in range(0, len(idx), EVAL_BATCH):
+            part = idx[start:start + EVAL_BATCH]
+            local += eval_step(tf.constant(data.x_test[part]), tf.constant(data.y_test[part])).numpy()
+        totals = world.allreduce_sum(local)
+        result = {"test_examples": int(totals[1]), "test_loss": float(totals[0] / totals[1])}
+        result.update({f"test_{k}": float(totals[2 + i] / totals[1])
+                       for i, k in enumerate(self.metric_fns)})
+        return result

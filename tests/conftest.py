@@ -64,3 +64,57 @@ def result(run_dir):
 @pytest.fixture
 def env(tmp_path):
     return clean_env(tmp_path / "home")
+
+
+def rank_pids(marker):
+    """{rank: pid} of the training processes whose command line contains ``marker``."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv]
+        if (len(args) < 3 or not os.path.basename(args[0]).startswith("python")
+                or args[1] != "-m" or not args[2].startswith("hvdtrain.")
+                or not any(marker in a for a in args)):
+            continue
+        env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)
+        rank = env.get("HOROVOD_RANK", env.get("OMPI_COMM_WORLD_RANK"))
+        if rank is not None:
+            found[int(rank)] = int(entry)
+    return found
+
+
+def wait_for(predicate, timeout, interval=0.05):
+    """Poll until ``predicate()`` is truthy; return its value, or None after ``timeout``."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return None
+
+
+def start(cmd, env):
+    """Start ``cmd`` in its own session (stdout/stderr to pipes); pair with ``finish``."""
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish(proc, timeout):
+    """Wait up to ``timeout`` s; on time-out kill the whole group. Returns (rc or None, out, err)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = None
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    err = "\n".join(l for l in err.splitlines() if not any(n in l for n in NOISE))
+    return rc, out, err

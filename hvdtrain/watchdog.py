@@ -1,0 +1,189 @@
+"""A peer watchdog: no rank waits forever on a dead or frozen peer, whatever the controller.
+
+Horovod's collectives have no timeout under MPI, and a frozen rank (SIGSTOP, a hung
+filesystem) keeps its sockets open, so a peer's failure can block everyone else forever.
+Each rank therefore keeps one TCP connection to rank 0, outside Horovod, over which both
+sides send a heartbeat every second from a background thread:
+
+- a connection that closes without a goodbye: that rank died;
+- no heartbeat for ``timeout`` seconds: that rank is frozen or stalled;
+- rank 0 relays the verdict ("ABORT ...") to every rank; each prints the one line,
+  naming the rank, its host and pid, and exits with status 1 (EXIT_PEER_FAILED).
+
+The heartbeat runs in its own thread, so a slow step (or a long checkpoint write) never
+looks like a failure; only a process that cannot run at all, or is gone, does.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Dict, Optional
+
+EXIT_PEER_FAILED = 1
+INTERVAL = 1.0
+
+
+def _addresses() -> list:
+    """Where other hosts may reach this one: its names and addresses, loopback last."""
+    names = [os.environ.get("HOROVOD_HOSTNAME"), socket.gethostname(), socket.getfqdn()]
+    found = []
+    for name in filter(None, names):
+        try:
+            for info in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM):
+                found.append(info[4][0])
+        except OSError:
+            pass
+        found.append(name)
+    found.append("127.0.0.1")
+    return list(dict.fromkeys(a for a in found if a))
+
+
+class _Peer:
+    def __init__(self, sock: socket.socket, stream, rank: int, host: str, pid: str):
+        self.sock, self.stream, self.rank, self.host, self.pid = sock, stream, rank, host, pid
+        self.last_seen, self.step, self.done = time.monotonic(), 0, False
+        self.lock = threading.Lock()
+
+    def send(self, line: str) -> None:
+        try:
+            with self.lock:
+                self.sock.sendall((line + "\n").encode())
+        except OSError:
+            pass  # the reader notices the broken connection
+
+    def __str__(self):
+        return f"rank {self.rank} ({self.host}, pid {self.pid})"
+
+
+class Watchdog:
+    """Start with ``Watchdog(world, timeout).start()``; end with ``close()`` or ``abort()``."""
+
+    def __init__(self, world, timeout: float):
+        self.world, self.timeout = world, timeout
+        self.step = 0  # the training loop updates it; it goes into heartbeats and messages
+        self.peers: Dict[int, _Peer] = {}
+        self._closing = threading.Event()
+        self._failed = threading.Lock()
+
+    # --- life cycle -----------------------------------------------------------------------
+    def start(self) -> "Watchdog":
+        if self.world.size == 1 or self.timeout <= 0:
+            return self
+        server = None
+        if self.world.is_chief:
+            server = socket.create_server(("", 0), backlog=self.world.size)
+            where = (_addresses(), server.getsockname()[1])
+        else:
+            where = None
+        addresses, port = self.world.broadcast_object(where)
+        if self.world.is_chief:
+            threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+        else:
+            sock = self._connect(addresses, port)
+            if sock is None:
+                self._warn(f"rank 0's watchdog unreachable at {addresses}:{port}; "
+                           "continuing without dead-peer detection on this rank")
+                return self
+            peer = _Peer(sock, sock.makefile("r"), 0, "rank 0's host", "?")
+            peer.send(f"HELLO {self.world.rank} {os.getpid()} {socket.gethostname()}")
+            self.peers[0] = peer
+            threading.Thread(target=self._read, args=(peer,), daemon=True).start()
+        threading.Thread(target=self._beat, daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        """A normal end (or an error every rank shares): say goodbye, stop watching."""
+        self._closing.set()
+        for peer in list(self.peers.values()):
+            peer.send("BYE")
+
+    def abort(self, message: str) -> None:
+        """This rank failed alone: make every rank stop rather than wait for it."""
+        if self.world.is_chief:
+            self._fail(message, exit_now=False)
+        elif 0 in self.peers:
+            self.peers[0].send(f"FAIL rank {self.world.rank} failed: {message}")
+            self._closing.set()
+
+    # --- threads --------------------------------------------------------------------------
+    def _connect(self, addresses, port) -> Optional[socket.socket]:
+        deadline = time.monotonic() + max(self.timeout, 10.0)
+        while time.monotonic() < deadline:
+            for address in addresses:
+                try:
+                    return socket.create_connection((address, port), timeout=3.0)
+                except OSError:
+                    continue
+            time.sleep(0.5)
+        return None
+
+    def _accept(self, server: socket.socket) -> None:
+        while len(self.peers) < self.world.size - 1 and not self._closing.is_set():
+            sock, _ = server.accept()
+            sock.settimeout(10.0)
+            stream = sock.makefile("r")
+            try:
+                hello = stream.readline().split()
+            except OSError:
+                hello = []
+            if len(hello) == 4 and hello[0] == "HELLO":
+                peer = _Peer(sock, stream, int(hello[1]), hello[3], hello[2])
+                peer.send(f"HELLO 0 {os.getpid()} {socket.gethostname()}")
+                self.peers[peer.rank] = peer
+                threading.Thread(target=self._read, args=(peer,), daemon=True).start()
+        server.close()
+
+    def _read(self, peer: _Peer) -> None:
+        stream = peer.stream
+        peer.sock.settimeout(None)
+        while True:
+            try:
+                line = stream.readline()
+            except OSError:
+                line = ""
+            if not line:
+                if not (peer.done or self._closing.is_set()):
+                    self._fail(f"{peer} died: its connection closed at step {self.step}")
+                return
+            kind, _, rest = line.rstrip("\n").partition(" ")
+            peer.last_seen = time.monotonic()
+            if kind == "HB":
+                peer.step = int(rest or 0)
+            elif kind == "HELLO":  # rank 0 introduces itself
+                _, peer.pid, peer.host = rest.split()
+            elif kind == "BYE":
+                peer.done = True
+            elif kind == "FAIL":  # to rank 0 from a rank that failed on its own
+                self._fail(rest)
+            elif kind == "ABORT":  # from rank 0: the verdict
+                self._fail(rest, relay=False)
+
+    def _beat(self) -> None:
+        while not self._closing.wait(INTERVAL):
+            now = time.monotonic()
+            for peer in list(self.peers.values()):
+                peer.send(f"HB {self.step}")
+                if not peer.done and now - peer.last_seen > self.timeout:
+                    self._fail(f"{peer} stopped answering: no heartbeat for "
+                               f"{now - peer.last_seen:.0f} s (frozen or stalled) at step "
+                               f"{self.step}")
+
+    def _fail(self, message: str, relay: bool = True, exit_now: bool = True) -> None:
+        if not self._failed.acquire(blocking=False):
+            return
+        self._closing.set()
+        if relay and self.world.is_chief:
+            for peer in list(self.peers.values()):
+                peer.send(f"ABORT {message}")
+        sys.stderr.write(f"hvdtrain: error: rank {self.world.rank}: {message}\n"
+                         if not message.startswith("rank ") else f"hvdtrain: error: {message}\n")
+        sys.stderr.flush()
+        if exit_now:
+            # The main thread is blocked inside a collective that will never complete.
+            os._exit(EXIT_PEER_FAILED)
+
+    def _warn(self, message: str) -> None:
+        sys.stderr.write(f"hvdtrain: warning: {message}\n")

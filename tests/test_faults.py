@@ -1,0 +1,219 @@
+"""Fault tolerance, for real: SIGKILL and resume, SIGTERM, corrupt checkpoints, dead and
+frozen peers under Gloo and MPI. Each test bounds its processes and kills what it started."""
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from conftest import finish, launch, module_cmd, rank_pids, result, run, start, wait_for
+from hvdtrain import checkpoint as C
+
+# Linear, far from converged at the end (lr 5e-4, 2,000 small steps), so equal weights mean
+# equal trajectories, not two runs that both reached [0.1, 0.2, 0.3].
+LINEAR = ["--batch-size", "5", "--epochs", "20", "--learning-rate", "0.0005",
+          "--checkpoint-every", "100", "--verbose", "0"]
+MNIST = ["--batch-size", "20", "--epochs", "5", "--learning-rate", "0.5", "--no-download",
+         "--checkpoint-every", "50", "--verbose", "0"]
+
+
+def checkpoints(run_dir):
+    return C.list_checkpoints(os.path.join(run_dir, "checkpoints"))
+
+
+def kill_after_first_checkpoint(cmd, env, run_dir):
+    """Start a job, SIGKILL all of it once a checkpoint exists; return that checkpoint's step."""
+    proc = start(cmd, env)
+    try:
+        assert wait_for(lambda: checkpoints(run_dir), 120), "no checkpoint appeared"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        finish(proc, 30)
+    for pid in rank_pids(str(run_dir)).values():  # ranks in their own session, if any
+        os.kill(pid, signal.SIGKILL)
+    assert not os.path.exists(os.path.join(run_dir, "result.json")), "job finished before kill"
+    return checkpoints(run_dir)[0][0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted two-process runs of both tasks."""
+    from conftest import clean_env
+    base = tmp_path_factory.mktemp("reference")
+    env = clean_env(base / "home")
+    out = {}
+    for task, args in (("linear", LINEAR), ("mnist", MNIST)):
+        p = run(launch("gloo", 2, task, "--run-dir", str(base / task), *args), env)
+        assert p.returncode == 0, p.stderr
+        out[task] = result(base / task)
+    return out
+
+
+def test_linear_sigkill_then_resume_is_exact(reference, env, tmp_path):
+    cmd = launch("gloo", 2, "linear", "--run-dir", str(tmp_path), *LINEAR)
+    killed_at = kill_after_first_checkpoint(cmd, env, tmp_path)
+    assert 0 < killed_at < reference["linear"]["global_step"]
+    p = run(cmd, env)
+    assert p.returncode == 0, p.stderr
+    r, ref = result(tmp_path), reference["linear"]
+    assert r["global_step"] == ref["global_step"] == 20 * 100
+    np.testing.assert_allclose(r["weights"], ref["weights"], atol=1e-6)
+    assert abs(r["bias"] - ref["bias"]) < 1e-6
+    assert abs(r["weights"][0] - 0.1) > 1e-3  # not converged: the trajectories matched
+    epochs = [json.loads(l)["epoch"] for l in open(tmp_path / "metrics.jsonl")]
+    assert epochs == list(range(1, 21))  # each epoch logged once, resume or not
+
+
+def test_mnist_sigkill_then_resume_is_exact(reference, env, tmp_path):
+    cmd = launch("gloo", 2, "mnist", "--run-dir", str(tmp_path), *MNIST)
+    kill_after_first_checkpoint(cmd, env, tmp_path)
+    p = run(cmd, env)
+    assert p.returncode == 0, p.stderr
+    assert "hvdtrain: resumed from" in p.stderr, p.stderr
+    r, ref = result(tmp_path), reference["mnist"]
+    assert r["global_step"] == ref["global_step"] == 5 * 4000 // 40
+    assert r["test_accuracy"] == ref["test_accuracy"]
+    assert abs(r["final_loss"] - ref["final_loss"]) < 1e-6
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
+def test_sigterm_to_one_rank_stops_all_at_a_step_and_resumes_exactly(launcher, reference, env,
+                                                                      tmp_path):
+    cmd = launch(launcher, 2, "linear", "--run-dir", str(tmp_path), *LINEAR)
+    proc = start(cmd, env)
+    try:
+        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(tmp_path))),
+                        60)
+        assert pids and wait_for(lambda: checkpoints(tmp_path), 60)
+        sent = time.monotonic()
+        os.kill(pids[1], signal.SIGTERM)
+        rc, out, err = finish(proc, 30)
+        assert rc is not None, "the job did not end within 30 s of SIGTERM"
+        assert wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and
+                                        open(f"/proc/{p}/stat").read().split()[2] != "Z"
+                                        for p in pids.values()), 30 - (time.monotonic() - sent))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc != 0
+    message = [l for l in err.splitlines() if "stopped by SIGTERM at step" in l]
+    assert len(message) == 1, err
+    stopped_at = int(message[0].split("at step ")[1].split(";")[0])
+    assert checkpoints(tmp_path)[0][0] == stopped_at  # saved at the step boundary itself
+    assert not (tmp_path / "result.json").exists()
+    p = run(cmd, env)
+    assert p.returncode == 0, p.stderr
+    r = result(tmp_path)
+    assert r["global_step"] == reference["linear"]["global_step"]
+    np.testing.assert_allclose(r["weights"], reference["linear"]["weights"], atol=1e-6)
+
+
+def test_truncated_latest_checkpoint_falls_back_then_all_corrupt_fails(env, tmp_path):
+    args = ["--batch-size", "10", "--epochs", "2", "--checkpoint-every", "20", "--verbose", "2"]
+    first = run(module_cmd("linear", "--run-dir", str(tmp_path), *args), env)
+    assert first.returncode == 0, first.stderr
+    found = checkpoints(tmp_path)
+    assert [s for s, _ in found] == [200, 180, 160]  # keep 3, newest first
+    newest, previous = found[0][1], found[1][1]
+    with open(newest, "r+b") as f:
+        f.truncate(os.path.getsize(newest) // 2)
+    again = run(module_cmd("linear", "--run-dir", str(tmp_path), "--epochs", "3",
+                           *args[:2], *args[4:]), env)
+    assert again.returncode == 0, again.stderr
+    warning = [l for l in again.stderr.splitlines() if "warning:" in l and "truncated:" in l]
+    assert len(warning) == 1 and os.path.basename(previous) in warning[0], again.stderr
+    assert f"resumed from {previous}" in again.stderr
+    assert result(tmp_path)["global_step"] == 300  # 180 + the rest: resumed, not restarted
+
+    for _, path in checkpoints(tmp_path):  # now break every one, in different ways
+        raw = bytearray(open(path, "rb").read())
+        raw[-10] ^= 0xFF
+        open(path, "wb").write(bytes(raw))
+    bad = run(module_cmd("linear", "--run-dir", str(tmp_path), "--epochs", "4",
+                         *args[:2], *args[4:]), env)
+    assert bad.returncode == 1
+    errors = [l for l in bad.stderr.splitlines() if "error:" in l]
+    assert len(errors) == 1 and "no valid checkpoint" in errors[0], bad.stderr
+    assert "checksum mismatch" in errors[0] and "Traceback" not in bad.stderr
+
+
+def test_resume_refuses_other_settings_and_honours_flags(env, tmp_path):
+    args = ["--epochs", "1", "--verbose", "0"]
+    assert run(module_cmd("linear", "--run-dir", str(tmp_path), *args), env).returncode == 0
+    p = run(module_cmd("linear", "--run-dir", str(tmp_path), "--learning-rate", "0.1", *args), env)
+    assert p.returncode == 1 and "--learning-rate 0.5 -> 0.1" in p.stderr, p.stderr
+    p = run(module_cmd("linear", "--run-dir", str(tmp_path), "--no-resume", *args), env)
+    assert p.returncode == 1 and "--no-resume" in p.stderr
+    p = run(module_cmd("linear", "--run-dir", str(tmp_path / "new"), "--resume", *args), env)
+    assert p.returncode == 1 and "--resume: no checkpoint" in p.stderr
+
+
+def test_resume_with_another_world_size(env, tmp_path):
+    """Two workers killed mid-epoch, one worker resumes: same epochs, examples not repeated."""
+    cmd = launch("gloo", 2, "linear", "--run-dir", str(tmp_path), *LINEAR)
+    kill_after_first_checkpoint(cmd, env, tmp_path)
+    meta, _ = C.read(checkpoints(tmp_path)[0][1])
+    p = run(module_cmd("linear", "--run-dir", str(tmp_path), *LINEAR), env)
+    assert p.returncode == 0, p.stderr
+    r = result(tmp_path)
+    assert r["world_size"] == 1 and r["global_batch_size"] == 5
+    # The epoch in progress continues after the same examples: 2 x 5 per old step.
+    done = meta["step_in_epoch"] * 10
+    steps_left = (1000 - done) // 5 + (20 - meta["epoch"] - 1) * 200
+    assert r["global_step"] == meta["global_step"] + steps_left
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_dead_or_frozen_rank_ends_the_job_naming_it(launcher, how, env, tmp_path):
+    timeout = 8
+    cmd = launch(launcher, 2, "linear", "--run-dir", str(tmp_path), "--batch-size", "5",
+                 "--epochs", "200", "--peer-timeout", str(timeout), "--verbose", "0")
+    proc = start(cmd, env)
+    pids = {}
+    try:
+        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(tmp_path))),
+                        60)
+        assert pids and wait_for(lambda: checkpoints(tmp_path), 60)
+        sent = time.monotonic()
+        os.kill(pids[1], getattr(signal, how))
+        # The bound: the peer timeout, plus the heartbeat interval and scheduling slack.
+        survivor = pids[0]
+        assert wait_for(lambda: not os.path.exists(f"/proc/{survivor}") or
+                        open(f"/proc/{survivor}/stat").read().split()[2] == "Z", timeout + 10)
+        elapsed = time.monotonic() - sent
+        rc, out, err = finish(proc, 30)
+    finally:
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc not in (None, 0)
+    assert elapsed < (2 if how == "SIGKILL" else timeout + 5)
+    verdict = [l for l in err.splitlines() if "hvdtrain: error: rank 1" in l]
+    assert verdict, err
+    assert f"pid {pids[1]}" in verdict[0]
+    assert ("died" if how == "SIGKILL" else "stopped answering") in verdict[0]
+
+
+def test_checkpoint_file_checks(tmp_path):
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array([7.0])]
+    meta = {"global_step": 5, "epoch": 0}
+    path = C.save(str(tmp_path), arrays, ["w", "b"], meta, keep=2)
+    got, back = C.read(path)
+    assert got["global_step"] == 5 and got["variables"] == [["w", [2, 3], "float32"],
+                                                           ["b", [1], "float64"]]
+    np.testing.assert_array_equal(back[0], arrays[0])
+    for step in (6, 7):
+        C.save(str(tmp_path), arrays, ["w", "b"], dict(meta, global_step=step), keep=2)
+    assert [s for s, _ in C.list_checkpoints(str(tmp_path))] == [7, 6]
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    open(tmp_path / "ckpt-000000008.hvdt", "wb").write(b"HVDTCKPT")
+    warnings = []
+    meta8, _, used = C.load_latest(str(tmp_path), warnings.append)
+    assert meta8["global_step"] == 7 and "bad header" in warnings[0]
