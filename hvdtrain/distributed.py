@@ -106,6 +106,10 @@ class World:
             raise RankError("; ".join(f"rank {r}: {e}" for r, e in failed))
         return value
 
+    def versions(self) -> dict:
+        """Versions of the distributed stack, for the preflight comparison."""
+        return {}
+
     def describe(self) -> str:
         return "1 process (no Horovod)"
 
@@ -147,6 +151,11 @@ class HorovodWorld(World):
     def barrier(self) -> None:
         # An allreduce returns only once every rank has entered it.
         self.allreduce_sum([0.0])
+
+    def versions(self) -> dict:
+        import horovod
+
+        return {"horovod": horovod.__version__, "controller": self.controller}
 
     def describe(self) -> str:
         return f"{self.size} process{'es' if self.size > 1 else ''}, Horovod over {self.controller}"

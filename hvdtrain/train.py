@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from hvdtrain import checkpoint, compat, distributed
+from hvdtrain import checkpoint, compat, distributed, preflight
 from hvdtrain.config import Config, ConfigError
 from hvdtrain.data import DataError, epoch_plan, steps_per_epoch, test_shard
 from hvdtrain.report import Reporter
@@ -84,6 +84,9 @@ class _Run:
             keras.optimizers.SGD(learning_rate=self.lr, momentum=config.momentum))
         # Create the optimizer's slots now so that one broadcast covers the whole state.
         self.optimizer.build(self.model.trainable_variables)
+        # Before any collective that depends on them: all ranks must agree on versions,
+        # settings, variables and step counts, or they would hang or train wrong.
+        preflight.check(world, preflight.facts(world, config, self.model, self.steps, self.data))
         self.metric_fns = task.metrics()
         self.sums = tf.Variable(tf.zeros(2 + len(self.metric_fns), tf.float64), trainable=False)
         self.variables = list(self.model.variables) + list(self.optimizer.variables) + [self.sums]
