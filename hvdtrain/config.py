@@ -86,6 +86,10 @@ class Config:
                                 "holds checkpoints; unset: resume when there is one")
     peer_timeout: float = _f(30.0, "seconds without a heartbeat before a peer counts as frozen "
                              "and every rank stops (0 disables the watchdog)")
+    elastic: bool = _f(False, "train under Horovod's elastic driver (horovodrun --min-np/--max-np "
+                       "--host-discovery-script): workers may leave and join; needs --run-dir")
+    commit_every: int = _f(20, "elastic: commit the state in memory every N steps (the most "
+                           "work a lost worker costs)")
     # Output.
     run_dir: Optional[str] = _f(None, "where rank 0 writes config, metrics, TensorBoard and result "
                                 "(default: runs/<task>-<time>)")
@@ -100,6 +104,13 @@ class Config:
         for name in ("checkpoint_every", "peer_timeout"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, getattr(self, name), "must be 0 or more")
+        if self.commit_every < 1:
+            raise ConfigError("commit_every", self.commit_every, "must be at least 1")
+        if self.elastic and not self.run_dir:
+            raise ConfigError("elastic", True, "needs --run-dir (every worker, also one that "
+                              "joins later, must write to the same run directory)")
+        if self.elastic and self.backend == "single":
+            raise ConfigError("backend", self.backend, "--elastic needs Horovod")
         if self.keep_checkpoints < 1:
             raise ConfigError("keep_checkpoints", self.keep_checkpoints, "must be at least 1")
         if self.batch_size is not None and self.batch_size < 0:

@@ -53,6 +53,16 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+class Progress:
+    """Where training stands (epoch, examples done in it, ...); ``commit`` is elastic's."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def commit(self) -> None:
+        pass
+
+
 class World:
     """One process's view of the job. The single-process world needs no Horovod."""
 
@@ -110,6 +120,10 @@ class World:
         """Versions of the distributed stack, for the preflight comparison."""
         return {}
 
+    def run_elastic(self, model, optimizer, body, **progress):
+        raise LaunchError("--elastic needs Horovod under horovodrun's elastic mode "
+                          "(--min-np/--max-np with --host-discovery-script)")
+
     def describe(self) -> str:
         return "1 process (no Horovod)"
 
@@ -120,9 +134,27 @@ class HorovodWorld(World):
     def __init__(self, hvd, hvd_keras):
         super().__init__()
         self.hvd, self.hvd_keras = hvd, hvd_keras
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Read rank and size from Horovod: at start, and after each elastic reset."""
+        hvd = self.hvd
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "?"
+
+    def run_elastic(self, model, optimizer, body, **progress):
+        """Run ``body(state)`` under Horovod's elastic driver; ``state`` is the Progress.
+
+        The driver syncs rank 0's variables and progress to every worker at each (re)start,
+        rolls back to the last ``commit()`` when a worker fails, and calls ``body`` again
+        with the new world.
+        """
+        from horovod.tensorflow.elastic import TensorFlowKerasState
+
+        state = TensorFlowKerasState(model, optimizer, **progress)
+        state.register_reset_callbacks([self._refresh])
+        return self.hvd.elastic.run(lambda s: (self._refresh(), body(s))[1])(state)
 
     def wrap_optimizer(self, optimizer):
         # Horovod: average gradients over all ranks with ring-allreduce before each update,

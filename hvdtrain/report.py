@@ -44,12 +44,21 @@ class Reporter:
     """Prints and writes on the chief; does nothing on other ranks."""
 
     def __init__(self, world, config, verbose: int = 1):
-        self.enabled = world.is_chief
-        self.verbose = verbose if self.enabled else 0
-        # Rank 0 names the directory (its clock decides the default) and tells the others.
-        path = config.run_dir or (default_run_dir(config.task) if world.is_chief else None)
-        self.run_dir = os.path.abspath(world.broadcast_object(path))
+        self.world, self._verbose = world, verbose
+        if config.run_dir:
+            self.run_dir = os.path.abspath(config.run_dir)
+        else:  # rank 0 names the directory (its clock decides) and tells the others
+            path = default_run_dir(config.task) if world.is_chief else None
+            self.run_dir = os.path.abspath(world.broadcast_object(path))
         self._tb = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world.is_chief  # asked each time: an elastic reset can change rank 0
+
+    @property
+    def verbose(self) -> int:
+        return self._verbose if self.enabled else 0
 
     def print(self, message: str, level: int = 1) -> None:
         if self.verbose >= level:
@@ -75,7 +84,8 @@ class Reporter:
                 f.writelines(kept)
         import tensorflow as tf
 
-        self._tb = tf.summary.create_file_writer(os.path.join(self.run_dir, "tensorboard"))
+        if self._tb is None:
+            self._tb = tf.summary.create_file_writer(os.path.join(self.run_dir, "tensorboard"))
 
     def epoch(self, record: dict) -> None:
         if not self.enabled:

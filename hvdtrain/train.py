@@ -27,6 +27,9 @@ RUN_DEFINING = ("task", "model", "hidden_units", "dataset", "batch_size", "seed"
                 "true_bias")
 
 
+PROGRESS_FIELDS = ("epoch", "offset", "sums", "last_record", "path")
+
+
 class Preempted(RuntimeError):
     """SIGTERM reached a rank; every rank stopped after the same step, rank 0 saved."""
 
@@ -40,7 +43,8 @@ def train(task: Task, config: Config, world: Optional[distributed.World] = None)
     compat.keras()  # fail early, with one line, if Keras 3 is active
     config.validate()
     world = world or distributed.init(config.backend, config.num_workers)
-    dog = Watchdog(world, config.peer_timeout).start()
+    # Elastic runs survive a lost worker by design: Horovod's driver, not the watchdog, acts.
+    dog = Watchdog(world, 0 if config.elastic else config.peer_timeout).start()
     try:
         result = _Run(task, config, world, dog).run()
     except (ConfigError, distributed.RankError, Preempted):
@@ -63,19 +67,20 @@ class _Run:
 
     # --- setup ------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Build everything, then train: statically, or under Horovod's elastic driver.
+
+        In elastic mode nothing before the elastic function may be a collective: a worker
+        that joins later runs this setup while the others wait inside the driver's sync.
+        """
         import tensorflow as tf
 
         task, config, world = self.task, self.config, self.world
         keras = compat.keras()
-        self.data = world.agree(lambda: task.load_data(config, world), catch=(DataError, OSError))
-        n = len(self.data.x_train)
-        # Full batch (None or 0): each worker's whole shard per step, as the linear seed does.
-        self.batch = config.batch_size or n // world.size
-        self.steps = steps_per_epoch(n, self.batch, world.size) if self.batch else 0
-        if self.steps < 1:
-            raise ConfigError("batch_size", self.batch, f"a global batch of {self.batch} x "
-                              f"{world.size} workers needs more than the {n} training examples")
-        state = world.agree(self._find_checkpoint, catch=(checkpoint.CheckpointError,))
+        load = lambda: task.load_data(config, world)  # noqa: E731
+        self.data = load() if config.elastic else world.agree(load, catch=(DataError, OSError))
+        self._shape()
+        find = self._find_checkpoint
+        found = find() if config.elastic else world.agree(find, catch=(checkpoint.CheckpointError,))
 
         keras.utils.set_random_seed(config.seed)  # rank 0's init wins anyway (broadcast below)
         self.model = task.build_model(config)
@@ -84,36 +89,69 @@ class _Run:
             keras.optimizers.SGD(learning_rate=self.lr, momentum=config.momentum))
         # Create the optimizer's slots now so that one broadcast covers the whole state.
         self.optimizer.build(self.model.trainable_variables)
-        # Before any collective that depends on them: all ranks must agree on versions,
-        # settings, variables and step counts, or they would hang or train wrong.
-        preflight.check(world, preflight.facts(world, config, self.model, self.steps, self.data))
         self.metric_fns = task.metrics()
         self.sums = tf.Variable(tf.zeros(2 + len(self.metric_fns), tf.float64), trainable=False)
         self.variables = list(self.model.variables) + list(self.optimizer.variables) + [self.sums]
-        position = world.broadcast_object(world.agree(
-            lambda: self._restore(state) if world.is_chief else None,
-            catch=(checkpoint.CheckpointError,)))
-        # Horovod: every rank starts from rank 0's state, initial or restored.
-        world.broadcast_variables(self.variables[:-1])
-        if not world.is_chief:
-            self.sums.assign(tf.zeros_like(self.sums))  # rank 0 holds the restored partial sums
+        restore = lambda: self._restore(found) if world.is_chief else None  # noqa: E731
+        progress = restore() if config.elastic else world.broadcast_object(
+            world.agree(restore, catch=(checkpoint.CheckpointError,)))
         self._compile_step()
-
-        self.last_record = position["last_record"]
-        self.out.start({**config.to_dict(), "world_size": world.size, "backend": world.backend},
-                       completed_epochs=position["epoch"])
-        self.out.print(f"hvdtrain: {task.name} on {world.describe()}; global batch "
-                       f"{self.batch * world.size} ({self.batch} per worker), {self.steps} steps "
-                       f"per epoch, learning rate {self.lr:g}; run dir {self.out.run_dir}")
-        if position["global_step"]:
-            self.out.notice(f"hvdtrain: resumed from {position['path']} at epoch "
-                           f"{position['epoch'] + 1}, step {position['global_step']}")
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            history = self._loop(position)
+            if config.elastic:
+                # Horovod: the driver broadcasts rank 0's variables and progress at every
+                # (re)start, restores the last commit after a failure, and re-runs _train.
+                fields = progress or {}
+                return world.run_elastic(self.model, self.optimizer, self._train,
+                                         **{k: fields.get(k) for k in PROGRESS_FIELDS})
+            self._preflight()  # before the broadcast, which mismatched shapes would break
+            # Horovod: every rank starts from rank 0's state, initial or restored.
+            world.broadcast_variables(self.variables[:-1])
+            return self._train(distributed.Progress(**progress))
         finally:
             signal.signal(signal.SIGTERM, previous)
-        return self._finish(history)
+
+    def _shape(self) -> None:
+        """Batch and steps for the current world size (it changes in elastic runs)."""
+        n, size = len(self.data.x_train), self.world.size
+        # Full batch (None or 0): each worker's whole shard per step, as the linear seed does.
+        self.batch = self.config.batch_size or n // size
+        self.steps = steps_per_epoch(n, self.batch, size) if self.batch else 0
+        if self.steps < 1:
+            raise ConfigError("batch_size", self.batch, f"a global batch of {self.batch} x "
+                              f"{size} workers needs more than the {n} training examples")
+
+    def _preflight(self) -> None:
+        """All ranks must agree on versions, settings, variables and step counts before the
+        first step, or they would hang or train wrong."""
+        preflight.check(self.world, preflight.facts(self.world, self.config, self.model,
+                                                    self.steps, self.data))
+
+    def _train(self, progress) -> dict:
+        """Every rank, after the state is in sync: check, loop, evaluate, report."""
+        import tensorflow as tf
+
+        world, config = self.world, self.config
+        self._shape()
+        if config.elastic:
+            self._preflight()  # a worker may have joined: check it too
+        if progress.epoch is None:  # a fresh start
+            progress.epoch, progress.offset, progress.sums = 0, 0, None
+        # Rank 0 holds the epoch's partial sums (restored or committed); the others add theirs.
+        self.sums.assign(progress.sums if world.is_chief and progress.sums is not None
+                         else tf.zeros_like(self.sums))
+        self.last_record = progress.last_record
+        self.out.start({**config.to_dict(), "world_size": world.size, "backend": world.backend},
+                       completed_epochs=progress.epoch)
+        self.out.print(f"hvdtrain: {self.task.name} on {world.describe()}; global batch "
+                       f"{self.batch * world.size} ({self.batch} per worker), {self.steps} steps "
+                       f"per epoch, learning rate {self.lr:g}; run dir {self.out.run_dir}")
+        step = int(self.optimizer.iterations.numpy())
+        if step:
+            source = f" from {progress.path}" if progress.path else ""
+            self.out.notice(f"hvdtrain: resumed{source} at epoch {progress.epoch + 1}, step {step}")
+        self._loop(progress)
+        return self._finish()
 
     def _compile_step(self):
         import tensorflow as tf
@@ -170,55 +208,59 @@ class _Run:
                     "with the same settings, or choose a new --run-dir")
         return state
 
-    def _restore(self, state) -> dict:
-        """Rank 0: load ``state`` into the variables; return the position to start from."""
-        if state is None:
-            return {"epoch": 0, "step": 0, "global_step": 0, "path": None, "last_record": None}
-        meta, arrays, path = state
+    def _restore(self, found) -> dict:
+        """Rank 0: load a found checkpoint into the variables; return the progress fields."""
+        if found is None:
+            return {"epoch": 0, "offset": 0, "sums": None, "last_record": None, "path": None}
+        meta, arrays, path = found
         if len(arrays) != len(self.variables) or any(
                 list(a.shape) != list(v.shape) for a, v in zip(arrays, self.variables)):
             raise checkpoint.CheckpointError(f"{path}: its variables do not match this model")
-        for variable, value in zip(self.variables, arrays):
+        for variable, value in zip(self.variables[:-1], arrays):
             variable.assign(value)
-        step = meta["step_in_epoch"]
-        if meta["world_size"] != self.world.size and step:
-            # Another world size means another global batch: continue after the same number
-            # of this epoch's examples, rounded up to a whole new global batch.
-            done = step * meta["global_batch"]
-            step = -(-done // (self.batch * self.world.size))
-        return {"epoch": meta["epoch"], "step": min(step, self.steps),
-                "global_step": meta["global_step"], "path": path,
-                "last_record": meta.get("last_record")}
+        return {"epoch": meta["epoch"], "offset": meta["offset"], "sums": arrays[-1].tolist(),
+                "last_record": meta.get("last_record"), "path": path}
 
-    def _save(self, epoch: int, step_in_epoch: int, record: Optional[dict] = None) -> None:
-        """All ranks: combine the epoch's partial sums; rank 0 writes the checkpoint."""
-        partial = self.world.allreduce_sum(self.sums.numpy())
+    def _partial_sums(self) -> list:
+        """All ranks: the epoch's sums so far over every rank (what rank 0 keeps on resume)."""
+        return self.world.allreduce_sum(self.sums.numpy()).tolist()
+
+    def _save(self, progress) -> None:
+        """All ranks: combine the partial sums; rank 0 writes the checkpoint."""
+        partial = self._partial_sums()
         if not self.world.is_chief:
             return
-        arrays = [v.numpy() for v in self.variables[:-1]] + [partial]
-        meta = {"epoch": epoch, "step_in_epoch": step_in_epoch,
+        global_batch = self.batch * self.world.size
+        meta = {"epoch": progress.epoch, "offset": progress.offset,
+                "step_in_epoch": progress.offset // global_batch, "global_batch": global_batch,
                 "global_step": int(self.optimizer.iterations.numpy()),
-                "global_batch": self.batch * self.world.size, "world_size": self.world.size,
-                "run": self.config.to_dict(), "time": time.time(),
-                "last_record": record or self.last_record}
+                "world_size": self.world.size, "run": self.config.to_dict(), "time": time.time(),
+                "last_record": self.last_record}
+        arrays = [v.numpy() for v in self.variables[:-1]] + [np.asarray(partial)]
         checkpoint.save(self.ckpt_dir, arrays, [v.name for v in self.variables], meta,
                         self.config.keep_checkpoints)
+
+    def _commit(self, progress) -> None:
+        """Elastic: remember this step in memory; may raise Horovod's hosts-updated interrupt."""
+        progress.sums, progress.last_record = self._partial_sums(), self.last_record
+        progress.commit()
 
     def _on_sigterm(self, signum, frame):
         self.stop_requested = True
 
     # --- the loop -----------------------------------------------------------------------------
-    def _loop(self, position) -> list:
+    def _loop(self, progress) -> None:
+        """Train from ``progress`` (epoch, examples done in it) to the last epoch."""
         import tensorflow as tf
 
-        config, world, out, every = self.config, self.world, self.out, self.config.checkpoint_every
-        keras = compat.keras()
+        config, world, out, keras = self.config, self.world, self.out, compat.keras()
         names = ["loss"] + list(self.metric_fns)
-        history = []
-        for epoch in range(position["epoch"], config.epochs):
-            first = position["step"] if epoch == position["epoch"] else 0
-            if epoch != position["epoch"]:
-                self.sums.assign(tf.zeros_like(self.sums))
+        global_batch = self.batch * world.size
+        while progress.epoch < config.epochs:
+            epoch = progress.epoch
+            # After a resume or reset with another world size, continue after the same
+            # examples, rounded up to a whole global batch of the new size.
+            first = min(-(-progress.offset // global_batch), self.steps)
             plan = epoch_plan(len(self.data.x_train), self.batch, world.rank, world.size,
                               config.seed, epoch)[first:]
             bar = None
@@ -230,46 +272,50 @@ class _Run:
                                        start=first + 1):
                 stop = self.train_step(idx, self._stop_values[self.stop_requested]) > 0
                 global_step = int(self.optimizer.iterations.numpy())
-                self.dog.step = global_step
-                if stop or (every and global_step % every == 0 and step < self.steps):
-                    self._save(epoch, step)
+                self.dog.step, progress.offset = global_step, step * global_batch
+                if stop or (config.checkpoint_every and global_step % config.checkpoint_every == 0
+                            and step < self.steps):
+                    self._save(progress)
                 if stop:
                     world.barrier()  # nobody exits (and gets the job killed) before the save
                     raise Preempted(f"stopped by SIGTERM at step {global_step}; checkpoint saved "
                                     f"in {self.ckpt_dir}; run the same command to resume")
+                if config.elastic and global_step % config.commit_every == 0 and step < self.steps:
+                    self._commit(progress)
                 if bar is not None and step % max(1, self.steps // 20) == 0 and step < self.steps:
                     local = self.sums.numpy()  # rank 0's running means, for the eye only
                     bar.update(step, [(k, local[0 if i == 0 else i + 1] / local[1])
                                       for i, k in enumerate(names)])
             totals = world.allreduce_sum(self.sums.numpy())  # exact sums over every rank
             elapsed = time.perf_counter() - tick
-            record = {"epoch": epoch + 1, "epochs": config.epochs,
-                      "global_step": int(self.optimizer.iterations.numpy()),
-                      "loss": float(totals[0] / totals[1]),
-                      **{k: float(totals[2 + i] / totals[1]) for i, k in enumerate(self.metric_fns)},
-                      # examples trained in this process's part of the epoch (after a resume)
-                      "samples_per_sec": (self.steps - first) * self.batch * world.size / elapsed,
-                      "seconds": elapsed}
-            history.append(record)
-            self.last_record = record
+            self.last_record = record = {
+                "epoch": epoch + 1, "epochs": config.epochs,
+                "global_step": int(self.optimizer.iterations.numpy()),
+                "loss": float(totals[0] / totals[1]),
+                **{k: float(totals[2 + i] / totals[1]) for i, k in enumerate(self.metric_fns)},
+                # examples this process trained in the epoch (fewer after a resume), per second
+                "samples_per_sec": (self.steps - first) * global_batch / elapsed,
+                "seconds": elapsed, "world_size": world.size}
+            progress.epoch, progress.offset = epoch + 1, 0
+            self.sums.assign(tf.zeros_like(self.sums))
             out.epoch(record)
-            self._save(epoch + 1, 0, record)
+            self._save(progress)
+            if config.elastic:
+                self._commit(progress)
             if bar is not None:
                 bar.update(self.steps, [(k, record[k]) for k in names] +
                            [("samples/s", record["samples_per_sec"])], finalize=True)
             else:
                 out.print(self.task.format_epoch(record))
-        return history
 
-    def _finish(self, history) -> dict:
-        config, world, data = self.config, self.world, self.data
+    def _finish(self) -> dict:
+        config, world, data, last = self.config, self.world, self.data, self.last_record
         result = {
             "task": self.task.name, "backend": world.backend, "world_size": world.size,
             "global_step": int(self.optimizer.iterations.numpy()), "epochs": config.epochs,
             "batch_size": self.batch, "global_batch_size": self.batch * world.size,
             "learning_rate": self.lr, "train_examples": len(data.x_train),
-            "final_loss": self.last_record["loss"],
-            **{f"final_{k}": self.last_record[k] for k in self.metric_fns},
+            "final_loss": last["loss"], **{f"final_{k}": last[k] for k in self.metric_fns},
             **data.info,
         }
         if data.x_test is not None:

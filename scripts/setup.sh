@@ -22,9 +22,10 @@ die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
 # --- Debian packages --------------------------------------------------------------
 # Open MPI: Horovod's MPI controller and mpirun; build tools: Horovod compiles from source;
-# dataset-fashion-mnist: full Fashion-MNIST with no network.
+# dataset-fashion-mnist: full Fashion-MNIST with no network; openssh: horovodrun reaches other
+# hosts over ssh (tests/test_multihost.py runs an sshd in a network namespace).
 apt_packages=(build-essential cmake git openmpi-bin libopenmpi-dev python3-venv python3-dev
-              procps iproute2 ca-certificates shellcheck)
+              procps iproute2 ca-certificates shellcheck openssh-client openssh-server)
 apt_optional=(dataset-fashion-mnist)  # not in every distribution: --data-dir works instead
 gpu=${HVDTRAIN_GPU:-0}
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }

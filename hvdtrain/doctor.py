@@ -1,0 +1,191 @@
+"""Check the stack hvdtrain runs on, and say how to fix what is wrong.
+
+    python -m hvdtrain.doctor          # a report; exit 0 if all is well
+    python -m hvdtrain.doctor --json   # the same, machine-readable
+
+It reports Python, TensorFlow, the Keras that ``tf.keras`` resolves to, tf_keras, Horovod
+(what it was built with), the MPI library, the GPUs TensorFlow sees and the launchers, and
+recognises the known bad combinations. Exit 1 prints one ``problem:`` and one ``fix:`` line
+per problem. Importing the ``hvdtrain`` package (``python -m`` does) sets
+TF_USE_LEGACY_KERAS=1 first, as training does, so tf.keras resolves the way it will there.
+"""
+import argparse
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import hvdtrain  # noqa: F401  (selects Keras 2 before tensorflow is imported)
+
+SETUP = "scripts/setup.sh"
+REBUILD = (f"pip uninstall -y horovod && {SETUP} (recompiles horovod against this "
+           "TensorFlow with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)")
+BUILT = {"mpi": "MPI", "gloo": "Gloo", "nccl": "NCCL", "ddl": "DDL", "ccl": "CCL",
+         "cuda": "CUDA", "rocm": "ROCm"}  # horovod.tensorflow's NAME_built() -> label
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}"
+
+
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def diagnose():
+    """(report, problems): what is installed, and [(problem, fix)] for what is wrong."""
+    report, problems = {}, []
+
+    def problem(what, fix):
+        problems.append({"problem": what, "fix": fix})
+
+    report["python"] = {"version": sys.version.split()[0], "executable": sys.executable}
+
+    # --- TensorFlow and Keras --------------------------------------------------------------
+    tf = None
+    try:
+        import tensorflow as tf
+        report["tensorflow"] = {"version": tf.__version__}
+        major, minor = (int(p) for p in tf.__version__.split(".")[:2])
+        if (major, minor) >= (2, 19):
+            problem(f"TensorFlow {tf.__version__}: Horovod 0.28.1 does not build against "
+                    "TensorFlow >= 2.19 (xla_mpi_ops.cc)",
+                    f"pip install tensorflow==2.18.1, then {REBUILD}")
+    except Exception as e:
+        report["tensorflow"] = {"version": None, "error": _why(e)}
+        problem(f"tensorflow cannot be imported ({_why(e)})", SETUP)
+
+    report["tf_keras"] = {"version": _version("tf_keras")}
+    if report["tf_keras"]["version"] is None:
+        problem("tf_keras (Keras 2) is not installed; Horovod 0.28.1 needs it",
+                f"{SETUP} (or pip install tf-keras==2.18.0)")
+    if tf is not None:
+        flag = os.environ.get("TF_USE_LEGACY_KERAS")
+        try:
+            active = tf.keras.__name__
+        except Exception as e:  # tf.keras itself failed to load
+            active = f"unavailable ({_why(e)})"
+        legacy = active.startswith("tf_keras")
+        report["keras"] = {"tf.keras": active, "TF_USE_LEGACY_KERAS": flag,
+                           "version": report["tf_keras"]["version"] if legacy
+                           else _version("keras")}
+        from hvdtrain import compat
+        try:
+            compat.keras()
+        except compat.KerasVersionError as e:
+            problem(f"Keras 3 is active (tf.keras is {active}, TF_USE_LEGACY_KERAS={flag!r}): "
+                    "Horovod fails at its first step with \"'Variable' object has no "
+                    f"attribute 'ref'\" [{e}]",
+                    "export TF_USE_LEGACY_KERAS=1 (or unset it) and import hvdtrain before "
+                    "tensorflow; build models with tf_keras")
+        except ImportError as e:
+            if report["tf_keras"]["version"] is not None:
+                problem(f"tf_keras does not import ({_why(e)})", SETUP)
+
+    # --- Horovod ---------------------------------------------------------------------------
+    hvd_report = report["horovod"] = {"version": None}
+    try:
+        import horovod
+        hvd_report["version"] = horovod.__version__
+    except Exception as e:
+        hvd_report["error"] = _why(e)
+        problem(f"horovod is not installed ({_why(e)}); hvdtrain would train one process",
+                f"{SETUP} (compiles horovod with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)")
+    if hvd_report["version"] is not None:
+        try:
+            import horovod.tensorflow as hvd
+            hvd_report["frameworks"] = ["tensorflow"]
+            hvd_report["built"] = {name: bool(getattr(hvd, f"{name}_built")())
+                                   for name in BUILT}
+            missing = [BUILT[n] for n in ("mpi", "gloo") if not hvd_report["built"][n]]
+            if missing:
+                problem(f"horovod {horovod.__version__} was built without "
+                        f"{' and '.join(missing)}", REBUILD)
+        except Exception as e:
+            hvd_report["error"] = _why(e)
+            problem(f"horovod.tensorflow cannot be imported ({_why(e)}): horovod "
+                    "was built against another TensorFlow, or without TensorFlow", REBUILD)
+
+    # --- MPI, GPUs, launchers --------------------------------------------------------------
+    try:
+        import mpi4py
+        mpi4py.rc.initialize = mpi4py.rc.finalize = False  # only ask, never start MPI
+        from mpi4py import MPI
+        report["mpi"] = {"library": MPI.Get_library_version().splitlines()[0].strip("\0 "),
+                         "mpi4py": mpi4py.__version__}
+    except Exception as e:
+        report["mpi"] = {"library": None, "error": _why(e)}
+
+    gpus = []
+    if tf is not None:
+        gpus = [d.name for d in tf.config.list_physical_devices("GPU")]
+    report["gpus"] = gpus
+    smi = shutil.which("nvidia-smi")
+    if smi and not gpus:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        if listed.returncode == 0 and "GPU" in listed.stdout:
+            problem("nvidia-smi lists GPUs but TensorFlow sees none (a CPU-only build, or "
+                    "CUDA libraries missing)", f"HVDTRAIN_GPU=1 {SETUP}")
+
+    search = os.pathsep.join([os.environ.get("PATH", ""), os.path.dirname(sys.executable)])
+    report["launchers"] = {name: shutil.which(name, path=search)
+                           for name in ("horovodrun", "mpirun")}
+    for name, where in report["launchers"].items():
+        if where is None:
+            problem(f"{name} is not on PATH or in {os.path.dirname(sys.executable)}", SETUP)
+
+    return report, problems
+
+
+def _line(name, value):
+    return f"  {name:<11} {value}"
+
+
+def render(report, problems) -> str:
+    tfv, keras, hv, mpi = (report.get(k, {}) for k in ("tensorflow", "keras", "horovod", "mpi"))
+    lines = [_line("python", f"{report['python']['version']} ({report['python']['executable']})"),
+             _line("tensorflow", tfv.get("version") or tfv.get("error")),
+             _line("keras", f"tf.keras is {keras.get('tf.keras')} {keras.get('version') or ''}"
+                   f" (TF_USE_LEGACY_KERAS={keras.get('TF_USE_LEGACY_KERAS')})"
+                   if keras else "-"),
+             _line("tf_keras", report["tf_keras"]["version"] or "not installed")]
+    if "built" in hv:
+        def on(names):
+            return ", ".join(BUILT[n] for n in names if hv["built"][n]) or "none"
+        lines.append(_line("horovod", f"{hv['version']}: frameworks {', '.join(hv['frameworks'])};"
+                           f" controllers {on(('mpi', 'gloo'))}; tensor operations "
+                           f"{on(('nccl', 'ddl', 'ccl', 'mpi', 'gloo'))}; GPU {on(('cuda', 'rocm'))}"))
+    else:
+        lines.append(_line("horovod", f"{hv.get('version') or '-'} ({hv.get('error')})"))
+    lines.append(_line("mpi", mpi.get("library") or f"unknown ({mpi.get('error')})"))
+    lines.append(_line("gpus", ", ".join(report["gpus"]) or "none visible to TensorFlow"))
+    lines.append(_line("launchers", ", ".join(f"{n} {w or 'MISSING'}"
+                                              for n, w in report["launchers"].items())))
+    for p in problems:
+        lines += [f"problem: {p['problem']}", f"fix: {p['fix']}"]
+    lines.append("all good" if not problems else
+                 f"{len(problems)} problem{'s' if len(problems) > 1 else ''}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hvdtrain.doctor", description=__doc__
+                                     .split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    report, problems = diagnose()
+    if args.json:
+        print(json.dumps(dict(report, problems=problems, ok=not problems), indent=2))
+    else:
+        print(render(report, problems))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""python -m hvdtrain.doctor: this machine passes; each known bad combination, made real in
+a child process, gives exit 1 and exactly one fix line."""
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import ROOT, clean_env, run
+
+DOCTOR = [sys.executable, "-m", "hvdtrain.doctor"]
+
+# A sitecustomize that changes one attribute of a module right after it is first imported,
+# so the doctor meets a real installation that differs in exactly that respect. ``value``
+# is an expression; ``original`` in it is the attribute it replaces.
+PATCH = """import importlib.machinery, sys
+{prelude}
+
+class _Patch:
+    def find_spec(self, name, path=None, target=None):
+        if name != {module!r}:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+        def exec_module(module):
+            load(module)
+            original = getattr(module, {attribute!r})
+            setattr(module, {attribute!r}, {value})
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _Patch())
+"""
+
+
+def doctor(env, *args):
+    p = run([*DOCTOR, *args], env, timeout=120)
+    fixes = [l for l in p.stdout.splitlines() if l.startswith("fix:")]
+    problems = [l for l in p.stdout.splitlines() if l.startswith("problem:")]
+    return p, problems, fixes
+
+
+def patched(tmp_path, module, attribute, value, prelude=""):
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(PATCH.format(module=module, attribute=attribute,
+                                                        value=value, prelude=prelude))
+    return clean_env(tmp_path / "home", PYTHONPATH=f"{shim}{os.pathsep}{ROOT}")
+
+
+def test_this_machine_is_well(env):
+    p, problems, fixes = doctor(env, "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(p.stdout)
+    assert r["ok"] is True and r["problems"] == []
+    assert r["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
+    assert r["tensorflow"]["version"] == "2.18.1"
+    assert r["keras"]["tf.keras"].startswith("tf_keras") and r["keras"]["version"].startswith("2.")
+    assert r["keras"]["TF_USE_LEGACY_KERAS"] == "1"  # set by importing hvdtrain
+    assert r["tf_keras"]["version"].startswith("2.18")
+    assert r["horovod"]["version"] == "0.28.1" and r["horovod"]["frameworks"] == ["tensorflow"]
+    assert r["horovod"]["built"]["mpi"] is True and r["horovod"]["built"]["gloo"] is True
+    assert set(r["horovod"]["built"]) == {"mpi", "gloo", "nccl", "ddl", "ccl", "cuda", "rocm"}
+    assert r["mpi"]["library"].startswith("Open MPI v4.1")
+    assert isinstance(r["gpus"], list)
+    assert all(os.access(r["launchers"][n], os.X_OK) for n in ("horovodrun", "mpirun"))
+
+
+def test_text_report(env):
+    p, problems, fixes = doctor(env)
+    assert p.returncode == 0 and (problems, fixes) == ([], [])
+    out = p.stdout.splitlines()
+    assert out[-1] == "all good"
+    assert any(l.split()[:2] == ["tensorflow", "2.18.1"] for l in out)
+    assert any("controllers MPI, Gloo" in l for l in out)
+
+
+def test_the_venv_launchers_count_without_path(tmp_path):
+    env = clean_env(tmp_path / "home")
+    env["PATH"] = "/usr/bin:/bin"  # mpirun is here; horovodrun only in the venv's bin
+    p, problems, fixes = doctor(env, "--json")
+    assert p.returncode == 0, p.stdout
+    assert json.loads(p.stdout)["launchers"]["horovodrun"] == os.path.join(
+        os.path.dirname(sys.executable), "horovodrun")
+
+
+def test_horovod_missing(tmp_path):
+    shim = tmp_path / "shim" / "horovod"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'horovod'\")\n")
+    env = clean_env(tmp_path / "home", PYTHONPATH=f"{shim.parent}{os.pathsep}{ROOT}")
+    p, problems, fixes = doctor(env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert len(problems) == 1 and "horovod is not installed" in problems[0]
+    assert len(fixes) == 1 and "scripts/setup.sh" in fixes[0] and "HOROVOD_WITH_MPI=1" in fixes[0]
+    r = json.loads(doctor(env, "--json")[0].stdout)
+    assert r["ok"] is False and r["horovod"]["version"] is None
+
+
+def test_horovod_built_without_mpi(tmp_path):
+    env = patched(tmp_path, "horovod.tensorflow", "mpi_built", "lambda: False")
+    p, problems, fixes = doctor(env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert problems == ["problem: horovod 0.28.1 was built without MPI"]
+    assert len(fixes) == 1 and "scripts/setup.sh" in fixes[0]
+    assert "pip uninstall -y horovod" in fixes[0]  # setup.sh keeps an installed horovod
+    assert "controllers Gloo;" in p.stdout
+
+
+def test_horovod_tensorflow_does_not_load(tmp_path):
+    """A horovod compiled against another TensorFlow: TensorFlow cannot load its op library."""
+    prelude = ("def refuse_horovod(original):\n"
+               "    def load_op_library(filename):\n"
+               "        if 'horovod' in filename:\n"
+               "            raise RuntimeError(filename + ': undefined symbol: '\n"
+               "                               '_ZN10tensorflow8OpKernel11TraceStringB5cxx11')\n"
+               "        return original(filename)\n"
+               "    return load_op_library\n")
+    env = patched(tmp_path, "tensorflow.python.framework.load_library", "load_op_library",
+                  "refuse_horovod(original)", prelude)
+    p, problems, fixes = doctor(env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert len(problems) == 1 and "horovod.tensorflow cannot be imported" in problems[0]
+    assert "undefined symbol" in problems[0] and "mpi_lib" in problems[0]
+    assert len(fixes) == 1 and "scripts/setup.sh" in fixes[0]
+
+
+def test_tensorflow_2_19(tmp_path):
+    env = patched(tmp_path, "tensorflow", "__version__", "'2.19.0'")
+    p, problems, fixes = doctor(env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert len(problems) == 1 and "TensorFlow 2.19.0" in problems[0]
+    assert fixes == [f"fix: pip install tensorflow==2.18.1, then pip uninstall -y horovod && "
+                     f"scripts/setup.sh (recompiles horovod against this TensorFlow with "
+                     f"HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)"]
+
+
+@pytest.mark.parametrize("flag", ["0", "false"])
+def test_keras_3_active(tmp_path, flag):
+    env = clean_env(tmp_path / "home", TF_USE_LEGACY_KERAS=flag)
+    p, problems, fixes = doctor(env, "--json")
+    assert p.returncode == 1, p.stdout + p.stderr
+    r = json.loads(p.stdout)
+    assert r["keras"]["tf.keras"].startswith("keras") and r["keras"]["version"].startswith("3.")
+    assert len(r["problems"]) == 1
+    assert "Keras 3 is active" in r["problems"][0]["problem"]
+    assert "'Variable' object has no attribute 'ref'" in r["problems"][0]["problem"]
+    assert "TF_USE_LEGACY_KERAS=1" in r["problems"][0]["fix"]
+    p, problems, fixes = doctor(env)
+    assert p.returncode == 1 and len(problems) == 1 and len(fixes) == 1
+
+
+def test_doctor_does_not_import_horovod_into_hvdtrain(env):
+    """Only hvdtrain.distributed imports horovod, and only when training starts."""
+    code = ("import sys, hvdtrain, hvdtrain.doctor, hvdtrain.linear, hvdtrain.mnist\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('horovod', 'tensorflow', 'mpi4py')))\n")
+    p = run([sys.executable, "-c", code], env, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr

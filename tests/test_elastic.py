@@ -1,0 +1,78 @@
+"""Elastic training on one machine: a worker killed mid-run, a worker added mid-run."""
+import json
+import os
+import re
+import signal
+import sys
+
+from conftest import HOROVODRUN, ROOT, finish, module_cmd, rank_pids, result, run, start, wait_for
+
+EPOCHS, COMMIT = 10, 20
+ARGS = ["--batch-size", "5", "--epochs", str(EPOCHS), "--learning-rate", "0.0005",
+        "--commit-every", str(COMMIT), "--verbose", "2"]
+
+
+def elastic_cmd(np, run_dir):
+    # --network-interface lo: without it the driver waits for a second NIC forever.
+    return [HOROVODRUN, "-np", str(np), "--min-np", "1", "--max-np", "2",
+            "--host-discovery-script", os.path.join(ROOT, "scripts", "discover_hosts.sh"),
+            "--network-interface", "lo", sys.executable, "-m", "hvdtrain.linear", "--elastic",
+            "--run-dir", str(run_dir), *ARGS]
+
+
+def epochs_logged(run_dir):
+    return [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def test_killed_worker_survivor_finishes_from_last_commit(env, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")  # two names: a failure blacklists one
+    env = dict(env, HVDTRAIN_HOSTS_FILE=str(hosts))
+    run_dir = tmp_path / "run"
+    proc = start(elastic_cmd(2, run_dir), env)
+    try:
+        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(run_dir))), 90)
+        assert pids and wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 90)
+        os.kill(pids[1], signal.SIGKILL)
+        rc, out, err = finish(proc, 240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 0, err
+    r = result(run_dir)
+    assert r["world_size"] == 1 and r["epochs"] == EPOCHS
+    logged = epochs_logged(run_dir)
+    assert [e["epoch"] for e in logged] == list(range(1, EPOCHS + 1))
+    assert logged[0]["world_size"] == 2 and logged[-1]["world_size"] == 1
+    # The survivor rolled back to a commit made after the first epoch, not to step 0 ...
+    resumed = int(re.search(r"resumed at epoch \d+, step (\d+)", err).group(1))
+    assert resumed >= 100 and resumed % COMMIT == 0
+    # ... and then trained exactly the rest: the examples after that commit, on its own.
+    epoch, offset = divmod(resumed * 10, 1000)
+    assert r["global_step"] == resumed + (1000 - offset) // 5 + (EPOCHS - epoch - 1) * 200
+
+
+def test_added_worker_joins_and_the_run_finishes_with_two(env, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n")
+    env = dict(env, HVDTRAIN_HOSTS_FILE=str(hosts))
+    run_dir = tmp_path / "run"
+    proc = start(elastic_cmd(1, run_dir), env)
+    try:
+        assert wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 90)
+        hosts.write_text("localhost:1\n127.0.0.1:1\n")
+        rc, out, err = finish(proc, 240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 0, err
+    r = result(run_dir)
+    assert r["world_size"] == 2 and r["global_batch_size"] == 10
+    logged = epochs_logged(run_dir)
+    assert [e["epoch"] for e in logged] == list(range(1, EPOCHS + 1))
+    assert logged[0]["world_size"] == 1 and logged[-1]["world_size"] == 2
+
+
+def test_elastic_needs_a_run_dir(env):
+    p = run(module_cmd("linear", "--elastic"), env, timeout=60)
+    assert p.returncode == 2 and "--elastic=True: needs --run-dir" in p.stderr

@@ -1,0 +1,265 @@
+"""Two hosts on one machine: one rank on each, launched as on a cluster.
+
+The test makes two network namespaces joined by a veth pair, nothing else: hostA
+(10.77.0.1) and hostB (10.77.0.2). Every command "on" a host runs in its namespace and in
+its own UTS namespace named after it, and sees its own /etc/hosts (``ip netns exec``
+bind-mounts /etc/netns/NS/hosts), so each rank has a host name that resolves to its veth
+address, as on real machines. The launcher runs on hostA, like a cluster's first node:
+
+- Open MPI's ``mpirun -H hostA,hostB``, whose launch agent (``plm_rsh_agent``) enters
+  hostB's namespace with a fresh environment instead of ssh-ing to it;
+- ``scripts/launch_cluster.sh`` with a hostfile and the same agent;
+- ``horovodrun --gloo -H hostA:1,hostB:1``, which reaches hostB through a real sshd the
+  test runs there (its own host and user keys; the client settings a cluster would keep
+  in ~/.ssh/config go to a test-made config through an ``ssh`` wrapper on PATH).
+
+The weights must equal the one-host two-process run's within 1e-5 (2 epochs, not yet
+converged), the traffic must have crossed the veth, and rank 1 must have reached rank 0's
+watchdog (no "watchdog unreachable" warning).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import HOROVODRUN, ROOT, clean_env, launch, module_cmd, result, run
+
+ARGS = ["--epochs", "2", "--learning-rate", "0.1"]
+HOSTS = {"hostA": "10.77.0.1", "hostB": "10.77.0.2"}
+IFACE = "hvdt0"  # the veth's name in both namespaces
+NETNS_ETC = "/etc/netns"
+
+AGENT = """#!/bin/sh
+# Open MPI launch agent: "AGENT [options] HOST COMMAND..." runs COMMAND on HOST, as ssh
+# would: in HOST's namespaces, with a fresh login environment.
+echo "$*" >> {log}
+while [ $# -gt 0 ]; do case $1 in -*) shift ;; *) break ;; esac; done
+host=$1; shift
+case $host in {cases}
+  *) echo "agent: unknown host $host" >&2; exit 255 ;;
+esac
+exec ip netns exec "$ns" unshare --uts env -i PATH=/usr/local/bin:/usr/bin:/bin HOME="$HOME" \\
+    sh -c "hostname $host && $*"
+"""
+
+SSHD_CONFIG = """ListenAddress {address}
+Port 22
+HostKey {dir}/host_key
+PidFile none
+AuthorizedKeysFile {dir}/authorized_keys
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+"""
+
+SSH_CONFIG = """Host {hosts}
+  IdentityFile {dir}/user_key
+  UserKnownHostsFile {dir}/known_hosts
+  BatchMode yes
+  LogLevel ERROR
+"""
+
+
+def sh(*cmd):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+def on(host, ns, cmd):
+    """``cmd`` as run on ``host``: in its network namespace, under its own host name."""
+    return ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+            'hostname "$0" && exec "$@"', host, *cmd]
+
+
+def rx_bytes(ns):
+    stats = json.loads(sh("ip", "-n", ns, "-s", "-j", "link", "show", IFACE).stdout)
+    return stats[0]["stats64"]["rx"]["bytes"]
+
+
+class Cluster:
+    def __init__(self, base):
+        self.base = base
+        tag = f"hvdt{os.getpid()}"
+        self.ns = {"hostA": f"{tag}a", "hostB": f"{tag}b"}
+        self.agent = base / "agent.sh"
+        self.agent_log = base / "agent.log"
+        self.sshd_log = base / "sshd.log"
+        self.bin = base / "bin"  # the ssh wrapper
+        self.sshd = None
+        self.made = []  # cleanup actions, newest last
+
+    # --- making it ------------------------------------------------------------------------
+    def create(self):
+        a, b = self.ns["hostA"], self.ns["hostB"]
+        for ns in (a, b):
+            p = sh("ip", "netns", "add", ns)
+            if p.returncode != 0:
+                pytest.skip(f"cannot make network namespaces here (needs root with "
+                            f"CAP_SYS_ADMIN): ip netns add: {p.stderr.strip()}")
+            self.made.append(("netns", ns))
+        if sh("unshare", "--uts", "true").returncode != 0:
+            pytest.skip("cannot make UTS namespaces here (unshare --uts needs CAP_SYS_ADMIN)")
+        # The veth pair goes straight from one namespace to the other: the root namespace
+        # (and the machine's real interfaces) are never touched.
+        self.check("ip", "-n", a, "link", "add", IFACE, "type", "veth", "peer", "name", IFACE,
+                   "netns", b)
+        for host, ns in self.ns.items():
+            self.check("ip", "-n", ns, "addr", "add", f"{HOSTS[host]}/24", "dev", IFACE)
+            self.check("ip", "-n", ns, "link", "set", "lo", "up")
+            self.check("ip", "-n", ns, "link", "set", IFACE, "up")
+            if not os.path.isdir(NETNS_ETC):
+                os.mkdir(NETNS_ETC)
+                self.made.append(("rmdir", NETNS_ETC))
+            os.mkdir(os.path.join(NETNS_ETC, ns))
+            self.made.append(("rmtree", os.path.join(NETNS_ETC, ns)))
+            with open(os.path.join(NETNS_ETC, ns, "hosts"), "w") as f:
+                f.write("127.0.0.1 localhost\n"
+                        + "".join(f"{ip} {name}\n" for name, ip in HOSTS.items()))
+        cases = " ".join(f"{h}|{HOSTS[h]}) ns={ns} ;;" for h, ns in self.ns.items())
+        self.agent.write_text(AGENT.format(log=self.agent_log, cases=cases))
+        self.agent.chmod(0o755)
+        return self
+
+    def start_sshd(self, host="hostB"):
+        """A real sshd on ``host``, with keys made here, and the client settings for it."""
+        sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+        if not os.access(sshd, os.X_OK):
+            pytest.fail("sshd missing: apt-get install openssh-server (scripts/setup.sh "
+                        "installs it)")
+        d = self.base
+        for key in ("host_key", "user_key"):
+            self.check("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key))
+        shutil.copy(d / "user_key.pub", d / "authorized_keys")
+        (d / "sshd_config").write_text(SSHD_CONFIG.format(address=HOSTS[host], dir=d))
+        (d / "ssh_config").write_text(SSH_CONFIG.format(hosts=" ".join(HOSTS), dir=d))
+        self.bin.mkdir()
+        (self.bin / "ssh").write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {d}/ssh_config "$@"\n')
+        (self.bin / "ssh").chmod(0o755)
+        if not os.path.isdir("/run/sshd"):  # sshd's privilege separation directory
+            os.mkdir("/run/sshd", 0o755)
+            self.made.append(("rmdir", "/run/sshd"))
+        with open(self.sshd_log, "w") as log:
+            self.sshd = subprocess.Popen(
+                on(host, self.ns[host], [sshd, "-D", "-e", "-f", str(d / "sshd_config")]),
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        for _ in range(100):  # up to 10 s for "Server listening"
+            if "Server listening" in self.sshd_log.read_text() or self.sshd.poll() is not None:
+                break
+            subprocess.run(["sleep", "0.1"])
+        assert "Server listening" in self.sshd_log.read_text(), self.sshd_log.read_text()
+
+    def check(self, *cmd):
+        p = sh(*cmd)
+        assert p.returncode == 0, f"{' '.join(cmd)}: {p.stderr}"
+
+    # --- removing it ----------------------------------------------------------------------
+    def destroy(self):
+        if self.sshd is not None:
+            try:
+                os.killpg(self.sshd.pid, 9)
+            except ProcessLookupError:
+                pass
+            self.sshd.wait(timeout=10)
+        for kind, what in reversed(self.made):
+            if kind == "netns":
+                # Anything still running in a namespace the test made is the test's own.
+                for pid in sh("ip", "netns", "pids", what).stdout.split():
+                    try:
+                        os.kill(int(pid), 9)
+                    except ProcessLookupError:
+                        pass
+                sh("ip", "netns", "del", what)  # takes the veth end inside with it
+            elif kind == "rmtree":
+                shutil.rmtree(what, ignore_errors=True)
+            elif kind == "rmdir":
+                try:
+                    os.rmdir(what)
+                except OSError:
+                    pass
+        left = sh("ip", "netns", "list").stdout
+        assert not any(ns in left for ns in self.ns.values()), left
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield c.create()
+    finally:
+        c.destroy()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The one-host two-process run the two-host runs must reproduce."""
+    d = tmp_path_factory.mktemp("reference")
+    p = run(launch("gloo", 2, "linear", "--run-dir", str(d / "r"), *ARGS), clean_env(d / "home"))
+    assert p.returncode == 0, p.stderr
+    r = result(d / "r")
+    assert r["world_size"] == 2 and abs(r["weights"][2] - 0.3) > 0.05  # not yet converged
+    return r
+
+
+def check_two_host_run(p, run_dir, reference, cluster, rx_before):
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "watchdog unreachable" not in p.stderr and "hvdtrain: warning" not in p.stderr, p.stderr
+    r = result(run_dir)
+    assert (r["world_size"], r["backend"], r["global_step"]) == (2, "horovod", 2)
+    np.testing.assert_allclose(r["weights"], reference["weights"], atol=1e-5)
+    assert abs(r["bias"] - reference["bias"]) < 1e-5
+    # The ranks talked over the veth (Horovod's negotiation and allreduce, the watchdog).
+    assert rx_bytes(cluster.ns["hostB"]) - rx_before > 10_000
+    return r
+
+
+def mpi_env(cluster, tmp_path):
+    # hostB's processes get only what mpirun forwards (-x), as over ssh.
+    return clean_env(tmp_path / "home", OMPI_MCA_plm_rsh_agent=str(cluster.agent))
+
+
+def test_mpirun_across_two_hosts(cluster, reference, tmp_path):
+    env = mpi_env(cluster, tmp_path)
+    rx = rx_bytes(cluster.ns["hostB"])
+    cmd = ["mpirun", "-np", "2", "-H", "hostA,hostB", "--allow-run-as-root",
+           "--bind-to", "none", "--map-by", "slot", "--mca", "plm_rsh_agent", str(cluster.agent),
+           "--mca", "pml", "ob1", "--mca", "btl", "^openib",
+           "--mca", "btl_tcp_if_include", IFACE, "--mca", "oob_tcp_if_include", IFACE,
+           "-x", "PATH", "-x", "PYTHONPATH", "-x", "HOME", "-x", "TF_CPP_MIN_LOG_LEVEL",
+           "-x", "PYTHONUNBUFFERED",
+           *module_cmd("linear", "--run-dir", str(tmp_path / "r"), *ARGS)]
+    p = run(on("hostA", cluster.ns["hostA"], cmd), env)
+    check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
+    assert "Horovod over mpi" in p.stdout
+    launched = cluster.agent_log.read_text().splitlines()
+    assert any(l.startswith("hostB ") and " orted " in l for l in launched), launched
+
+
+def test_launch_cluster_script_across_two_hosts(cluster, reference, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("hostA slots=1\nhostB slots=1\n")
+    env = dict(mpi_env(cluster, tmp_path), IFACE=IFACE, PYTHON=sys.executable)
+    rx = rx_bytes(cluster.ns["hostB"])
+    cmd = ["bash", os.path.join(ROOT, "scripts", "launch_cluster.sh"), str(hostfile), "linear",
+           "--run-dir", str(tmp_path / "r"), *ARGS]
+    p = run(on("hostA", cluster.ns["hostA"], cmd), env)
+    check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
+
+
+def test_horovodrun_gloo_across_two_hosts_over_ssh(cluster, reference, tmp_path):
+    cluster.start_sshd("hostB")
+    env = clean_env(tmp_path / "home")
+    env["PATH"] = f"{cluster.bin}{os.pathsep}{env['PATH']}"  # the ssh wrapper first
+    rx = rx_bytes(cluster.ns["hostB"])
+    cmd = [HOROVODRUN, "--gloo", "-np", "2", "-H", "hostA:1,hostB:1",
+           "--network-interface", IFACE,
+           *module_cmd("linear", "--run-dir", str(tmp_path / "r"), *ARGS)]
+    p = run(on("hostA", cluster.ns["hostA"], cmd), env)
+    check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
+    assert "Horovod over gloo" in p.stdout
+    # horovodrun checked ssh, then started its task service and rank 1 on hostB over it.
+    assert cluster.sshd_log.read_text().count("Accepted publickey") >= 2
