@@ -51,10 +51,11 @@ class Task:
         return {}
 
     def format_epoch(self, record: dict) -> str:
-        metrics = "  ".join(f"{k} {record[k]:.4f}" for k in self.metrics())
-        return (f"Epoch {record['epoch']}/{record['epochs']}  step {record['global_step']}  "
-                f"loss {record['loss']:.6f}  {metrics}  "
-                f"{record['samples_per_sec']:.0f} samples/s").replace("    ", "  ")
+        parts = [f"Epoch {record['epoch']}/{record['epochs']}", f"step {record['global_step']}",
+                 f"loss {record['loss']:.6f}"]
+        parts += [f"{k} {record[k]:.4f}" for k in self.metrics()]
+        parts.append(f"{record['samples_per_sec']:.0f} samples/s")
+        return "  ".join(parts)
 
     def summarize(self, model) -> dict:
         """Task-specific fields for result.json (e.g. the learned weights)."""
