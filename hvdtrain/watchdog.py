@@ -27,18 +27,22 @@ INTERVAL = 1.0
 
 
 def _addresses() -> list:
-    """Where other hosts may reach this one: its names and addresses, loopback last."""
-    names = [os.environ.get("HOROVOD_HOSTNAME"), socket.gethostname(), socket.getfqdn()]
+    """Where other hosts may reach this one, best first: the addresses of the interface the
+    launcher was told to use, every other non-loopback IPv4 address, its names, loopback."""
     found = []
-    for name in filter(None, names):
-        try:
-            for info in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM):
-                found.append(info[4][0])
-        except OSError:
-            pass
-        found.append(name)
+    try:
+        import psutil  # a Horovod dependency; without it, names only
+
+        preferred = {os.environ.get(v) for v in ("HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME",
+                                                  "OMPI_MCA_btl_tcp_if_include")}
+        interfaces = sorted(psutil.net_if_addrs().items(), key=lambda kv: kv[0] not in preferred)
+        found += [a.address for _, addrs in interfaces for a in addrs
+                  if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    except ImportError:
+        pass
+    found += [n for n in (os.environ.get("HOROVOD_HOSTNAME"), socket.gethostname()) if n]
     found.append("127.0.0.1")
-    return list(dict.fromkeys(a for a in found if a))
+    return list(dict.fromkeys(found))
 
 
 class _Peer:
@@ -75,10 +79,12 @@ class Watchdog:
         server = None
         if self.world.is_chief:
             server = socket.create_server(("", 0), backlog=self.world.size)
-            where = (_addresses(), server.getsockname()[1])
+            where = (_addresses(), server.getsockname()[1], socket.gethostname())
         else:
             where = None
-        addresses, port = self.world.broadcast_object(where)
+        addresses, port, host = self.world.broadcast_object(where)
+        if host == socket.gethostname():  # the same machine: stay on loopback
+            addresses = ["127.0.0.1"] + addresses
         if self.world.is_chief:
             threading.Thread(target=self._accept, args=(server,), daemon=True).start()
         else:
@@ -114,7 +120,7 @@ class Watchdog:
         while time.monotonic() < deadline:
             for address in addresses:
                 try:
-                    return socket.create_connection((address, port), timeout=3.0)
+                    return socket.create_connection((address, port), timeout=1.0)
                 except OSError:
                     continue
             time.sleep(0.5)

@@ -87,6 +87,9 @@ if ! horovod_ok; then
     if [[ "$gpu" == 1 ]]; then export HOROVOD_GPU_OPERATIONS=${HOROVOD_GPU_OPERATIONS:-NCCL}; fi
     # --no-build-isolation: Horovod must compile against the TensorFlow in this venv.
     # --no-cache-dir: a wheel cached from another TensorFlow would import and then crash.
+    # An installed horovod that failed the check (another TensorFlow, no MPI) would satisfy
+    # the pin and never be rebuilt: remove it first.
+    pip uninstall -y horovod >/dev/null 2>&1 || true
     pip install --no-build-isolation --no-cache-dir "horovod==$horovod_version"
 fi
 
