@@ -11,9 +11,10 @@ import pytest
 from conftest import finish, launch, module_cmd, rank_pids, result, run, start, wait_for
 from hvdtrain import checkpoint as C
 
-# Linear, far from converged at the end (lr 5e-4, 2,000 small steps), so equal weights mean
+# Linear, far from converged at the end (lr 5e-4, 1,000 small steps), so equal weights mean
 # equal trajectories, not two runs that both reached [0.1, 0.2, 0.3].
-LINEAR = ["--batch-size", "5", "--epochs", "20", "--learning-rate", "0.0005",
+LINEAR_EPOCHS = 10
+LINEAR = ["--batch-size", "5", "--epochs", str(LINEAR_EPOCHS), "--learning-rate", "0.0005",
           "--checkpoint-every", "100", "--verbose", "0"]
 MNIST = ["--batch-size", "20", "--epochs", "5", "--learning-rate", "0.5", "--no-download",
          "--checkpoint-every", "50", "--verbose", "0"]
@@ -58,12 +59,12 @@ def test_linear_sigkill_then_resume_is_exact(reference, env, tmp_path):
     p = run(cmd, env)
     assert p.returncode == 0, p.stderr
     r, ref = result(tmp_path), reference["linear"]
-    assert r["global_step"] == ref["global_step"] == 20 * 100
+    assert r["global_step"] == ref["global_step"] == LINEAR_EPOCHS * 100
     np.testing.assert_allclose(r["weights"], ref["weights"], atol=1e-6)
     assert abs(r["bias"] - ref["bias"]) < 1e-6
     assert abs(r["weights"][0] - 0.1) > 1e-3  # not converged: the trajectories matched
     epochs = [json.loads(l)["epoch"] for l in open(tmp_path / "metrics.jsonl")]
-    assert epochs == list(range(1, 21))  # each epoch logged once, resume or not
+    assert epochs == list(range(1, LINEAR_EPOCHS + 1))  # each epoch logged once
 
 
 def test_mnist_sigkill_then_resume_is_exact(reference, env, tmp_path):
@@ -161,7 +162,7 @@ def test_resume_with_another_world_size(env, tmp_path):
     assert r["world_size"] == 1 and r["global_batch_size"] == 5
     # The epoch in progress continues after the same examples: 2 x 5 per old step.
     done = meta["step_in_epoch"] * 10
-    steps_left = (1000 - done) // 5 + (20 - meta["epoch"] - 1) * 200
+    steps_left = (1000 - done) // 5 + (LINEAR_EPOCHS - meta["epoch"] - 1) * 200
     assert r["global_step"] == meta["global_step"] + steps_left
 
 
