@@ -40,6 +40,7 @@ setup(
         # hvd.init(comm=MPI.COMM_WORLD) and the allreduce benchmark's reference.
         "mpi": ["mpi4py==4.1.2"],
         "test": ["pytest>=7,<9", "pytest-timeout>=2.2"],
+        "bench": ["matplotlib>=3.8"],  # python -m hvdtrain.bench's PNG plots
     },
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.__main__:main"]},
 )

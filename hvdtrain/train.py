@@ -267,11 +267,15 @@ class _Run:
             if out.verbose == 1 and self.task.progress_bar:
                 out.print(f"Epoch {epoch + 1}/{config.epochs}")
                 bar = keras.utils.Progbar(self.steps, stateful_metrics=names + ["samples/s"])
+            # Each step adds exactly one to optimizer.iterations: count in Python instead of
+            # reading the variable back every step (one device-to-host copy fewer per step).
+            base_step = int(self.optimizer.iterations.numpy()) - first
             tick = time.perf_counter()
             for step, idx in enumerate(tf.data.Dataset.from_tensor_slices(plan).prefetch(2),
                                        start=first + 1):
-                stop = self.train_step(idx, self._stop_values[self.stop_requested]) > 0
-                global_step = int(self.optimizer.iterations.numpy())
+                # The step's only host read: the stop flag summed over ranks (any SIGTERM).
+                stop = float(self.train_step(idx, self._stop_values[self.stop_requested])) > 0
+                global_step = base_step + step
                 self.dog.step, progress.offset = global_step, step * global_batch
                 if stop or (config.checkpoint_every and global_step % config.checkpoint_every == 0
                             and step < self.steps):

@@ -37,9 +37,10 @@ def _write(path: str, obj) -> None:
 def allreduce(args) -> None:
     rows = []
     if args.impl == "hvd":
-        import horovod.tensorflow as hvd
         import tensorflow as tf
-        hvd.init()
+        from hvdtrain import distributed
+        # hvd.allreduce as hvdtrain sets Horovod up: its defaults, its thread pools.
+        hvd = distributed.init("horovod", notice=lambda m: None).hvd
         rank, size = hvd.rank(), hvd.size()
         barrier = lambda: hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="bench.barrier")  # noqa
         controller = "mpi" if hvd.mpi_enabled() else "gloo"

@@ -1,0 +1,94 @@
+"""``python -m hvdtrain.bench``: run the comparisons side by side, write JSON, Markdown, PNGs.
+
+    python -m hvdtrain.bench                       # everything (about 10 minutes on 2 cores)
+    python -m hvdtrain.bench --quick               # fewer sizes, one batch, under 3 minutes
+    python -m hvdtrain.bench --cases allreduce,tta --out /tmp/b
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+
+from hvdtrain import bench
+from hvdtrain.bench import cases, report
+from hvdtrain.distributed import usable_cores
+
+CASES = ("allreduce", "throughput", "tta", "timeline")
+KIB = 1024
+
+
+def settings(quick: bool) -> dict:
+    """What each case measures. The models are hvdtrain's: the seed's softmax regression and
+    the mlp with a wider hidden layer (784 -> 1024 -> 10, 0.8 M parameters, 3.2 MB of
+    gradients per step)."""
+    softmax = {"label": "softmax", "model": "softmax", "hidden_units": 256, "lr": 0.5,
+               "dataset": "fashion_mnist"}
+    mlp = {"label": "mlp-1024", "model": "mlp", "hidden_units": 1024, "lr": 0.05,
+           "dataset": "fashion_mnist"}
+    if quick:
+        return {"sizes": [4 * KIB, 256 * KIB, 4 << 20, 16 << 20], "scale": 0.3,
+                "specs": [softmax, mlp], "batches": [4096], "epochs": 3, "repeats": 1,
+                "tta": (softmax, 512, 0.80, 4), "timeline": (softmax, 512, 2)}
+    return {"sizes": [4 * KIB << (2 * i) for i in range(8)], "scale": 1.0,  # 4 KiB .. 64 MiB
+            "specs": [softmax, mlp], "batches": [256, 1024, 4096], "epochs": 3, "repeats": 2,
+            "tta": (softmax, 512, 0.80, 6), "timeline": (softmax, 512, 2)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hvdtrain.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
+    p.add_argument("--quick", action="store_true", help="a smaller suite, under 3 minutes")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma-separated subset of {','.join(CASES)}")
+    p.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")],
+                   help="allreduce sizes in bytes, comma-separated (default: 4 KiB to 64 MiB)")
+    args = p.parse_args(argv)
+    chosen = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = set(chosen) - set(CASES)
+    if unknown:
+        p.error(f"--cases: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CASES)}")
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.join(out, "raw"), exist_ok=True)
+    s = settings(args.quick)
+    s["sizes"] = args.sizes or s["sizes"]
+    command = "python -m hvdtrain.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    results = {"command": command, "quick": args.quick, "started": time.strftime("%F %T"),
+               "machine": f"{platform.node()}: {usable_cores()} cores, "
+                          f"{platform.processor() or platform.machine()}, Python "
+                          f"{platform.python_version()}"}
+    tick = time.perf_counter()
+    try:
+        for case in chosen:
+            bench.progress(f"case {case} ...")
+            if case == "allreduce":
+                results[case] = cases.allreduce(out, s["sizes"], s["scale"])
+            elif case == "throughput":
+                results[case] = cases.throughput(out, s["specs"], s["batches"], s["epochs"],
+                                                 s["repeats"])
+            elif case == "tta":
+                results[case] = cases.tta(out, *s["tta"])
+            elif case == "timeline":
+                results[case] = cases.timeline(out, *s["timeline"])
+    except bench.BenchError as e:
+        print(f"python -m hvdtrain.bench: error: {e}", file=sys.stderr)
+        return 1
+    results["seconds"] = time.perf_counter() - tick
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    text = report.markdown(results, command)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(text)
+    made = report.plots(results, out)
+    print(text)
+    bench.progress(f"done in {results['seconds']:.0f}s: {out}/results.json, results.md"
+                   + "".join(f", {os.path.basename(m)}" for m in made))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,246 @@
+"""The benchmark cases: each launches real processes side by side and returns plain dicts.
+
+    allreduce(...)   hvd.allreduce (MPI and Gloo controllers), mpi4py Allreduce, numpy copy
+    throughput(...)  (a) plain TF, (b) hvdtrain 1 process (and 1 thread), (c) hvdtrain 2
+                     processes, (d) MultiWorkerMirroredStrategy 2 workers: samples/s
+    tta(...)         seconds of training to a test accuracy: 1 process, 2 processes, MWMS
+    timeline(...)    one hvdtrain run under HOROVOD_TIMELINE, summarised per activity
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+
+import numpy as np
+
+from hvdtrain import bench
+from hvdtrain.bench import BenchError, progress
+
+WORKERS = "hvdtrain.bench.workers"
+NP = 2  # processes of the distributed variants (this machine has 2 cores)
+CONTROLLER = "mpi"  # horovodrun's controller for (c); see docs/PERFORMANCE.md
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+# --- allreduce ------------------------------------------------------------------------------
+
+def allreduce(out: str, sizes, scale: float = 1.0) -> dict:
+    """Latency, algbw and busbw per size for each implementation, launched one after another."""
+    flags = ["--sizes", ",".join(map(str, sizes)), "--scale", scale]
+    launches = {
+        "memcpy": lambda f: bench.python(WORKERS, "memcpy", "--out", f, *flags),
+        "hvd_mpi": lambda f: bench.horovodrun(NP, "mpi", bench.python(
+            WORKERS, "allreduce", "--impl", "hvd", "--out", f, *flags)),
+        "hvd_gloo": lambda f: bench.horovodrun(NP, "gloo", bench.python(
+            WORKERS, "allreduce", "--impl", "hvd", "--out", f, *flags)),
+        "mpi4py": lambda f: bench.mpirun(NP, bench.python(
+            WORKERS, "allreduce", "--impl", "mpi4py", "--out", f, *flags)),
+    }
+    series = {}
+    for name, cmd in launches.items():
+        path = os.path.join(out, "raw", f"allreduce-{name}.json")
+        wall = bench.run(cmd(path), timeout=300)
+        data = _load(path)
+        for row in data["rows"]:
+            row["algbw"] = bench.algbw(row["bytes"], row["seconds"])
+            row["busbw"] = (bench.busbw(row["bytes"], row["seconds"], data["ranks"])
+                            if name != "memcpy" else row["algbw"])
+        series[name] = data["rows"]
+        big = data["rows"][-1]
+        progress(f"allreduce {name:8s} {big['bytes'] >> 20} MiB: {big['seconds'] * 1e3:.2f} ms, "
+                 f"busbw {big['busbw'] / 1e9:.2f} GB/s ({wall:.0f}s)")
+    return {"ranks": NP, "sizes": list(sizes), "series": series}
+
+
+# --- training throughput -------------------------------------------------------------------
+
+def _hvdtrain_flags(spec, batch, run_dir, epochs, np_):
+    return ["--dataset", spec["dataset"], "--model", spec["model"], "--hidden-units",
+            spec["hidden_units"], "--learning-rate", spec["lr"], "--batch-size", batch,
+            "--epochs", epochs, "--num-workers", np_, "--checkpoint-every", 0,
+            "--keep-checkpoints", 1000, "--verbose", 0, "--run-dir", run_dir]
+
+
+def _steady(epochs):
+    """samples/s over every epoch but the first (which includes tracing and warm-up)."""
+    rest = epochs[1:] or epochs
+    samples = sum(e["samples_per_sec"] * e["seconds"] for e in rest)
+    return samples / sum(e["seconds"] for e in rest)
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_variant(variant, spec, global_batch, epochs, work, extra_env=None):
+    """Launch one variant; return (its per-epoch records, wall seconds)."""
+    name = f"{spec['model']}-{global_batch}-{variant}"
+    run_dir = os.path.join(work, name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    env = bench.env(**(extra_env or {}))
+    worker_flags = ["--dataset", spec["dataset"], "--model", spec["model"], "--hidden-units",
+                    spec["hidden_units"], "--lr", spec["lr"], "--epochs", epochs]
+    out = os.path.join(run_dir, "out.json")
+    if variant == "a":
+        wall = bench.run(bench.python(WORKERS, "plain", "--out", out, "--batch", global_batch,
+                                      *worker_flags), env)
+        return _load(out)["epochs"], wall
+    if variant == "d":
+        return _mwms(out, global_batch // NP, worker_flags, env)
+    np_ = NP if variant == "c" else 1
+    per_rank = {"b_rank": global_batch // NP}.get(variant, global_batch // np_)
+    if variant == "b1":
+        env.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
+    cmd = bench.python("hvdtrain.mnist", *_hvdtrain_flags(spec, per_rank, run_dir, epochs, np_))
+    wall = bench.run(bench.horovodrun(NP, CONTROLLER, cmd) if np_ > 1 else cmd, env)
+    return _metrics(run_dir), wall
+
+
+def _mwms(out, per_worker, worker_flags, env, target=0.0):
+    ports = bench.free_ports(NP)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    procs = []
+    import subprocess
+    import time
+    tick = time.perf_counter()
+    for index in range(NP):
+        e = dict(env, TF_CONFIG=json.dumps({"cluster": cluster,
+                                            "task": {"type": "worker", "index": index}}))
+        cmd = bench.python(WORKERS, "mwms", "--index", index, "--out", out, "--batch", per_worker,
+                           "--target", target, *worker_flags)
+        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+    errors = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                os.killpg(p.pid, 9)
+            raise BenchError("MultiWorkerMirroredStrategy workers timed out") from None
+        if proc.returncode:
+            errors.append(err.strip().splitlines()[-5:])
+    if errors:
+        raise BenchError(f"MultiWorkerMirroredStrategy worker failed: {errors}")
+    return _load(out)["epochs"], time.perf_counter() - tick
+
+
+VARIANTS = {"a": "plain TF, 1 process", "b": "hvdtrain, 1 process",
+            "b1": "hvdtrain, 1 process, 1 thread", "c": "hvdtrain, 2 processes",
+            "d": "MultiWorkerMirrored, 2 workers",
+            "b_rank": "hvdtrain, 1 process, batch of one rank of (c)"}
+
+
+def throughput(out, specs, batches, epochs, repeats) -> dict:
+    """Best-of-``repeats`` steady samples/s per (model, global batch, variant).
+
+    Repeats run round-robin (a, b, b1, c, d, a, b, ...) so that a burst of load from
+    elsewhere hits every variant alike; the best run of each is the least disturbed one.
+    """
+    work = os.path.join(out, "runs")
+    rows = []
+    for spec in specs:
+        variants = ["a", "b", "b1", "c", "d"] + (["b_rank"] if spec["model"] == "softmax" else [])
+        for batch in batches:
+            runs = collections.defaultdict(list)
+            for _ in range(repeats):
+                for v in variants:
+                    records, wall = run_variant(v, spec, batch, epochs, work)
+                    runs[v].append(_steady(records))
+            best = {v: max(r) for v, r in runs.items()}
+            per_rank = {v: batch // (NP if v in ("c", "d", "b_rank") else 1) for v in variants}
+            rows.append({"model": spec["label"], "global_batch": batch, "samples_per_sec": best,
+                         "all_runs": dict(runs),
+                         "step_ms": {v: 1e3 * (batch if v != "b_rank" else batch // NP) / best[v]
+                                     for v in variants}, "per_rank_batch": per_rank})
+            progress(f"throughput {spec['label']} batch {batch}: " + ", ".join(
+                f"{v} {best[v]:,.0f}" for v in variants) + " samples/s")
+    return {"epochs": epochs, "repeats": repeats, "rows": rows, "variants": VARIANTS}
+
+
+# --- time to accuracy ----------------------------------------------------------------------
+
+def _accuracy_per_epoch(run_dir, data):
+    """Test accuracy of every epoch-end checkpoint (numpy forward pass, outside the timing)."""
+    from hvdtrain import checkpoint
+    x = data.x_test.reshape(-1, 784).astype(np.float32) / 255.0
+    found = {}
+    for _, path in checkpoint.list_checkpoints(os.path.join(run_dir, "checkpoints")):
+        meta, arrays = checkpoint.read(path)
+        if meta["offset"]:
+            continue
+        h = x
+        for i in range(0, len(arrays) - 2, 2):  # Dense layers: kernel, bias (optimizer after)
+            if arrays[i].ndim != 2:
+                break
+            h = h @ arrays[i] + arrays[i + 1]
+            if arrays[i].shape[1] != 10:
+                h = np.maximum(h, 0)
+        found[meta["epoch"]] = float(np.mean(h.argmax(-1) == data.y_test))
+    return found
+
+
+def tta(out, spec, global_batch, target, max_epochs) -> dict:
+    """Training seconds until the test accuracy reaches ``target`` (evaluation not counted)."""
+    from hvdtrain.data import load_mnist_format
+    from hvdtrain.distributed import World
+    data = load_mnist_format(spec["dataset"], None, False, World(), notice=lambda m: None)
+    work = os.path.join(out, "runs")
+    result = {"target": target, "global_batch": global_batch, "model": spec["label"],
+              "lr": spec["lr"], "rows": {}}
+    for variant, label in (("b", "1 process"), ("c", "2 processes"), ("d", "MWMS 2 workers")):
+        if variant == "d":
+            flags = ["--dataset", spec["dataset"], "--model", spec["model"], "--hidden-units",
+                     spec["hidden_units"], "--lr", spec["lr"], "--epochs", max_epochs]
+            out_json = os.path.join(work, f"tta-{variant}.json")
+            os.makedirs(work, exist_ok=True)
+            records, wall = _mwms(out_json, global_batch // NP, flags, bench.env(), target)
+            accuracy = {r["epoch"]: r["test_accuracy"] for r in records}
+        else:
+            records, wall = run_variant(variant, spec, global_batch, max_epochs, work)
+            accuracy = _accuracy_per_epoch(os.path.join(
+                work, f"{spec['model']}-{global_batch}-{variant}"), data)
+        reached = next((e for e in sorted(accuracy) if accuracy[e] >= target), None)
+        seconds = (sum(r["seconds"] for r in records if r["epoch"] <= reached)
+                   if reached else None)
+        result["rows"][variant] = {"label": label, "epochs": reached, "seconds": seconds,
+                                   "accuracy": accuracy, "wall": wall}
+        progress(f"time to accuracy {target:.2f}, {label}: "
+                 + (f"{seconds:.2f} s ({reached} epochs)" if reached else "not reached"))
+    return result
+
+
+# --- where the time goes ------------------------------------------------------------------
+
+def timeline(out, spec, global_batch, epochs) -> dict:
+    """Run (c) once under HOROVOD_TIMELINE; total time per activity (B/E pairs) per rank 0."""
+    path = os.path.join(out, "timeline.json")
+    run_variant("c", spec, global_batch, epochs, os.path.join(out, "runs"),
+                {"HOROVOD_TIMELINE": path})
+    return {"path": path, "model": spec["label"], "global_batch": global_batch,
+            **summarize_timeline(path)}
+
+
+def summarize_timeline(path) -> dict:
+    """Seconds per activity name over all tensors, from a Horovod (Chrome trace) timeline."""
+    with open(path) as f:
+        text = f.read().rstrip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")
+    open_at, totals, counts = {}, collections.Counter(), collections.Counter()
+    for e in events:
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("ph") == "B":
+            open_at.setdefault(key, []).append((e.get("name"), e["ts"]))
+        elif e.get("ph") == "E" and open_at.get(key):
+            name, ts = open_at[key].pop()
+            totals[name] += (e["ts"] - ts) / 1e6
+            counts[name] += 1
+    return {"seconds": dict(totals.most_common()), "counts": dict(counts)}

@@ -1,0 +1,166 @@
+"""Turn the cases' results into the acceptance ratios, Markdown tables and PNG plots."""
+from __future__ import annotations
+
+import os
+
+MIB = 1 << 20
+
+
+def table(header, rows) -> str:
+    """A Markdown table; floats get 3 significant digits, None prints as '-'."""
+    def cell(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+        return str(v)
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // 1024} KiB"
+
+
+def acceptance(results) -> list:
+    """[(target, where, measured ratio, threshold, holds)] for every target the data covers."""
+    checks = []
+
+    def add(target, where, value, threshold, higher=True):
+        if value is not None:
+            checks.append((target, where, value, threshold,
+                           value >= threshold if higher else value <= threshold))
+
+    tp = results.get("throughput")
+    if tp:
+        largest = max(r["global_batch"] for r in tp["rows"])
+        for r in tp["rows"]:
+            s, where = r["samples_per_sec"], f"{r['model']}, batch {r['global_batch']}"
+            add("(b)/(a) throughput", where, s["b"] / s["a"], 0.97)
+            add("(c)/(d) throughput", where, s["c"] / s["d"], 1.3)
+            if r["model"].startswith("mlp") and r["global_batch"] == largest:
+                add("(c) / 2x(b, 1 thread): scaling efficiency", where, s["c"] / (2 * s["b1"]), 0.9)
+                add("(c)/(a) throughput", where, s["c"] / s["a"], 0.9)
+            if "b_rank" in s:
+                add("softmax step time (c) / (1 process, same per-rank batch)",
+                    where, r["step_ms"]["c"] / r["step_ms"]["b_rank"], 1.5, higher=False)
+    ar = results.get("allreduce")
+    if ar:
+        hvd, ref = ar["series"]["hvd_mpi"], ar["series"]["mpi4py"]
+        for h, m in zip(hvd, ref):
+            if h["bytes"] >= 4 * MIB:
+                add("hvd.allreduce (MPI) busbw / mpi4py", size_label(h["bytes"]),
+                    h["busbw"] / m["busbw"], 0.9)
+    tta = results.get("tta")
+    if tta:
+        rows = tta["rows"]
+        b, c, d = (rows[v]["seconds"] for v in ("b", "c", "d"))
+        if b and c:
+            add("time to accuracy: 2 processes / 1 process", f"{tta['model']} to {tta['target']}",
+                c / b, 1.0, higher=False)
+        if c and d:
+            add("time to accuracy: 2 processes / MWMS", f"{tta['model']} to {tta['target']}",
+                c / d, 1.0 - 1e-9, higher=False)
+    return checks
+
+
+def markdown(results, command: str) -> str:
+    parts = [f"Command: `{command}`\n", f"Machine: {results['machine']}\n"]
+    checks = acceptance(results)
+    if checks:
+        parts.append("### Acceptance ratios (one run, side by side)\n")
+        parts.append(table(["target", "where", "ratio", "needs", "holds"], [
+            (t, w, v, ("<= " if t.startswith(("softmax", "time")) else ">= ") + f"{th:.3g}",
+             "yes" if ok else "**no**") for t, w, v, th, ok in checks]))
+    ar = results.get("allreduce")
+    if ar:
+        names = list(ar["series"])
+        parts.append(f"\n### Allreduce, {ar['ranks']} processes, float32 (busbw = algbw * 2(n-1)/n; "
+                     "memcpy: one-core copy bandwidth)\n")
+        rows = []
+        for i, nbytes in enumerate(ar["sizes"]):
+            s = {n: ar["series"][n][i] for n in names}
+            rows.append([size_label(nbytes)] + [s[n]["seconds"] * 1e6 for n in names]
+                        + [s[n]["busbw"] / 1e9 for n in names]
+                        + [s["hvd_mpi"]["busbw"] / s["mpi4py"]["busbw"]])
+        parts.append(table(["size"] + [f"{n} us" for n in names] + [f"{n} GB/s" for n in names]
+                           + ["hvd_mpi/mpi4py"], rows))
+    tp = results.get("throughput")
+    if tp:
+        parts.append(f"\n### Training throughput, samples/s (best of {tp['repeats']}, epochs 2-"
+                     f"{tp['epochs']})\n")
+        parts.append("".join(f"- {v}: {label}\n" for v, label in tp["variants"].items()))
+        variants = list(tp["variants"])
+        rows = []
+        for r in tp["rows"]:
+            s = r["samples_per_sec"]
+            rows.append([r["model"], r["global_batch"]] + [s.get(v) for v in variants]
+                        + [s["b"] / s["a"], s["c"] / s["d"], s["c"] / (2 * s["b1"]), s["c"] / s["a"]])
+        parts.append(table(["model", "global batch"] + variants
+                           + ["b/a", "c/d", "c/(2 b1)", "c/a"], rows))
+    tta = results.get("tta")
+    if tta:
+        parts.append(f"\n### Time to {tta['target']} test accuracy ({tta['model']}, global batch "
+                     f"{tta['global_batch']}, lr {tta['lr']}; training seconds, evaluation "
+                     "excluded)\n")
+        parts.append(table(["variant", "seconds", "epochs", "process wall s"], [
+            (r["label"], r["seconds"], r["epochs"], r["wall"]) for r in tta["rows"].values()]))
+    tl = results.get("timeline")
+    if tl:
+        parts.append(f"\n### Horovod timeline ({tl['model']}, batch {tl['global_batch']}, 2 "
+                     "processes): seconds per activity, summed over tensors and ranks\n")
+        parts.append(table(["activity", "seconds", "count"], [
+            (k, v, tl["counts"].get(k)) for k, v in tl["seconds"].items()]))
+    return "\n".join(parts)
+
+
+def plots(results, out: str) -> list:
+    """PNG plots into ``out``; returns their paths (none when matplotlib is missing)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    ar = results.get("allreduce")
+    if ar:
+        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+        for name, rows in ar["series"].items():
+            ax.loglog([r["bytes"] for r in rows], [r["busbw"] / 1e9 for r in rows], "o-",
+                      label=name, ms=3)
+        ax.set_xlabel("bytes (float32)")
+        ax.set_ylabel("bus bandwidth, GB/s")
+        ax.set_title(f"Allreduce, {ar['ranks']} processes")
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        made.append(_save(fig, os.path.join(out, "bench_allreduce.png")))
+    tp = results.get("throughput")
+    if tp:
+        models = list(dict.fromkeys(r["model"] for r in tp["rows"]))
+        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), dpi=90,
+                                 squeeze=False)
+        for ax, model in zip(axes[0], models):
+            rows = [r for r in tp["rows"] if r["model"] == model]
+            variants = [v for v in tp["variants"] if v in rows[0]["samples_per_sec"]]
+            width = 0.8 / len(variants)
+            for i, v in enumerate(variants):
+                ax.bar([j + i * width for j in range(len(rows))],
+                       [r["samples_per_sec"][v] for r in rows], width, label=f"{v}: {tp['variants'][v]}")
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+            ax.set_xticklabels([str(r["global_batch"]) for r in rows])
+            ax.set_xlabel("global batch")
+            ax.set_ylabel("samples/s")
+            ax.set_title(model)
+        axes[0][0].legend(fontsize=6)
+        made.append(_save(fig, os.path.join(out, "bench_throughput.png")))
+    return made
+
+
+def _save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path

@@ -1,0 +1,70 @@
+"""The benchmark suite's own code, cheaply: formulas, tables, defaults, one tiny real case.
+
+No assertion is on a timing: the machine may be busy; only shapes and formulas are checked.
+"""
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT, clean_env, run
+from hvdtrain import bench, distributed
+from hvdtrain.bench import cases, report
+
+
+def test_bus_bandwidth_is_nccl_tests_definition():
+    assert bench.algbw(1e9, 0.5) == 2e9
+    assert bench.busbw(1e9, 0.5, 2) == pytest.approx(2e9)          # 2(n-1)/n = 1
+    assert bench.busbw(1e9, 1.0, 4) == pytest.approx(1.5e9)        # 2*3/4
+    assert bench.busbw(1e9, 1.0, 1) == 0.0
+
+
+def test_table_and_acceptance():
+    text = report.table(["a", "b"], [(1, 2.5), ("x", None), (3, 12345.6)])
+    assert text.splitlines() == ["| a | b |", "| --- | --- |", "| 1 | 2.5 |", "| x | - |",
+                                 "| 3 | 12,346 |"]
+    s = {"a": 100.0, "b": 99.0, "b1": 70.0, "c": 114.0, "d": 80.0}
+    results = {"machine": "m", "throughput": {"epochs": 3, "repeats": 1, "variants": cases.VARIANTS,
+               "rows": [{"model": "mlp-1024", "global_batch": 64, "samples_per_sec": s,
+                         "step_ms": {}}]}}
+    checks = {c[0]: c for c in report.acceptance(results)}
+    assert checks["(b)/(a) throughput"][2:] == (0.99, 0.97, True)
+    assert checks["(c)/(d) throughput"][4] is True                 # 1.425
+    assert checks["(c) / 2x(b, 1 thread): scaling efficiency"][4] is False  # 114 / 140
+    assert "| mlp-1024 | 64 |" in report.markdown(results, "cmd")
+
+
+def test_timeline_summary(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text('[{"ph": "B", "name": "NEGOTIATE", "ts": 0, "pid": 1},'
+                    '{"ph": "E", "ts": 1500, "pid": 1},'
+                    '{"ph": "B", "name": "ALLREDUCE", "ts": 2000, "pid": 1},'
+                    '{"ph": "E", "ts": 2500, "pid": 1},')  # unterminated, as Horovod leaves it
+    summary = cases.summarize_timeline(str(path))
+    assert summary["seconds"] == {"NEGOTIATE": 0.0015, "ALLREDUCE": 0.0005}
+
+
+def test_horovod_defaults_respect_the_user(monkeypatch):
+    monkeypatch.setattr(distributed, "usable_cores", lambda: 2)
+    environ = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert distributed._horovod_defaults(environ) == {
+        "HOROVOD_CYCLE_TIME": "0.1", "OMPI_MCA_mpi_yield_when_idle": "1"}
+    user = {"HOROVOD_CYCLE_TIME": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
+    assert distributed._horovod_defaults(user) == {} and user["HOROVOD_CYCLE_TIME"] == "5"
+
+
+def test_tiny_allreduce_case_through_the_real_launchers(tmp_path):
+    """memcpy, hvd.allreduce under horovodrun --mpi and --gloo, mpi4py under mpirun."""
+    out = tmp_path / "out"
+    env = clean_env(tmp_path / "home")
+    proc = run([sys.executable, "-m", "hvdtrain.bench", "--quick", "--cases", "allreduce",
+                "--sizes", "4096,65536", "--out", str(out)], env, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    series = results["allreduce"]["series"]
+    assert set(series) == {"memcpy", "hvd_mpi", "hvd_gloo", "mpi4py"}
+    for rows in series.values():
+        assert [r["bytes"] for r in rows] == [4096, 65536]
+        assert all(r["seconds"] > 0 and r["busbw"] > 0 for r in rows)
+    assert "hvd.allreduce (MPI) busbw / mpi4py" not in (out / "results.md").read_text()  # < 4 MiB
+    assert (out / "bench_allreduce.png").stat().st_size > 1000
