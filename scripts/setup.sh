@@ -63,7 +63,7 @@ if [[ ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
         tf_pin=$(grep -o '"tensorflow==[0-9.]*"' "$root/setup.py" | tr -d '"')
         pip install "tensorflow[and-cuda]==${tf_pin#tensorflow==}"
     fi
-    pip install -e "${root}[mpi,test]"
+    pip install -e "${root}[mpi,test,bench]"
     echo "$want" >"$stamp"
 fi
 
