@@ -20,6 +20,17 @@ def elastic_cmd(np, run_dir):
             "--run-dir", str(run_dir), *ARGS]
 
 
+def run_with(cmd, env, action):
+    """Start the elastic job, do ``action()`` to it while it runs, wait for it to end."""
+    proc = start(cmd, env)
+    try:
+        action()
+        return finish(proc, 240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def epochs_logged(run_dir):
     return [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
 
@@ -29,17 +40,15 @@ def test_killed_worker_survivor_finishes_from_last_commit(env, tmp_path):
     hosts.write_text("localhost:1\n127.0.0.1:1\n")  # two names: a failure blacklists one
     env = dict(env, HVDTRAIN_HOSTS_FILE=str(hosts))
     run_dir = tmp_path / "run"
-    proc = start(elastic_cmd(2, run_dir), env)
-    try:
-        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(run_dir))), 90)
+    def kill_one():
+        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(run_dir))),
+                        90)
         # Two epochs logged: the commit at the end of the first is certainly made.
         assert pids and wait_for(lambda: (run_dir / "metrics.jsonl").exists() and
                                  len(epochs_logged(run_dir)) >= 2, 90)
         os.kill(pids[1], signal.SIGKILL)
-        rc, out, err = finish(proc, 240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+
+    rc, out, err = run_with(elastic_cmd(2, run_dir), env, kill_one)
     assert rc == 0, err
     r = result(run_dir)
     assert r["world_size"] == 1 and r["epochs"] == EPOCHS
@@ -59,14 +68,12 @@ def test_added_worker_joins_and_the_run_finishes_with_two(env, tmp_path):
     hosts.write_text("localhost:1\n")
     env = dict(env, HVDTRAIN_HOSTS_FILE=str(hosts))
     run_dir = tmp_path / "run"
-    proc = start(elastic_cmd(1, run_dir), env)
-    try:
+
+    def add_one():
         assert wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 90)
         hosts.write_text("localhost:1\n127.0.0.1:1\n")
-        rc, out, err = finish(proc, 240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+
+    rc, out, err = run_with(elastic_cmd(1, run_dir), env, add_one)
     assert rc == 0, err
     r = result(run_dir)
     assert r["world_size"] == 2 and r["global_batch_size"] == 10
