@@ -8,16 +8,18 @@ import sys
 from conftest import HOROVODRUN, ROOT, finish, module_cmd, rank_pids, result, run, start, wait_for
 
 EPOCHS, COMMIT = 10, 20
-ARGS = ["--batch-size", "5", "--epochs", str(EPOCHS), "--learning-rate", "0.0005",
-        "--commit-every", str(COMMIT), "--verbose", "2"]
+# A joining worker needs a few seconds (start, import TensorFlow, sync) and one worker
+# trains 10 epochs in about that: the join test trains long enough for it to arrive.
+JOIN_EPOCHS = 30
 
 
-def elastic_cmd(np, run_dir):
+def elastic_cmd(np, run_dir, epochs=EPOCHS):
     # --network-interface lo: without it the driver waits for a second NIC forever.
     return [HOROVODRUN, "-np", str(np), "--min-np", "1", "--max-np", "2",
             "--host-discovery-script", os.path.join(ROOT, "scripts", "discover_hosts.sh"),
             "--network-interface", "lo", sys.executable, "-m", "hvdtrain.linear", "--elastic",
-            "--run-dir", str(run_dir), *ARGS]
+            "--run-dir", str(run_dir), "--batch-size", "5", "--epochs", str(epochs),
+            "--learning-rate", "0.0005", "--commit-every", str(COMMIT), "--verbose", "2"]
 
 
 def run_with(cmd, env, action):
@@ -73,12 +75,12 @@ def test_added_worker_joins_and_the_run_finishes_with_two(env, tmp_path):
         assert wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 90)
         hosts.write_text("localhost:1\n127.0.0.1:1\n")
 
-    rc, out, err = run_with(elastic_cmd(1, run_dir), env, add_one)
+    rc, out, err = run_with(elastic_cmd(1, run_dir, JOIN_EPOCHS), env, add_one)
     assert rc == 0, err
     r = result(run_dir)
     assert r["world_size"] == 2 and r["global_batch_size"] == 10
     logged = epochs_logged(run_dir)
-    assert [e["epoch"] for e in logged] == list(range(1, EPOCHS + 1))
+    assert [e["epoch"] for e in logged] == list(range(1, JOIN_EPOCHS + 1))
     assert logged[0]["world_size"] == 1 and logged[-1]["world_size"] == 2
 
 
