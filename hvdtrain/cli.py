@@ -2,7 +2,8 @@
 
 Exit status: 0 trained; 1 a runtime failure (data file, checkpoint, a failed or frozen
 rank, the launcher, Keras); 2 a bad command line or setting; 75 preempted by SIGTERM after
-saving a checkpoint (run the same command again to resume). Nothing is written before the settings are validated.
+saving a checkpoint (run the same command again to resume). Nothing is written before
+the settings are validated.
 """
 import sys
 

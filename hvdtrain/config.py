@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Tuple
 
@@ -134,9 +132,6 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
 
 # The seed documents' numbers, per task.
 PRESETS = {
@@ -218,11 +213,4 @@ def parse_args(task: str, argv: Optional[Sequence[str]] = None) -> Config:
         return Config(task=task, **values).validate()
     except ConfigError as e:
         parser.error(str(e))
-
-
-def die(prog: str, message: str, status: int = 1):
-    """Print one error line to stderr and exit (no traceback)."""
-    sys.stderr.write(f"{prog}: error: {message}\n")
-    sys.stderr.flush()
-    sys.exit(status)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -156,7 +156,12 @@ class HorovodWorld(World):
 
         state = TensorFlowKerasState(model, optimizer, **progress)
         state.register_reset_callbacks([self._refresh])
-        return self.hvd.elastic.run(lambda s: (self._refresh(), body(s))[1])(state)
+
+        def run(state):
+            self._refresh()  # a new worker's first call, and every call after a reset
+            return body(state)
+
+        return self.hvd.elastic.run(run)(state)
 
     def wrap_optimizer(self, optimizer):
         # Horovod: average gradients over all ranks with ring-allreduce before each update,

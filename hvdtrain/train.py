@@ -169,8 +169,9 @@ class _Run:
             # Horovod: the wrapped optimizer's compute_gradients averages over all ranks.
             optimizer.minimize(loss, model.trainable_variables, tape=tape)
             self.sums.assign_add(step_sums)
-            # Horovod fuses this one-number allreduce with the gradients': any rank's
-            # SIGTERM becomes every rank's decision at this same step.
+            # A one-number allreduce: any rank's SIGTERM becomes every rank's decision at
+            # this same step. (Being ready before the gradients, it costs Horovod a
+            # negotiation round of its own: see docs/PERFORMANCE.md.)
             return world.sum_in_graph(stop)
 
         self.train_step = train_step

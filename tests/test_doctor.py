@@ -130,9 +130,9 @@ def test_tensorflow_2_19(tmp_path):
     p, problems, fixes = doctor(env)
     assert p.returncode == 1, p.stdout + p.stderr
     assert len(problems) == 1 and "TensorFlow 2.19.0" in problems[0]
-    assert fixes == [f"fix: pip install tensorflow==2.18.1, then pip uninstall -y horovod && "
-                     f"scripts/setup.sh (recompiles horovod against this TensorFlow with "
-                     f"HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)"]
+    assert fixes == ["fix: pip install tensorflow==2.18.1, then pip uninstall -y horovod && "
+                     "scripts/setup.sh (recompiles horovod against this TensorFlow with "
+                     "HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)"]
 
 
 @pytest.mark.parametrize("flag", ["0", "false"])
