@@ -1,9 +1,9 @@
 """hvdtrain: synchronous data-parallel SGD for TensorFlow, with Horovod.
 
 The pins are the combination measured to build and train (see README, "Supported
-versions"): Horovod 0.28.1 is the last release and compiles only against
-TensorFlow <= 2.18; Keras 3 (TensorFlow's default since 2.16) breaks Horovod's
-optimizer wrapper, so Keras 2 comes from tf-keras.
+versions"): Horovod 0.28.1 is the last release; scripts/setup.sh compiles it against
+TensorFlow 2.21 with one small patch (scripts/patches/). Keras 3 is the default;
+tf-keras gives Keras 2 to users who set TF_USE_LEGACY_KERAS=1.
 
 Horovod is an extra, not a hard requirement: it is compiled against the
 TensorFlow already installed (``pip install --no-build-isolation``, which
@@ -13,7 +13,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="hvdtrain",
-    version="0.1.0",
+    version="0.2.0",
     description="Horovod-backed synchronous data-parallel training for TensorFlow",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -22,17 +22,19 @@ setup(
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
     package_data={"hvdtrain": ["resources/*.gz", "resources/*.md"]},
     install_requires=[
-        # 2.19+ fails Horovod 0.28.1's build (xla_mpi_ops.cc includes headers the wheel
-        # lacks); 2.18.1 is the newest that builds and trains. The plain "tensorflow" wheel
-        # (not tensorflow-cpu): tf-keras requires it by that name, and it runs on CPU; GPUs
-        # come with the "and-cuda" extra (scripts/setup.sh with HVDTRAIN_GPU=1).
-        "tensorflow==2.18.1",
-        # Keras 2 for TF 2.18; Keras 3 fails at Horovod's first step.
-        "tf-keras==2.18.0",
-        # Keras 3 stays installed (TensorFlow requires it; horovod.tensorflow.keras imports
-        # its backend module): capped at the newest release seen to import with TF 2.18.
-        "keras>=3.5,<3.16",
-        "numpy>=1.26,<2.1",
+        # Horovod 0.28.1 compiles against 2.21 once its XLA ops are left out (setup.sh applies
+        # scripts/patches/horovod-0.28.1-no-xla-ops.patch). The plain "tensorflow" wheel (not
+        # tensorflow-cpu): tf-keras requires it by that name, and it runs on CPU; GPUs come
+        # with the "and-cuda" extra (scripts/setup.sh with HVDTRAIN_GPU=1).
+        "tensorflow==2.21.0",
+        # Keras 3, the default: the version TensorFlow 2.21 resolved to when measured.
+        "keras==3.15.1",
+        # Keras 2 for users who set TF_USE_LEGACY_KERAS=1 (the same release as TensorFlow).
+        "tf-keras==2.21.0",
+        # TensorFlow 2.21 no longer brings TensorBoard, which tf.summary needs for the run
+        # directory's event files.
+        "tensorboard==2.21.0",
+        "numpy>=1.26,<2.5",
     ],
     extras_require={
         # Built from source against the installed TensorFlow: see scripts/setup.sh.

@@ -76,8 +76,15 @@ class World:
         """Rank 0 owns printing, files, checkpoints: the seeds' chief worker."""
         return self.rank == 0
 
-    def wrap_optimizer(self, optimizer):
+    def wrap_optimizer(self, optimizer, op: str = "average", compression: str = "none",
+                       gradient_predivide_factor: float = 1.0):
+        """One process: the optimizer as it is (there is nothing to average)."""
+        _reduction(op, compression, gradient_predivide_factor)  # the same errors everywhere
         return optimizer
+
+    def allreduce_gradients(self, grads, op="average", compression="none",
+                            gradient_predivide_factor=1.0) -> list:
+        return list(grads)
 
     def broadcast_variables(self, variables) -> None:
         pass
@@ -131,9 +138,9 @@ class World:
 class HorovodWorld(World):
     backend = "horovod"
 
-    def __init__(self, hvd, hvd_keras):
+    def __init__(self, hvd):
         super().__init__()
-        self.hvd, self.hvd_keras = hvd, hvd_keras
+        self.hvd = hvd
         # Elastic worlds change size after compilation: they always take the collective path.
         self.elastic = bool(int(os.environ.get("HOROVOD_ELASTIC", "0") or 0))
         self._refresh()
@@ -145,16 +152,14 @@ class HorovodWorld(World):
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "?"
 
-    def run_elastic(self, model, optimizer, body, **progress):
+    def run_elastic(self, variables, body, **progress):
         """Run ``body(state)`` under Horovod's elastic driver; ``state`` is the Progress.
 
-        The driver syncs rank 0's variables and progress to every worker at each (re)start,
-        rolls back to the last ``commit()`` when a worker fails, and calls ``body`` again
-        with the new world.
+        The driver syncs rank 0's ``variables`` and progress to every worker at each
+        (re)start, rolls back to the last ``commit()`` when a worker fails, and calls ``body``
+        again with the new world.
         """
-        from horovod.tensorflow.elastic import TensorFlowKerasState
-
-        state = TensorFlowKerasState(model, optimizer, **progress)
+        state = _elastic_state(self.hvd, variables, progress)
         state.register_reset_callbacks([self._refresh])
 
         def run(state):
@@ -163,14 +168,61 @@ class HorovodWorld(World):
 
         return self.hvd.elastic.run(run)(state)
 
-    def wrap_optimizer(self, optimizer):
+    def wrap_optimizer(self, optimizer, op: str = "average", compression: str = "none",
+                       gradient_predivide_factor: float = 1.0):
         # Horovod: average gradients over all ranks with ring-allreduce before each update,
         # the synchronous update SyncReplicasOptimizer made.
-        return self.hvd_keras.DistributedOptimizer(optimizer)
+        from hvdtrain import compat
+
+        op, compression = _reduction(op, compression, gradient_predivide_factor, self.hvd)
+        if not compat.is_keras3():
+            # Keras 2: Horovod's own wrapper (it averages in minimize/get_gradients).
+            import horovod.tensorflow.keras as hvd_keras
+
+            return hvd_keras.DistributedOptimizer(
+                optimizer, op=op, compression=compression,
+                gradient_predivide_factor=gradient_predivide_factor)
+        # Keras 3: Horovod's wrapper fails ("'Variable' object has no attribute 'ref'");
+        # hvdtrain's averages in apply() with Horovod's grouped allreduce instead.
+        from hvdtrain.optimizer import distribute
+        return distribute(optimizer, lambda grads: self.allreduce_gradients(
+            grads, op, compression, gradient_predivide_factor))
+
+    def allreduce_gradients(self, grads, op="average", compression="none",
+                            gradient_predivide_factor=1.0) -> list:
+        """Average (or sum) gradients over all ranks, inside a compiled step.
+
+        One grouped allreduce: Horovod negotiates and fuses every gradient in one round.
+        None gradients (variables the loss does not reach) stay None; sparse gradients
+        (tf.IndexedSlices, from embeddings) are reduced dense, like Horovod's
+        sparse_as_dense=True.
+        """
+        import tensorflow as tf
+
+        if self.size == 1 and not self.elastic:
+            return list(grads)  # nothing to average; skip the background thread's cycle
+        hvd = self.hvd
+        op, compression = _reduction(op, compression, gradient_predivide_factor, hvd)
+        grads = list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return grads
+        # Horovod: split an average across pre- and post-scaling (as its own wrapper does);
+        # the C++ side divides the postscale by the world size.
+        scale = dict(prescale_factor=1.0 / gradient_predivide_factor,
+                     postscale_factor=gradient_predivide_factor) if op == hvd.Average else {}
+        reduced = hvd.grouped_allreduce([tf.convert_to_tensor(grads[i]) for i in present],
+                                        op=op, compression=compression, **scale)
+        for i, g in zip(present, reduced):
+            grads[i] = g
+        return grads
 
     def broadcast_variables(self, variables) -> None:
-        # Horovod: start every rank from rank 0's state (initial, or restored).
-        self.hvd.broadcast_variables(list(variables), root_rank=0)
+        # Horovod: start every rank from rank 0's state (initial, or restored). Keras 3's
+        # variables wrap the tf.Variables Horovod broadcasts.
+        from hvdtrain.compat import tf_variables
+
+        self.hvd.broadcast_variables(tf_variables(variables), root_rank=0)
 
     def allreduce_sum(self, values: Sequence[float]) -> np.ndarray:
         import tensorflow as tf
@@ -204,12 +256,79 @@ class HorovodWorld(World):
         return f"{self.size} process{'es' if self.size > 1 else ''}, Horovod over {self.controller}"
 
 
+def _elastic_state(hvd, variables, progress):
+    """Horovod elastic state over a list of variables (model and optimizer) plus progress.
+
+    Horovod's TensorFlowKerasState fails under Keras 3 (it calls ``optimizer.variables()``,
+    a list there), and its TensorFlowState broadcasts only once, at construction, in eager
+    mode. This one does what TensorFlowKerasState does, over the tf.Variables behind either
+    Keras: broadcast rank 0's values at every sync, keep a copy at every commit, put it back
+    after a failure.
+    """
+    from horovod.common.elastic import ObjectState
+
+    from hvdtrain.compat import tf_variables
+
+    class VariablesState(ObjectState):
+        def __init__(self):
+            self.variables = tf_variables(variables)
+            self._save_variables()
+            super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **progress)
+
+        def save(self):
+            self._save_variables()
+            super().save()
+
+        def restore(self):
+            for variable, value in zip(self.variables, self._saved):
+                variable.assign(value)
+            super().restore()
+
+        def sync(self):
+            hvd.broadcast_variables(self.variables, root_rank=0)
+            self._save_variables()
+            super().sync()
+
+        def _save_variables(self):
+            self._saved = [v.numpy() for v in self.variables]
+
+    return VariablesState()
+
+
+OPS = ("average", "sum", "adasum")
+COMPRESSIONS = ("none", "fp16")
+
+
+def _reduction(op, compression, gradient_predivide_factor, hvd=None):
+    """Check a gradient reduction's settings; with Horovod, return its (op, compression).
+
+    ``op`` and ``compression`` are names (``"average"``, ``"fp16"``) or Horovod's own
+    objects (``hvd.Average``, ``hvd.Compression.fp16``).
+    """
+    if isinstance(op, str) and op.lower() not in OPS:
+        raise ValueError(f"op={op!r}: choose one of {', '.join(OPS)}")
+    if isinstance(compression, str) and compression.lower() not in COMPRESSIONS:
+        raise ValueError(f"compression={compression!r}: choose one of {', '.join(COMPRESSIONS)}")
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r}: must be > 0")
+    average = op.lower() == "average" if isinstance(op, str) else (
+        hvd is not None and op == hvd.Average)
+    if gradient_predivide_factor != 1.0 and not average:
+        raise ValueError("gradient_predivide_factor applies to op='average' only")
+    if hvd is None:
+        return op, compression
+    if isinstance(op, str):
+        op = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}[op.lower()]
+    if isinstance(compression, str):
+        compression = getattr(hvd.Compression, compression.lower())
+    return op, compression
+
+
 def _import_horovod():
-    """((horovod.tensorflow, horovod.tensorflow.keras), None) or (None, reason)."""
+    """(horovod.tensorflow, None) or (None, reason)."""
     try:
         import horovod.tensorflow as hvd
-        import horovod.tensorflow.keras as hvd_keras
-        return (hvd, hvd_keras), None
+        return hvd, None
     except Exception as e:  # ImportError, or a TF op library built for another TensorFlow
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
@@ -258,6 +377,14 @@ def _horovod_defaults(environ=os.environ) -> dict:
     return chosen
 
 
+_current: Optional[World] = None
+
+
+def current() -> World:
+    """The World ``init()`` made in this process (started with backend auto if none yet)."""
+    return _current if _current is not None else init()
+
+
 def init(backend: str = "auto", num_workers: Optional[int] = None,
          notice: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> World:
     """Start the backend and return this process's World.
@@ -272,8 +399,8 @@ def init(backend: str = "auto", num_workers: Optional[int] = None,
                               f"they would train {launched} independent copies")
         world = World()
     else:
-        modules, why = _import_horovod()
-        if modules is None:
+        hvd, why = _import_horovod()
+        if hvd is None:
             if backend == "horovod" or launched > 1:
                 raise LaunchError(
                     f"horovod cannot be imported ({why}), but "
@@ -286,9 +413,11 @@ def init(backend: str = "auto", num_workers: Optional[int] = None,
             world = World()
         else:
             _horovod_defaults()
-            modules[0].init()
-            world = HorovodWorld(*modules)
+            hvd.init()
+            world = HorovodWorld(hvd)
     _configure_devices(world.local_rank, world.local_size)
+    global _current
+    _current = world
     if num_workers is not None and num_workers != world.size and world.is_chief:
         notice(f"hvdtrain: warning: --num-workers is {num_workers} but the launcher started "
                f"{world.size} process(es); training with world size {world.size}")

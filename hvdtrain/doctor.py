@@ -3,11 +3,11 @@
     python -m hvdtrain.doctor          # a report; exit 0 if all is well
     python -m hvdtrain.doctor --json   # the same, machine-readable
 
-It reports Python, TensorFlow, the Keras that ``tf.keras`` resolves to, tf_keras, Horovod
-(what it was built with), the MPI library, the GPUs TensorFlow sees and the launchers, and
-recognises the known bad combinations. Exit 1 prints one ``problem:`` and one ``fix:`` line
-per problem. Importing the ``hvdtrain`` package (``python -m`` does) sets
-TF_USE_LEGACY_KERAS=1 first, as training does, so tf.keras resolves the way it will there.
+It reports Python, TensorFlow, the Keras hvdtrain will train with (Keras 3 by default,
+Keras 2 from tf_keras under TF_USE_LEGACY_KERAS=1, decided as training decides it),
+Horovod (what it was built with, and the hvdtrain patches its build carries), the MPI
+library, the GPUs TensorFlow sees and the launchers, and recognises the known bad
+combinations. Exit 1 prints one ``problem:`` and one ``fix:`` line per problem.
 """
 import argparse
 import importlib.metadata
@@ -17,11 +17,10 @@ import shutil
 import subprocess
 import sys
 
-import hvdtrain  # noqa: F401  (selects Keras 2 before tensorflow is imported)
-
 SETUP = "scripts/setup.sh"
 REBUILD = (f"pip uninstall -y horovod && {SETUP} (recompiles horovod against this "
-           "TensorFlow with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)")
+           "TensorFlow with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 and scripts/patches/ applied)")
+PATCH_MARKER = "hvdtrain_patches.txt"  # written into horovod/ by scripts/setup.sh
 BUILT = {"mpi": "MPI", "gloo": "Gloo", "nccl": "NCCL", "ddl": "DDL", "ccl": "CCL",
          "cuda": "CUDA", "rocm": "ROCm"}  # horovod.tensorflow's NAME_built() -> label
 
@@ -52,41 +51,33 @@ def diagnose():
     try:
         import tensorflow as tf
         report["tensorflow"] = {"version": tf.__version__}
-        major, minor = (int(p) for p in tf.__version__.split(".")[:2])
-        if (major, minor) >= (2, 19):
-            problem(f"TensorFlow {tf.__version__}: Horovod 0.28.1 does not build against "
-                    "TensorFlow >= 2.19 (xla_mpi_ops.cc)",
-                    f"pip install tensorflow==2.18.1, then {REBUILD}")
     except Exception as e:
         report["tensorflow"] = {"version": None, "error": _why(e)}
         problem(f"tensorflow cannot be imported ({_why(e)})", SETUP)
 
+    from hvdtrain import compat
     report["tf_keras"] = {"version": _version("tf_keras")}
-    if report["tf_keras"]["version"] is None:
-        problem("tf_keras (Keras 2) is not installed; Horovod 0.28.1 needs it",
-                f"{SETUP} (or pip install tf-keras==2.18.0)")
+    keras = report["keras"] = {"TF_USE_LEGACY_KERAS": os.environ.get("TF_USE_LEGACY_KERAS"),
+                               "KERAS_BACKEND": os.environ.get("KERAS_BACKEND"),
+                               "module": None, "version": None}
     if tf is not None:
-        flag = os.environ.get("TF_USE_LEGACY_KERAS")
         try:
-            active = tf.keras.__name__
-        except Exception as e:  # tf.keras itself failed to load
-            active = f"unavailable ({_why(e)})"
-        legacy = active.startswith("tf_keras")
-        report["keras"] = {"tf.keras": active, "TF_USE_LEGACY_KERAS": flag,
-                           "version": report["tf_keras"]["version"] if legacy
-                           else _version("keras")}
-        from hvdtrain import compat
-        try:
-            compat.keras()
+            k = compat.keras()
+            keras.update(module=k.__name__, version=k.__version__)
         except compat.KerasVersionError as e:
-            problem(f"Keras 3 is active (tf.keras is {active}, TF_USE_LEGACY_KERAS={flag!r}): "
-                    "Horovod fails at its first step with \"'Variable' object has no "
-                    f"attribute 'ref'\" [{e}]",
-                    "export TF_USE_LEGACY_KERAS=1 (or unset it) and import hvdtrain before "
-                    "tensorflow; build models with tf_keras")
-        except ImportError as e:
-            if report["tf_keras"]["version"] is not None:
-                problem(f"tf_keras does not import ({_why(e)})", SETUP)
+            problem(f"the Keras hvdtrain would use cannot train: {e}",
+                    "unset KERAS_BACKEND and TF_USE_LEGACY_KERAS for Keras 3 (the default), "
+                    f"or {SETUP} for tf_keras")
+        try:
+            keras["tf.keras"] = tf.keras.__name__
+        except Exception as e:  # tf.keras itself failed to load
+            keras["tf.keras"] = f"unavailable ({_why(e)})"
+        tf_minor = ".".join(tf.__version__.split(".")[:2])
+        tk = report["tf_keras"]["version"]
+        if compat.legacy_requested() and tk and not tk.startswith(tf_minor + "."):
+            problem(f"TF_USE_LEGACY_KERAS=1 with tf_keras {tk} on TensorFlow {tf.__version__}: "
+                    "tf_keras must be the same release as TensorFlow",
+                    f"pip install tf-keras=={tf_minor}.* (or {SETUP})")
 
     # --- Horovod ---------------------------------------------------------------------------
     hvd_report = report["horovod"] = {"version": None}
@@ -103,14 +94,20 @@ def diagnose():
             hvd_report["frameworks"] = ["tensorflow"]
             hvd_report["built"] = {name: bool(getattr(hvd, f"{name}_built")())
                                    for name in BUILT}
+            marker = os.path.join(os.path.dirname(horovod.__file__), PATCH_MARKER)
+            hvd_report["patches"] = ([line.split()[-1] for line in open(marker)]
+                                     if os.path.exists(marker) else [])
             missing = [BUILT[n] for n in ("mpi", "gloo") if not hvd_report["built"][n]]
             if missing:
                 problem(f"horovod {horovod.__version__} was built without "
                         f"{' and '.join(missing)}", REBUILD)
         except Exception as e:
             hvd_report["error"] = _why(e)
-            problem(f"horovod.tensorflow cannot be imported ({_why(e)}): horovod "
-                    "was built against another TensorFlow, or without TensorFlow", REBUILD)
+            if keras["module"] is None and tf is not None:
+                pass  # horovod.tensorflow imports Keras: the Keras problem above is the cause
+            else:
+                problem(f"horovod.tensorflow cannot be imported ({_why(e)}): horovod "
+                        "was built against another TensorFlow, or without TensorFlow", REBUILD)
 
     # --- MPI, GPUs, launchers --------------------------------------------------------------
     try:
@@ -151,16 +148,17 @@ def render(report, problems) -> str:
     tfv, keras, hv, mpi = (report.get(k, {}) for k in ("tensorflow", "keras", "horovod", "mpi"))
     lines = [_line("python", f"{report['python']['version']} ({report['python']['executable']})"),
              _line("tensorflow", tfv.get("version") or tfv.get("error")),
-             _line("keras", f"tf.keras is {keras.get('tf.keras')} {keras.get('version') or ''}"
-                   f" (TF_USE_LEGACY_KERAS={keras.get('TF_USE_LEGACY_KERAS')})"
-                   if keras else "-"),
+             _line("keras", f"{keras.get('module') or 'unusable'} {keras.get('version') or ''} "
+                   f"(tf.keras is {keras.get('tf.keras')}; TF_USE_LEGACY_KERAS="
+                   f"{keras.get('TF_USE_LEGACY_KERAS')}, KERAS_BACKEND={keras.get('KERAS_BACKEND')})"),
              _line("tf_keras", report["tf_keras"]["version"] or "not installed")]
     if "built" in hv:
         def on(names):
             return ", ".join(BUILT[n] for n in names if hv["built"][n]) or "none"
         lines.append(_line("horovod", f"{hv['version']}: frameworks {', '.join(hv['frameworks'])};"
                            f" controllers {on(('mpi', 'gloo'))}; tensor operations "
-                           f"{on(('nccl', 'ddl', 'ccl', 'mpi', 'gloo'))}; GPU {on(('cuda', 'rocm'))}"))
+                           f"{on(('nccl', 'ddl', 'ccl', 'mpi', 'gloo'))}; GPU {on(('cuda', 'rocm'))}; "
+                           f"hvdtrain patches: {', '.join(hv['patches']) or 'none'}"))
     else:
         lines.append(_line("horovod", f"{hv.get('version') or '-'} ({hv.get('error')})"))
     lines.append(_line("mpi", mpi.get("library") or f"unknown ({mpi.get('error')})"))

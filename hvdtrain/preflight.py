@@ -8,6 +8,7 @@ every rank, naming the ranks and the differing values.
 from __future__ import annotations
 
 from hvdtrain import distributed
+from hvdtrain.compat import variable_name
 
 # Settings that may differ per rank without changing the run (paths, chattiness).
 LOCAL_SETTINGS = ("run_dir", "data_dir", "verbose", "download")
@@ -26,7 +27,8 @@ def facts(world, config, model, steps: int, data) -> dict:
     out = {"version.hvdtrain": hvdtrain.__version__, "version.tensorflow": tf.__version__}
     out.update({f"version.{k}": v for k, v in world.versions().items()})
     out.update({f"setting.{k}": v for k, v in config.to_dict().items() if k not in LOCAL_SETTINGS})
-    out["model.variables"] = [(v.name, tuple(v.shape), v.dtype.name) for v in model.variables]
+    out["model.variables"] = [(variable_name(v), tuple(v.shape), str(getattr(v.dtype, "name", v.dtype)))
+                              for v in model.variables]
     out["data.train_examples"] = len(data.x_train)
     out["data.test_examples"] = 0 if data.x_test is None else len(data.x_test)
     out["steps_per_epoch"] = steps

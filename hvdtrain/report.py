@@ -60,6 +60,11 @@ class Reporter:
     def verbose(self) -> int:
         return self._verbose if self.enabled else 0
 
+    @property
+    def interactive(self) -> bool:
+        """Standard output is a terminal (a live progress bar is worth drawing)."""
+        return sys.stdout.isatty()
+
     def print(self, message: str, level: int = 1) -> None:
         if self.verbose >= level:
             print(message, flush=True)

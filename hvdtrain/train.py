@@ -6,6 +6,7 @@ a SIGTERM that stops every rank at the same step boundary, and the peer watchdog
 """
 from __future__ import annotations
 
+import hashlib
 import signal
 import time
 from typing import Optional
@@ -40,14 +41,14 @@ def train(task: Task, config: Config, world: Optional[distributed.World] = None)
     Rank 0 prints and writes the run directory. Raises ConfigError, DataError,
     distributed.LaunchError / RankError, compat.KerasVersionError, or Preempted.
     """
-    compat.keras()  # fail early, with one line, if Keras 3 is active
+    compat.keras()  # fail early, with one line, if the Keras in use cannot train here
     config.validate()
     world = world or distributed.init(config.backend, config.num_workers)
     # Elastic runs survive a lost worker by design: Horovod's driver, not the watchdog, acts.
     dog = Watchdog(world, 0 if config.elastic else config.peer_timeout).start()
     try:
         result = _Run(task, config, world, dog).run()
-    except (ConfigError, distributed.RankError, Preempted):
+    except (ConfigError, distributed.RankError, Preempted, compat.KerasVersionError):
         dog.close()  # every rank raised the same error; nobody waits for anyone
         raise
     except BaseException as e:
@@ -84,6 +85,7 @@ class _Run:
 
         keras.utils.set_random_seed(config.seed)  # rank 0's init wins anyway (broadcast below)
         self.model = task.build_model(config)
+        compat.check_model(self.model, f"{type(task).__name__}.build_model")
         self.lr = config.learning_rate * (world.size if config.scale_lr else 1)
         self.optimizer = world.wrap_optimizer(
             keras.optimizers.SGD(learning_rate=self.lr, momentum=config.momentum))
@@ -102,7 +104,7 @@ class _Run:
                 # Horovod: the driver broadcasts rank 0's variables and progress at every
                 # (re)start, restores the last commit after a failure, and re-runs _train.
                 fields = progress or {}
-                return world.run_elastic(self.model, self.optimizer, self._train,
+                return world.run_elastic(self.variables[:-1], self._train,
                                          **{k: fields.get(k) for k in PROGRESS_FIELDS})
             self._preflight()  # before the broadcast, which mismatched shapes would break
             # Horovod: every rank starts from rank 0's state, initial or restored.
@@ -166,8 +168,8 @@ class _Run:
                 pred = model(x, training=True)
                 per_example, step_sums = self.scores(y, pred)
                 loss = tf.reduce_mean(per_example)
-            # Horovod: the wrapped optimizer's compute_gradients averages over all ranks.
-            optimizer.minimize(loss, model.trainable_variables, tape=tape)
+            # Horovod: the wrapped optimizer averages the gradients over all ranks.
+            compat.minimize(optimizer, tape, loss, model.trainable_variables)
             self.sums.assign_add(step_sums)
             # A one-number allreduce: any rank's SIGTERM becomes every rank's decision at
             # this same step. (Being ready before the gradients, it costs Horovod a
@@ -238,7 +240,7 @@ class _Run:
                 "world_size": self.world.size, "run": self.config.to_dict(), "time": time.time(),
                 "last_record": self.last_record}
         arrays = [v.numpy() for v in self.variables[:-1]] + [np.asarray(partial)]
-        checkpoint.save(self.ckpt_dir, arrays, [v.name for v in self.variables], meta,
+        checkpoint.save(self.ckpt_dir, arrays, [compat.variable_name(v) for v in self.variables], meta,
                         self.config.keep_checkpoints)
 
     def _commit(self, progress) -> None:
@@ -265,7 +267,9 @@ class _Run:
             plan = epoch_plan(len(self.data.x_train), self.batch, world.rank, world.size,
                               config.seed, epoch)[first:]
             bar = None
-            if out.verbose == 1 and self.task.progress_bar:
+            # Keras 3's bar always draws with terminal escapes: in a pipe or log (horovodrun,
+            # SLURM) print one line per epoch instead, as Keras 2's bar did there.
+            if out.verbose == 1 and self.task.progress_bar and out.interactive:
                 out.print(f"Epoch {epoch + 1}/{config.epochs}")
                 bar = keras.utils.Progbar(self.steps, stateful_metrics=names + ["samples/s"])
             # Each step adds exactly one to optimizer.iterations: count in Python instead of
@@ -320,15 +324,34 @@ class _Run:
             "global_step": int(self.optimizer.iterations.numpy()), "epochs": config.epochs,
             "batch_size": self.batch, "global_batch_size": self.batch * world.size,
             "learning_rate": self.lr, "train_examples": len(data.x_train),
+            "keras": f"{compat.keras().__name__} {compat.keras().__version__}",
             "final_loss": last["loss"], **{f"final_{k}": last[k] for k in self.metric_fns},
             **data.info,
         }
         if data.x_test is not None:
             result.update(self._evaluate())
         result.update(self.task.summarize(self.model))
+        result.update(self._weights_agree())
         self.out.result(result)
         self.out.print(self.task.format_result(result), level=1)
         return result
+
+    def _weights_agree(self) -> dict:
+        """Every rank must end with the same weights (synchronous updates): compare digests.
+
+        A difference would mean the ranks trained different models, and rank 0's file would
+        silently speak for one of them: say so instead.
+        """
+        digest = hashlib.sha256()
+        for v in self.model.weights:
+            digest.update(np.ascontiguousarray(v.numpy()).tobytes())
+        digests = self.world.allgather_object(digest.hexdigest())
+        agree = len(set(digests)) == 1
+        if not agree:
+            differ = [r for r, d in enumerate(digests) if d != digests[0]]
+            self.out.notice(f"hvdtrain: warning: the weights of rank(s) {differ} differ from "
+                            "rank 0's after training; result.json holds rank 0's")
+        return {"weights_sha256": digests[0], "ranks_identical": agree}
 
     def _evaluate(self) -> dict:
         """Loss and metrics over the whole test set: each rank scores its part, sums combine."""

@@ -77,7 +77,12 @@ import horovod.tensorflow as hvd  # fails if built against another TensorFlow
 assert hvd.mpi_built() and hvd.gloo_built()
 assert sys.argv[2] != "1" or hvd.nccl_built(), "no NCCL"
 PY
+    # ... and it is the build of today's patches (a changed patch rebuilds).
+    local marker
+    marker=$("$venv/bin/python" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("horovod").origin))')/hvdtrain_patches.txt
+    [[ -f "$marker" && "$(cat "$marker")" == "$(patch_sums)" ]]
 }
+patch_sums() { (cd "$root/scripts/patches" && sha1sum horovod-"$horovod_version"-*.patch); }
 if ! horovod_ok; then
     log "compiling horovod $horovod_version against TensorFlow (a few minutes on 2 cores)"
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
@@ -85,12 +90,26 @@ if ! horovod_ok; then
     MAKEFLAGS="-j$(nproc)"
     export MAKEFLAGS
     if [[ "$gpu" == 1 ]]; then export HOROVOD_GPU_OPERATIONS=${HOROVOD_GPU_OPERATIONS:-NCCL}; fi
+    # PyPI's sdist, patched: 0.28.1 does not compile against TensorFlow 2.19+ as released
+    # (each patch says why in its header). No fork and no vendored copy: the patches are all.
+    build=$(mktemp -d)
+    trap 'rm -rf "$build"' EXIT
+    pip download --no-deps --no-binary :all: --no-cache-dir -d "$build" "horovod==$horovod_version"
+    tar -xzf "$build/horovod-$horovod_version.tar.gz" -C "$build"
+    src="$build/horovod-$horovod_version"
+    for p in "$root"/scripts/patches/horovod-"$horovod_version"-*.patch; do
+        log "applying ${p#"$root"/}"
+        (cd "$src" && git apply -p1 "$p") || die "$p does not apply to horovod $horovod_version"
+    done
     # --no-build-isolation: Horovod must compile against the TensorFlow in this venv.
     # --no-cache-dir: a wheel cached from another TensorFlow would import and then crash.
     # An installed horovod that failed the check (another TensorFlow, no MPI) would satisfy
     # the pin and never be rebuilt: remove it first.
     pip uninstall -y horovod >/dev/null 2>&1 || true
-    pip install --no-build-isolation --no-cache-dir "horovod==$horovod_version"
+    pip install --no-build-isolation --no-cache-dir "$src"
+    # Mark the build as hvdtrain's patched one: the doctor reports which patches it carries.
+    hvd_dir=$("$venv/bin/python" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("horovod").origin))')
+    patch_sums >"$hvd_dir/hvdtrain_patches.txt"
 fi
 
 # --- verify -------------------------------------------------------------------------

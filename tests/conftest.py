@@ -14,6 +14,7 @@ import pytest
 BIN = os.path.dirname(sys.executable)
 HOROVODRUN = os.path.join(BIN, "horovodrun")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERAS2 = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
 NOISE = ("cuda", "absl::", "E0000", "cpu_feature_guard", "oneDNN", "AVX", "cuInit",
          "rebuild TensorFlow")
 
@@ -23,8 +24,12 @@ def clean_env(home, **extra):
     # No Keras cache, no download attempt: tests never depend on this machine's state.
     env.update(HOME=str(home), PATH=BIN + os.pathsep + env.get("PATH", ""),
                PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
-    for name in ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE", "TF_USE_LEGACY_KERAS"):
+    for name in ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE", "KERAS_BACKEND"):
         env.pop(name, None)
+    # Keras 3 unless this pytest runs the Keras 2 pass (TF_USE_LEGACY_KERAS=1 pytest -m keras2,
+    # which scripts/test.sh does): its children then train on tf_keras too.
+    if not KERAS2:
+        env.pop("TF_USE_LEGACY_KERAS", None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -59,6 +64,11 @@ def launch(launcher, np, task, *args):
 def result(run_dir):
     with open(os.path.join(run_dir, "result.json")) as f:
         return json.load(f)
+
+
+def keras_flavour():
+    """The Keras the tests' children train with: "keras" (3) or "tf_keras" (2)."""
+    return "tf_keras" if KERAS2 else "keras"
 
 
 @pytest.fixture

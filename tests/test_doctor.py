@@ -54,10 +54,12 @@ def test_this_machine_is_well(env):
     r = json.loads(p.stdout)
     assert r["ok"] is True and r["problems"] == []
     assert r["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
-    assert r["tensorflow"]["version"] == "2.18.1"
-    assert r["keras"]["tf.keras"].startswith("tf_keras") and r["keras"]["version"].startswith("2.")
-    assert r["keras"]["TF_USE_LEGACY_KERAS"] == "1"  # set by importing hvdtrain
-    assert r["tf_keras"]["version"].startswith("2.18")
+    assert r["tensorflow"]["version"] == "2.21.0"
+    # Keras 3 by default: hvdtrain no longer sets TF_USE_LEGACY_KERAS.
+    assert r["keras"]["module"] == "keras" and r["keras"]["version"].startswith("3.")
+    assert r["keras"]["tf.keras"].startswith("keras") and r["keras"]["TF_USE_LEGACY_KERAS"] is None
+    assert r["tf_keras"]["version"].startswith("2.21")
+    assert r["horovod"]["patches"] == ["horovod-0.28.1-no-xla-ops.patch"]
     assert r["horovod"]["version"] == "0.28.1" and r["horovod"]["frameworks"] == ["tensorflow"]
     assert r["horovod"]["built"]["mpi"] is True and r["horovod"]["built"]["gloo"] is True
     assert set(r["horovod"]["built"]) == {"mpi", "gloo", "nccl", "ddl", "ccl", "cuda", "rocm"}
@@ -71,7 +73,9 @@ def test_text_report(env):
     assert p.returncode == 0 and (problems, fixes) == ([], [])
     out = p.stdout.splitlines()
     assert out[-1] == "all good"
-    assert any(l.split()[:2] == ["tensorflow", "2.18.1"] for l in out)
+    assert any(l.split()[:2] == ["tensorflow", "2.21.0"] for l in out)
+    assert any(l.split()[:2] == ["keras", "keras"] and l.split()[2].startswith("3.") for l in out)
+    assert any("hvdtrain patches: horovod-0.28.1-no-xla-ops.patch" in l for l in out)
     assert any("controllers MPI, Gloo" in l for l in out)
 
 
@@ -125,29 +129,45 @@ def test_horovod_tensorflow_does_not_load(tmp_path):
     assert len(fixes) == 1 and "scripts/setup.sh" in fixes[0]
 
 
-def test_tensorflow_2_19(tmp_path):
-    env = patched(tmp_path, "tensorflow", "__version__", "'2.19.0'")
-    p, problems, fixes = doctor(env)
-    assert p.returncode == 1, p.stdout + p.stderr
-    assert len(problems) == 1 and "TensorFlow 2.19.0" in problems[0]
-    assert fixes == ["fix: pip install tensorflow==2.18.1, then pip uninstall -y horovod && "
-                     "scripts/setup.sh (recompiles horovod against this TensorFlow with "
-                     "HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)"]
-
-
-@pytest.mark.parametrize("flag", ["0", "false"])
-def test_keras_3_active(tmp_path, flag):
-    env = clean_env(tmp_path / "home", TF_USE_LEGACY_KERAS=flag)
+def test_keras_2_when_asked(tmp_path):
+    env = clean_env(tmp_path / "home", TF_USE_LEGACY_KERAS="1")
     p, problems, fixes = doctor(env, "--json")
-    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(p.stdout)
-    assert r["keras"]["tf.keras"].startswith("keras") and r["keras"]["version"].startswith("3.")
-    assert len(r["problems"]) == 1
-    assert "Keras 3 is active" in r["problems"][0]["problem"]
-    assert "'Variable' object has no attribute 'ref'" in r["problems"][0]["problem"]
-    assert "TF_USE_LEGACY_KERAS=1" in r["problems"][0]["fix"]
+    assert r["keras"]["module"] == "tf_keras" and r["keras"]["version"].startswith("2.21")
+    assert r["keras"]["tf.keras"].startswith("tf_keras")
+
+
+def test_keras_backend_not_tensorflow(tmp_path):
+    env = clean_env(tmp_path / "home", KERAS_BACKEND="jax")  # jax is not installed here
     p, problems, fixes = doctor(env)
-    assert p.returncode == 1 and len(problems) == 1 and len(fixes) == 1
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert len(problems) == 1 and "KERAS_BACKEND" in problems[0], problems
+    assert len(fixes) == 1 and "unset KERAS_BACKEND" in fixes[0]
+
+
+def test_tf_keras_of_another_release(tmp_path):
+    """Keras 2 asked for, but tf_keras is not TensorFlow's release (a pip install by hand)."""
+    env = patched(tmp_path, "importlib.metadata", "version",
+                  "lambda d: '2.18.0' if d == 'tf_keras' else original(d)")
+    env["TF_USE_LEGACY_KERAS"] = "1"
+    p, problems, fixes = doctor(env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert problems == ["problem: TF_USE_LEGACY_KERAS=1 with tf_keras 2.18.0 on TensorFlow "
+                        "2.21.0: tf_keras must be the same release as TensorFlow"]
+    assert fixes == ["fix: pip install tf-keras==2.21.* (or scripts/setup.sh)"]
+
+
+def test_keras_2_asked_but_tf_keras_missing(tmp_path):
+    shim = tmp_path / "shim" / "tf_keras"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'tf_keras'\")\n")
+    env = clean_env(tmp_path / "home", PYTHONPATH=f"{shim.parent}{os.pathsep}{ROOT}",
+                    TF_USE_LEGACY_KERAS="1")
+    p, problems, fixes = doctor(env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert len(problems) == 1 and "tf_keras does not import" in problems[0]
+    assert len(fixes) == 1 and "scripts/setup.sh" in fixes[0]
 
 
 def test_doctor_does_not_import_horovod_into_hvdtrain(env):

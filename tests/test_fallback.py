@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import ROOT, clean_env, module_cmd, result, run
+from conftest import ROOT, keras_flavour, clean_env, module_cmd, result, run
 
 
 @pytest.fixture
@@ -14,6 +14,7 @@ def no_horovod(tmp_path):
     return clean_env(tmp_path / "home", PYTHONPATH=f"{shim.parent}:{ROOT}")
 
 
+@pytest.mark.keras2
 def test_linear_falls_back_to_one_process(no_horovod, tmp_path):
     p = run(module_cmd("linear", "--run-dir", str(tmp_path / "r")), no_horovod)
     assert p.returncode == 0, p.stderr
@@ -21,9 +22,11 @@ def test_linear_falls_back_to_one_process(no_horovod, tmp_path):
     assert len(notices) == 1 and "one process with the plain optimizer" in notices[0]
     r = result(tmp_path / "r")
     assert (r["backend"], r["world_size"]) == ("single", 1)
+    assert r["keras"].split()[0] == keras_flavour()
     np.testing.assert_allclose(r["weights"], [0.1, 0.2, 0.3], atol=1e-3)
 
 
+@pytest.mark.keras2
 def test_mnist_falls_back_to_one_process(no_horovod, tmp_path):
     p = run(module_cmd("mnist", "--run-dir", str(tmp_path / "r"), "--epochs", "2",
                        "--learning-rate", "0.5", "--no-download"), no_horovod)
@@ -62,13 +65,31 @@ def test_backend_single_trains_without_horovod_even_when_installed(env, tmp_path
     assert result(tmp_path / "r")["backend"] == "single"
 
 
-def test_keras3_imported_first_gets_a_clear_error(env, tmp_path):
-    code = ("import tensorflow as tf\n"
+def test_model_of_the_other_keras_gets_a_clear_error(env, tmp_path):
+    """Keras 3 is the default: a tf_keras model (Keras 2) is refused in one line, not trained."""
+    code = ("import tf_keras\n"
+            "from hvdtrain.cli import run\n"
+            "from hvdtrain.linear import LinearTask\n"
+            "class Legacy(LinearTask):\n"
+            "    def build_model(self, config):\n"
+            "        return tf_keras.Sequential([tf_keras.Input(shape=(3,)), tf_keras.layers.Dense(1)])\n"
+            f"raise SystemExit(run(Legacy(), ['--num-workers', '1', '--run-dir', {str(tmp_path / 'r')!r}]))\n")
+    p = run(["python", "-c", code], env)
+    assert p.returncode == 1, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "Legacy.build_model returned a tf_keras Sequential" in lines[0]
+    assert "TF_USE_LEGACY_KERAS" in lines[0]
+
+
+def test_legacy_keras_asked_too_late_gets_a_clear_error(env, tmp_path):
+    code = ("import os, tensorflow as tf\n"
             "tf.keras.layers.Dense(1)\n"  # Keras 3 is now TensorFlow's Keras for good
-            "import hvdtrain\n"
+            "os.environ['TF_USE_LEGACY_KERAS'] = '1'\n"
             "from hvdtrain.linear import main\n"
             f"raise SystemExit(main(['--run-dir', {str(tmp_path / 'r')!r}]))\n")
     p = run(["python", "-c", code], env)
     assert p.returncode == 1
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Keras 3 is active" in lines[0] and "TF_USE_LEGACY_KERAS" in lines[0]
+    assert len(lines) == 1 and "set after TensorFlow chose Keras 3" in lines[0], p.stderr
+    assert not (tmp_path / "r").exists()

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import finish, launch, module_cmd, rank_pids, result, run, start, wait_for
+from conftest import keras_flavour, finish, launch, module_cmd, rank_pids, result, run, start, wait_for
 from hvdtrain import checkpoint as C
 
 # Linear, far from converged at the end (lr 5e-4, 1,000 small steps), so equal weights mean
@@ -52,6 +52,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.keras2
 def test_linear_sigkill_then_resume_is_exact(reference, env, tmp_path):
     cmd = launch("gloo", 2, "linear", "--run-dir", str(tmp_path), *LINEAR)
     killed_at = kill_after_first_checkpoint(cmd, env, tmp_path)
@@ -60,6 +61,7 @@ def test_linear_sigkill_then_resume_is_exact(reference, env, tmp_path):
     assert p.returncode == 0, p.stderr
     r, ref = result(tmp_path), reference["linear"]
     assert r["global_step"] == ref["global_step"] == LINEAR_EPOCHS * 100
+    assert r["keras"].split()[0] == keras_flavour() and r["ranks_identical"] is True
     np.testing.assert_allclose(r["weights"], ref["weights"], atol=1e-6)
     assert abs(r["bias"] - ref["bias"]) < 1e-6
     assert abs(r["weights"][0] - 0.1) > 1e-3  # not converged: the trajectories matched
@@ -67,6 +69,7 @@ def test_linear_sigkill_then_resume_is_exact(reference, env, tmp_path):
     assert epochs == list(range(1, LINEAR_EPOCHS + 1))  # each epoch logged once
 
 
+@pytest.mark.keras2
 def test_mnist_sigkill_then_resume_is_exact(reference, env, tmp_path):
     cmd = launch("gloo", 2, "mnist", "--run-dir", str(tmp_path), *MNIST)
     kill_after_first_checkpoint(cmd, env, tmp_path)
@@ -79,6 +82,7 @@ def test_mnist_sigkill_then_resume_is_exact(reference, env, tmp_path):
     assert abs(r["final_loss"] - ref["final_loss"]) < 1e-6
 
 
+@pytest.mark.keras2
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])
 def test_sigterm_to_one_rank_stops_all_at_a_step_and_resumes_exactly(launcher, reference, env,
                                                                       tmp_path):

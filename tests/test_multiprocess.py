@@ -4,17 +4,19 @@ import json
 import numpy as np
 import pytest
 
-from conftest import launch, module_cmd, result, run
+from conftest import keras_flavour, launch, module_cmd, result, run
 
 SEED = [0.1, 0.2, 0.3]
 
 
+@pytest.mark.keras2
 @pytest.mark.parametrize("launcher", ["gloo", "mpi", "mpirun"])
 def test_linear_two_workers_learn_the_seed_weights(launcher, env, tmp_path):
     p = run(launch(launcher, 2, "linear", "--run-dir", str(tmp_path)), env)
     assert p.returncode == 0, p.stderr
     r = result(tmp_path)
     assert (r["world_size"], r["backend"], r["global_step"]) == (2, "horovod", 10)
+    assert r["keras"].split()[0] == keras_flavour() and r["ranks_identical"] is True
     np.testing.assert_allclose(r["weights"], SEED, atol=1e-3)
     assert abs(r["bias"] - 0.4) < 1e-3
     assert r["batch_size"] == 500 and r["global_batch_size"] == 1000
@@ -23,6 +25,7 @@ def test_linear_two_workers_learn_the_seed_weights(launcher, env, tmp_path):
     assert len(lines) == 10 and "Epoch: 10  Step: 10  Loss:" in lines[-1]
 
 
+@pytest.mark.keras2
 @pytest.mark.parametrize("epochs, lr", [(2, 0.1), (10, 0.5)])
 def test_parity_one_process_and_two(epochs, lr, env, tmp_path):
     """Averaged full-batch gradients over equal shards equal the one-process gradient."""
@@ -32,6 +35,8 @@ def test_parity_one_process_and_two(epochs, lr, env, tmp_path):
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
     a, b = result(tmp_path / "one"), result(tmp_path / "two")
     assert (a["world_size"], b["world_size"]) == (1, 2)
+    assert a["keras"] == b["keras"] and a["keras"].split()[0] == keras_flavour()
+    assert b["ranks_identical"] is True  # both ranks' weights hash to the same bytes
     np.testing.assert_allclose(a["weights"], b["weights"], atol=1e-5)
     assert abs(a["bias"] - b["bias"]) < 1e-5
     if epochs == 2:  # not yet converged, so equality is not just both reaching the target

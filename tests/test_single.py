@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import hvdtrain
+from conftest import keras_flavour
 from hvdtrain import distributed
 from hvdtrain.data import Data, DataError
 from hvdtrain.linear import LinearTask
@@ -76,7 +77,7 @@ class Xor(hvdtrain.Task):
         return Data(x, y, x[:4], y[:4])
 
     def build_model(self, config):
-        import tf_keras as k
+        k = hvdtrain.compat.keras()  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
         return k.Sequential([k.Input(shape=(2,)), k.layers.Dense(16, activation="tanh"),
                              k.layers.Dense(2)])
 
@@ -89,11 +90,13 @@ class Xor(hvdtrain.Task):
         return {"accuracy": lambda y, p: tf.equal(tf.argmax(p, -1, output_type=tf.int32), y)}
 
 
+@pytest.mark.keras2
 def test_users_own_task(world, tmp_path):
     config = hvdtrain.Config(task="mnist", learning_rate=0.5, momentum=0.9, epochs=40,
                              batch_size=16, run_dir=str(tmp_path), verbose=0, num_workers=1)
     result = hvdtrain.train(Xor(), config, world)
     assert result["task"] == "xor" and result["test_accuracy"] == 1.0
+    assert result["keras"].split()[0] == keras_flavour()
 
 
 def test_batch_larger_than_data_is_a_config_error(world, tmp_path):

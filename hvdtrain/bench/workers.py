@@ -144,7 +144,8 @@ def plain(args) -> None:
             pred = model(x, training=True)
             per_example = task.loss(y, pred)
             loss = tf.reduce_mean(per_example)
-        optimizer.minimize(loss, model.trainable_variables, tape=tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
         correct = tf.equal(tf.argmax(pred, -1, output_type=tf.int32), y)
         sums.assign_add(tf.cast(tf.stack([tf.reduce_sum(per_example),
                                           tf.cast(tf.size(y), tf.float32),
