@@ -88,8 +88,9 @@ def rank_pids(marker):
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv]
-        if (len(args) < 3 or not os.path.basename(args[0]).startswith("python")
-                or args[1] != "-m" or not args[2].startswith("hvdtrain.")
+        # A rank: python running hvdtrain (-m hvdtrain.<task>) or a script; the launcher is
+        # python too, but has no rank in its environment.
+        if (len(args) < 2 or not os.path.basename(args[0]).startswith("python")
                 or not any(marker in a for a in args)):
             continue
         env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)

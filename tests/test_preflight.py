@@ -24,8 +24,9 @@ def mpmd(env_args_per_rank, task):
      ["setting.batch_size differs (rank 0: 10; rank 1: 20)",
       "steps_per_epoch differs (rank 0: 50; rank 1: 25)"]),
     ("mnist", ["--model", "mlp", "--hidden-units", "32"], ["--model", "mlp", "--hidden-units", "64"],
-     ["model variable 0 differs (rank 0: dense/kernel:0 [784, 32] float32; "
-      "rank 1: dense/kernel:0 [784, 64] float32)"]),
+     ["model variable 0 differs (rank 0: sequential/dense/kernel [784, 32] float32; "
+      "rank 1: sequential/dense/kernel [784, 64] float32)",
+      "setting.hidden_units differs (rank 0: 32; rank 1: 64)"]),
 ])
 def test_disagreeing_ranks_stop_before_step_0(task, a, b, expect, env, tmp_path):
     common = ["--run-dir", str(tmp_path / "run"), "--no-download"] if task == "mnist" else \

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import time
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -94,10 +93,9 @@ def _setup(args, rank: int, size: int):
     from hvdtrain.mnist import MnistTask
 
     data = load_mnist_format(args.dataset, None, False, World(), notice=lambda m: None)
-    task = MnistTask()
+    task = MnistTask(model=args.model, hidden_units=args.hidden_units, download=False)
     keras().utils.set_random_seed(args.seed)
-    config = SimpleNamespace(model=args.model, hidden_units=args.hidden_units)
-    return data, task, lambda: task.build_model(config)
+    return data, task, lambda: task.build_model(task.config())
 
 
 def _train(args, rank, size, step, evaluate=None) -> dict:
