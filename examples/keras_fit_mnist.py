@@ -22,6 +22,7 @@ def main(argv=None):
     p.add_argument("--model", choices=("cnn", "dense"), default="cnn")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     p.add_argument("--lr", type=float, default=0.001)
+    p.add_argument("--no-scale-lr", action="store_true", help="keep --lr at any world size")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: epoch ends only)")
     args = p.parse_args(argv)
     k = keras()
@@ -52,7 +53,7 @@ def main(argv=None):
                               k.layers.Dense(10, activation="softmax")])
 
     # Horovod: adjust learning rate based on number of processes.
-    scaled_lr = args.lr * hk.size()
+    scaled_lr = args.lr * (1 if args.no_scale_lr else hk.size())
     opt = k.optimizers.Adam(scaled_lr) if args.optimizer == "adam" else k.optimizers.SGD(scaled_lr)
     # Horovod: add Horovod DistributedOptimizer (XLA off: no XLA kernels for its ops).
     model.compile(loss=k.losses.SparseCategoricalCrossentropy(),
