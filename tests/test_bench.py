@@ -78,5 +78,5 @@ def test_fit_case_report():
            "variants": {k: v[0] for k, v in cases.FIT_VARIANTS.items()}}
     text = report.markdown({"machine": "m", "fit": fit}, "cmd")
     assert "| hvdtrain.keras fit, Keras 3 | 900 |" in text
-    assert "| Horovod's keras wrapper + callbacks, Keras 2 | 1,000 |" in text
+    assert "| Horovod's keras wrapper + broadcast callback, Keras 2 | 1,000 |" in text
     assert "| hk_k3/hvd_k2 | 0.9 |" in text

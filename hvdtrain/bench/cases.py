@@ -6,7 +6,7 @@
     tta(...)         seconds of training to a test accuracy: 1 process, 2 processes, MWMS
     timeline(...)    one hvdtrain run under HOROVOD_TIMELINE, summarised per activity
     fit(...)         model.fit, 2 processes: hvdtrain.keras (Keras 3 and 2) vs Horovod's own
-                     Keras wrapper and callbacks (Keras 2): samples/s side by side
+                     Keras wrapper + BroadcastGlobalVariablesCallback (Keras 2): samples/s
 """
 from __future__ import annotations
 
@@ -253,7 +253,7 @@ def summarize_timeline(path) -> dict:
 FIT_VARIANTS = {  # name: (label, worker --impl, Keras 2?)
     "hk_k3": ("hvdtrain.keras fit, Keras 3", "hk", False),
     "hk_k2": ("hvdtrain.keras fit, Keras 2", "hk", True),
-    "hvd_k2": ("Horovod's keras wrapper + callbacks, Keras 2", "hvd_keras", True),
+    "hvd_k2": ("Horovod's keras wrapper + broadcast callback, Keras 2", "hvd_keras", True),
 }
 
 
