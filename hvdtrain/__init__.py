@@ -2,10 +2,12 @@
 
     horovodrun -np 2 python -m hvdtrain.mnist      # two processes on this machine
     python -m hvdtrain.linear                      # one process, no launcher
+    horovodrun -np 2 python -m hvdtrain run mypackage.tasks:MyTask   # your own task
 
 Keras 3 is the default; with ``TF_USE_LEGACY_KERAS=1`` set before the program starts, the
-same code runs on Keras 2 (tf_keras). Public API: ``Config``, ``preset``, ``Task``,
-``train``, ``DistributedOptimizer`` (see README, "Your own model").
+same code runs on Keras 2 (tf_keras). Public API: ``Task``, ``train``, ``Config``,
+``setting``, ``preset``, ``world``, ``DistributedOptimizer``, ``hvdtrain.cli.run``, and the
+Keras ``fit`` path in ``hvdtrain.keras`` (see README, "Your own model").
 """
 import os as _os
 
@@ -14,10 +16,24 @@ _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 __version__ = "0.2.0"
 
-from hvdtrain.config import Config, ConfigError, preset  # noqa: E402
+from hvdtrain.config import Config, ConfigError, setting  # noqa: E402
 from hvdtrain.optimizer import DistributedOptimizer  # noqa: E402
-from hvdtrain.task import Task  # noqa: E402
+from hvdtrain.task import Task, TaskError  # noqa: E402
 from hvdtrain.train import train  # noqa: E402
 
-__all__ = ["Config", "ConfigError", "DistributedOptimizer", "Task", "preset", "train",
-           "__version__"]
+
+def preset(task: str, **overrides) -> Config:
+    """A built-in task's training configuration ("linear", "mnist"), with ``overrides``."""
+    from hvdtrain.__main__ import load_task
+    return load_task(task).config(**overrides)
+
+
+def world():
+    """This process's place in the job: ``.rank``, ``.size``, ``.local_rank``,
+    ``.local_size``, ``.is_chief`` (Horovod is started if hvdtrain has not started it)."""
+    from hvdtrain import distributed
+    return distributed.current()
+
+
+__all__ = ["Config", "ConfigError", "DistributedOptimizer", "Task", "TaskError", "preset",
+           "setting", "train", "world", "__version__"]

@@ -1,31 +1,70 @@
-"""``python -m hvdtrain TASK [flags]``: the same as ``python -m hvdtrain.TASK [flags]``.
+"""``python -m hvdtrain``: train a built-in task or any task class by name.
 
-``python -m hvdtrain workers TASK [flags]`` prints the worker count those flags configure
-(the launch scripts start that many processes).
+    python -m hvdtrain mnist [flags]                  # = python -m hvdtrain.mnist [flags]
+    python -m hvdtrain run package.module:Task [flags]   # a user's own Task subclass
+    python -m hvdtrain package.module:Task [flags]       # the same
+    python -m hvdtrain workers TASK [flags]           # the worker count those flags configure
+                                                      # (the launch scripts start that many)
 """
+import importlib
 import sys
 
-from hvdtrain.config import TASKS, parse_args
+from hvdtrain.config import parse_args
+
+# The built-in tasks, by the name their module is run with.
+BUILTIN = {"linear": "hvdtrain.linear:LinearTask", "mnist": "hvdtrain.mnist:MnistTask"}
+USAGE = ("usage: python -m hvdtrain {linear,mnist} [flags] | run MODULE:TASK [flags] | "
+         "workers TASK [flags]  (--help after the task)")
+
+
+class SpecError(ValueError):
+    pass
+
+
+def load_task(spec: str):
+    """An instance of the Task named ``spec``: a built-in name or ``package.module:Class``."""
+    from hvdtrain.task import Task
+
+    spec = BUILTIN.get(spec, spec)
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise SpecError(f"{spec!r}: name a task as package.module:TaskClass "
+                        f"(or one of {', '.join(BUILTIN)})")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise SpecError(f"{spec!r}: cannot import {module_name} ({e})") from None
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise SpecError(f"{spec!r}: {module_name} has no Task subclass named {attr}")
+    return cls()
 
 
 def main(argv=None) -> int:
+    from hvdtrain.cli import run
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m hvdtrain {{{','.join(TASKS)}}} [flags]  (--help after the task)")
+        print(USAGE)
         return 0 if argv else 2
-    task, rest = argv[0], argv[1:]
-    if task == "workers" and rest and rest[0] in TASKS:
-        print(parse_args(rest[0], rest[1:]).num_workers)
-        return 0
-    if task == "linear":
-        from hvdtrain.linear import main as task_main
-    elif task == "mnist":
-        from hvdtrain.mnist import main as task_main
-    else:
-        sys.stderr.write(f"hvdtrain: error: unknown task {task!r}; choose one of "
-                         f"{', '.join(TASKS)}\n")
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "workers" and rest:
+            task = load_task(rest[0])
+            # A task that does not configure a count gets one process per local slot: 1.
+            print(parse_args(task, rest[1:], f"python -m hvdtrain workers {rest[0]}")
+                  .num_workers or 1)
+            return 0
+        if command == "run" and rest:
+            return run(load_task(rest[0]), rest[1:], f"python -m hvdtrain run {rest[0]}")
+        if command in BUILTIN or ":" in command:  # a task spec works without "run" too
+            return run(load_task(command), rest, None if command in BUILTIN else
+                       f"python -m hvdtrain {command}")
+    except SpecError as e:
+        sys.stderr.write(f"hvdtrain: error: {e}\n")
         return 2
-    return task_main(rest)
+    sys.stderr.write(f"hvdtrain: error: unknown command {command!r}; {USAGE}\n")
+    return 2
 
 
 if __name__ == "__main__":

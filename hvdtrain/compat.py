@@ -56,6 +56,12 @@ def keras():
     return keras3
 
 
+def describe() -> str:
+    """"keras 3.15.1" or "tf_keras 2.21.0": which Keras a run trained with."""
+    k = keras()
+    return f"{k.__name__} {k.__version__}"
+
+
 def is_keras3() -> bool:
     return not legacy_requested()
 

@@ -1,21 +1,27 @@
-"""Configuration: one dataclass of training settings, one preset per task, and the CLI.
+"""Configuration: the training settings every task shares, plus the settings each task declares.
 
-The presets hold the numbers of the seed documents (``shared/seeds``), which trained with
-TF1's ``SyncReplicasOptimizer`` on two workers. Every field is a CLI flag named after it
-(``learning_rate`` -> ``--learning-rate``); ``--help`` shows each default. A bad value
-stops the program before anything is written, with one line naming the flag and value.
+``Config`` holds what any run needs (optimisation, data order, distribution, checkpoints,
+output) and names no task. A task declares its own settings as a dataclass
+(``Task.Settings``: the linear task's synthetic data, the MNIST task's dataset and model) and
+its defaults for ``Config`` (``Task.defaults``: the seeds' learning rates and worker count).
+Every field of both is a command-line flag named after it (``learning_rate`` ->
+``--learning-rate``); ``--help`` shows each default. A bad value stops the program before
+anything is written, with one line naming the flag and the value.
+
+What a field means for a run is metadata on the field, not a list of names elsewhere:
+``defines_run`` (a resume refuses a checkpoint made with another value; on by default for a
+task's settings) and ``per_rank`` (may differ between ranks: paths, chattiness; preflight
+does not compare it).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import math
+import typing
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
-TASKS = ("linear", "mnist")
-DATASETS = ("mnist", "fashion_mnist")
-MODELS = ("softmax", "mlp")
 BACKENDS = ("auto", "horovod", "single")
 
 
@@ -33,75 +39,81 @@ def _show(value) -> str:
     return str(value)
 
 
-def _f(default, help: str, **meta):
-    """A field with its CLI help text (the dataclass is the single source of the CLI)."""
+def setting(default, help: str, defines_run: bool = True, per_rank: bool = False, **meta):
+    """A field with its CLI help and what it means for a run (see the module docstring)."""
+    meta = dict(help=help, defines_run=defines_run, per_rank=per_rank, **meta)
     if isinstance(default, (list, tuple)):
-        return field(default_factory=lambda: tuple(default), metadata=dict(help=help, **meta))
-    return field(default=default, metadata=dict(help=help, **meta))
+        return field(default_factory=lambda: tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class Config:
-    """All settings of one training run.
+    """The training settings of one run, whatever the task.
 
-    Defaults here are the MNIST task's; ``preset(task)`` applies the linear task's.
+    The defaults are Keras's own (SGD at 0.01, batches of 32); a task's ``defaults`` replace
+    them (the seed tasks: their learning rates, batch sizes and two workers).
     """
 
-    task: str = _f("mnist", f"task to train: {', '.join(TASKS)}", choices=TASKS)
     # Optimisation. Gradients are averaged over workers, as SyncReplicasOptimizer does,
-    # so the seeds' learning rates mean the same at any worker count.
-    learning_rate: float = _f(0.001, "SGD learning rate (seed MNIST: 0.001, seed linear: 0.5)")
-    scale_lr: bool = _f(False, "multiply the learning rate by the world size (Horovod's convention)")
-    momentum: float = _f(0.0, "SGD momentum (the seeds use plain SGD: 0)")
-    epochs: int = _f(10, "passes over the training data")
-    batch_size: Optional[int] = _f(
-        100, "examples per worker per step; global batch = batch_size * world size; "
-        "0 or unset on the linear task means the worker's whole shard (full-batch GD)")
-    seed: int = _f(1, "seed for data order, synthetic data and initialisation (same on every rank)")
+    # so a learning rate means the same at any worker count.
+    learning_rate: float = setting(0.01, "learning rate of the task's optimizer (SGD unless "
+                                   "the task chooses its own)")
+    scale_lr: bool = setting(False, "multiply the learning rate by the world size (Horovod's "
+                             "convention)")
+    momentum: float = setting(0.0, "momentum of the default SGD optimizer")
+    epochs: int = setting(10, "passes over the training data", defines_run=False)
+    batch_size: Optional[int] = setting(
+        32, "examples per worker per step; global batch = batch_size * world size; "
+        "0 or none: each worker's whole shard per step (full-batch gradient descent)")
+    seed: int = setting(1, "seed for data order, synthetic data and initialisation (same on "
+                        "every rank)")
     # Distribution.
-    num_workers: int = _f(2, "worker count the launch scripts start; the launcher's world size wins")
-    backend: str = _f("auto", "auto: Horovod if importable, else one process; horovod: require it; "
-                      "single: one process, plain optimizer", choices=BACKENDS)
-    # Data and model.
-    dataset: str = _f("mnist", f"MNIST-format dataset: {', '.join(DATASETS)}", choices=DATASETS)
-    data_dir: Optional[str] = _f(None, "directory with IDX files (train-images-idx3-ubyte.gz, ...) "
-                                 "or a Keras mnist.npz / fashion-mnist.npz")
-    download: bool = _f(True, "let one process per host download MNIST when no local copy exists")
-    model: str = _f("softmax", "MNIST model: softmax (784->10, the seed's) or mlp (784->256->10)",
-                    choices=MODELS)
-    hidden_units: int = _f(256, "hidden layer width of the mlp model")
-    num_samples: int = _f(1000, "linear task: synthetic examples (global, split over workers)")
-    num_features: int = _f(3, "linear task: input features")
-    true_weights: Tuple[float, ...] = _f((0.1, 0.2, 0.3), "linear task: weights generating y",
-                                         nargs="+")
-    true_bias: float = _f(0.4, "linear task: bias generating y")
+    num_workers: Optional[int] = setting(
+        None, "worker count the launch scripts start; the launcher's world size wins (a "
+        "differing count is warned about)", defines_run=False)
+    backend: str = setting("auto", "auto: Horovod if importable, else one process; horovod: "
+                           "require it; single: one process, plain optimizer",
+                           defines_run=False, choices=BACKENDS)
     # Fault tolerance.
-    checkpoint_every: int = _f(100, "rank 0 saves a checkpoint every N synchronous steps (and at "
-                               "each epoch end); 0: only at epoch ends")
-    keep_checkpoints: int = _f(3, "how many of the newest checkpoints to keep")
-    resume: Optional[bool] = _f(None, "--resume: continue from the run dir's newest valid "
-                                "checkpoint (error if none); --no-resume: refuse a run dir that "
-                                "holds checkpoints; unset: resume when there is one")
-    peer_timeout: float = _f(30.0, "seconds without a heartbeat before a peer counts as frozen "
-                             "and every rank stops (0 disables the watchdog)")
-    elastic: bool = _f(False, "train under Horovod's elastic driver (horovodrun --min-np/--max-np "
-                       "--host-discovery-script): workers may leave and join; needs --run-dir")
-    commit_every: int = _f(20, "elastic: commit the state in memory every N steps (the most "
-                           "work a lost worker costs)")
+    checkpoint_every: int = setting(100, "rank 0 saves a checkpoint every N synchronous steps "
+                                    "(and at each epoch end); 0: only at epoch ends",
+                                    defines_run=False)
+    keep_checkpoints: int = setting(3, "how many of the newest checkpoints to keep",
+                                    defines_run=False)
+    resume: Optional[bool] = setting(None, "--resume: continue from the run dir's newest valid "
+                                     "checkpoint (error if none); --no-resume: refuse a run dir "
+                                     "that holds checkpoints; unset: resume when there is one",
+                                     defines_run=False)
+    peer_timeout: float = setting(30.0, "seconds without a heartbeat before a peer counts as "
+                                  "frozen and every rank stops (0 disables the watchdog)",
+                                  defines_run=False)
+    elastic: bool = setting(False, "train under Horovod's elastic driver (horovodrun --min-np/"
+                            "--max-np --host-discovery-script): workers may leave and join; "
+                            "needs --run-dir", defines_run=False)
+    commit_every: int = setting(20, "elastic: commit the state in memory every N steps (the "
+                                "most work a lost worker costs)", defines_run=False)
     # Output.
-    run_dir: Optional[str] = _f(None, "where rank 0 writes config, metrics, TensorBoard and result "
-                                "(default: runs/<task>-<time>)")
-    verbose: int = _f(1, "0 silent, 1 progress bar (rank 0), 2 one line per epoch", choices=(0, 1, 2))
+    run_dir: Optional[str] = setting(None, "where rank 0 writes config, metrics, TensorBoard, "
+                                     "checkpoints, the model and the result (default: "
+                                     "runs/<task>-<time>)", defines_run=False, per_rank=True)
+    save_model: bool = setting(True, "rank 0 saves the trained model as RUN_DIR/model.keras",
+                               defines_run=False)
+    verbose: int = setting(1, "0 silent, 1 progress (rank 0), 2 one line per epoch",
+                           defines_run=False, per_rank=True, choices=(0, 1, 2))
 
     def validate(self) -> "Config":
         """Raise ConfigError for the first bad field; return self when all are good."""
-        for name in ("learning_rate", "epochs", "num_workers", "num_samples", "num_features",
-                     "hidden_units"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(name, getattr(self, name), "must be greater than 0")
+        for name in ("learning_rate", "epochs"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(name, value, "must be a finite number greater than 0")
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ConfigError("num_workers", self.num_workers, "must be at least 1")
         for name in ("checkpoint_every", "peer_timeout"):
-            if getattr(self, name) < 0:
-                raise ConfigError(name, getattr(self, name), "must be 0 or more")
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(name, value, "must be 0 or more")
         if self.commit_every < 1:
             raise ConfigError("commit_every", self.commit_every, "must be at least 1")
         if self.elastic and not self.run_dir:
@@ -112,53 +124,42 @@ class Config:
         if self.keep_checkpoints < 1:
             raise ConfigError("keep_checkpoints", self.keep_checkpoints, "must be at least 1")
         if self.batch_size is not None and self.batch_size < 0:
-            raise ConfigError("batch_size", self.batch_size, "must be greater than 0")
-        if self.batch_size == 0 and self.task != "linear":
-            raise ConfigError("batch_size", 0, "must be greater than 0")
+            raise ConfigError("batch_size", self.batch_size, "must be 0 (full batch) or more")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError("momentum", self.momentum, "must be in [0, 1)")
-        for name, allowed in (("task", TASKS), ("dataset", DATASETS), ("model", MODELS),
-                              ("backend", BACKENDS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(name, getattr(self, name),
-                                  f"unknown {name}; choose one of {', '.join(allowed)}")
-        if self.task == "linear" and len(self.true_weights) != self.num_features:
-            raise ConfigError("true_weights", self.true_weights,
-                              f"needs {self.num_features} values (--num-features)")
-        if self.data_dir is not None and not os.path.isdir(self.data_dir):
-            raise ConfigError("data_dir", self.data_dir, "no such directory")
+        if self.backend not in BACKENDS:
+            raise ConfigError("backend", self.backend,
+                              f"unknown backend; choose one of {', '.join(BACKENDS)}")
         return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-# The seed documents' numbers, per task.
-PRESETS = {
-    "linear": dict(
-        task="linear",
-        learning_rate=0.5,  # seed: GradientDescentOptimizer(0.5)
-        epochs=10,          # seed: 10 full-batch steps
-        batch_size=None,    # full batch: each worker's whole shard, as the seed feeds x_data
-        num_workers=2,
-    ),
-    "mnist": dict(
-        task="mnist",
-        learning_rate=0.001,  # seed: GradientDescentOptimizer(0.001)
-        batch_size=100,       # seed: mnist.train.next_batch(100), per worker
-        # The seed loops until stopped; 10 epochs is 3,000 synchronous steps on full MNIST
-        # with two workers: enough for the softmax regression to level off at lr 0.5.
-        epochs=10,
-        num_workers=2,
-    ),
-}
+def values(obj, defines_run: Optional[bool] = None, per_rank: Optional[bool] = None) -> dict:
+    """A settings dataclass as a dict, optionally only the fields with that metadata."""
+    if obj is None:
+        return {}
+    out = {}
+    for f in dataclasses.fields(obj):
+        if defines_run is not None and f.metadata.get("defines_run", True) != defines_run:
+            continue
+        if per_rank is not None and f.metadata.get("per_rank", False) != per_rank:
+            continue
+        value = getattr(obj, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
-def preset(task: str, **overrides) -> Config:
-    """The task's default configuration, with ``overrides`` applied and validated."""
-    if task not in PRESETS:
-        raise ConfigError("task", task, f"unknown task; choose one of {', '.join(TASKS)}")
-    return Config(**{**PRESETS[task], **overrides}).validate()
+def validate_settings(settings) -> None:
+    """Choices declared on a task's fields, then the task's own ``validate()`` if it has one."""
+    for f in dataclasses.fields(settings):
+        choices = f.metadata.get("choices")
+        if choices is not None and getattr(settings, f.name) not in choices:
+            raise ConfigError(f.name, getattr(settings, f.name),
+                              f"choose one of {', '.join(map(str, choices))}")
+    if hasattr(settings, "validate"):
+        settings.validate()
 
 
 # --- command line -------------------------------------------------------------------------
@@ -170,47 +171,74 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _parse_optional_int(text: str) -> Optional[int]:
-    return None if text.lower() in ("none", "") else int(text)
+def _optional(parse):
+    def parse_optional(text: str):
+        return None if text.lower() in ("none", "") else parse(text)
+    parse_optional.__name__ = parse.__name__  # argparse names the type in its errors
+    return parse_optional
 
 
-def build_parser(task: str, prog: Optional[str] = None) -> argparse.ArgumentParser:
-    defaults = Config(**PRESETS[task])
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+_finite_float.__name__ = "float"
+
+
+def _add_fields(group, cls, defaults: dict) -> None:
+    """One flag per dataclass field; its type, choices and help come from the field."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        optional = type(None) in typing.get_args(hint)
+        base = [a for a in typing.get_args(hint) if a is not type(None)][0] if optional else hint
+        kwargs = dict(default=defaults[f.name], help=f.metadata.get("help", ""), dest=f.name)
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(base) in (tuple, list):
+            item = typing.get_args(base)[0]
+            kwargs.update(type=_finite_float if item is float else item, nargs="+")
+        else:
+            parse = _finite_float if base is float else base
+            kwargs["type"] = _optional(parse) if optional else parse
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+
+def build_parser(task, prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """The command line of ``task``: the training flags, then the task's own (if any)."""
+    defaults = Config(**task.defaults)
     parser = _Parser(
-        prog=prog or f"python -m hvdtrain.{task}",
-        description=f"Train the {task} task with synchronous data-parallel SGD (Horovod).",
+        prog=prog or f"python -m hvdtrain.{task.name}",
+        description=(task.description or f"Train the {task.name} task") +
+        " with synchronous data-parallel SGD (Horovod).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    for f in dataclasses.fields(Config):
-        if f.name == "task":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        kwargs = dict(default=default, help=f.metadata["help"], dest=f.name)
-        if isinstance(default, bool) or f.name == "resume":
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif f.name == "batch_size":
-            kwargs["type"] = _parse_optional_int
-        elif f.name in ("data_dir", "run_dir"):
-            kwargs["type"] = str
-        elif f.name == "true_weights":
-            kwargs.update(type=float, nargs="+")
-        else:
-            kwargs["type"] = type(default)
-        if "choices" in f.metadata and f.name not in ("backend", "dataset", "model"):
-            kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(flag, **kwargs)
+    _add_fields(parser.add_argument_group("training"), Config, dataclasses.asdict(defaults))
+    if task.Settings is not None:
+        _add_fields(parser.add_argument_group(f"{task.name} task"), task.Settings,
+                    {f.name: getattr(task.settings, f.name)
+                     for f in dataclasses.fields(task.Settings)})
     return parser
 
 
-def parse_args(task: str, argv: Optional[Sequence[str]] = None) -> Config:
-    """Parse the command line of ``python -m hvdtrain.<task>``; exit 2 on a bad value."""
-    parser = build_parser(task)
-    ns = parser.parse_args(argv)
-    values = vars(ns)
-    values["true_weights"] = tuple(values["true_weights"])
+def parse_args(task, argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> Config:
+    """Parse ``task``'s command line: return the Config, and set ``task.settings`` from its
+    own flags. Exit 2 with one line on a bad flag or value."""
+    parser = build_parser(task, prog)
+    parsed = vars(parser.parse_args(argv))
+    own = [f.name for f in dataclasses.fields(task.Settings)] if task.Settings else []
     try:
-        return Config(task=task, **values).validate()
+        config = Config(**{k: v for k, v in parsed.items() if k not in own}).validate()
+        if task.Settings is not None:
+            settings = task.Settings(**{k: tuple(v) if isinstance(v, list) else v
+                                        for k, v in parsed.items() if k in own})
+            validate_settings(settings)
+            task.settings = settings
     except ConfigError as e:
         parser.error(str(e))
-
+    return config

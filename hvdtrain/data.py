@@ -31,6 +31,7 @@ IDX_FILES = {  # split -> (images, labels), as published (also accepted without 
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
 NPZ_NAMES = {"mnist": "mnist.npz", "fashion_mnist": "fashion-mnist.npz"}
+DATASETS = tuple(NPZ_NAMES)  # the MNIST-format datasets the loaders know
 
 
 class DataError(RuntimeError):

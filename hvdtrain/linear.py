@@ -6,23 +6,54 @@
 Each worker holds half of the 1,000 examples; the gradients of the two halves are
 averaged, which equals the one-process gradient, so N workers end with the same weights.
 """
+from dataclasses import dataclass
+from typing import Tuple
+
 from hvdtrain.cli import run
+from hvdtrain.config import ConfigError, setting
 from hvdtrain.data import linear_data
 from hvdtrain.task import Task
 
 
+@dataclass
+class LinearSettings:
+    """The seed's synthetic data: y = x @ true_weights + true_bias."""
+
+    num_samples: int = setting(1000, "synthetic examples (global, split over workers)")
+    num_features: int = setting(3, "input features")
+    true_weights: Tuple[float, ...] = setting((0.1, 0.2, 0.3), "weights generating y")
+    true_bias: float = setting(0.4, "bias generating y")
+
+    def validate(self):
+        for name in ("num_samples", "num_features"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be greater than 0")
+        if len(self.true_weights) != self.num_features:
+            raise ConfigError("true_weights", self.true_weights,
+                              f"needs {self.num_features} values (--num-features)")
+
+
 class LinearTask(Task):
     name = "linear"
+    description = "The seed's linear regression, by full-batch SGD"
+    Settings = LinearSettings
+    defaults = dict(
+        learning_rate=0.5,  # seed: GradientDescentOptimizer(0.5)
+        epochs=10,          # seed: 10 full-batch steps
+        batch_size=None,    # full batch: each worker's whole shard, as the seed feeds x_data
+        num_workers=2,      # seed: two workers
+    )
     progress_bar = False  # one full-batch step per epoch
 
     def load_data(self, config, world):
-        return linear_data(config.num_samples, config.true_weights, config.true_bias, config.seed)
+        s = self.settings
+        return linear_data(s.num_samples, s.true_weights, s.true_bias, config.seed)
 
     def build_model(self, config):
         from hvdtrain.compat import keras
         k = keras()
         return k.Sequential([
-            k.Input(shape=(config.num_features,)),
+            k.Input(shape=(self.settings.num_features,)),
             k.layers.Dense(1, kernel_initializer="zeros", bias_initializer="zeros"),
         ])
 

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 from hvdtrain import distributed
 from hvdtrain.compat import variable_name
-
-# Settings that may differ per rank without changing the run (paths, chattiness).
-LOCAL_SETTINGS = ("run_dir", "data_dir", "verbose", "download")
-
+from hvdtrain.config import values
 
 class PreflightError(distributed.RankError):
     """The ranks disagree; raised identically on every rank."""
 
 
-def facts(world, config, model, steps: int, data) -> dict:
+def facts(world, config, settings, model, steps: int, data) -> dict:
     """This rank's view of the run, flattened to comparable key -> value pairs."""
     import tensorflow as tf
 
@@ -26,9 +23,11 @@ def facts(world, config, model, steps: int, data) -> dict:
 
     out = {"version.hvdtrain": hvdtrain.__version__, "version.tensorflow": tf.__version__}
     out.update({f"version.{k}": v for k, v in world.versions().items()})
-    out.update({f"setting.{k}": v for k, v in config.to_dict().items() if k not in LOCAL_SETTINGS})
-    out["model.variables"] = [(variable_name(v), tuple(v.shape), str(getattr(v.dtype, "name", v.dtype)))
-                              for v in model.variables]
+    # Settings that may differ per rank (paths, chattiness) are marked per_rank on the field.
+    out.update({f"setting.{k}": v for k, v in values(config, per_rank=False).items()})
+    out.update({f"setting.{k}": v for k, v in values(settings, per_rank=False).items()})
+    out["model.variables"] = [(variable_name(v), tuple(v.shape),
+                               str(getattr(v.dtype, "name", v.dtype))) for v in model.variables]
     out["data.train_examples"] = len(data.x_train)
     out["data.test_examples"] = 0 if data.x_test is None else len(data.x_test)
     out["steps_per_epoch"] = steps

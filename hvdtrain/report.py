@@ -1,9 +1,11 @@
 """What a run leaves behind: console lines and the run directory, written by rank 0 only.
 
 Run directory layout:
-    config.json      the validated configuration, plus world size and backend
+    config.json      the task, the validated training settings and the task's own, plus
+                     world size, backend and Keras
     metrics.jsonl    one JSON line per epoch: epoch, global_step, loss, metrics, samples_per_sec
     tensorboard/     the same scalars for TensorBoard
+    model.keras      the trained model (Keras format), unless --no-save-model
     result.json      written last (atomically): the run's outcome
 """
 from __future__ import annotations
@@ -43,12 +45,12 @@ def write_json_atomic(path: str, obj) -> None:
 class Reporter:
     """Prints and writes on the chief; does nothing on other ranks."""
 
-    def __init__(self, world, config, verbose: int = 1):
+    def __init__(self, world, run_dir, task_name: str, verbose: int = 1):
         self.world, self._verbose = world, verbose
-        if config.run_dir:
-            self.run_dir = os.path.abspath(config.run_dir)
+        if run_dir:
+            self.run_dir = os.path.abspath(run_dir)
         else:  # rank 0 names the directory (its clock decides) and tells the others
-            path = default_run_dir(config.task) if world.is_chief else None
+            path = default_run_dir(task_name) if world.is_chief else None
             self.run_dir = os.path.abspath(world.broadcast_object(path))
         self._tb = None
 
@@ -104,6 +106,17 @@ class Reporter:
                 if key not in ("epoch", "epochs", "global_step") and isinstance(value, float):
                     tf.summary.scalar(key, value)
         self._tb.flush()
+
+    def save_model(self, model):
+        """Rank 0: the trained model as RUN_DIR/model.keras (keras.models.load_model opens it,
+        without hvdtrain); returns the path (None on other ranks)."""
+        if not self.enabled:
+            return None
+        path = os.path.join(self.run_dir, "model.keras")
+        tmp = os.path.join(self.run_dir, ".model.keras.tmp.keras")  # Keras wants the suffix
+        model.save(tmp)
+        os.replace(tmp, path)
+        return path
 
     def result(self, result: dict) -> None:
         if not self.enabled:

@@ -1,46 +1,105 @@
-"""The Task interface: what a model is, what its data is, how it is scored.
+"""The Task interface: what a model is, what its data is, how it is scored and optimised.
 
-The training loop (``train.py``) only talks to this interface, so a task is a small class
-and a user's own model trains exactly like the built-in ones:
+The training loop (``train.py``) only talks to this interface, so a user's own model trains
+exactly like the built-in tasks, with the same command line, checkpoints and guarantees:
+
+    @dataclasses.dataclass
+    class Settings:                      # the task's own flags (optional)
+        width: int = hvdtrain.setting(64, "hidden units")
 
     class MyTask(hvdtrain.Task):
         name = "mine"
+        Settings = Settings
         def load_data(self, config, world): return Data(x_train, y_train, x_test, y_test)
-        def build_model(self, config): return tf_keras.Sequential([...])
-        def loss(self, y, pred): return tf_keras.losses.sparse_categorical_crossentropy(
-            y, pred, from_logits=True)
+        def build_model(self, config): return keras.Sequential([...self.settings.width...])
+        def loss(self, y, pred): return keras.losses.sparse_categorical_crossentropy(
+            y, pred, from_logits=True)          # one value per example
 
-    hvdtrain.train(MyTask(), hvdtrain.Config(learning_rate=0.1, epochs=3))
+    hvdtrain.cli.run(MyTask())           # flags, exit codes, SIGTERM; or:
+    hvdtrain.train(MyTask(width=32), hvdtrain.Config(learning_rate=0.1, epochs=3))
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+import dataclasses
+from typing import Callable, Dict, Optional
 
+from hvdtrain.config import Config, ConfigError, validate_settings
 from hvdtrain.data import Data
 
 
+class TaskError(ValueError):
+    """The task's code broke one of the interface's rules; ``str()`` is one line."""
+
+
 class Task:
-    """Base class of every task. Subclasses set ``name`` and implement the three methods
-    ``load_data``, ``build_model`` and ``loss``; the rest have sensible defaults."""
+    """Base class of every task. Subclasses set ``name`` and implement ``load_data``,
+    ``build_model`` and ``loss``; everything else has a default.
+
+    Class attributes:
+      name         names the run directory, the program and the results.
+      description  one line for ``--help``.
+      Settings     a dataclass of the task's own settings (each field a flag; see
+                   ``hvdtrain.setting`` for help text and metadata), or None.
+      defaults     the task's values for ``Config`` fields (e.g. its learning rate).
+      progress_bar draw a per-epoch progress bar on a terminal (off for full-batch tasks).
+    """
 
     name = "task"
-    #: Show a Keras progress bar per epoch on rank 0 (verbose=1). Off for full-batch tasks.
+    description: Optional[str] = None
+    Settings = None
+    defaults: dict = {}
     progress_bar = True
 
-    def load_data(self, config, world) -> Data:
-        """Every example of the task, the same arrays on every rank (the loop shards them).
+    def __init__(self, settings=None, **values):
+        if self.Settings is None:
+            if settings is not None or values:
+                raise TypeError(f"{type(self).__name__} declares no Settings; got "
+                                f"{sorted(values) or settings!r}")
+            self.settings = None
+            return
+        if settings is None:
+            try:
+                settings = self.Settings(**values)
+            except TypeError as e:  # an unknown name
+                raise TypeError(f"{type(self).__name__}: {e}") from None
+        validate_settings(settings)
+        self.settings = settings
 
-        Raise ``hvdtrain.data.DataError`` for a bad file: all ranks then stop together.
+    def config(self, **overrides) -> Config:
+        """This task's training configuration: ``Config`` with the task's defaults and
+        ``overrides`` applied, validated."""
+        return Config(**{**self.defaults, **overrides}).validate()
+
+    # --- what every task provides ---------------------------------------------------------
+    def load_data(self, config: Config, world) -> Data:
+        """Every example of the task, the same on every rank (the loop shards them per rank).
+
+        ``Data``'s arrays may be numpy arrays (held in memory, gathered on the device) or any
+        random-access array-like too big for memory, e.g. ``np.load(path, mmap_mode="r")``:
+        each rank then reads only its own batches. Raise ``hvdtrain.data.DataError`` for a bad
+        file: all ranks then stop together with one line.
         """
         raise NotImplementedError
 
-    def build_model(self, config):
-        """A built tf_keras model (its variables exist), identical in shape on every rank."""
+    def build_model(self, config: Config):
+        """A built Keras model (its variables exist), identical in shape on every rank. Build
+        it with the Keras in use: ``hvdtrain.compat.keras()`` (or plain ``import keras``
+        unless TF_USE_LEGACY_KERAS=1 is set)."""
         raise NotImplementedError
 
     def loss(self, y, pred):
-        """Per-example loss, shape [batch]; the loop averages it over the global batch."""
+        """Per-example loss, shape [batch]: the loop averages it over the global batch (a
+        loss that is already reduced to a number is refused: the global mean needs the
+        parts). Regularisation losses of the model (``model.losses``) are added to it."""
         raise NotImplementedError
+
+    # --- optional -------------------------------------------------------------------------
+    def build_optimizer(self, config: Config, learning_rate: float):
+        """Any Keras optimizer (a learning-rate schedule too); hvdtrain wraps it so that the
+        gradients are averaged over all ranks. ``learning_rate`` is ``--learning-rate``, times
+        the world size with ``--scale-lr``. Default: SGD with ``--momentum``."""
+        from hvdtrain.compat import keras
+        return keras().optimizers.SGD(learning_rate=learning_rate, momentum=config.momentum)
 
     def preprocess(self, x, y):
         """Turn stored examples into model inputs, inside the compiled step (tensors)."""
@@ -64,3 +123,20 @@ class Task:
     def format_result(self, result: dict) -> str:
         """The closing line rank 0 prints."""
         return f"Final loss: {result['final_loss']:.6f}"
+
+    def describe_settings(self) -> dict:
+        return {} if self.settings is None else dataclasses.asdict(self.settings)
+
+
+def check_loss_shape(task: Task, per_example, batch: int) -> None:
+    """Refuse a loss that is not one value per example (a reduced mean would silently make
+    every rank's sums, and so the reported metrics, wrong)."""
+    shape = tuple(per_example.shape)
+    if shape != (batch,):
+        raise TaskError(
+            f"{type(task).__name__}.loss returned shape {list(shape)} for a batch of {batch}: "
+            "it must return one value per example (e.g. reduction='none', or "
+            "keras.losses.<name>(y, pred) rather than a Loss object's mean)")
+
+
+__all__ = ["Task", "TaskError", "ConfigError", "check_loss_shape"]

@@ -14,20 +14,16 @@ from typing import Optional
 import numpy as np
 
 from hvdtrain import checkpoint, compat, distributed, preflight
-from hvdtrain.config import Config, ConfigError
+from hvdtrain.config import Config, ConfigError, values
 from hvdtrain.data import DataError, epoch_plan, steps_per_epoch, test_shard
 from hvdtrain.report import Reporter
-from hvdtrain.task import Task
+from hvdtrain.resume import Checkpointing
+from hvdtrain.step import TrainStep
+from hvdtrain.task import Task, TaskError
 from hvdtrain.watchdog import Watchdog
 
 EVAL_BATCH = 1000  # evaluation has no collectives inside, so its batch is free to choose
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after saving; rerun to resume
-# Settings that define a run's trajectory: a resume must not silently change them.
-RUN_DEFINING = ("task", "model", "hidden_units", "dataset", "batch_size", "seed", "learning_rate",
-                "momentum", "scale_lr", "num_samples", "num_features", "true_weights",
-                "true_bias")
-
-
 PROGRESS_FIELDS = ("epoch", "offset", "sums", "last_record", "path")
 
 
@@ -35,20 +31,22 @@ class Preempted(RuntimeError):
     """SIGTERM reached a rank; every rank stopped after the same step, rank 0 saved."""
 
 
-def train(task: Task, config: Config, world: Optional[distributed.World] = None) -> dict:
-    """Train ``task`` under ``config`` on every rank and return the result (all ranks).
+def train(task: Task, config: Optional[Config] = None,
+          world: Optional[distributed.World] = None) -> dict:
+    """Train ``task`` under ``config`` (default: the task's own defaults) on every rank and
+    return the result (all ranks).
 
-    Rank 0 prints and writes the run directory. Raises ConfigError, DataError,
+    Rank 0 prints and writes the run directory. Raises ConfigError, DataError, TaskError,
     distributed.LaunchError / RankError, compat.KerasVersionError, or Preempted.
     """
     compat.keras()  # fail early, with one line, if the Keras in use cannot train here
-    config.validate()
+    config = (config or task.config()).validate()
     world = world or distributed.init(config.backend, config.num_workers)
     # Elastic runs survive a lost worker by design: Horovod's driver, not the watchdog, acts.
     dog = Watchdog(world, 0 if config.elastic else config.peer_timeout).start()
     try:
         result = _Run(task, config, world, dog).run()
-    except (ConfigError, distributed.RankError, Preempted, compat.KerasVersionError):
+    except (ConfigError, distributed.RankError, Preempted, compat.KerasVersionError, TaskError):
         dog.close()  # every rank raised the same error; nobody waits for anyone
         raise
     except BaseException as e:
@@ -58,10 +56,10 @@ def train(task: Task, config: Config, world: Optional[distributed.World] = None)
     return result
 
 
-class _Run:
+class _Run(Checkpointing):
     def __init__(self, task, config, world, dog):
         self.task, self.config, self.world, self.dog = task, config, world, dog
-        self.out = Reporter(world, config, config.verbose)
+        self.out = Reporter(world, config.run_dir, task.name, config.verbose)
         self.ckpt_dir = self.out.run_dir + "/checkpoints"
         self.stop_requested = False
         self.last_record = None  # the newest finished epoch's metrics (kept in checkpoints)
@@ -87,17 +85,19 @@ class _Run:
         self.model = task.build_model(config)
         compat.check_model(self.model, f"{type(task).__name__}.build_model")
         self.lr = config.learning_rate * (world.size if config.scale_lr else 1)
-        self.optimizer = world.wrap_optimizer(
-            keras.optimizers.SGD(learning_rate=self.lr, momentum=config.momentum))
+        self.optimizer = world.wrap_optimizer(task.build_optimizer(config, self.lr))
         # Create the optimizer's slots now so that one broadcast covers the whole state.
         self.optimizer.build(self.model.trainable_variables)
         self.metric_fns = task.metrics()
         self.sums = tf.Variable(tf.zeros(2 + len(self.metric_fns), tf.float64), trainable=False)
         self.variables = list(self.model.variables) + list(self.optimizer.variables) + [self.sums]
+        self.step = TrainStep(task, self.model, self.optimizer, world, self.data, self.sums,
+                              self.metric_fns)
+        self.step.check()  # a reduced loss is refused here, before anything is written
         restore = lambda: self._restore(found) if world.is_chief else None  # noqa: E731
         progress = restore() if config.elastic else world.broadcast_object(
             world.agree(restore, catch=(checkpoint.CheckpointError,)))
-        self._compile_step()
+        self._stop_values = (tf.constant(0.0), tf.constant(1.0))
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             if config.elastic:
@@ -126,8 +126,8 @@ class _Run:
     def _preflight(self) -> None:
         """All ranks must agree on versions, settings, variables and step counts before the
         first step, or they would hang or train wrong."""
-        preflight.check(self.world, preflight.facts(self.world, self.config, self.model,
-                                                    self.steps, self.data))
+        preflight.check(self.world, preflight.facts(self.world, self.config, self.task.settings,
+                                                    self.model, self.steps, self.data))
 
     def _train(self, progress) -> dict:
         """Every rank, after the state is in sync: check, loop, evaluate, report."""
@@ -143,7 +143,8 @@ class _Run:
         self.sums.assign(progress.sums if world.is_chief and progress.sums is not None
                          else tf.zeros_like(self.sums))
         self.last_record = progress.last_record
-        self.out.start({**config.to_dict(), "world_size": world.size, "backend": world.backend},
+        self.out.start({**self._run_dict(), "world_size": world.size, "backend": world.backend,
+                        "keras": compat.describe()},
                        completed_epochs=progress.epoch)
         self.out.print(f"hvdtrain: {self.task.name} on {world.describe()}; global batch "
                        f"{self.batch * world.size} ({self.batch} per worker), {self.steps} steps "
@@ -155,98 +156,11 @@ class _Run:
         self._loop(progress)
         return self._finish()
 
-    def _compile_step(self):
-        import tensorflow as tf
-
-        task, model, optimizer, world = self.task, self.model, self.optimizer, self.world
-        x_all, y_all = tf.constant(self.data.x_train), tf.constant(self.data.y_train)
-
-        @tf.function
-        def train_step(idx, stop):
-            x, y = task.preprocess(tf.gather(x_all, idx), tf.gather(y_all, idx))
-            with tf.GradientTape() as tape:
-                pred = model(x, training=True)
-                per_example, step_sums = self.scores(y, pred)
-                loss = tf.reduce_mean(per_example)
-            # Horovod: the wrapped optimizer averages the gradients over all ranks.
-            compat.minimize(optimizer, tape, loss, model.trainable_variables)
-            self.sums.assign_add(step_sums)
-            # A one-number allreduce: any rank's SIGTERM becomes every rank's decision at
-            # this same step. (Being ready before the gradients, it costs Horovod a
-            # negotiation round of its own: see docs/PERFORMANCE.md.)
-            return world.sum_in_graph(stop)
-
-        self.train_step = train_step
-        self._stop_values = (tf.constant(0.0), tf.constant(1.0))
-
-    def scores(self, y, pred):
-        import tensorflow as tf
-
-        per_example = self.task.loss(y, pred)
-        parts = [per_example, tf.ones_like(per_example)]
-        parts += [tf.cast(fn(y, pred), per_example.dtype) for fn in self.metric_fns.values()]
-        return per_example, tf.stack([tf.reduce_sum(tf.cast(p, tf.float64)) for p in parts])
-
-    # --- checkpoints --------------------------------------------------------------------------
-    def _find_checkpoint(self):
-        """Rank 0: the newest valid checkpoint's (meta, arrays, path), or None to start fresh."""
-        if not self.world.is_chief:
-            return None
-        found = checkpoint.list_checkpoints(self.ckpt_dir)
-        if self.config.resume is False and found:
-            raise checkpoint.CheckpointError(
-                f"{self.ckpt_dir} holds {len(found)} checkpoint(s) and --no-resume was given: "
-                "choose a new --run-dir, or drop --no-resume to continue")
-        state = checkpoint.load_latest(self.ckpt_dir, self.out.notice) if found else None
-        if state is None and self.config.resume:
-            raise checkpoint.CheckpointError(f"--resume: no checkpoint in {self.ckpt_dir}")
-        if state is not None:
-            saved, now = state[0]["run"], self.config.to_dict()
-            changed = [f"--{k.replace('_', '-')} {saved.get(k)} -> {now[k]}" for k in RUN_DEFINING
-                       if k in saved and saved[k] != (list(now[k]) if isinstance(now[k], tuple)
-                                                      else now[k])]
-            if changed:
-                raise checkpoint.CheckpointError(
-                    f"{state[2]} was made with other settings ({'; '.join(changed)}): resume "
-                    "with the same settings, or choose a new --run-dir")
-        return state
-
-    def _restore(self, found) -> dict:
-        """Rank 0: load a found checkpoint into the variables; return the progress fields."""
-        if found is None:
-            return {"epoch": 0, "offset": 0, "sums": None, "last_record": None, "path": None}
-        meta, arrays, path = found
-        if len(arrays) != len(self.variables) or any(
-                list(a.shape) != list(v.shape) for a, v in zip(arrays, self.variables)):
-            raise checkpoint.CheckpointError(f"{path}: its variables do not match this model")
-        for variable, value in zip(self.variables[:-1], arrays):
-            variable.assign(value)
-        return {"epoch": meta["epoch"], "offset": meta["offset"], "sums": arrays[-1].tolist(),
-                "last_record": meta.get("last_record"), "path": path}
-
-    def _partial_sums(self) -> list:
-        """All ranks: the epoch's sums so far over every rank (what rank 0 keeps on resume)."""
-        return self.world.allreduce_sum(self.sums.numpy()).tolist()
-
-    def _save(self, progress) -> None:
-        """All ranks: combine the partial sums; rank 0 writes the checkpoint."""
-        partial = self._partial_sums()
-        if not self.world.is_chief:
-            return
-        global_batch = self.batch * self.world.size
-        meta = {"epoch": progress.epoch, "offset": progress.offset,
-                "step_in_epoch": progress.offset // global_batch, "global_batch": global_batch,
-                "global_step": int(self.optimizer.iterations.numpy()),
-                "world_size": self.world.size, "run": self.config.to_dict(), "time": time.time(),
-                "last_record": self.last_record}
-        arrays = [v.numpy() for v in self.variables[:-1]] + [np.asarray(partial)]
-        checkpoint.save(self.ckpt_dir, arrays, [compat.variable_name(v) for v in self.variables], meta,
-                        self.config.keep_checkpoints)
-
-    def _commit(self, progress) -> None:
-        """Elastic: remember this step in memory; may raise Horovod's hosts-updated interrupt."""
-        progress.sums, progress.last_record = self._partial_sums(), self.last_record
-        progress.commit()
+    def _run_dict(self, defines_run=None) -> dict:
+        """The task's name, the training settings and the task's own (all, or only those that
+        define the run): what config.json shows and what a resume compares."""
+        return {"task": self.task.name, **values(self.config, defines_run=defines_run),
+                "settings": values(self.task.settings, defines_run=defines_run)}
 
     def _on_sigterm(self, signum, frame):
         self.stop_requested = True
@@ -276,10 +190,9 @@ class _Run:
             # reading the variable back every step (one device-to-host copy fewer per step).
             base_step = int(self.optimizer.iterations.numpy()) - first
             tick = time.perf_counter()
-            for step, idx in enumerate(tf.data.Dataset.from_tensor_slices(plan).prefetch(2),
-                                       start=first + 1):
+            for step, args in enumerate(self.step.batches(plan), start=first + 1):
                 # The step's only host read: the stop flag summed over ranks (any SIGTERM).
-                stop = float(self.train_step(idx, self._stop_values[self.stop_requested])) > 0
+                stop = float(self.step.step(args, self._stop_values[self.stop_requested])) > 0
                 global_step = base_step + step
                 self.dog.step, progress.offset = global_step, step * global_batch
                 if stop or (config.checkpoint_every and global_step % config.checkpoint_every == 0
@@ -324,7 +237,7 @@ class _Run:
             "global_step": int(self.optimizer.iterations.numpy()), "epochs": config.epochs,
             "batch_size": self.batch, "global_batch_size": self.batch * world.size,
             "learning_rate": self.lr, "train_examples": len(data.x_train),
-            "keras": f"{compat.keras().__name__} {compat.keras().__version__}",
+            "keras": compat.describe(),
             "final_loss": last["loss"], **{f"final_{k}": last[k] for k in self.metric_fns},
             **data.info,
         }
@@ -332,6 +245,8 @@ class _Run:
             result.update(self._evaluate())
         result.update(self.task.summarize(self.model))
         result.update(self._weights_agree())
+        if config.save_model:
+            result["model"] = self.out.save_model(self.model)
         self.out.result(result)
         self.out.print(self.task.format_result(result), level=1)
         return result
@@ -360,7 +275,7 @@ class _Run:
         @tf.function(reduce_retracing=True)
         def eval_step(x, y):
             x, y = self.task.preprocess(x, y)
-            return self.scores(y, self.model(x, training=False))[1]
+            return self.step.scores(y, self.model(x, training=False))[1]
 
         data, world = self.data, self.world
         idx = test_shard(len(data.x_test), world.rank, world.size)

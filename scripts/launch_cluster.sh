@@ -34,7 +34,7 @@ if [[ -n "${IFACE:-}" ]]; then
           -x "NCCL_SOCKET_IFNAME=$IFACE" -x "HOROVOD_GLOO_IFACE=$IFACE")
 fi
 if [[ $(id -u) == 0 ]]; then cmd+=(--allow-run-as-root); fi
-cmd+=("$python" -m "hvdtrain.$task" "$@")
+cmd+=("$python" -m hvdtrain "$task" "$@")
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then printf '%q ' "${cmd[@]}"; echo; exit 0; fi
 exec "${cmd[@]}"

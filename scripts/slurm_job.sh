@@ -59,7 +59,7 @@ srun)
     # controller reads them, so no mpirun and no ssh between nodes.
     # --cpu-bind=none: TensorFlow sizes its own thread pools per local rank.
     cmd=(srun --mpi="${SRUN_MPI:-pmix}" --cpu-bind=none --kill-on-bad-exit=1
-         "$python" -m "hvdtrain.$task" --run-dir "$run_dir" "$@")
+         "$python" -m hvdtrain "$task" --run-dir "$run_dir" "$@")
     ;;
 mpirun)
     # Open MPI's mpirun with a hostfile of the allocation: SLURM_JOB_NODELIST expanded by

@@ -88,8 +88,9 @@ def rank_pids(marker):
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv]
-        if (len(args) < 3 or not os.path.basename(args[0]).startswith("python")
-                or args[1] != "-m" or not args[2].startswith("hvdtrain.")
+        # A rank: python running hvdtrain (-m hvdtrain.<task>) or a script; the launcher is
+        # python too, but has no rank in its environment.
+        if (len(args) < 2 or not os.path.basename(args[0]).startswith("python")
                 or not any(marker in a for a in args)):
             continue
         env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)
@@ -128,3 +129,31 @@ def finish(proc, timeout):
         out, err = proc.communicate()
     err = "\n".join(l for l in err.splitlines() if not any(n in l for n in NOISE))
     return rc, out, err
+
+
+def example_cmd(name, *args):
+    """``python examples/<name> args``: an example script as a user runs it."""
+    return [sys.executable, os.path.join(ROOT, "examples", name), *map(str, args)]
+
+
+def launch_example(np, name, *args):
+    """``horovodrun -np N --gloo python examples/<name> ...``, or the plain command at np 1."""
+    cmd = example_cmd(name, *args)
+    return cmd if np == 1 else [HOROVODRUN, "-np", str(np), "--gloo", *cmd]
+
+
+def example_pids(name, marker):
+    """{rank: pid} of the processes running examples/<name> with ``marker`` in their args."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace").split("\0")
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if len(args) < 2 or not args[1].endswith(name) or not any(marker in a for a in args):
+            continue
+        env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)
+        if "HOROVOD_RANK" in env:
+            found[int(env["HOROVOD_RANK"])] = int(entry)
+    return found

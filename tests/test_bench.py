@@ -68,3 +68,15 @@ def test_tiny_allreduce_case_through_the_real_launchers(tmp_path):
         assert all(r["seconds"] > 0 and r["busbw"] > 0 for r in rows)
     assert "hvd.allreduce (MPI) busbw / mpi4py" not in (out / "results.md").read_text()  # < 4 MiB
     assert (out / "bench_allreduce.png").stat().st_size > 1000
+
+
+def test_fit_case_report():
+    """The fit case's section: every variant's samples/s and the ratios, side by side."""
+    fit = {"ranks": 2, "batch_per_rank": 64, "hidden_units": 256, "repeats": 1, "epochs": 3,
+           "samples_per_sec": {"hk_k3": 900.0, "hk_k2": 1100.0, "hvd_k2": 1000.0},
+           "ratios": {"hk_k3/hvd_k2": 0.9, "hk_k2/hvd_k2": 1.1},
+           "variants": {k: v[0] for k, v in cases.FIT_VARIANTS.items()}}
+    text = report.markdown({"machine": "m", "fit": fit}, "cmd")
+    assert "| hvdtrain.keras fit, Keras 3 | 900 |" in text
+    assert "| Horovod's keras wrapper + broadcast callback, Keras 2 | 1,000 |" in text
+    assert "| hk_k3/hvd_k2 | 0.9 |" in text

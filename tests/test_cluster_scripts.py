@@ -37,7 +37,7 @@ def test_slurm_srun_command(tmp_path):
     p = run(["bash", SLURM_JOB, "mnist", "--epochs", "5"], env, timeout=30)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["srun", "--mpi=pmix", "--cpu-bind=none", "--kill-on-bad-exit=1",
-                                sys.executable, "-m", "hvdtrain.mnist", "--run-dir",
+                                sys.executable, "-m", "hvdtrain", "mnist", "--run-dir",
                                 os.path.join(ROOT, "runs", "mnist-4242"), "--epochs", "5"]
 
 

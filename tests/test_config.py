@@ -1,55 +1,86 @@
-"""The configuration and its command line: the seeds' numbers, flags, bad input."""
+"""The configuration and its command line: the seeds' numbers, each task's own flags, bad
+input, and the metadata that says what a setting means for a run."""
 import dataclasses
 
 import pytest
 
+import hvdtrain
 from conftest import module_cmd, run
-from hvdtrain.config import Config, ConfigError, build_parser, parse_args, preset
+from hvdtrain.config import Config, ConfigError, build_parser, parse_args, values
+from hvdtrain.linear import LinearSettings, LinearTask
+from hvdtrain.mnist import MnistSettings, MnistTask
 
 
 def test_presets_hold_the_seed_numbers():
-    lin = preset("linear")
-    assert (lin.num_samples, lin.num_features, lin.true_weights, lin.true_bias) == \
-        (1000, 3, (0.1, 0.2, 0.3), 0.4)
-    assert (lin.learning_rate, lin.epochs, lin.batch_size, lin.num_workers) == (0.5, 10, None, 2)
-    mn = preset("mnist")
+    lin = LinearTask()
+    assert (lin.settings.num_samples, lin.settings.num_features, lin.settings.true_weights,
+            lin.settings.true_bias) == (1000, 3, (0.1, 0.2, 0.3), 0.4)
+    c = hvdtrain.preset("linear")
+    assert (c.learning_rate, c.epochs, c.batch_size, c.num_workers) == (0.5, 10, None, 2)
+    mn = hvdtrain.preset("mnist")
     assert (mn.learning_rate, mn.batch_size, mn.num_workers, mn.epochs) == (0.001, 100, 2, 10)
     assert not mn.scale_lr and mn.momentum == 0.0
+    assert MnistTask().settings.model == "softmax"
 
 
-def test_every_field_is_a_flag_and_help_shows_defaults():
-    help_text = build_parser("mnist").format_help()
-    for f in dataclasses.fields(Config):
-        if f.name != "task":
-            assert "--" + f.name.replace("_", "-") in help_text
-    assert "(default: 0.001)" in help_text and "(default: 100)" in help_text
-    assert "(default: 0.5)" in build_parser("linear").format_help()
+def test_the_generic_config_names_no_task():
+    """No task's settings, names or worker count in the training config."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    assert not names & {f.name for f in dataclasses.fields(LinearSettings)}
+    assert not names & {f.name for f in dataclasses.fields(MnistSettings)}
+    assert "task" not in names and Config().num_workers is None
 
 
-def test_flags_override_the_preset():
-    c = parse_args("linear", ["--learning-rate", "0.1", "--epochs", "3", "--scale-lr",
-                              "--true-weights", "1", "2", "3", "--batch-size", "50",
-                              "--backend", "single", "--seed", "7", "--num-workers", "4"])
-    assert (c.learning_rate, c.epochs, c.scale_lr, c.true_weights, c.batch_size) == \
-        (0.1, 3, True, (1.0, 2.0, 3.0), 50)
-    assert (c.backend, c.seed, c.num_workers, c.task) == ("single", 7, 4, "linear")
+def test_help_shows_only_the_tasks_own_flags_with_defaults_and_choices():
+    mnist = build_parser(MnistTask()).format_help()
+    linear = build_parser(LinearTask()).format_help()
+    for f in dataclasses.fields(Config):  # the training flags: every task has them
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in mnist and flag in linear
+    assert "--model {softmax,mlp}" in mnist and "--dataset {mnist,fashion_mnist}" in mnist
+    assert "--true-weights" not in mnist and "--model" not in linear
+    assert "(default: 0.001)" in mnist and "(default: 0.5)" in linear
+    assert "linear task:" in linear and "mnist task:" in mnist
+
+
+def test_flags_set_the_config_and_the_tasks_settings():
+    task = LinearTask()
+    c = parse_args(task, ["--learning-rate", "0.1", "--epochs", "3", "--scale-lr",
+                          "--true-weights", "1", "2", "3", "--batch-size", "50",
+                          "--backend", "single", "--seed", "7", "--num-workers", "4"])
+    assert (c.learning_rate, c.epochs, c.scale_lr, c.batch_size) == (0.1, 3, True, 50)
+    assert (c.backend, c.seed, c.num_workers) == ("single", 7, 4)
+    assert task.settings.true_weights == (1.0, 2.0, 3.0)
+
+
+def test_field_metadata_decides_resume_and_preflight():
+    c = Config(run_dir="/x", verbose=0, epochs=5)
+    defining = values(c, defines_run=True)
+    assert "learning_rate" in defining and "batch_size" in defining
+    assert "epochs" not in defining and "run_dir" not in defining  # epochs may grow
+    assert set(values(c, per_rank=True)) == {"run_dir", "verbose"}
+    s = MnistSettings()
+    assert set(values(s, per_rank=True)) == {"data_dir", "download"}
+    assert "model" in values(s, defines_run=True)
 
 
 @pytest.mark.parametrize("args, flag, value", [
     (["--learning-rate", "0"], "--learning-rate", "0.0"),
     (["--learning-rate", "-0.5"], "--learning-rate", "-0.5"),
+    (["--learning-rate", "1e999"], "--learning-rate", "1e999"),  # finite as text, inf as float
+    (["--learning-rate", "nan"], "--learning-rate", "nan"),
     (["--batch-size", "-1"], "--batch-size", "-1"),
-    (["--batch-size", "0"], "--batch-size", "0"),
     (["--epochs", "0"], "--epochs", "0"),
     (["--epochs", "-3"], "--epochs", "-3"),
     (["--dataset", "cifar"], "--dataset", "cifar"),
     (["--backend", "nccl"], "--backend", "nccl"),
     (["--data-dir", "/no/such/dir"], "--data-dir", "/no/such/dir"),
     (["--learning-rate", "fast"], "--learning-rate", "fast"),
+    (["--hidden-units", "0"], "--hidden-units", "0"),
 ])
 def test_bad_value_exits_2_naming_flag_and_value(args, flag, value, capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args("mnist", args)
+        parse_args(MnistTask(), args)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
@@ -58,7 +89,9 @@ def test_bad_value_exits_2_naming_flag_and_value(args, flag, value, capsys):
 
 def test_validate_names_the_field():
     with pytest.raises(ConfigError, match=r"--true-weights=0.1,0.2: needs 3 values"):
-        Config(task="linear", true_weights=(0.1, 0.2)).validate()
+        LinearTask(true_weights=(0.1, 0.2))
+    with pytest.raises(ConfigError, match=r"--momentum=1.5: must be in \[0, 1\)"):
+        Config(momentum=1.5).validate()
 
 
 def test_cli_bad_input_writes_nothing_and_prints_no_traceback(env, tmp_path):
@@ -73,10 +106,16 @@ def test_cli_bad_input_writes_nothing_and_prints_no_traceback(env, tmp_path):
         assert not run_dir.exists()
 
 
-def test_unknown_task(env):
-    p = run(["python", "-m", "hvdtrain", "regression"], env, timeout=60)
-    assert p.returncode == 2 and "unknown task 'regression'" in p.stderr
-
+@pytest.mark.parametrize("argv, message", [
+    (["regression"], "unknown command 'regression'"),
+    (["run", "nomodule"], "name a task as package.module:TaskClass"),
+    (["run", "no_such_module:Task"], "cannot import no_such_module"),
+    (["run", "hvdtrain.linear:Nothing"], "hvdtrain.linear has no Task subclass named Nothing"),
+])
+def test_unknown_task(env, argv, message):
+    p = run(["python", "-m", "hvdtrain", *argv], env, timeout=60)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
 
 
 def test_readme_documents_every_flag():
@@ -84,6 +123,6 @@ def test_readme_documents_every_flag():
     from conftest import ROOT
 
     readme = open(os.path.join(ROOT, "README.md")).read()
-    for f in dataclasses.fields(Config):
-        if f.name != "task":
+    for cls in (Config, LinearSettings, MnistSettings):
+        for f in dataclasses.fields(cls):
             assert "`--" + f.name.replace("_", "-") in readme, f.name

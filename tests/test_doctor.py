@@ -4,7 +4,6 @@ import json
 import os
 import sys
 
-import pytest
 
 from conftest import ROOT, clean_env, run
 

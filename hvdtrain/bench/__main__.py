@@ -18,7 +18,7 @@ from hvdtrain import bench
 from hvdtrain.bench import cases, report
 from hvdtrain.distributed import usable_cores
 
-CASES = ("allreduce", "throughput", "tta", "timeline")
+CASES = ("allreduce", "throughput", "tta", "timeline", "fit")
 KIB = 1024
 
 
@@ -33,10 +33,12 @@ def settings(quick: bool) -> dict:
     if quick:
         return {"sizes": [4 * KIB, 256 * KIB, 4 << 20, 16 << 20], "scale": 0.3,
                 "specs": [softmax, mlp], "batches": [4096], "epochs": 3, "repeats": 1,
-                "tta": (softmax, 512, 0.80, 4), "timeline": (softmax, 512, 2)}
+                "tta": (softmax, 512, 0.80, 4), "timeline": (softmax, 512, 2),
+                "fit": (64, 3, 1)}
     return {"sizes": [4 * KIB << (2 * i) for i in range(8)], "scale": 1.0,  # 4 KiB .. 64 MiB
             "specs": [softmax, mlp], "batches": [256, 1024, 4096], "epochs": 3, "repeats": 2,
-            "tta": (softmax, 512, 0.80, 6), "timeline": (softmax, 512, 2)}
+            "tta": (softmax, 512, 0.80, 6), "timeline": (softmax, 512, 2),
+            "fit": (64, 4, 2)}  # model.fit: batch per rank, epochs, repeats
 
 
 def main(argv=None) -> int:
@@ -74,6 +76,8 @@ def main(argv=None) -> int:
                 results[case] = cases.tta(out, *s["tta"])
             elif case == "timeline":
                 results[case] = cases.timeline(out, *s["timeline"])
+            elif case == "fit":
+                results[case] = cases.fit(out, *s["fit"])
     except bench.BenchError as e:
         print(f"python -m hvdtrain.bench: error: {e}", file=sys.stderr)
         return 1

@@ -5,6 +5,8 @@
                      processes, (d) MultiWorkerMirroredStrategy 2 workers: samples/s
     tta(...)         seconds of training to a test accuracy: 1 process, 2 processes, MWMS
     timeline(...)    one hvdtrain run under HOROVOD_TIMELINE, summarised per activity
+    fit(...)         model.fit, 2 processes: hvdtrain.keras (Keras 3 and 2) vs Horovod's own
+                     Keras wrapper + BroadcastGlobalVariablesCallback (Keras 2): samples/s
 """
 from __future__ import annotations
 
@@ -244,3 +246,35 @@ def summarize_timeline(path) -> dict:
             totals[name] += (e["ts"] - ts) / 1e6
             counts[name] += 1
     return {"seconds": dict(totals.most_common()), "counts": dict(counts)}
+
+
+# --- the model.fit path ---------------------------------------------------------------------
+
+FIT_VARIANTS = {  # name: (label, worker --impl, Keras 2?)
+    "hk_k3": ("hvdtrain.keras fit, Keras 3", "hk", False),
+    "hk_k2": ("hvdtrain.keras fit, Keras 2", "hk", True),
+    "hvd_k2": ("Horovod's keras wrapper + broadcast callback, Keras 2", "hvd_keras", True),
+}
+
+
+def fit(out, batch, epochs, repeats, hidden_units=256, lr=0.05) -> dict:
+    """Best-of-``repeats`` steady samples/s of model.fit on 2 processes, round-robin."""
+    runs = collections.defaultdict(list)
+    for _ in range(repeats):
+        for name, (label, impl, keras2) in FIT_VARIANTS.items():
+            path = os.path.join(out, "raw", f"fit-{name}.json")
+            env = bench.env(**({"TF_USE_LEGACY_KERAS": "1"} if keras2 else {}))
+            if not keras2:
+                env.pop("TF_USE_LEGACY_KERAS", None)
+            bench.run(bench.horovodrun(NP, CONTROLLER, bench.python(
+                WORKERS, "fit", "--impl", impl, "--out", path, "--batch", batch, "--epochs",
+                epochs, "--hidden-units", hidden_units, "--lr", lr)), env)
+            runs[name].append(_steady(_load(path)["epochs"]))
+    best = {v: max(r) for v, r in runs.items()}
+    ratios = {"hk_k3/hvd_k2": best["hk_k3"] / best["hvd_k2"],
+              "hk_k2/hvd_k2": best["hk_k2"] / best["hvd_k2"]}
+    progress("fit: " + ", ".join(f"{v} {best[v]:,.0f}" for v in best) + " samples/s; "
+             + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    return {"batch_per_rank": batch, "ranks": NP, "epochs": epochs, "repeats": repeats,
+            "hidden_units": hidden_units, "samples_per_sec": best, "all_runs": dict(runs),
+            "ratios": ratios, "variants": {k: v[0] for k, v in FIT_VARIANTS.items()}}

@@ -112,6 +112,14 @@ def markdown(results, command: str) -> str:
                      "processes): seconds per activity, summed over tensors and ranks\n")
         parts.append(table(["activity", "seconds", "count"], [
             (k, v, tl["counts"].get(k)) for k, v in tl["seconds"].items()]))
+    fit = results.get("fit")
+    if fit:
+        parts.append(f"\n### model.fit, {fit['ranks']} processes, batch {fit['batch_per_rank']} "
+                     f"per rank, 784-{fit['hidden_units']}-10 MLP: samples/s (best of "
+                     f"{fit['repeats']}, epochs 2-{fit['epochs']})\n")
+        parts.append(table(["variant", "samples/s"], [
+            (label, fit["samples_per_sec"][v]) for v, label in fit["variants"].items()]))
+        parts.append("\n" + table(["ratio", "value"], list(fit["ratios"].items())))
     return "\n".join(parts)
 
 

@@ -5,6 +5,9 @@
     plain                         (a) a minimal tf.function loop, one process, no Horovod
     mwms --index I                (d) tf.distribute.MultiWorkerMirroredStrategy worker I
                                   (TF_CONFIG is set by the caller)
+    fit --impl hk|hvd_keras       model.fit under horovodrun: hvdtrain.keras's fit, or
+                                  Horovod's own horovod.tensorflow.keras wrapper and
+                                  callbacks (Keras 2 only: run it with TF_USE_LEGACY_KERAS=1)
 
 Each writes one JSON object to ``--out`` (rank or worker 0 only). The training workers use
 the same model (``MnistTask.build_model``), data (``load_mnist_format``), per-rank index
@@ -17,7 +20,6 @@ import argparse
 import json
 import os
 import time
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -94,10 +96,9 @@ def _setup(args, rank: int, size: int):
     from hvdtrain.mnist import MnistTask
 
     data = load_mnist_format(args.dataset, None, False, World(), notice=lambda m: None)
-    task = MnistTask()
+    task = MnistTask(model=args.model, hidden_units=args.hidden_units, download=False)
     keras().utils.set_random_seed(args.seed)
-    config = SimpleNamespace(model=args.model, hidden_units=args.hidden_units)
-    return data, task, lambda: task.build_model(config)
+    return data, task, lambda: task.build_model(task.config())
 
 
 def _train(args, rank, size, step, evaluate=None) -> dict:
@@ -201,11 +202,66 @@ def mwms(args) -> None:
         _write(args.out, {"peer": "mwms", **result})
 
 
+def fit(args) -> None:
+    """model.fit on a 784-hidden-10 MLP, the bundled MNIST sample, SGD, ``args.batch`` per
+    rank: with hvdtrain.keras (sharded order, exact metrics, checkpoints, stop flag, watchdog),
+    or with Horovod's wrapper and BroadcastGlobalVariablesCallback.
+    Both start Horovod as hvdtrain does (same thread pools and Horovod settings)."""
+    import tempfile
+
+    import tensorflow as tf
+    from hvdtrain import distributed
+    from hvdtrain.compat import keras
+    from hvdtrain.data import load_mnist_format, steps_per_epoch
+
+    k = keras()
+    world = distributed.init("horovod", notice=lambda m: None)
+    data = load_mnist_format("mnist", None, False, world, notice=lambda m: None)
+    x = (data.x_train.reshape(-1, 784) / 255.0).astype("float32")
+    y = data.y_train.astype("int64")
+    k.utils.set_random_seed(args.seed)
+    model = k.Sequential([k.Input((784,)), k.layers.Dense(args.hidden_units, activation="relu"),
+                          k.layers.Dense(10)])
+    loss = k.losses.SparseCategoricalCrossentropy(from_logits=True)
+    steps = steps_per_epoch(len(x), args.batch, world.size)
+    times = []
+
+    class Timer(k.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.tick = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            times.append(time.perf_counter() - self.tick)
+
+    if args.impl == "hk":
+        import hvdtrain.keras as hk
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(args.lr)), loss=loss,
+                      metrics=["accuracy"], jit_compile=False)
+        with tempfile.TemporaryDirectory() as run_dir:
+            hk.fit(model, hk.dataset(x, y, args.batch, seed=args.seed), args.epochs,
+                   run_dir=run_dir, callbacks=[Timer()], verbose=0)
+    else:
+        import horovod.tensorflow.keras as hvd_keras  # the reference: Horovod's own path
+        model.compile(optimizer=hvd_keras.DistributedOptimizer(k.optimizers.SGD(args.lr)),
+                      loss=loss, metrics=["accuracy"])
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed + world.rank)
+        model.fit(ds.repeat().batch(args.batch).prefetch(2), steps_per_epoch=steps,
+                  epochs=args.epochs, verbose=0,
+                  # (its MetricAverageCallback fails here: it calls keras.backend.constant,
+                  # which Keras 3's backend lacks, even under TF_USE_LEGACY_KERAS=1)
+                  callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), Timer()])
+    epochs = [{"epoch": i + 1, "seconds": t, "samples_per_sec": steps * args.batch * world.size / t}
+              for i, t in enumerate(times)]
+    if world.is_chief:
+        _write(args.out, {"peer": f"fit-{args.impl}", "keras": f"{k.__name__} {k.__version__}",
+                          "epochs": epochs, "steps_per_epoch": steps})
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.workers")
-    p.add_argument("kind", choices=("allreduce", "memcpy", "plain", "mwms"))
+    p.add_argument("kind", choices=("allreduce", "memcpy", "plain", "mwms", "fit"))
     p.add_argument("--out", required=True)
-    p.add_argument("--impl", choices=("hvd", "mpi4py"), default="hvd")
+    p.add_argument("--impl", choices=("hvd", "mpi4py", "hk", "hvd_keras"), default="hvd")
     p.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[4096])
     p.add_argument("--scale", type=float, default=1.0, help="repetitions scale (quick: < 1)")
     p.add_argument("--index", type=int, default=0)
@@ -218,7 +274,8 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--target", type=float, default=0.0, help="mwms: stop at this test accuracy")
     args = p.parse_args(argv)
-    {"allreduce": allreduce, "memcpy": memcpy, "plain": plain, "mwms": mwms}[args.kind](args)
+    {"allreduce": allreduce, "memcpy": memcpy, "plain": plain, "mwms": mwms,
+     "fit": fit}[args.kind](args)
 
 
 if __name__ == "__main__":

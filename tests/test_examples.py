@@ -1,0 +1,112 @@
+"""The examples a user copies, run exactly as they are: examples/conv_task.py (the Task path)
+and the README's own-model example, alone and under horovodrun -np 2."""
+import os
+import re
+import signal
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import (HOROVODRUN, ROOT, finish, keras_flavour, rank_pids, result, run, start,
+                      wait_for)
+
+CONV = os.path.join(ROOT, "examples", "conv_task.py")
+SMALL = ["--train-examples", "1024", "--filters", "4", "--verbose", "0"]
+
+
+def alone(script, *args):
+    return [sys.executable, script, *args]
+
+
+def two(script, *args):
+    return [HOROVODRUN, "-np", "2", "--gloo", sys.executable, script, *args]
+
+
+def weights(run_dir):
+    """The saved model's weights, loaded the way a user would (no hvdtrain)."""
+    from hvdtrain.compat import keras
+    return [np.asarray(w) for w in
+            keras().models.load_model(os.path.join(run_dir, "model.keras")).get_weights()]
+
+
+def assert_same_weights(a, b, atol):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, atol=atol)
+
+
+@pytest.mark.keras2
+def test_conv_task_alone_and_on_two_ranks(env, tmp_path):
+    args = [*SMALL, "--epochs", "2", "--batch-size", "32", "--learning-rate", "0.01"]
+    one = run(alone(CONV, "--run-dir", str(tmp_path / "one"), *args), env)
+    assert one.returncode == 0, one.stderr
+    two_ = run(two(CONV, "--run-dir", str(tmp_path / "two"), *args), env)
+    assert two_.returncode == 0, two_.stderr
+    a, b = result(tmp_path / "one"), result(tmp_path / "two")
+    assert (a["task"], a["world_size"], b["world_size"]) == ("conv", 1, 2)
+    assert b["ranks_identical"] is True and b["keras"].split()[0] == keras_flavour()
+    assert a["global_step"] == 2 * 1024 // 32 and b["global_step"] == 2 * 1024 // 64
+    assert a["test_accuracy"] > 0.8 and b["test_accuracy"] > 0.7, (a, b)
+    assert "--num-workers" not in one.stderr + two_.stderr  # a user task sets no count
+
+
+@pytest.mark.keras2
+def test_conv_task_two_ranks_equal_one_on_full_batches(env, tmp_path):
+    """Adam on the full batch: the mean gradient over two equal shards is the one-process
+    gradient, so two ranks take the one-process steps (to float rounding)."""
+    args = [*SMALL, "--epochs", "3", "--batch-size", "0", "--train-examples", "512"]
+    one = run(alone(CONV, "--run-dir", str(tmp_path / "one"), *args), env)
+    two_ = run(two(CONV, "--run-dir", str(tmp_path / "two"), *args), env)
+    assert one.returncode == 0 and two_.returncode == 0, one.stderr + two_.stderr
+    a, b = result(tmp_path / "one"), result(tmp_path / "two")
+    assert a["global_step"] == b["global_step"] == 3
+    assert a["global_batch_size"] == b["global_batch_size"] == 512
+    assert abs(a["test_loss"] - b["test_loss"]) < 1e-5
+    assert_same_weights(weights(tmp_path / "one"), weights(tmp_path / "two"), atol=1e-5)
+
+
+@pytest.mark.keras2
+def test_conv_task_resume_after_sigterm_equals_the_uninterrupted_run(env, tmp_path):
+    args = [*SMALL, "--epochs", "2", "--batch-size", "16", "--checkpoint-every", "5"]
+    ref = run(two(CONV, "--run-dir", str(tmp_path / "ref"), *args), env)
+    assert ref.returncode == 0, ref.stderr
+    run_dir = tmp_path / "cut"
+    cmd = two(CONV, "--run-dir", str(run_dir), *args)
+    proc = start(cmd, env)
+    ckpts = run_dir / "checkpoints"
+    assert wait_for(lambda: ckpts.exists() and os.listdir(ckpts), 120), "no checkpoint"
+    pids = wait_for(lambda: rank_pids(str(run_dir)) if len(rank_pids(str(run_dir))) == 2
+                    else None, 30)
+    os.kill(pids[1], signal.SIGTERM)
+    rc, out, err = finish(proc, 120)
+    assert not (run_dir / "result.json").exists(), "finished before the SIGTERM"
+    assert "stopped by SIGTERM at step" in err, err
+    again = run(cmd, env)
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stderr
+    r, reference = result(run_dir), result(tmp_path / "ref")
+    assert r["global_step"] == reference["global_step"] == 2 * 1024 // 32
+    assert r["weights_sha256"] == reference["weights_sha256"]  # bit-identical weights
+    assert_same_weights(weights(run_dir), weights(tmp_path / "ref"), atol=0)
+
+
+def readme_example():
+    """The README's own-model example: the python block under "## Your own model"."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("## Your own model"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_user_model_example_runs_as_printed(env, tmp_path):
+    script = tmp_path / "xor.py"
+    script.write_text(readme_example())
+    one = run(alone(str(script), "--run-dir", str(tmp_path / "one")), env, cwd=str(tmp_path))
+    assert one.returncode == 0, one.stderr
+    two_ = run(two(str(script), "--run-dir", str(tmp_path / "two")), env, cwd=str(tmp_path))
+    assert two_.returncode == 0, two_.stderr
+    a, b = result(tmp_path / "one"), result(tmp_path / "two")
+    assert a["task"] == b["task"] == "xor" and (a["world_size"], b["world_size"]) == (1, 2)
+    assert a["test_accuracy"] == b["test_accuracy"] == 1.0 and b["ranks_identical"] is True
+    # A user task that sets no worker count is not warned about one.
+    assert "--num-workers" not in one.stderr + two_.stderr
