@@ -26,6 +26,29 @@ def default_run_dir(task: str, root: str = "runs") -> str:
     return path
 
 
+def weights_agreement(world, model) -> dict:
+    """Every rank must end with the same weights (synchronous updates): compare digests.
+
+    Returns ``weights_sha256`` (rank 0's) and ``ranks_identical`` for result.json; a
+    difference would mean the ranks trained different models, and rank 0's file would
+    silently speak for one of them, so it is also said on stderr.
+    """
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for v in model.weights:
+        digest.update(np.ascontiguousarray(v.numpy()).tobytes())
+    digests = world.allgather_object(digest.hexdigest())
+    agree = len(set(digests)) == 1
+    if not agree and world.is_chief:
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        print(f"hvdtrain: warning: the weights of rank(s) {differ} differ from rank 0's after "
+              "training; result.json holds rank 0's", file=sys.stderr, flush=True)
+    return {"weights_sha256": digests[0], "ranks_identical": agree}
+
+
 def write_json_atomic(path: str, obj) -> None:
     """Readers see the old file or the whole new one, never half of it."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path))

@@ -6,7 +6,6 @@ a SIGTERM that stops every rank at the same step boundary, and the peer watchdog
 """
 from __future__ import annotations
 
-import hashlib
 import signal
 import time
 from typing import Optional
@@ -16,7 +15,7 @@ import numpy as np
 from hvdtrain import checkpoint, compat, distributed, preflight
 from hvdtrain.config import Config, ConfigError, values
 from hvdtrain.data import DataError, epoch_plan, steps_per_epoch, test_shard
-from hvdtrain.report import Reporter
+from hvdtrain.report import Reporter, weights_agreement
 from hvdtrain.resume import Checkpointing
 from hvdtrain.step import TrainStep
 from hvdtrain.task import Task, TaskError
@@ -244,29 +243,12 @@ class _Run(Checkpointing):
         if data.x_test is not None:
             result.update(self._evaluate())
         result.update(self.task.summarize(self.model))
-        result.update(self._weights_agree())
+        result.update(weights_agreement(world, self.model))
         if config.save_model:
             result["model"] = self.out.save_model(self.model)
         self.out.result(result)
         self.out.print(self.task.format_result(result), level=1)
         return result
-
-    def _weights_agree(self) -> dict:
-        """Every rank must end with the same weights (synchronous updates): compare digests.
-
-        A difference would mean the ranks trained different models, and rank 0's file would
-        silently speak for one of them: say so instead.
-        """
-        digest = hashlib.sha256()
-        for v in self.model.weights:
-            digest.update(np.ascontiguousarray(v.numpy()).tobytes())
-        digests = self.world.allgather_object(digest.hexdigest())
-        agree = len(set(digests)) == 1
-        if not agree:
-            differ = [r for r, d in enumerate(digests) if d != digests[0]]
-            self.out.notice(f"hvdtrain: warning: the weights of rank(s) {differ} differ from "
-                            "rank 0's after training; result.json holds rank 0's")
-        return {"weights_sha256": digests[0], "ranks_identical": agree}
 
     def _evaluate(self) -> dict:
         """Loss and metrics over the whole test set: each rank scores its part, sums combine."""

@@ -131,29 +131,14 @@ def finish(proc, timeout):
     return rc, out, err
 
 
-def example_cmd(name, *args):
-    """``python examples/<name> args``: an example script as a user runs it."""
-    return [sys.executable, os.path.join(ROOT, "examples", name), *map(str, args)]
-
-
-def launch_example(np, name, *args):
-    """``horovodrun -np N --gloo python examples/<name> ...``, or the plain command at np 1."""
-    cmd = example_cmd(name, *args)
+def script_cmd(np, script, *args):
+    """``python SCRIPT args`` as a user runs it, under ``horovodrun -np N --gloo`` when N > 1."""
+    cmd = [sys.executable, str(script), *map(str, args)]
     return cmd if np == 1 else [HOROVODRUN, "-np", str(np), "--gloo", *cmd]
 
 
-def example_pids(name, marker):
-    """{rank: pid} of the processes running examples/<name> with ``marker`` in their args."""
-    found = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            args = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace").split("\0")
-            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if len(args) < 2 or not args[1].endswith(name) or not any(marker in a for a in args):
-            continue
-        env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)
-        if "HOROVOD_RANK" in env:
-            found[int(env["HOROVOD_RANK"])] = int(entry)
-    return found
+def launch_example(np, name, *args):
+    """examples/<name>, alone (np 1) or under horovodrun."""
+    return script_cmd(np, os.path.join(ROOT, "examples", name), *args)
+
+

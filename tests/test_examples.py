@@ -3,12 +3,11 @@ and the README's own-model example, alone and under horovodrun -np 2."""
 import os
 import re
 import signal
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import (HOROVODRUN, ROOT, finish, keras_flavour, rank_pids, result, run, start,
+from conftest import (ROOT, finish, keras_flavour, rank_pids, result, run, script_cmd, start,
                       wait_for)
 
 CONV = os.path.join(ROOT, "examples", "conv_task.py")
@@ -16,11 +15,11 @@ SMALL = ["--train-examples", "1024", "--filters", "4", "--verbose", "0"]
 
 
 def alone(script, *args):
-    return [sys.executable, script, *args]
+    return script_cmd(1, script, *args)
 
 
 def two(script, *args):
-    return [HOROVODRUN, "-np", "2", "--gloo", sys.executable, script, *args]
+    return script_cmd(2, script, *args)
 
 
 def weights(run_dir):

@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import example_pids, finish, launch_example, result, run, start, wait_for
+from conftest import finish, launch_example, rank_pids, result, run, start, wait_for
 from hvdtrain import checkpoint as C
 
 EXAMPLE = "keras_fit_mnist.py"
@@ -81,7 +81,7 @@ def test_sigterm_to_one_rank_then_resume_equals_uninterrupted(env, tmp_path):
     proc = start(launch_example(2, EXAMPLE, *DENSE, "--run-dir", cut, *args), env)
     try:
         pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(
-            example_pids(EXAMPLE, cut)), 120)
+            rank_pids(cut)), 120)
         assert pids and wait_for(lambda: C.list_checkpoints(cut + "/checkpoints"), 120)
         os.kill(pids[1], signal.SIGTERM)
     finally:
@@ -137,3 +137,30 @@ def test_epoch_metrics_are_global_not_rank_zeros(env, tmp_path):
     assert record["val_accuracy"] == pytest.approx(val_acc, abs=1e-6)
     assert record["val_loss"] == pytest.approx(val_loss, abs=1e-4)
     assert abs(val_acc0 - val_acc) > 1e-3
+
+
+def code_lines(path):
+    """An example's code: no module docstring, comments or blank lines."""
+    import ast
+    src = open(path).read()
+    body = src.split('"""', 2)[2] if ast.get_docstring(ast.parse(src)) else src
+    return [l for l in body.splitlines() if l.strip() and not l.strip().startswith("#")]
+
+
+def test_the_port_changes_few_lines_of_the_plain_script(env, tmp_path):
+    """The plain single-process Keras script runs, and the README's diff size is true."""
+    import difflib
+    from conftest import ROOT
+
+    p = run(launch_example(1, "keras_mnist_plain.py", *DENSE, "--epochs", 1, "--run-dir",
+                           str(tmp_path)), env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (tmp_path / "model.keras").exists()
+    plain, ported = (code_lines(os.path.join(ROOT, "examples", n))
+                     for n in ("keras_mnist_plain.py", EXAMPLE))
+    diff = [l for l in difflib.unified_diff(plain, ported, lineterm="", n=0)
+            if l[:1] in "+-" and l[:3] not in ("+++", "---")]
+    removed, added = sum(l[0] == "-" for l in diff), sum(l[0] == "+" for l in diff)
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    claim = (f"{removed} of its {len(plain)} code lines replaced by {added}")
+    assert claim in readme, claim
