@@ -1,13 +1,15 @@
 """Checkpoints: one self-verifying file per save, written atomically by rank 0.
 
-File ``ckpt-<global step>.hvdt``:
+File ``ckpt-<global step>.hvdt``, format version 2:
     b"HVDTCKPT" | format version (1 byte) | metadata length (8 bytes, big-endian)
     | metadata JSON | payload (an uncompressed npz of the variables, in order)
-The metadata holds the payload's length and sha256, the variables' names, shapes and
-dtypes, the training position and the settings that define the run. A save goes to a
-temporary file that is flushed and fsynced, then renamed, so a crash leaves the previous
-checkpoint intact; on load, a file whose length or hash does not match is skipped with a
-warning in favour of the one before it.
+    | sha256 of everything before it (32 bytes)
+The metadata holds the payload's length, the variables' names, shapes and dtypes, the
+training position and the settings that define the run. The trailing hash covers the whole
+file, metadata included: one flipped bit in the epoch or the step is detected like one in
+the weights. A save goes to a temporary file that is flushed and fsynced, then renamed, so
+a crash leaves the previous checkpoint intact; on load, a file whose length or hash does not
+match is skipped with a warning in favour of the one before it.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 MAGIC = b"HVDTCKPT"
-VERSION = 1
+VERSION = 2  # 1 (hvdtrain 0.1) hashed the payload only
+DIGEST = 32  # sha256
 PATTERN = re.compile(r"ckpt-(\d+)\.hvdt$")
 
 
@@ -54,17 +57,16 @@ def save(directory: str, arrays: Sequence[np.ndarray], names: Sequence[str], met
     np.savez(buf, *arrays)
     payload = buf.getvalue()
     meta = dict(meta, payload_bytes=len(payload),
-                payload_sha256=hashlib.sha256(payload).hexdigest(),
                 variables=[[n, list(a.shape), str(a.dtype)] for n, a in zip(names, arrays)])
     header = json.dumps(meta, sort_keys=True).encode()
     target = path_for(directory, meta["global_step"])
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ckpt-", suffix=".tmp")
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide checkpoints from the team
+        body = MAGIC + bytes([VERSION]) + struct.pack(">Q", len(header)) + header + payload
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + bytes([VERSION]) + struct.pack(">Q", len(header)))
-            f.write(header)
-            f.write(payload)
+            f.write(body)
+            f.write(hashlib.sha256(body).digest())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -98,17 +100,28 @@ def read(path: str) -> Tuple[dict, List[np.ndarray]]:
         raise CheckpointError(f"{path}: not an hvdtrain checkpoint (bad header)")
     if raw[len(MAGIC)] != VERSION:
         raise CheckpointError(f"{path}: format version {raw[len(MAGIC)]}, expected {VERSION}")
-    (meta_len,) = struct.unpack(">Q", raw[len(MAGIC) + 1:head])
-    try:
-        meta = json.loads(raw[head:head + meta_len])
-    except ValueError:
-        raise CheckpointError(f"{path}: truncated or corrupt metadata") from None
-    payload = raw[head + meta_len:]
-    if len(payload) != meta.get("payload_bytes"):
-        raise CheckpointError(f"{path}: truncated: payload has {len(payload)} bytes, "
-                              f"expected {meta.get('payload_bytes')}")
-    if hashlib.sha256(payload).hexdigest() != meta.get("payload_sha256"):
+    if len(raw) < head + DIGEST:
+        raise CheckpointError(f"{path}: truncated: {len(raw)} bytes")
+    body, digest = raw[:-DIGEST], raw[-DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        # Truncation shows as a mismatch too; say which when the length gives it away.
+        (meta_len,) = struct.unpack(">Q", raw[len(MAGIC) + 1:head])
+        try:
+            want = head + meta_len + json.loads(raw[head:head + meta_len])["payload_bytes"]
+        except (ValueError, KeyError, TypeError):
+            want = None
+        if want is not None and len(body) < want:
+            raise CheckpointError(f"{path}: truncated: {len(raw)} bytes, expected "
+                                  f"{want + DIGEST}")
         raise CheckpointError(f"{path}: checksum mismatch (the file was altered)")
+    (meta_len,) = struct.unpack(">Q", body[len(MAGIC) + 1:head])
+    try:
+        meta = json.loads(body[head:head + meta_len])
+        payload = body[head + meta_len:]
+        if len(payload) != meta["payload_bytes"]:
+            raise ValueError
+    except (ValueError, KeyError, TypeError):  # hashed as written, so a bug, not damage
+        raise CheckpointError(f"{path}: inconsistent metadata") from None
     with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
         arrays = [npz[f"arr_{i}"] for i in range(len(meta["variables"]))]
     return meta, arrays

@@ -16,7 +16,8 @@ from hvdtrain.checkpoint import CheckpointError
 from hvdtrain.config import ConfigError, parse_args
 from hvdtrain.data import DataError
 from hvdtrain.task import TaskError
-from hvdtrain.train import EXIT_PREEMPTED, Preempted, train
+from hvdtrain.report import RunDirBusy
+from hvdtrain.train import EXIT_PREEMPTED, Diverged, Preempted, StepError, train
 
 
 def _fail(prog: str, message: str, status: int, show: bool = True) -> int:
@@ -33,8 +34,8 @@ def run(task, argv=None, prog=None) -> int:
     config = parse_args(task, argv, prog)  # exits 2 with one line on a bad flag
     try:
         train(task, config)
-    except ConfigError as e:
-        return _fail(prog, str(e), 2)
+    except ConfigError as e:  # raised alike on every rank: rank 0 says it
+        return _fail(prog, str(e), 2, show=distributed.launcher_rank() == 0)
     except Preempted as e:
         if distributed.launcher_rank() == 0:
             sys.stderr.write(f"{prog}: {e}\n")
@@ -42,7 +43,9 @@ def run(task, argv=None, prog=None) -> int:
     except distributed.RankError as e:
         # Every rank raised the same agreed message: rank 0 says it once.
         return _fail(prog, str(e), 1, show=distributed.launcher_rank() == 0)
+    except Diverged as e:  # every rank stopped at the same step: rank 0 says it
+        return _fail(prog, str(e), 1, show=distributed.launcher_rank() == 0)
     except (DataError, CheckpointError, distributed.LaunchError, compat.KerasVersionError,
-            TaskError) as e:
+            TaskError, StepError, RunDirBusy) as e:
         return _fail(prog, str(e), 1)
     return 0

@@ -93,6 +93,9 @@ class Config:
                             "needs --run-dir", defines_run=False)
     commit_every: int = setting(20, "elastic: commit the state in memory every N steps (the "
                                 "most work a lost worker costs)", defines_run=False)
+    stop_on_divergence: bool = setting(
+        True, "stop with exit 1 when the loss becomes NaN or infinite, keeping the checkpoints "
+        "from before it; --no-stop-on-divergence trains on", defines_run=False)
     # Output.
     run_dir: Optional[str] = setting(None, "where rank 0 writes config, metrics, TensorBoard, "
                                      "checkpoints, the model and the result (default: "

@@ -107,13 +107,32 @@ def _find(directory: str, name: str) -> Optional[str]:
     return None
 
 
-def _check_pair(x, y, x_path, y_path):
+def _check_pair(x, y, x_path, y_path, what=("images", "labels")):
+    """MNIST-format examples: 28x28 integer pixels 0-255 and integer labels 0-9, one each.
+
+    Anything else would train silently wrong (float images in [0, 1] cast to bytes are all
+    zero; an out-of-range label fails deep inside TensorFlow), so it is refused here, naming
+    the file and the value.
+    """
     if x.ndim != 3 or x.shape[1:] != (28, 28):
-        raise DataError(f"{x_path}: images are {x.shape[1:]}, expected 28x28")
+        raise DataError(f"{x_path}: {what[0]} are {x.shape[1:]}, expected 28x28")
     if len(x) != len(y):
-        raise DataError(f"{y_path}: {len(y)} labels for {len(x)} images in {x_path}")
-    if len(y) and y.max() > 9:
-        raise DataError(f"{y_path}: label {int(y.max())} outside 0-9")
+        raise DataError(f"{y_path}: {len(y)} {what[1]} for {len(x)} {what[0]} in {x_path}")
+    if y.ndim != 1:
+        raise DataError(f"{y_path}: {what[1]} have shape {y.shape}, expected one per image")
+    if not np.issubdtype(x.dtype, np.integer):
+        lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
+        raise DataError(f"{x_path}: {what[0]} are {x.dtype} (values {lo:g}..{hi:g}); "
+                        "MNIST-format pixels are integers 0-255 (e.g. np.uint8(np.rint(x * 255)) "
+                        "for images scaled to [0, 1])")
+    if x.size and (x.min() < 0 or x.max() > 255):
+        bad = int(x.min()) if x.min() < 0 else int(x.max())
+        raise DataError(f"{x_path}: pixel value {bad} outside 0-255 in {what[0]}")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"{y_path}: {what[1]} are {y.dtype}; expected integer classes 0-9")
+    if len(y) and (y.min() < 0 or y.max() > 9):
+        bad = int(y.min()) if y.min() < 0 else int(y.max())
+        raise DataError(f"{y_path}: label {bad} outside 0-9 in {what[1]}")
 
 
 def load_idx_dir(directory: str) -> Optional[Data]:
@@ -146,9 +165,9 @@ def load_npz(path: str) -> Data:
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise DataError(f"{path}: not a readable npz file ({e})") from None
-    _check_pair(arrays[0], arrays[1], path, path)
-    _check_pair(arrays[2], arrays[3], path, path)
-    x_train, y_train, x_test, y_test = (a.astype(np.uint8) for a in arrays)
+    _check_pair(arrays[0], arrays[1], path, path, ("x_train", "y_train"))
+    _check_pair(arrays[2], arrays[3], path, path, ("x_test", "y_test"))
+    x_train, y_train, x_test, y_test = (a.astype(np.uint8) for a in arrays)  # checked: exact
     return Data(x_train, y_train, x_test, y_test, info={"source": os.path.abspath(path)})
 
 

@@ -10,8 +10,11 @@ Run directory layout:
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -49,13 +52,82 @@ def weights_agreement(world, model) -> dict:
     return {"weights_sha256": digests[0], "ranks_identical": agree}
 
 
+def run_dir_problem(path: str):
+    """Why ``path`` cannot hold a new or continued run (None when it can). Creates nothing.
+
+    A file where the directory should be, a file above it, no permission to write, or a
+    finished run (result.json) with no checkpoint to continue from: each would fail late,
+    with a traceback, or silently overwrite a finished run.
+    """
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "is a file, not a directory"
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"is under {existing}, which is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be written ({existing}: permission denied or read-only file system)"
+    checkpoints = os.path.join(path, "checkpoints")
+    if os.path.exists(os.path.join(path, "result.json")) and not (
+            os.path.isdir(checkpoints) and any(n.endswith(".hvdt") for n in os.listdir(checkpoints))):
+        return ("holds a finished run (result.json) and no checkpoint to continue from: "
+                "choose a new --run-dir rather than overwrite it")
+    return None
+
+
+class RunDirBusy(RuntimeError):
+    """Another live run holds the run directory; ``str()`` is one line."""
+
+
+class RunLock:
+    """Rank 0's exclusive hold on a run directory for the whole run.
+
+    ``flock`` on RUN_DIR/.lock: the kernel drops it when the holder exits, however it exits
+    (SIGKILL included), so a lock left by a killed run never blocks the next one; the file
+    keeps the holder's pid, host and start time for the message a second run gets.
+    """
+
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, ".lock")
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 512, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise RunDirBusy(f"{run_dir} is in use by another run ({holder}): wait for it to "
+                             "end, or choose another --run-dir") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def finite_json(obj):
+    """``obj`` with NaN and infinities as null: result.json and metrics stay valid JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
 def write_json_atomic(path: str, obj) -> None:
     """Readers see the old file or the whole new one, never half of it."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path))
     try:
         os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
+            json.dump(finite_json(obj), f, indent=2, sort_keys=True, allow_nan=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
@@ -76,6 +148,21 @@ class Reporter:
             path = default_run_dir(task_name) if world.is_chief else None
             self.run_dir = os.path.abspath(world.broadcast_object(path))
         self._tb = None
+        self._lock = None
+
+    def problem(self):
+        """Rank 0: why the run directory cannot be used (None if it can); creates nothing."""
+        return run_dir_problem(self.run_dir) if self.enabled else None
+
+    def claim(self) -> None:
+        """Rank 0: create the run directory and hold it for this run (RunDirBusy if taken)."""
+        if self.enabled and self._lock is None:
+            self._lock = RunLock(self.run_dir)
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     @property
     def enabled(self) -> bool:
@@ -121,7 +208,7 @@ class Reporter:
         if not self.enabled:
             return
         with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.write(json.dumps(finite_json(record), sort_keys=True, allow_nan=False) + "\n")
         import tensorflow as tf
 
         with self._tb.as_default(step=record["global_step"]):

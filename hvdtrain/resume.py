@@ -60,6 +60,12 @@ class Checkpointing:
     def _save(self, progress) -> None:
         """All ranks: combine the partial sums; rank 0 writes the checkpoint."""
         partial = self._partial_sums()
+        # Every rank holds the same weights, so every rank takes the same decision here: a
+        # checkpoint of NaN weights would make the "last good" one useless.
+        if self.config.stop_on_divergence and not all(
+                np.isfinite(v.numpy()).all() for v in self.model.trainable_variables):
+            raise self._diverged(f"the weights became NaN or infinite by step "
+                                 f"{int(self.optimizer.iterations.numpy())}")
         if not self.world.is_chief:
             return
         global_batch = self.batch * self.world.size

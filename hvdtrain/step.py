@@ -25,7 +25,8 @@ def in_memory(array) -> bool:
 
 
 class TrainStep:
-    """``step(args, stop)`` runs one update and returns the stop flag summed over ranks;
+    """``step(args, stop)`` runs one update and returns [stop, non-finite loss] flags summed
+    over ranks;
     ``batches(plan)`` yields the ``args`` of each step of an epoch plan."""
 
     def __init__(self, task, model, optimizer, world, data, sums, metric_fns):
@@ -46,10 +47,11 @@ class TrainStep:
             # Horovod: the wrapped optimizer averages the gradients over all ranks.
             compat.minimize(optimizer, tape, loss, model.trainable_variables)
             sums.assign_add(step_sums)
-            # A one-number allreduce: any rank's SIGTERM becomes every rank's decision at
-            # this same step. (Being ready before the gradients, it costs Horovod a
-            # negotiation round of its own: see docs/PERFORMANCE.md.)
-            return world.sum_in_graph(stop)
+            # A two-number allreduce: any rank's SIGTERM (stop) and any rank's non-finite loss
+            # become every rank's decision at this same step. (Being ready before the
+            # gradients, it costs Horovod a negotiation round of its own: docs/PERFORMANCE.md.)
+            diverged = tf.cast(tf.logical_not(tf.math.is_finite(loss)), stop.dtype)
+            return world.sum_in_graph(tf.stack([stop, diverged]))
 
         if self.streamed:
             self.step = tf.function(lambda xy, stop: update(xy[0], xy[1], stop))

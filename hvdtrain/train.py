@@ -15,7 +15,7 @@ import numpy as np
 from hvdtrain import checkpoint, compat, distributed, preflight
 from hvdtrain.config import Config, ConfigError, values
 from hvdtrain.data import DataError, epoch_plan, steps_per_epoch, test_shard
-from hvdtrain.report import Reporter, weights_agreement
+from hvdtrain.report import Reporter, RunDirBusy, weights_agreement
 from hvdtrain.resume import Checkpointing
 from hvdtrain.step import TrainStep
 from hvdtrain.task import Task, TaskError
@@ -28,6 +28,14 @@ PROGRESS_FIELDS = ("epoch", "offset", "sums", "last_record", "path")
 
 class Preempted(RuntimeError):
     """SIGTERM reached a rank; every rank stopped after the same step, rank 0 saved."""
+
+
+class Diverged(RuntimeError):
+    """The loss (or the weights) became NaN or infinite; every rank stopped at that step."""
+
+
+class StepError(RuntimeError):
+    """A training step failed on this rank (e.g. a label outside the model's classes)."""
 
 
 def train(task: Task, config: Optional[Config] = None,
@@ -45,7 +53,8 @@ def train(task: Task, config: Optional[Config] = None,
     dog = Watchdog(world, 0 if config.elastic else config.peer_timeout).start()
     try:
         result = _Run(task, config, world, dog).run()
-    except (ConfigError, distributed.RankError, Preempted, compat.KerasVersionError, TaskError):
+    except (ConfigError, distributed.RankError, Preempted, compat.KerasVersionError, TaskError,
+            Diverged):
         dog.close()  # every rank raised the same error; nobody waits for anyone
         raise
     except BaseException as e:
@@ -53,6 +62,11 @@ def train(task: Task, config: Optional[Config] = None,
         raise
     dog.close()
     return result
+
+
+def _first_line(message: str) -> str:
+    lines = [l.strip() for l in str(message).splitlines() if l.strip()]
+    return lines[0] if lines else "unknown error"
 
 
 class _Run(Checkpointing):
@@ -74,11 +88,15 @@ class _Run(Checkpointing):
 
         task, config, world = self.task, self.config, self.world
         keras = compat.keras()
+        # The run directory first: a file in its place, no permission or a finished run in it
+        # would otherwise fail late (after the data loaded) or be overwritten.
+        problem = self.out.problem() if config.elastic else world.broadcast_object(
+            self.out.problem())
+        if problem:
+            raise ConfigError("run_dir", self.out.run_dir, problem)
         load = lambda: task.load_data(config, world)  # noqa: E731
         self.data = load() if config.elastic else world.agree(load, catch=(DataError, OSError))
         self._shape()
-        find = self._find_checkpoint
-        found = find() if config.elastic else world.agree(find, catch=(checkpoint.CheckpointError,))
 
         keras.utils.set_random_seed(config.seed)  # rank 0's init wins anyway (broadcast below)
         self.model = task.build_model(config)
@@ -93,6 +111,15 @@ class _Run(Checkpointing):
         self.step = TrainStep(task, self.model, self.optimizer, world, self.data, self.sums,
                               self.metric_fns)
         self.step.check()  # a reduced loss is refused here, before anything is written
+
+        # Everything is checked: rank 0 takes the run directory for this run (a second run on
+        # it is refused while this one lives), then looks for a checkpoint to resume from.
+        if config.elastic:  # no collectives before the elastic driver; see the README
+            self.out.claim()
+        else:
+            world.agree(self.out.claim, catch=(RunDirBusy, OSError))
+        find = self._find_checkpoint
+        found = find() if config.elastic else world.agree(find, catch=(checkpoint.CheckpointError,))
         restore = lambda: self._restore(found) if world.is_chief else None  # noqa: E731
         progress = restore() if config.elastic else world.broadcast_object(
             world.agree(restore, catch=(checkpoint.CheckpointError,)))
@@ -111,6 +138,7 @@ class _Run(Checkpointing):
             return self._train(distributed.Progress(**progress))
         finally:
             signal.signal(signal.SIGTERM, previous)
+            self.out.release()
 
     def _shape(self) -> None:
         """Batch and steps for the current world size (it changes in elastic runs)."""
@@ -190,9 +218,17 @@ class _Run(Checkpointing):
             base_step = int(self.optimizer.iterations.numpy()) - first
             tick = time.perf_counter()
             for step, args in enumerate(self.step.batches(plan), start=first + 1):
-                # The step's only host read: the stop flag summed over ranks (any SIGTERM).
-                stop = float(self.step.step(args, self._stop_values[self.stop_requested])) > 0
                 global_step = base_step + step
+                # The step's only host read: [SIGTERM, non-finite loss] summed over ranks.
+                try:
+                    stop, diverged = self.step.step(
+                        args, self._stop_values[self.stop_requested]).numpy() > 0
+                except tf.errors.OpError as e:  # this rank alone: the watchdog stops the rest
+                    raise StepError(f"training step {global_step} failed on rank {world.rank}: "
+                                    f"{_first_line(e.message)}") from None
+                if diverged and config.stop_on_divergence:
+                    raise self._diverged(f"the loss became NaN or infinite at step "
+                                         f"{global_step}")
                 self.dog.step, progress.offset = global_step, step * global_batch
                 if stop or (config.checkpoint_every and global_step % config.checkpoint_every == 0
                             and step < self.steps):
@@ -228,6 +264,13 @@ class _Run(Checkpointing):
                            [("samples/s", record["samples_per_sec"])], finalize=True)
             else:
                 out.print(self.task.format_epoch(record))
+
+    def _diverged(self, what: str) -> Diverged:
+        newest = checkpoint.list_checkpoints(self.ckpt_dir)
+        kept = (f"the newest checkpoint, from before it, is step {newest[0][0]} in "
+                f"{self.ckpt_dir}" if newest else "no checkpoint was saved before it")
+        return Diverged(f"{what}: training stopped ({kept}); try a lower --learning-rate in a "
+                        "new --run-dir, or --no-stop-on-divergence to train on")
 
     def _finish(self) -> dict:
         config, world, data, last = self.config, self.world, self.data, self.last_record

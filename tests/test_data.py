@@ -169,3 +169,37 @@ def test_global_batches_do_not_depend_on_world_size():
 def test_test_shards_cover_every_example_once():
     parts = [D.test_shard(1001, r, 3) for r in range(3)]
     assert sorted(np.concatenate(parts).tolist()) == list(range(1001))
+
+
+def keras_npz(path, **change):
+    """A small Keras-format mnist.npz; ``change`` replaces arrays."""
+    rng = np.random.default_rng(0)
+    arrays = dict(x_train=rng.integers(0, 256, (20, 28, 28), dtype=np.uint8),
+                  y_train=rng.integers(0, 10, 20).astype(np.uint8),
+                  x_test=rng.integers(0, 256, (10, 28, 28), dtype=np.uint8),
+                  y_test=rng.integers(0, 10, 10).astype(np.uint8))
+    arrays.update(change)
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize("change, message", [
+    # Images scaled to [0, 1]: cast to bytes they would all be 0 and train to chance.
+    (dict(x_train=np.random.default_rng(1).random((20, 28, 28), dtype=np.float32)),
+     r"mnist.npz: x_train are float32 \(values \S+\.\.0\.\d+\); MNIST-format pixels are "
+     r"integers 0-255"),
+    (dict(x_test=np.full((10, 28, 28), 300, np.int32)), r"pixel value 300 outside 0-255 in x_test"),
+    (dict(y_train=np.full(20, 10, np.int64)), r"mnist.npz: label 10 outside 0-9 in y_train"),
+    (dict(y_test=np.full(10, -1, np.int64)), r"mnist.npz: label -1 outside 0-9 in y_test"),
+    (dict(y_train=np.zeros(20, np.float32)), r"y_train are float32; expected integer classes"),
+    (dict(y_train=np.zeros((20, 10), np.uint8)), r"y_train have shape \(20, 10\), expected one"),
+])
+def test_npz_values_are_checked_not_cast(tmp_path, change, message):
+    keras_npz(tmp_path / "mnist.npz", **change)
+    with pytest.raises(D.DataError, match=message):
+        D.load_dir(str(tmp_path), "mnist")
+
+
+def test_npz_with_good_values_loads_exactly(tmp_path):
+    keras_npz(tmp_path / "mnist.npz", y_train=np.arange(20, dtype=np.int64) % 10)
+    data = D.load_dir(str(tmp_path), "mnist")
+    assert data.x_train.dtype == np.uint8 and data.y_train.tolist() == list(range(10)) * 2

@@ -222,3 +222,23 @@ def test_checkpoint_file_checks(tmp_path):
     warnings = []
     meta8, _, used = C.load_latest(str(tmp_path), warnings.append)
     assert meta8["global_step"] == 7 and "bad header" in warnings[0]
+
+
+@pytest.mark.parametrize("where", ["epoch", "global_step", "payload", "trailer", "version"])
+def test_every_byte_of_a_checkpoint_is_covered(tmp_path, where):
+    """One flipped bit anywhere (metadata included) is detected; the one before is used."""
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array([7.0])]
+    meta = {"global_step": 5, "epoch": 1, "offset": 30}
+    older = C.save(str(tmp_path), arrays, ["w", "b"], meta, keep=3)
+    newest = C.save(str(tmp_path), arrays, ["w", "b"], dict(meta, global_step=6), keep=3)
+    raw = bytearray(open(newest, "rb").read())
+    at = {"epoch": raw.index(b'"epoch": 1') + len(b'"epoch": '),
+          "global_step": raw.index(b'"global_step": 6') + len(b'"global_step": '),
+          "payload": len(raw) - 100, "trailer": len(raw) - 1, "version": 8}[where]
+    raw[at] ^= 0x01  # "1" -> "0", "6" -> "7": still valid JSON, a silently wrong position
+    open(newest, "wb").write(bytes(raw))
+    with pytest.raises(C.CheckpointError, match="checksum mismatch|format version"):
+        C.read(newest)
+    warnings = []
+    got, _, used = C.load_latest(str(tmp_path), warnings.append)
+    assert used == older and got["global_step"] == 5 and len(warnings) == 1

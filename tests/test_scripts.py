@@ -44,3 +44,39 @@ def test_launch_cluster_rejects_a_missing_hostfile(env, tmp_path):
     p = run(["bash", os.path.join(ROOT, "scripts", "launch_cluster.sh"),
              str(tmp_path / "nohosts"), "linear"], env, timeout=30)
     assert p.returncode == 2 and "cannot read hostfile" in p.stderr
+
+
+LOCAL = os.path.join(ROOT, "scripts", "launch_local.sh")
+
+
+@pytest.mark.parametrize("controller", ["--gloo", ""])
+def test_launch_local_sigterm_exits_75_without_traceback_and_resumes(controller, env, tmp_path):
+    """SIGTERM to the launch script reaches the ranks (horovodrun --mpi alone would not pass
+    it on); they stop at a shared step with a checkpoint; the script exits 75, not 1, and
+    horovodrun's own traceback is not shown; the same command then finishes the run."""
+    from conftest import finish, start, wait_for
+    import signal
+
+    run_dir = tmp_path / "run"
+    cmd = ["bash", LOCAL, "linear", "--run-dir", str(run_dir), "--batch-size", "5",
+           "--epochs", "40", "--learning-rate", "0.0005", "--verbose", "0"]
+    env = dict(env, CONTROLLER=controller)
+    proc = start(cmd, env)
+    assert wait_for(lambda: (run_dir / "config.json").exists(), 120), "the job did not start"
+    proc.send_signal(signal.SIGTERM)  # to the script only, as a scheduler would
+    rc, out, err = finish(proc, 120)
+    assert rc == 75, err[-3000:]
+    assert "Traceback" not in err and "stopped by SIGTERM at step" in err, err[-3000:]
+    assert not (run_dir / "result.json").exists()
+    again = run(cmd, env, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr
+    assert result(run_dir)["global_step"] == 40 * 100
+
+
+def test_launch_local_exits_with_the_ranks_status(env, tmp_path):
+    (tmp_path / "file").write_text("x")
+    p = run(["bash", LOCAL, "linear", "--run-dir", str(tmp_path / "file")],
+            dict(env, CONTROLLER="--gloo"), timeout=120)
+    assert p.returncode == 2, p.stderr  # the ranks' bad-setting status, not horovodrun's 1
+    assert "Traceback" not in p.stderr and "is a file, not a directory" in p.stderr
