@@ -342,22 +342,31 @@ def _configure_devices(local_rank: int, local_size: int) -> None:
         # Horovod: one GPU per process, chosen by local rank; memory growth so that a
         # process does not reserve the whole card up front.
         gpu = gpus[local_rank % len(gpus)]
-        tf.config.set_visible_devices(gpu, "GPU")
-        tf.config.experimental.set_memory_growth(gpu, True)
+        try:
+            tf.config.set_visible_devices(gpu, "GPU")
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError as e:  # TensorFlow already initialised its devices
+            print(f"hvdtrain: warning: cannot pin GPU {local_rank % len(gpus)} to local rank "
+                  f"{local_rank} ({e}): start hvdtrain before using TensorFlow",
+                  file=sys.stderr, flush=True)
     if "TF_NUM_INTRAOP_THREADS" not in os.environ:
         # Two ranks on two cores each running a full-width pool oversubscribe the CPU.
         threads = max(1, usable_cores() // max(1, local_size))
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+        except RuntimeError:
+            pass  # TensorFlow already ran (the caller used it first): its pools stay
 
 
 # Horovod and Open MPI settings hvdtrain chooses when the user has not (measured on 2 cores,
 # 2 ranks, in docs/PERFORMANCE.md). Both are read once, at hvd.init().
 HOROVOD_CYCLE_TIME_MS = "0.1"  # Horovod's default, 1 ms, is waited up to once per step
+STALL_SHUTDOWN_SECONDS = "600"  # Horovod's default, 0, waits forever on a stalled rank
 
 
 def _horovod_defaults(environ=os.environ) -> dict:
-    """Set (where unset) and return the environment hvd.init() reads for speed.
+    """Set (where unset) and return the environment hvd.init() reads for speed and safety.
 
     HOROVOD_CYCLE_TIME: the background thread collects ready tensors once a cycle, so a step
     whose gradients are ready waits up to a cycle; 0.1 ms instead of 1 ms made the small
@@ -365,8 +374,16 @@ def _horovod_defaults(environ=os.environ) -> dict:
     OMPI_MCA_mpi_yield_when_idle: when the local ranks take every core, a rank waiting in MPI
     must yield its core instead of spinning, or it steals it from a peer's compute (the mlp's
     2-process throughput doubled). Open MPI turns it on itself only when oversubscribed.
+    HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: the watchdog ends the job when a rank dies or freezes
+    (its heartbeat thread stops); a rank that lives but never reaches the next collective
+    (stuck in user code, a hung read on one rank) keeps beating, and only Horovod's stall
+    inspector sees it. It warns after HOROVOD_STALL_CHECK_TIME_SECONDS (Horovod's 60 s) and,
+    by Horovod's default, waits forever; hvdtrain ends such a job after 10 minutes, longer
+    than any legitimate gap between two collectives (rank 0's checkpoint write, evaluation).
     """
     chosen = {}
+    if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in environ:
+        chosen["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = STALL_SHUTDOWN_SECONDS
     if "HOROVOD_CYCLE_TIME" not in environ:
         chosen["HOROVOD_CYCLE_TIME"] = HOROVOD_CYCLE_TIME_MS
     local = environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")

@@ -35,7 +35,8 @@ import numpy as np
 from hvdtrain import checkpoint, compat, distributed
 from hvdtrain.data import epoch_plan, steps_per_epoch, test_shard
 from hvdtrain.optimizer import DistributedOptimizer  # noqa: F401 (public here)
-from hvdtrain.report import Reporter, weights_agreement
+from hvdtrain.config import ConfigError
+from hvdtrain.report import Reporter, RunDirBusy, weights_agreement
 from hvdtrain.train import EXIT_PREEMPTED, Preempted  # noqa: F401 (public here)
 from hvdtrain.watchdog import Watchdog
 
@@ -101,7 +102,7 @@ def fit(model, train: Dataset, epochs: int, validation_data=None, run_dir: str =
     previous = signal.signal(signal.SIGTERM, run.on_sigterm)
     try:
         history = run.fit(list(callbacks), validation_batch_size)
-    except (Preempted, distributed.RankError, checkpoint.CheckpointError):
+    except (Preempted, distributed.RankError, checkpoint.CheckpointError, ConfigError):
         dog.close()  # every rank raised it together
         raise
     except BaseException as e:
@@ -182,6 +183,19 @@ class _Fit:
 
     # --- model.fit ----------------------------------------------------------------------------
     def fit(self, callbacks, validation_batch_size):
+        # As for a Task run: a file in its place, no permission or a finished run in it is
+        # refused before anything else; rank 0 then holds the directory (a second run on it
+        # is refused while this one lives).
+        problem = self.world.broadcast_object(self.out.problem())
+        if problem:
+            raise ConfigError("run_dir", self.out.run_dir, problem)
+        self.world.agree(self.out.claim, catch=(RunDirBusy, OSError))
+        try:
+            return self._fit(callbacks, validation_batch_size)
+        finally:
+            self.out.release()
+
+    def _fit(self, callbacks, validation_batch_size):
         keras, world, train = compat.keras(), self.world, self.train
         progress = self._prepare()
         start, first = progress["epoch"], progress["step"]

@@ -28,9 +28,9 @@ class Checkpointing:
         if state is None and self.config.resume:
             raise checkpoint.CheckpointError(f"--resume: no checkpoint in {self.ckpt_dir}")
         if state is not None:
-            saved, now = state[0]["run"], self._run_dict(defines_run=True)
-            saved = {**saved, **saved.get("settings", {})}
-            now = {**now, **now.pop("settings")}
+            saved, now = dict(state[0]["run"]), self._run_dict(defines_run=True)
+            saved.update(saved.pop("settings", {}))  # the task's settings, flattened
+            now.update(now.pop("settings"))
             changed = [f"--{k.replace('_', '-')} {saved.get(k)} -> {v}" if k != "task" else
                        f"task {saved.get(k)} -> {v}" for k, v in now.items()
                        if k in saved and saved[k] != v]

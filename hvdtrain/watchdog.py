@@ -12,10 +12,22 @@ sides send a heartbeat every second from a background thread:
 
 The heartbeat runs in its own thread, so a slow step (or a long checkpoint write) never
 looks like a failure; only a process that cannot run at all, or is gone, does.
+
+Only the job's own ranks can talk to it. Rank 0 listens on loopback when every rank is on
+its host (else on all interfaces, or HVDTRAIN_WATCHDOG_ADDR), on HVDTRAIN_WATCHDOG_PORT or a
+free port, and makes a 32-byte secret per job that reaches the ranks through Horovod's own
+broadcast (never a file, an argument or an environment variable). Each connection starts
+with a challenge-response in both directions (HMAC-SHA256 of fresh nonces): a connection
+that cannot answer is closed and ignored, so a process that knows the port can neither stop
+the job nor pose as a rank or as rank 0; the handshake of each connection runs in its own
+thread with a time limit, so nor can it delay the ranks' own connections.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -24,6 +36,11 @@ from typing import Dict, Optional
 
 EXIT_PEER_FAILED = 1
 INTERVAL = 1.0
+HANDSHAKE_SECONDS = 10.0
+
+
+def _mac(secret: bytes, *parts) -> str:
+    return hmac.new(secret, "|".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
 
 
 def _addresses() -> list:
@@ -78,23 +95,28 @@ class Watchdog:
             return self
         server = None
         if self.world.is_chief:
-            server = socket.create_server(("", 0), backlog=self.world.size)
-            where = (_addresses(), server.getsockname()[1], socket.gethostname())
+            # One host (every rank local): loopback only. Several: every interface, unless
+            # HVDTRAIN_WATCHDOG_ADDR names the one the ranks use.
+            one_host = self.world.local_size == self.world.size
+            bind = "127.0.0.1" if one_host else os.environ.get("HVDTRAIN_WATCHDOG_ADDR", "")
+            port = int(os.environ.get("HVDTRAIN_WATCHDOG_PORT", "0") or 0)
+            server = socket.create_server((bind, port), backlog=self.world.size)
+            where = (["127.0.0.1"] if one_host else _addresses(), server.getsockname()[1],
+                     socket.gethostname(), secrets.token_bytes(32))
         else:
             where = None
-        addresses, port, host = self.world.broadcast_object(where)
-        if host == socket.gethostname():  # the same machine: stay on loopback
-            addresses = ["127.0.0.1"] + addresses
+        # Horovod: the per-job secret travels with the address, inside the job only.
+        addresses, port, host, self._secret = self.world.broadcast_object(where)
+        if host == socket.gethostname() and "127.0.0.1" not in addresses:
+            addresses = ["127.0.0.1"] + addresses  # the same machine: try loopback first
         if self.world.is_chief:
             threading.Thread(target=self._accept, args=(server,), daemon=True).start()
         else:
-            sock = self._connect(addresses, port)
-            if sock is None:
+            peer = self._connect(addresses, port)
+            if peer is None:
                 self._warn(f"rank 0's watchdog unreachable at {addresses}:{port}; "
                            "continuing without dead-peer detection on this rank")
                 return self
-            peer = _Peer(sock, sock.makefile("r"), 0, "rank 0's host", "?")
-            peer.send(f"HELLO {self.world.rank} {os.getpid()} {socket.gethostname()}")
             self.peers[0] = peer
             threading.Thread(target=self._read, args=(peer,), daemon=True).start()
         threading.Thread(target=self._beat, daemon=True).start()
@@ -115,32 +137,73 @@ class Watchdog:
             self._closing.set()
 
     # --- threads --------------------------------------------------------------------------
-    def _connect(self, addresses, port) -> Optional[socket.socket]:
+    def _connect(self, addresses, port) -> Optional[_Peer]:
+        """A rank: connect to rank 0 and prove, both ways, that we share the job's secret."""
         deadline = time.monotonic() + max(self.timeout, 10.0)
         while time.monotonic() < deadline:
             for address in addresses:
                 try:
-                    return socket.create_connection((address, port), timeout=1.0)
+                    sock = socket.create_connection((address, port), timeout=1.0)
                 except OSError:
                     continue
+                peer = self._client_handshake(sock)
+                if peer is not None:
+                    return peer
+                sock.close()  # not rank 0 of this job (or it hung up): keep looking
             time.sleep(0.5)
         return None
 
+    def _client_handshake(self, sock) -> Optional[_Peer]:
+        sock.settimeout(HANDSHAKE_SECONDS)
+        stream = sock.makefile("r")
+        try:
+            challenge = stream.readline().split()
+            if len(challenge) != 2 or challenge[0] != "CHALLENGE":
+                return None
+            mine = secrets.token_hex(16)
+            me = (self.world.rank, os.getpid(), socket.gethostname())
+            sock.sendall((f"HELLO {me[0]} {me[1]} {me[2]} {mine} "
+                          f"{_mac(self._secret, 'rank', challenge[1], *me, mine)}\n").encode())
+            reply = stream.readline().split()
+            if (len(reply) != 4 or reply[0] != "WELCOME" or not hmac.compare_digest(
+                    reply[3], _mac(self._secret, "rank0", mine, reply[1], reply[2]))):
+                return None
+        except (OSError, ValueError):
+            return None
+        return _Peer(sock, stream, 0, reply[2], reply[1])
+
     def _accept(self, server: socket.socket) -> None:
+        """Rank 0: admit each rank that proves it knows the secret; ignore everything else."""
         while len(self.peers) < self.world.size - 1 and not self._closing.is_set():
-            sock, _ = server.accept()
-            sock.settimeout(10.0)
-            stream = sock.makefile("r")
             try:
-                hello = stream.readline().split()
+                sock, source = server.accept()
             except OSError:
-                hello = []
-            if len(hello) == 4 and hello[0] == "HELLO":
-                peer = _Peer(sock, stream, int(hello[1]), hello[3], hello[2])
-                peer.send(f"HELLO 0 {os.getpid()} {socket.gethostname()}")
-                self.peers[peer.rank] = peer
-                threading.Thread(target=self._read, args=(peer,), daemon=True).start()
+                return
+            threading.Thread(target=self._admit, args=(sock, source), daemon=True).start()
         server.close()
+
+    def _admit(self, sock, source) -> None:
+        sock.settimeout(HANDSHAKE_SECONDS)
+        stream = sock.makefile("r")
+        nonce = secrets.token_hex(16)
+        try:
+            sock.sendall(f"CHALLENGE {nonce}\n".encode())
+            hello = stream.readline().split()
+            ok = (len(hello) == 6 and hello[0] == "HELLO" and hmac.compare_digest(
+                hello[5], _mac(self._secret, "rank", nonce, *hello[1:5])))
+            rank = int(hello[1]) if ok else -1
+        except (OSError, ValueError):
+            ok, rank = False, -1
+        if not ok or not 0 < rank < self.world.size or rank in self.peers:
+            self._warn(f"watchdog: refused a connection from {source[0]}: not a rank of this "
+                       "job")
+            sock.close()
+            return
+        me = (os.getpid(), socket.gethostname())
+        peer = _Peer(sock, stream, rank, hello[3], hello[2])
+        peer.send(f"WELCOME {me[0]} {me[1]} {_mac(self._secret, 'rank0', hello[4], *me)}")
+        self.peers[rank] = peer
+        threading.Thread(target=self._read, args=(peer,), daemon=True).start()
 
     def _read(self, peer: _Peer) -> None:
         stream = peer.stream
@@ -158,8 +221,6 @@ class Watchdog:
             peer.last_seen = time.monotonic()
             if kind == "HB":
                 peer.step = int(rest or 0)
-            elif kind == "HELLO":  # rank 0 introduces itself
-                _, peer.pid, peer.host = rest.split()
             elif kind == "BYE":
                 peer.done = True
             elif kind == "FAIL":  # to rank 0 from a rank that failed on its own

@@ -155,6 +155,18 @@ def test_resume_refuses_other_settings_and_honours_flags(env, tmp_path):
     assert p.returncode == 1 and "--resume: no checkpoint" in p.stderr
 
 
+def test_resume_compares_the_tasks_own_settings_but_not_per_rank_ones(env, tmp_path):
+    args = ["--run-dir", str(tmp_path), "--epochs", "1", "--verbose", "0", "--model", "mlp",
+            "--no-download"]
+    assert run(module_cmd("mnist", *args, "--hidden-units", "8"), env).returncode == 0
+    p = run(module_cmd("mnist", *args, "--hidden-units", "16"), env)
+    assert p.returncode == 1 and "--hidden-units 8 -> 16" in p.stderr, p.stderr
+    # --download is per rank and does not define the run: the same run continues.
+    p = run(module_cmd("mnist", *args[:-1], "--hidden-units", "8", "--epochs", "2",
+                       "--download"), env)
+    assert p.returncode == 0 and "resumed from" in p.stderr, p.stderr
+
+
 def test_resume_with_another_world_size(env, tmp_path):
     """Two workers killed mid-epoch, one worker resumes: same epochs, examples not repeated."""
     cmd = launch("gloo", 2, "linear", "--run-dir", str(tmp_path), *LINEAR)

@@ -180,3 +180,59 @@ def test_float_images_in_an_npz_are_refused_not_trained(np_, env, tmp_path):
     assert p.returncode == 1
     one_error_line(p, "mnist.npz: x_train are float64", "integers 0-255")
     assert not (tmp_path / "r").exists()
+
+
+def listening_address(port):
+    """The local address a TCP socket listens on at ``port`` (from /proc/net/tcp)."""
+    import socket as S
+    import struct
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, p = local.split(":")
+        if int(p, 16) == port and state == "0A":  # LISTEN
+            return S.inet_ntoa(struct.pack("<I", int(address, 16)))
+    return None
+
+
+def test_the_watchdog_ignores_a_foreign_process_that_knows_its_port(env, tmp_path):
+    """Anyone on the machine can connect to the port; only the job's ranks are heard."""
+    import socket as S
+    with S.socket() as probe:  # a free port, given to the watchdog so that the test knows it
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run_dir = tmp_path / "run"
+    proc = start(launch("gloo", 2, "linear", "--run-dir", str(run_dir), *LONG[:-2]),
+                 dict(env, HVDTRAIN_WATCHDOG_PORT=str(port)))
+    held = []
+    try:
+        assert wait_for(lambda: (run_dir / "config.json").exists(), 120), "job did not start"
+        assert listening_address(port) in (None, "127.0.0.1")  # one host: loopback only
+        forged = [
+            # hvdtrain 0.1's protocol: a rank's hello, then the message that stops the job
+            b"HELLO 1 4242 attacker\nFAIL rank 1 failed: forged\n",
+            # the current protocol with a guessed MAC, then the verdict rank 0 would relay
+            b"HELLO 1 4242 attacker " + b"0" * 32 + b" " + b"f" * 64 + b"\nABORT forged\n",
+            b"ABORT forged\nBYE\n",
+        ]
+        for payload in forged:
+            try:
+                s = S.create_connection(("127.0.0.1", port), timeout=5)
+            except OSError:
+                break  # both ranks already in: the port is closed, which is fine too
+            s.recv(100)  # the challenge
+            s.sendall(payload)
+            held.append(s)
+        try:  # and one that connects and says nothing, holding the connection open
+            held.append(S.create_connection(("127.0.0.1", port), timeout=5))
+        except OSError:
+            pass
+        rc, out, err = finish(proc, 240)
+    finally:
+        for s in held:
+            s.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            finish(proc, 30)
+    assert rc == 0, err[-3000:]
+    assert "forged" not in err, err[-3000:]
+    assert json.load(open(run_dir / "result.json"))["ranks_identical"] is True

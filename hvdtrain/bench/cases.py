@@ -258,7 +258,8 @@ FIT_VARIANTS = {  # name: (label, worker --impl, Keras 2?)
 
 
 def fit(out, batch, epochs, repeats, hidden_units=256, lr=0.05) -> dict:
-    """Best-of-``repeats`` steady samples/s of model.fit on 2 processes, round-robin."""
+    """Best-of-``repeats`` steady samples/s of model.fit on 2 processes, round-robin, on the
+    full Fashion-MNIST."""
     runs = collections.defaultdict(list)
     for _ in range(repeats):
         for name, (label, impl, keras2) in FIT_VARIANTS.items():

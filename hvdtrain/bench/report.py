@@ -115,7 +115,7 @@ def markdown(results, command: str) -> str:
     fit = results.get("fit")
     if fit:
         parts.append(f"\n### model.fit, {fit['ranks']} processes, batch {fit['batch_per_rank']} "
-                     f"per rank, 784-{fit['hidden_units']}-10 MLP: samples/s (best of "
+                     f"per rank, 784-{fit['hidden_units']}-10 MLP, Fashion-MNIST: samples/s (best of "
                      f"{fit['repeats']}, epochs 2-{fit['epochs']})\n")
         parts.append(table(["variant", "samples/s"], [
             (label, fit["samples_per_sec"][v]) for v, label in fit["variants"].items()]))
