@@ -44,7 +44,8 @@ def train(task: Task, config: Optional[Config] = None,
     return the result (all ranks).
 
     Rank 0 prints and writes the run directory. Raises ConfigError, DataError, TaskError,
-    distributed.LaunchError / RankError, compat.KerasVersionError, or Preempted.
+    distributed.LaunchError / RankError, compat.KerasVersionError, RunDirBusy, Diverged,
+    StepError, or Preempted.
     """
     compat.keras()  # fail early, with one line, if the Keras in use cannot train here
     config = (config or task.config()).validate()
@@ -223,7 +224,10 @@ class _Run(Checkpointing):
                 try:
                     stop, diverged = self.step.step(
                         args, self._stop_values[self.stop_requested]).numpy() > 0
-                except tf.errors.OpError as e:  # this rank alone: the watchdog stops the rest
+                except tf.errors.InvalidArgumentError as e:
+                    # Bad input on this rank alone (e.g. a label the model has no class for):
+                    # one line; the watchdog stops the others. Horovod's own errors (a lost
+                    # peer) are not this class and pass through: elastic runs recover from them.
                     raise StepError(f"training step {global_step} failed on rank {world.rank}: "
                                     f"{_first_line(e.message)}") from None
                 if diverged and config.stop_on_divergence:

@@ -129,9 +129,12 @@ class Watchdog:
             peer.send("BYE")
 
     def abort(self, message: str) -> None:
-        """This rank failed alone: make every rank stop rather than wait for it."""
+        """This rank failed alone: make every rank stop rather than wait for it. (This rank
+        reports its own error; the others print the relayed verdict.)"""
+        if not self.peers:
+            return  # not started (one process, or --peer-timeout 0): nobody to tell
         if self.world.is_chief:
-            self._fail(message, exit_now=False)
+            self._fail(message, exit_now=False, show=False)
         elif 0 in self.peers:
             self.peers[0].send(f"FAIL rank {self.world.rank} failed: {message}")
             self._closing.set()
@@ -238,16 +241,19 @@ class Watchdog:
                                f"{now - peer.last_seen:.0f} s (frozen or stalled) at step "
                                f"{self.step}")
 
-    def _fail(self, message: str, relay: bool = True, exit_now: bool = True) -> None:
+    def _fail(self, message: str, relay: bool = True, exit_now: bool = True,
+              show: bool = True) -> None:
         if not self._failed.acquire(blocking=False):
             return
         self._closing.set()
         if relay and self.world.is_chief:
             for peer in list(self.peers.values()):
                 peer.send(f"ABORT {message}")
-        sys.stderr.write(f"hvdtrain: error: rank {self.world.rank}: {message}\n"
-                         if not message.startswith("rank ") else f"hvdtrain: error: {message}\n")
-        sys.stderr.flush()
+        if show:
+            sys.stderr.write(f"hvdtrain: error: rank {self.world.rank}: {message}\n"
+                             if not message.startswith("rank ") else
+                             f"hvdtrain: error: {message}\n")
+            sys.stderr.flush()
         if exit_now:
             # The main thread is blocked inside a collective that will never complete.
             os._exit(EXIT_PEER_FAILED)
