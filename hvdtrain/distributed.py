@@ -159,14 +159,30 @@ class HorovodWorld(World):
         (re)start, rolls back to the last ``commit()`` when a worker fails, and calls ``body``
         again with the new world.
         """
+        import tensorflow as tf
+        from horovod.common.exceptions import HorovodInternalError
+
         state = _elastic_state(self.hvd, variables, progress)
         state.register_reset_callbacks([self._refresh])
 
         def run(state):
             self._refresh()  # a new worker's first call, and every call after a reset
-            return body(state)
+            try:
+                return body(state)
+            except tf.errors.UnknownError as e:
+                # Horovod's wrapper turns an UnknownError into a reset only when its message
+                # names HorovodAllreduce/Allgather/Broadcast, and silently *returns None* for
+                # any other: a failed grouped allreduce (HorovodGroupedAllreduce) ended the
+                # worker with status 0 and no result. Decide here instead.
+                if "Horovod" in e.message:
+                    raise HorovodInternalError(e) from None  # a lost peer: roll back, go on
+                raise RuntimeError(f"{type(e).__name__}: {e.message.splitlines()[0]}") from None
 
-        return self.hvd.elastic.run(run)(state)
+        result = self.hvd.elastic.run(run)(state)
+        if result is None:
+            raise LaunchError("the elastic run ended without a result (Horovod's elastic "
+                              "driver swallowed an error)")
+        return result
 
     def wrap_optimizer(self, optimizer, op: str = "average", compression: str = "none",
                        gradient_predivide_factor: float = 1.0):

@@ -7,9 +7,10 @@ import sys
 
 from conftest import HOROVODRUN, ROOT, finish, module_cmd, rank_pids, result, run, start, wait_for
 
-EPOCHS, COMMIT = 10, 20
-# A joining worker needs a few seconds (start, import TensorFlow, sync) and one worker
-# trains 10 epochs in about that: the join test trains long enough for it to arrive.
+EPOCHS, COMMIT = 30, 20
+# Two workers train an epoch in about 0.3 s here (TensorFlow 2.21): 10 epochs could end
+# before a kill after the second one lands, and a joining worker needs a few seconds (start,
+# import TensorFlow, sync). Both tests train long enough for the event to fall mid-run.
 JOIN_EPOCHS = 30
 
 
