@@ -223,9 +223,9 @@ def build_parser(task, prog: Optional[str] = None) -> argparse.ArgumentParser:
     )
     _add_fields(parser.add_argument_group("training"), Config, dataclasses.asdict(defaults))
     if task.Settings is not None:
+        current = getattr(task, "settings", None) or task.Settings()
         _add_fields(parser.add_argument_group(f"{task.name} task"), task.Settings,
-                    {f.name: getattr(task.settings, f.name)
-                     for f in dataclasses.fields(task.Settings)})
+                    {f.name: getattr(current, f.name) for f in dataclasses.fields(task.Settings)})
     return parser
 
 

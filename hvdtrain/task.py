@@ -47,6 +47,7 @@ class Task:
     name = "task"
     description: Optional[str] = None
     Settings = None
+    settings = None  # the Settings instance (set by __init__, and by the command line)
     defaults: dict = {}
     progress_bar = True
 
