@@ -59,6 +59,14 @@ def train(task: Task, config: Optional[Config] = None,
         dog.close()  # every rank raised the same error; nobody waits for anyone
         raise
     except BaseException as e:
+        if "Horovod" in str(e):
+            # A collective failed because a peer is gone; the watchdog, which names that
+            # peer, usually ends this process first. When Horovod's error wins the race,
+            # give the watchdog's verdict a moment to arrive, then say it in one line.
+            dog.await_verdict(5.0)
+            dog.abort(f"{type(e).__name__}: {_first_line(str(e))}")
+            raise distributed.RankError(f"rank {world.rank}: a collective failed (a peer is "
+                                        f"gone?): {_first_line(str(e))}") from None
         dog.abort(f"{type(e).__name__}: {e}")  # this rank alone: stop the others too
         raise
     dog.close()

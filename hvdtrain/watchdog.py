@@ -125,8 +125,16 @@ class Watchdog:
     def close(self) -> None:
         """A normal end (or an error every rank shares): say goodbye, stop watching."""
         self._closing.set()
+        self._stop_listening()
         for peer in list(self.peers.values()):
             peer.send("BYE")
+
+    def await_verdict(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the watchdog to judge a failure (it then ends this
+        process with its one line); return at once if it is not running."""
+        if self.peers:
+            self._closing.wait(seconds)
+            time.sleep(0.5 if self._closing.is_set() else 0)  # let _fail finish exiting
 
     def abort(self, message: str) -> None:
         """This rank failed alone: make every rank stop rather than wait for it. (This rank
@@ -176,14 +184,16 @@ class Watchdog:
         return _Peer(sock, stream, 0, reply[2], reply[1])
 
     def _accept(self, server: socket.socket) -> None:
-        """Rank 0: admit each rank that proves it knows the secret; ignore everything else."""
-        while len(self.peers) < self.world.size - 1 and not self._closing.is_set():
+        """Rank 0: admit each rank that proves it knows the secret; refuse everything else,
+        for the whole run (the port stays open: a refusal is then what anyone else gets,
+        not a race with the ranks' own connections)."""
+        self._server = server
+        while not self._closing.is_set():
             try:
                 sock, source = server.accept()
             except OSError:
-                return
+                return  # closed by close() or _fail()
             threading.Thread(target=self._admit, args=(sock, source), daemon=True).start()
-        server.close()
 
     def _admit(self, sock, source) -> None:
         sock.settimeout(HANDSHAKE_SECONDS)
@@ -241,11 +251,17 @@ class Watchdog:
                                f"{now - peer.last_seen:.0f} s (frozen or stalled) at step "
                                f"{self.step}")
 
+    def _stop_listening(self) -> None:
+        server, self._server = getattr(self, "_server", None), None
+        if server is not None:
+            server.close()
+
     def _fail(self, message: str, relay: bool = True, exit_now: bool = True,
               show: bool = True) -> None:
         if not self._failed.acquire(blocking=False):
             return
         self._closing.set()
+        self._stop_listening()
         if relay and self.world.is_chief:
             for peer in list(self.peers.values()):
                 peer.send(f"ABORT {message}")

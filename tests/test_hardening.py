@@ -214,18 +214,14 @@ def test_the_watchdog_ignores_a_foreign_process_that_knows_its_port(env, tmp_pat
             b"HELLO 1 4242 attacker " + b"0" * 32 + b" " + b"f" * 64 + b"\nABORT forged\n",
             b"ABORT forged\nBYE\n",
         ]
+        challenged = 0
         for payload in forged:
-            try:
-                s = S.create_connection(("127.0.0.1", port), timeout=5)
-            except OSError:
-                break  # both ranks already in: the port is closed, which is fine too
-            s.recv(100)  # the challenge
-            s.sendall(payload)
+            s = S.create_connection(("127.0.0.1", port), timeout=5)  # open all run long
             held.append(s)
-        try:  # and one that connects and says nothing, holding the connection open
-            held.append(S.create_connection(("127.0.0.1", port), timeout=5))
-        except OSError:
-            pass
+            challenged += s.recv(100).startswith(b"CHALLENGE ")
+            s.sendall(payload)
+        # ... and one that connects and says nothing, holding its connection open.
+        held.append(S.create_connection(("127.0.0.1", port), timeout=5))
         rc, out, err = finish(proc, 240)
     finally:
         for s in held:
@@ -234,5 +230,7 @@ def test_the_watchdog_ignores_a_foreign_process_that_knows_its_port(env, tmp_pat
             os.killpg(proc.pid, signal.SIGKILL)
             finish(proc, 30)
     assert rc == 0, err[-3000:]
+    assert challenged == len(forged)  # each attempt reached the handshake ...
+    assert err.count("refused a connection from 127.0.0.1") >= len(forged)  # ... and failed
     assert "forged" not in err, err[-3000:]
     assert json.load(open(run_dir / "result.json"))["ranks_identical"] is True
