@@ -87,16 +87,3 @@ def tf_variables(variables) -> list:
 def variable_name(v) -> str:
     """A variable's unique name: Keras 3's path ("dense/kernel"), or Keras 2's name."""
     return getattr(v, "path", None) or v.name
-
-
-def minimize(optimizer, tape, loss, variables) -> None:
-    """One update from ``loss`` recorded on ``tape``, through the (wrapped) optimizer.
-
-    Keras 2: ``minimize(tape=...)``, whose gradient computation Horovod's wrapper averages.
-    Keras 3: ``apply_gradients``, which hvdtrain's DistributedOptimizer averages.
-    """
-    if is_keras3():
-        grads = tape.gradient(loss, variables)
-        optimizer.apply_gradients(zip(grads, variables))
-    else:
-        optimizer.minimize(loss, variables, tape=tape)

@@ -68,6 +68,10 @@ class Config:
         "0 or none: each worker's whole shard per step (full-batch gradient descent)")
     seed: int = setting(1, "seed for data order, synthetic data and initialisation (same on "
                         "every rank)")
+    steps_per_execution: int = setting(
+        0, "synchronous steps per compiled call (fewer Python and host round trips; SIGTERM, "
+        "checkpoints and resume stay on exact steps); 0: auto, calls of about 50 ms, at most "
+        "64 steps", defines_run=False)
     # Distribution.
     num_workers: Optional[int] = setting(
         None, "worker count the launch scripts start; the launcher's world size wins (a "
@@ -113,7 +117,7 @@ class Config:
                 raise ConfigError(name, value, "must be a finite number greater than 0")
         if self.num_workers is not None and self.num_workers < 1:
             raise ConfigError("num_workers", self.num_workers, "must be at least 1")
-        for name in ("checkpoint_every", "peer_timeout"):
+        for name in ("checkpoint_every", "peer_timeout", "steps_per_execution"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(name, value, "must be 0 or more")

@@ -191,18 +191,27 @@ class HorovodWorld(World):
         from hvdtrain import compat
 
         op, compression = _reduction(op, compression, gradient_predivide_factor, self.hvd)
+        reduce = lambda grads: self.allreduce_gradients(  # noqa: E731
+            grads, op, compression, gradient_predivide_factor)
         if not compat.is_keras3():
             # Keras 2: Horovod's own wrapper (it averages in minimize/get_gradients).
             import horovod.tensorflow.keras as hvd_keras
 
-            return hvd_keras.DistributedOptimizer(
+            optimizer = hvd_keras.DistributedOptimizer(
                 optimizer, op=op, compression=compression,
                 gradient_predivide_factor=gradient_predivide_factor)
-        # Keras 3: Horovod's wrapper fails ("'Variable' object has no attribute 'ref'");
-        # hvdtrain's averages in apply() with Horovod's grouped allreduce instead.
-        from hvdtrain.optimizer import distribute
-        return distribute(optimizer, lambda grads: self.allreduce_gradients(
-            grads, op, compression, gradient_predivide_factor))
+        else:
+            # Keras 3: Horovod's wrapper fails ("'Variable' object has no attribute 'ref'");
+            # hvdtrain's averages in apply() with Horovod's grouped allreduce instead.
+            from hvdtrain.optimizer import distribute
+            optimizer = distribute(optimizer, reduce)
+        # What hvdtrain.optimizer.apply_gradients needs to put the step's flags in the same
+        # allreduce as the gradients (Adasum's combination is for gradients only).
+        object.__setattr__(optimizer, "_hvdtrain_reduce", reduce)
+        object.__setattr__(optimizer, "_hvdtrain_riders", op != self.hvd.Adasum)
+        object.__setattr__(optimizer, "_hvdtrain_reduce_riders",
+                           lambda riders: [self.sum_in_graph(r) for r in riders])
+        return optimizer
 
     def allreduce_gradients(self, grads, op="average", compression="none",
                             gradient_predivide_factor=1.0) -> list:

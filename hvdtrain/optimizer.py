@@ -60,3 +60,35 @@ def distribute(optimizer, reduce):
     optimizer.__class__ = wrapped
     object.__setattr__(optimizer, "_hvdtrain_reduce", reduce)
     return optimizer
+
+
+def apply_gradients(optimizer, grads, variables, riders=()):
+    """One synchronous update, with ``riders`` reduced in the same Horovod round.
+
+    ``optimizer`` comes from ``World.wrap_optimizer`` (or is a plain optimizer in one
+    process). The gradients are reduced as its wrapper would reduce them, together with the
+    ``riders`` (small tensors of the gradients' dtype, e.g. the step's stop flags) in one
+    grouped allreduce: one negotiation round per step instead of one for the gradients and
+    one for the flags. Riders get the same reduction as the gradients (an average, unless the
+    wrapper sums); only their sign is meant to be read. Returns the reduced riders.
+    """
+    riders = list(riders)
+    reduce = getattr(optimizer, "_hvdtrain_reduce", None)
+    if reduce is None:  # not wrapped: one process, nothing to reduce
+        optimizer.apply_gradients(zip(grads, variables))
+        return riders
+    grads = list(grads)
+    if getattr(optimizer, "_hvdtrain_riders", True):
+        reduced = reduce(grads + riders)
+        grads, riders = reduced[:len(grads)], reduced[len(grads):]
+    else:  # Adasum: its combination is meant for gradients only
+        grads = reduce(grads)
+        riders = optimizer._hvdtrain_reduce_riders(riders)
+    if getattr(type(optimizer), "_hvdtrain_distributed", False):
+        # Keras 3, hvdtrain's wrapper: the base class's apply (the wrapper's would reduce again).
+        super(type(optimizer), optimizer).apply(grads, variables)
+    else:
+        # Keras 2, Horovod's wrapper: it reduces in minimize()/get_gradients() only;
+        # apply_gradients applies what it is given (TF >= 2.4).
+        optimizer.apply_gradients(zip(grads, variables))
+    return riders

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain import compat
+from hvdtrain.optimizer import apply_gradients
 from hvdtrain.task import check_loss_shape
 
 # Arrays up to this size are held on the device; larger ones are streamed even if they are
@@ -25,9 +25,15 @@ def in_memory(array) -> bool:
 
 
 class TrainStep:
-    """``step(args, stop)`` runs one update and returns [stop, non-finite loss] flags summed
-    over ranks;
-    ``batches(plan)`` yields the ``args`` of each step of an epoch plan."""
+    """``run(batches, n, stop)`` runs up to ``n`` synchronous updates in one compiled call and
+    returns (updates done, [stop, non-finite loss] flags reduced over ranks);
+    ``batches(plan)`` is the iterator of an epoch plan's step inputs that ``run`` draws from.
+
+    Each update reduces its gradients and the two flags in one Horovod round (one grouped
+    allreduce). The loop stops early after the first update whose reduced flags are set, so
+    every rank stops after the same update: any rank's SIGTERM (``stop``, read by the host
+    before the call) or any rank's non-finite loss.
+    """
 
     def __init__(self, task, model, optimizer, world, data, sums, metric_fns):
         import tensorflow as tf
@@ -35,8 +41,13 @@ class TrainStep:
         self.task, self.model, self.metric_fns = task, model, metric_fns
         self.x, self.y = data.x_train, data.y_train
         self.streamed = not (in_memory(self.x) and in_memory(self.y))
+        variables = model.trainable_variables
+        dtype = variables[0].dtype if variables else tf.float32
+        if not self.streamed:
+            x_all, y_all = tf.constant(self.x), tf.constant(self.y)
 
-        def update(x, y, stop):
+        def update(args, stop):
+            x, y = (args if self.streamed else (tf.gather(x_all, args), tf.gather(y_all, args)))
             x, y = task.preprocess(x, y)
             with tf.GradientTape() as tape:
                 pred = model(x, training=True)
@@ -44,21 +55,38 @@ class TrainStep:
                 loss = tf.reduce_mean(per_example)
                 if model.losses:  # regularisation: part of what is minimised, not reported
                     loss += tf.add_n(model.losses)
-            # Horovod: the wrapped optimizer averages the gradients over all ranks.
-            compat.minimize(optimizer, tape, loss, model.trainable_variables)
-            sums.assign_add(step_sums)
-            # A two-number allreduce: any rank's SIGTERM (stop) and any rank's non-finite loss
-            # become every rank's decision at this same step. (Being ready before the
-            # gradients, it costs Horovod a negotiation round of its own: docs/PERFORMANCE.md.)
-            diverged = tf.cast(tf.logical_not(tf.math.is_finite(loss)), stop.dtype)
-            return world.sum_in_graph(tf.stack([stop, diverged]))
+            diverged = tf.logical_not(tf.math.is_finite(loss))
+            flags = tf.stack([stop, tf.cast(diverged, dtype)])
+            # Horovod: the gradients are averaged over all ranks by the wrapped optimizer's
+            # reduction, with the flags in the same grouped allreduce (one round per step).
+            flags, = apply_gradients(optimizer, tape.gradient(loss, variables), variables,
+                                     [flags])
+            with tf.control_dependencies([sums.assign_add(step_sums)]):
+                return tf.identity(flags)
 
-        if self.streamed:
-            self.step = tf.function(lambda xy, stop: update(xy[0], xy[1], stop))
-        else:
-            x_all, y_all = tf.constant(self.x), tf.constant(self.y)
-            self.step = tf.function(
-                lambda idx, stop: update(tf.gather(x_all, idx), tf.gather(y_all, idx), stop))
+        def run(batches, n, stop):
+            stop = tf.cast(stop, dtype)
+
+            def go_on(i, flags):
+                return tf.logical_and(i < n, tf.reduce_max(flags) <= 0)
+
+            def body(i, flags):
+                return i + 1, update(next(batches), stop)
+
+            # One update at a time (parallel_iterations=1): the next reads the weights the
+            # previous one wrote.
+            return tf.while_loop(go_on, body, (tf.constant(0), tf.zeros([2], dtype)),
+                                 parallel_iterations=1)
+
+        self._run = tf.function(run)
+
+    def run(self, batches, n: int, stop: bool):
+        """Up to ``n`` updates from ``batches``; (updates done, (stop, diverged)) on every rank."""
+        import tensorflow as tf
+
+        done, flags = self._run(batches, tf.constant(n, tf.int32), tf.constant(float(stop)))
+        stop, diverged = flags.numpy() > 0
+        return int(done), bool(stop), bool(diverged)
 
     def scores(self, y, pred):
         """Per-example loss, and the sums [loss, count, metric...] over this batch."""
@@ -79,11 +107,12 @@ class TrainStep:
         check_loss_shape(self.task, self.task.loss(y, self.model(x, training=False)), n)
 
     def batches(self, plan: np.ndarray):
-        """The steps' inputs for ``plan`` (rows of example indices), prefetched."""
+        """An iterator over the steps' inputs for ``plan`` (rows of example indices),
+        prefetched: index rows (in memory) or the rows' arrays read from disk (streamed)."""
         import tensorflow as tf
 
         if not self.streamed:
-            return tf.data.Dataset.from_tensor_slices(plan).prefetch(2)
+            return iter(tf.data.Dataset.from_tensor_slices(plan).prefetch(2))
         x, y = self.x, self.y
         spec = (tf.TensorSpec((plan.shape[1],) + tuple(x.shape[1:]), tf.as_dtype(x.dtype)),
                 tf.TensorSpec((plan.shape[1],) + tuple(y.shape[1:]), tf.as_dtype(y.dtype)))
@@ -92,4 +121,4 @@ class TrainStep:
             for idx in plan:  # only this rank's rows are read from the array
                 yield np.asarray(x[idx]), np.asarray(y[idx])
 
-        return tf.data.Dataset.from_generator(read, output_signature=spec).prefetch(2)
+        return iter(tf.data.Dataset.from_generator(read, output_signature=spec).prefetch(2))

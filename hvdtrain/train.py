@@ -24,6 +24,9 @@ from hvdtrain.watchdog import Watchdog
 EVAL_BATCH = 1000  # evaluation has no collectives inside, so its batch is free to choose
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after saving; rerun to resume
 PROGRESS_FIELDS = ("epoch", "offset", "sums", "last_record", "path")
+# --steps-per-execution 0 (auto): see _Run._tune and docs/PERFORMANCE.md.
+AUTO_CALL_SECONDS = 0.05
+AUTO_MAX_STEPS = 64
 
 
 class Preempted(RuntimeError):
@@ -78,6 +81,15 @@ def _first_line(message: str) -> str:
     return lines[0] if lines else "unknown error"
 
 
+def _op_error_line(message: str) -> str:
+    """The cause in a TensorFlow op error: not the "Graph execution error:" header, the
+    "Detected at node" trace or the node name, but the kernel's own message."""
+    skip = ("Graph execution error", "Detected at node", "File ", "[[", "Traceback")
+    lines = [l.strip() for l in str(message).splitlines() if l.strip()]
+    causes = [l for l in lines if not l.startswith(skip)]
+    return causes[0] if causes else _first_line(message)
+
+
 class _Run(Checkpointing):
     def __init__(self, task, config, world, dog):
         self.task, self.config, self.world, self.dog = task, config, world, dog
@@ -85,6 +97,7 @@ class _Run(Checkpointing):
         self.ckpt_dir = self.out.run_dir + "/checkpoints"
         self.stop_requested = False
         self.last_record = None  # the newest finished epoch's metrics (kept in checkpoints)
+        self.auto_steps = 1  # updates per compiled call, when tuned (the first call traces)
 
     # --- setup ------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -132,7 +145,6 @@ class _Run(Checkpointing):
         restore = lambda: self._restore(found) if world.is_chief else None  # noqa: E731
         progress = restore() if config.elastic else world.broadcast_object(
             world.agree(restore, catch=(checkpoint.CheckpointError,)))
-        self._stop_values = (tf.constant(0.0), tf.constant(1.0))
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             if config.elastic:
@@ -225,19 +237,27 @@ class _Run(Checkpointing):
             # Each step adds exactly one to optimizer.iterations: count in Python instead of
             # reading the variable back every step (one device-to-host copy fewer per step).
             base_step = int(self.optimizer.iterations.numpy()) - first
+            batches, step = self.step.batches(plan), first
             tick = time.perf_counter()
-            for step, args in enumerate(self.step.batches(plan), start=first + 1):
-                global_step = base_step + step
-                # The step's only host read: [SIGTERM, non-finite loss] summed over ranks.
+            while step < self.steps:
+                # Several updates per compiled call, ending on every step that must be seen by
+                # the host: a checkpoint's, an elastic commit's, the epoch's last.
+                n = self._steps_per_call(base_step + step, self.steps - step)
+                started = time.perf_counter()
                 try:
-                    stop, diverged = self.step.step(
-                        args, self._stop_values[self.stop_requested]).numpy() > 0
+                    done, stop, diverged = self.step.run(batches, n, self.stop_requested)
                 except tf.errors.InvalidArgumentError as e:
                     # Bad input on this rank alone (e.g. a label the model has no class for):
                     # one line; the watchdog stops the others. Horovod's own errors (a lost
                     # peer) are not this class and pass through: elastic runs recover from them.
-                    raise StepError(f"training step {global_step} failed on rank {world.rank}: "
-                                    f"{_first_line(e.message)}") from None
+                    where = base_step + step + 1
+                    where = (f"training step {where}" if n == 1 else
+                             f"one of training steps {where}-{where + n - 1}")
+                    raise StepError(f"{where} failed on rank {world.rank}: "
+                                    f"{_op_error_line(e.message)}") from None
+                self._tune(time.perf_counter() - started, done)
+                step += done
+                global_step = base_step + step
                 if diverged and config.stop_on_divergence:
                     raise self._diverged(f"the loss became NaN or infinite at step "
                                          f"{global_step}")
@@ -251,10 +271,12 @@ class _Run(Checkpointing):
                                     f"in {self.ckpt_dir}; run the same command to resume")
                 if config.elastic and global_step % config.commit_every == 0 and step < self.steps:
                     self._commit(progress)
-                if bar is not None and step % max(1, self.steps // 20) == 0 and step < self.steps:
-                    local = self.sums.numpy()  # rank 0's running means, for the eye only
-                    bar.update(step, [(k, local[0 if i == 0 else i + 1] / local[1])
-                                      for i, k in enumerate(names)])
+                if bar is not None and step < self.steps:
+                    every = max(1, self.steps // 20)
+                    if step // every > (step - done) // every:
+                        local = self.sums.numpy()  # rank 0's running means, for the eye only
+                        bar.update(step, [(k, local[0 if i == 0 else i + 1] / local[1])
+                                          for i, k in enumerate(names)])
             totals = world.allreduce_sum(self.sums.numpy())  # exact sums over every rank
             elapsed = time.perf_counter() - tick
             self.last_record = record = {
@@ -276,6 +298,24 @@ class _Run(Checkpointing):
                            [("samples/s", record["samples_per_sec"])], finalize=True)
             else:
                 out.print(self.task.format_epoch(record))
+
+    def _steps_per_call(self, global_step: int, left: int) -> int:
+        """Updates in the next compiled call: the setting (or the tuned value), cut so that the
+        call ends on the next checkpoint, elastic commit or epoch end."""
+        n = min(self.config.steps_per_execution or self.auto_steps, left)
+        for every in (self.config.checkpoint_every,
+                      self.config.commit_every if self.config.elastic else 0):
+            if every:
+                n = min(n, every - global_step % every)
+        return n
+
+    def _tune(self, seconds: float, done: int) -> None:
+        """--steps-per-execution 0 (auto): size calls to take about AUTO_CALL_SECONDS, so the
+        host's cost per call is small against them and SIGTERM is seen within about that
+        time; at most doubling from one call to the next, at most AUTO_MAX_STEPS."""
+        if done:
+            fit = int(AUTO_CALL_SECONDS * done / max(seconds, 1e-9))
+            self.auto_steps = max(1, min(AUTO_MAX_STEPS, 2 * self.auto_steps, fit))
 
     def _diverged(self, what: str) -> Diverged:
         newest = checkpoint.list_checkpoints(self.ckpt_dir)

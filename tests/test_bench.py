@@ -44,6 +44,35 @@ def test_timeline_summary(tmp_path):
     assert summary["seconds"] == {"NEGOTIATE": 0.0015, "ALLREDUCE": 0.0005}
 
 
+def test_timeline_rounds_count_a_group_once(tmp_path):
+    events = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
+              for p, n in ((1, "while/HorovodGroupedAllreduce_g_1of2"),
+                           (2, "while/HorovodGroupedAllreduce_g_2of2"), (3, "HorovodAllreduce"))]
+    for step in range(5):  # five steps of a two-tensor group, one lone allreduce
+        events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 10 * step, "pid": p}
+                   for p in (1, 2)]
+    events.append({"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 99, "pid": 3})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(events))
+    assert cases.summarize_timeline(str(path))["allreduce_rounds"] == 6
+    results = {"machine": "m", "timeline": {"model": "softmax", "global_batch": 8, "steps": 5,
+               "epochs": 1, "allreduce_rounds": 6, "seconds": {}, "counts": {}}}
+    (check,) = report.acceptance(results)
+    assert check[2:] == (1.2, 1.05, False)
+
+
+def test_steps_per_call_report():
+    steps = {"global_batch": 256, "epochs": 3, "repeats": 1, "values": [1, 16, 0],
+             "rows": [{"model": "softmax", "variant": "c",
+                       "samples_per_sec": {"1": 100.0, "16": 250.0, "0": 300.0}}]}
+    text = report.markdown({"machine": "m", "steps": steps,
+                            "core_speed": {"matmul_gflops": 50.0, "python_mops": 30.0,
+                                           "copy_gbps": 10.0}}, "cmd")
+    assert "| model | processes | 1 | 16 | auto | auto/1 |" in text
+    assert "| softmax | 2 | 100 | 250 | 300 | 3 |" in text
+    assert "matmul 50.0 GFLOP/s" in text
+
+
 def test_horovod_defaults_respect_the_user(monkeypatch):
     monkeypatch.setattr(distributed, "usable_cores", lambda: 2)
     environ = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}

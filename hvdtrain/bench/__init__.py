@@ -94,3 +94,36 @@ def free_ports(n: int) -> list:
 
 def progress(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+CORE_SPEED = """
+import json, time
+import numpy as np
+def best(fn, n=5):
+    times = []
+    for _ in range(n):
+        tick = time.perf_counter(); fn(); times.append(time.perf_counter() - tick)
+    return min(times)
+a = np.random.default_rng(0).random((1024, 1024), dtype=np.float32)
+src = np.ones(16 << 18, np.float32); dst = np.empty_like(src)
+def loop():
+    total = 0
+    for i in range(1_000_000):
+        total += i
+print(json.dumps({"matmul_gflops": 2 * 1024 ** 3 / best(lambda: a @ a) / 1e9,
+                  "python_mops": 1.0 / best(loop),
+                  "copy_gbps": src.nbytes / best(lambda: np.copyto(dst, src)) / 1e9}))
+"""
+
+
+def core_speed() -> dict:
+    """One core's speed on fixed work (a 1024^2 float32 matmul with one BLAS thread, a Python
+    loop, a 64 MiB copy), best of 5: printed beside the tables so that runs on different
+    machines can be compared; ratios inside one run never need it."""
+    import json
+    one = dict(env(), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", CORE_SPEED], env=one, capture_output=True,
+                         text=True, timeout=120)
+    if out.returncode:
+        raise BenchError(f"core speed probe failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)

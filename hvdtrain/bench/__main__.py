@@ -18,7 +18,7 @@ from hvdtrain import bench
 from hvdtrain.bench import cases, report
 from hvdtrain.distributed import usable_cores
 
-CASES = ("allreduce", "throughput", "tta", "timeline", "fit")
+CASES = ("allreduce", "throughput", "steps", "tta", "timeline", "fit")
 KIB = 1024
 
 
@@ -34,11 +34,13 @@ def settings(quick: bool) -> dict:
         return {"sizes": [4 * KIB, 256 * KIB, 4 << 20, 16 << 20], "scale": 0.3,
                 "specs": [softmax, mlp], "batches": [4096], "epochs": 3, "repeats": 1,
                 "tta": (softmax, 512, 0.80, 4), "timeline": (softmax, 512, 2),
-                "fit": (64, 3, 1)}
+                "fit": (64, 3, 1), "steps": ([softmax], 256, 3, (1, 16, 0), 1)}
     return {"sizes": [4 * KIB << (2 * i) for i in range(8)], "scale": 1.0,  # 4 KiB .. 64 MiB
             "specs": [softmax, mlp], "batches": [256, 1024, 4096], "epochs": 3, "repeats": 2,
             "tta": (softmax, 512, 0.80, 6), "timeline": (softmax, 512, 2),
-            "fit": (64, 4, 2)}  # model.fit: batch per rank, epochs, repeats
+            "fit": (64, 4, 2),  # model.fit: batch per rank, epochs, repeats
+            # --steps-per-execution sweep: models, global batch, epochs, values, repeats
+            "steps": ([softmax, mlp], 256, 3, (1, 4, 16, 64, 0), 2)}
 
 
 def main(argv=None) -> int:
@@ -65,6 +67,9 @@ def main(argv=None) -> int:
                           f"{platform.python_version()}"}
     tick = time.perf_counter()
     try:
+        results["core_speed"] = bench.core_speed()
+        bench.progress("single core: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                   results["core_speed"].items()))
         for case in chosen:
             bench.progress(f"case {case} ...")
             if case == "allreduce":
@@ -72,6 +77,8 @@ def main(argv=None) -> int:
             elif case == "throughput":
                 results[case] = cases.throughput(out, s["specs"], s["batches"], s["epochs"],
                                                  s["repeats"])
+            elif case == "steps":
+                results[case] = cases.steps_per_call(out, *s["steps"])
             elif case == "tta":
                 results[case] = cases.tta(out, *s["tta"])
             elif case == "timeline":

@@ -4,6 +4,7 @@
     throughput(...)  (a) plain TF, (b) hvdtrain 1 process (and 1 thread), (c) hvdtrain 2
                      processes, (d) MultiWorkerMirroredStrategy 2 workers: samples/s
     tta(...)         seconds of training to a test accuracy: 1 process, 2 processes, MWMS
+    steps_per_call(...)  hvdtrain at several --steps-per-execution values, 1 and 2 processes
     timeline(...)    one hvdtrain run under HOROVOD_TIMELINE, summarised per activity
     fit(...)         model.fit, 2 processes: hvdtrain.keras (Keras 3 and 2) vs Horovod's own
                      Keras wrapper + BroadcastGlobalVariablesCallback (Keras 2): samples/s
@@ -13,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -81,9 +83,10 @@ def _metrics(run_dir):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run_variant(variant, spec, global_batch, epochs, work, extra_env=None):
-    """Launch one variant; return (its per-epoch records, wall seconds)."""
-    name = f"{spec['model']}-{global_batch}-{variant}"
+def run_variant(variant, spec, global_batch, epochs, work, extra_env=None, flags=(), tag=""):
+    """Launch one variant (hvdtrain's with extra ``flags``); return (its per-epoch records,
+    wall seconds)."""
+    name = f"{spec['model']}-{global_batch}-{variant}{tag}"
     run_dir = os.path.join(work, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
@@ -101,7 +104,8 @@ def run_variant(variant, spec, global_batch, epochs, work, extra_env=None):
     per_rank = {"b_rank": global_batch // NP}.get(variant, global_batch // np_)
     if variant == "b1":
         env.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
-    cmd = bench.python("hvdtrain.mnist", *_hvdtrain_flags(spec, per_rank, run_dir, epochs, np_))
+    cmd = bench.python("hvdtrain.mnist", *_hvdtrain_flags(spec, per_rank, run_dir, epochs, np_),
+                       *flags)
     wall = bench.run(bench.horovodrun(NP, CONTROLLER, cmd) if np_ > 1 else cmd, env)
     return _metrics(run_dir), wall
 
@@ -168,6 +172,29 @@ def throughput(out, specs, batches, epochs, repeats) -> dict:
     return {"epochs": epochs, "repeats": repeats, "rows": rows, "variants": VARIANTS}
 
 
+# --- steps per compiled call ---------------------------------------------------------------
+
+def steps_per_call(out, specs, global_batch, epochs, values, repeats) -> dict:
+    """Best-of-``repeats`` steady samples/s of hvdtrain, 1 process (b) and 2 processes (c),
+    at each ``--steps-per-execution`` (0: auto), round-robin."""
+    work = os.path.join(out, "runs")
+    rows = []
+    for spec in specs:
+        for variant in ("b", "c"):
+            runs = collections.defaultdict(list)
+            for _ in range(repeats):
+                for k in values:
+                    records, _ = run_variant(variant, spec, global_batch, epochs, work,
+                                             flags=("--steps-per-execution", k), tag=f"-spe{k}")
+                    runs[k].append(_steady(records))
+            best = {k: max(r) for k, r in runs.items()}
+            rows.append({"model": spec["label"], "variant": variant, "samples_per_sec": best})
+            progress(f"steps per call {spec['label']} ({variant}): " + ", ".join(
+                f"{k or 'auto'} {v:,.0f}" for k, v in best.items()) + " samples/s")
+    return {"global_batch": global_batch, "epochs": epochs, "repeats": repeats,
+            "values": list(values), "rows": rows}
+
+
 # --- time to accuracy ----------------------------------------------------------------------
 
 def _accuracy_per_epoch(run_dir, data):
@@ -225,27 +252,42 @@ def tta(out, spec, global_batch, target, max_epochs) -> dict:
 def timeline(out, spec, global_batch, epochs) -> dict:
     """Run (c) once under HOROVOD_TIMELINE; total time per activity (B/E pairs) per rank 0."""
     path = os.path.join(out, "timeline.json")
-    run_variant("c", spec, global_batch, epochs, os.path.join(out, "runs"),
-                {"HOROVOD_TIMELINE": path})
+    records, _ = run_variant("c", spec, global_batch, epochs, os.path.join(out, "runs"),
+                             {"HOROVOD_TIMELINE": path})
     return {"path": path, "model": spec["label"], "global_batch": global_batch,
-            **summarize_timeline(path)}
+            "steps": records[-1]["global_step"], "epochs": epochs, **summarize_timeline(path)}
+
+
+def read_timeline(path) -> list:
+    """The events of a Horovod timeline (a JSON array that Horovod may leave unterminated)."""
+    with open(path) as f:
+        text = f.read().rstrip().rstrip(",")
+    return json.loads(text if text.endswith("]") else text + "]")
 
 
 def summarize_timeline(path) -> dict:
-    """Seconds per activity name over all tensors, from a Horovod (Chrome trace) timeline."""
-    with open(path) as f:
-        text = f.read().rstrip().rstrip(",")
-    events = json.loads(text if text.endswith("]") else text + "]")
+    """Seconds and counts per activity name over all tensors, from a Horovod (Chrome trace)
+    timeline, and ``rounds``: the allreduce negotiation rounds, a grouped allreduce's tensors
+    (named ``..._KofN``) counting once."""
+    events = read_timeline(path)
+    tensors = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"
+               and "name" in e.get("args", {})}
     open_at, totals, counts = {}, collections.Counter(), collections.Counter()
+    rounds = 0
     for e in events:
         key = (e.get("pid"), e.get("tid"))
         if e.get("ph") == "B":
             open_at.setdefault(key, []).append((e.get("name"), e["ts"]))
+            group = re.search(r"_(\d+)of\d+$", tensors.get(e.get("pid"), ""))
+            if e.get("name") == "NEGOTIATE_ALLREDUCE" and (not group or group.group(1) == "1"):
+                rounds += 1
         elif e.get("ph") == "E" and open_at.get(key):
             name, ts = open_at[key].pop()
             totals[name] += (e["ts"] - ts) / 1e6
             counts[name] += 1
-    return {"seconds": dict(totals.most_common()), "counts": dict(counts)}
+    return {"seconds": dict(totals.most_common()), "counts": dict(counts),
+            "allreduce_rounds": rounds}
 
 
 # --- the model.fit path ---------------------------------------------------------------------

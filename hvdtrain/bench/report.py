@@ -51,7 +51,12 @@ def acceptance(results) -> list:
         for h, m in zip(hvd, ref):
             if h["bytes"] >= 4 * MIB:
                 add("hvd.allreduce (MPI) busbw / mpi4py", size_label(h["bytes"]),
-                    h["busbw"] / m["busbw"], 0.9)
+                    h["busbw"] / m["busbw"], 0.8)
+    tl = results.get("timeline")
+    if tl and tl.get("steps"):
+        add("allreduce negotiation rounds per training step (all collectives counted)",
+            f"{tl['model']}, batch {tl['global_batch']}, {tl['steps']} steps",
+            tl["allreduce_rounds"] / tl["steps"], 1.05, higher=False)
     tta = results.get("tta")
     if tta:
         rows = tta["rows"]
@@ -67,11 +72,17 @@ def acceptance(results) -> list:
 
 def markdown(results, command: str) -> str:
     parts = [f"Command: `{command}`\n", f"Machine: {results['machine']}\n"]
+    speed = results.get("core_speed")
+    if speed:
+        parts.append(f"Single-core speed (to compare machines, not variants): float32 matmul "
+                     f"{speed['matmul_gflops']:.1f} GFLOP/s, Python {speed['python_mops']:.1f} M "
+                     f"loop iterations/s, copy {speed['copy_gbps']:.1f} GB/s\n")
     checks = acceptance(results)
     if checks:
         parts.append("### Acceptance ratios (one run, side by side)\n")
         parts.append(table(["target", "where", "ratio", "needs", "holds"], [
-            (t, w, v, ("<= " if t.startswith(("softmax", "time")) else ">= ") + f"{th:.3g}",
+            (t, w, v, ("<= " if t.startswith(("softmax", "time", "allreduce")) else ">= ")
+             + f"{th:.3g}",
              "yes" if ok else "**no**") for t, w, v, th, ok in checks]))
     ar = results.get("allreduce")
     if ar:
@@ -99,6 +110,19 @@ def markdown(results, command: str) -> str:
                         + [s["b"] / s["a"], s["c"] / s["d"], s["c"] / (2 * s["b1"]), s["c"] / s["a"]])
         parts.append(table(["model", "global batch"] + variants
                            + ["b/a", "c/d", "c/(2 b1)", "c/a"], rows))
+    st = results.get("steps")
+    if st:
+        parts.append(f"\n### Steps per compiled call (`--steps-per-execution`, 0: auto), global "
+                     f"batch {st['global_batch']}: samples/s (best of {st['repeats']}, epochs 2-"
+                     f"{st['epochs']})\n")
+        values = st["values"]
+        rows = []
+        for r in st["rows"]:
+            s = {int(k): v for k, v in r["samples_per_sec"].items()}
+            rows.append([r["model"], {"b": 1, "c": 2}[r["variant"]]] + [s[k] for k in values]
+                        + [s[0] / s[1] if 0 in s and 1 in s else None])
+        parts.append(table(["model", "processes"] + [str(k) if k else "auto" for k in values]
+                           + ["auto/1"], rows))
     tta = results.get("tta")
     if tta:
         parts.append(f"\n### Time to {tta['target']} test accuracy ({tta['model']}, global batch "
@@ -110,6 +134,10 @@ def markdown(results, command: str) -> str:
     if tl:
         parts.append(f"\n### Horovod timeline ({tl['model']}, batch {tl['global_batch']}, 2 "
                      "processes): seconds per activity, summed over tensors and ranks\n")
+        if tl.get("steps"):
+            parts.append(f"{tl['steps']} training steps in {tl['epochs']} epochs; "
+                         f"{tl['allreduce_rounds']} allreduce negotiation rounds in all (a grouped "
+                         "allreduce counts once).\n")
         parts.append(table(["activity", "seconds", "count"], [
             (k, v, tl["counts"].get(k)) for k, v in tl["seconds"].items()]))
     fit = results.get("fit")
