@@ -258,9 +258,11 @@ class HorovodWorld(World):
     def sum_in_graph(self, tensor):
         if self.size == 1 and not self.elastic:
             # A one-rank sum is the tensor: skip the round trip through Horovod's background
-            # thread, which waits up to a cycle (HOROVOD_CYCLE_TIME) per step.
+            # thread, which waits up to a cycle (HOROVOD_CYCLE_TIME).
             return tensor
-        return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.stop")
+        # A round of its own: the training step puts its flags in the gradients' grouped
+        # allreduce instead (hvdtrain.optimizer.apply_gradients); this is for Adasum only.
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.flags")
 
     def broadcast_object(self, obj):
         return self.hvd.broadcast_object(obj, root_rank=0)
@@ -349,13 +351,24 @@ def _reduction(op, compression, gradient_predivide_factor, hvd=None):
     return op, compression
 
 
+def first_line(message) -> str:
+    """The first non-blank line of an error message: what a one-line report shows."""
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    return lines[0] if lines else "unknown error"
+
+
+def error_line(e: BaseException) -> str:
+    """``Type: first line`` of an exception."""
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
 def _import_horovod():
     """(horovod.tensorflow, None) or (None, reason)."""
     try:
         import horovod.tensorflow as hvd
         return hvd, None
     except Exception as e:  # ImportError, or a TF op library built for another TensorFlow
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None, error_line(e)
 
 
 def _configure_devices(local_rank: int, local_size: int) -> None:

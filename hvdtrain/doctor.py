@@ -17,17 +17,14 @@ import shutil
 import subprocess
 import sys
 
+from hvdtrain.distributed import error_line
+
 SETUP = "scripts/setup.sh"
 REBUILD = (f"pip uninstall -y horovod && {SETUP} (recompiles horovod against this "
            "TensorFlow with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 and scripts/patches/ applied)")
 PATCH_MARKER = "hvdtrain_patches.txt"  # written into horovod/ by scripts/setup.sh
 BUILT = {"mpi": "MPI", "gloo": "Gloo", "nccl": "NCCL", "ddl": "DDL", "ccl": "CCL",
          "cuda": "CUDA", "rocm": "ROCm"}  # horovod.tensorflow's NAME_built() -> label
-
-
-def _why(e: BaseException) -> str:
-    text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text}"
 
 
 def _version(dist):
@@ -52,8 +49,8 @@ def diagnose():
         import tensorflow as tf
         report["tensorflow"] = {"version": tf.__version__}
     except Exception as e:
-        report["tensorflow"] = {"version": None, "error": _why(e)}
-        problem(f"tensorflow cannot be imported ({_why(e)})", SETUP)
+        report["tensorflow"] = {"version": None, "error": error_line(e)}
+        problem(f"tensorflow cannot be imported ({error_line(e)})", SETUP)
 
     from hvdtrain import compat
     report["tf_keras"] = {"version": _version("tf_keras")}
@@ -71,7 +68,7 @@ def diagnose():
         try:
             keras["tf.keras"] = tf.keras.__name__
         except Exception as e:  # tf.keras itself failed to load
-            keras["tf.keras"] = f"unavailable ({_why(e)})"
+            keras["tf.keras"] = f"unavailable ({error_line(e)})"
         tf_minor = ".".join(tf.__version__.split(".")[:2])
         tk = report["tf_keras"]["version"]
         if compat.legacy_requested() and tk and not tk.startswith(tf_minor + "."):
@@ -85,8 +82,8 @@ def diagnose():
         import horovod
         hvd_report["version"] = horovod.__version__
     except Exception as e:
-        hvd_report["error"] = _why(e)
-        problem(f"horovod is not installed ({_why(e)}); hvdtrain would train one process",
+        hvd_report["error"] = error_line(e)
+        problem(f"horovod is not installed ({error_line(e)}); hvdtrain would train one process",
                 f"{SETUP} (compiles horovod with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)")
     if hvd_report["version"] is not None:
         try:
@@ -102,11 +99,11 @@ def diagnose():
                 problem(f"horovod {horovod.__version__} was built without "
                         f"{' and '.join(missing)}", REBUILD)
         except Exception as e:
-            hvd_report["error"] = _why(e)
+            hvd_report["error"] = error_line(e)
             if keras["module"] is None and tf is not None:
                 pass  # horovod.tensorflow imports Keras: the Keras problem above is the cause
             else:
-                problem(f"horovod.tensorflow cannot be imported ({_why(e)}): horovod "
+                problem(f"horovod.tensorflow cannot be imported ({error_line(e)}): horovod "
                         "was built against another TensorFlow, or without TensorFlow", REBUILD)
 
     # --- MPI, GPUs, launchers --------------------------------------------------------------
@@ -117,7 +114,7 @@ def diagnose():
         report["mpi"] = {"library": MPI.Get_library_version().splitlines()[0].strip("\0 "),
                          "mpi4py": mpi4py.__version__}
     except Exception as e:
-        report["mpi"] = {"library": None, "error": _why(e)}
+        report["mpi"] = {"library": None, "error": error_line(e)}
 
     gpus = []
     if tf is not None:

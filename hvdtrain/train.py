@@ -67,18 +67,13 @@ def train(task: Task, config: Optional[Config] = None,
             # peer, usually ends this process first. When Horovod's error wins the race,
             # give the watchdog's verdict a moment to arrive, then say it in one line.
             dog.await_verdict(5.0)
-            dog.abort(f"{type(e).__name__}: {_first_line(str(e))}")
+            dog.abort(distributed.error_line(e))
             raise distributed.RankError(f"rank {world.rank}: a collective failed (a peer is "
-                                        f"gone?): {_first_line(str(e))}") from None
+                                        f"gone?): {distributed.first_line(str(e))}") from None
         dog.abort(f"{type(e).__name__}: {e}")  # this rank alone: stop the others too
         raise
     dog.close()
     return result
-
-
-def _first_line(message: str) -> str:
-    lines = [l.strip() for l in str(message).splitlines() if l.strip()]
-    return lines[0] if lines else "unknown error"
 
 
 def _op_error_line(message: str) -> str:
@@ -87,7 +82,7 @@ def _op_error_line(message: str) -> str:
     skip = ("Graph execution error", "Detected at node", "File ", "[[", "Traceback")
     lines = [l.strip() for l in str(message).splitlines() if l.strip()]
     causes = [l for l in lines if not l.startswith(skip)]
-    return causes[0] if causes else _first_line(message)
+    return causes[0] if causes else distributed.first_line(message)
 
 
 class _Run(Checkpointing):

@@ -39,6 +39,7 @@ def test_steps_per_call_do_not_change_what_is_trained(np_, env, tmp_path):
     assert len(ckpt_one) == one["global_step"] // 7 + 2
 
 
+@pytest.mark.keras2
 def test_one_negotiation_round_per_step(env, tmp_path):
     """The gradients and the [stop, diverged] flags: one grouped allreduce per step."""
     timeline = tmp_path / "timeline.json"

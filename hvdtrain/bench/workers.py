@@ -37,6 +37,9 @@ def _write(path: str, obj) -> None:
 # --- collectives -------------------------------------------------------------------------
 
 def allreduce(args) -> None:
+    """Seconds per allreduce: the best of ``--rounds`` timed rounds (the least disturbed one on
+    a shared machine), after 2 warm-ups. ``--mode graph`` calls hvd.allreduce inside a
+    tf.function, as a training step does; ``eager`` calls the op from Python."""
     rows = []
     if args.impl == "hvd":
         import tensorflow as tf
@@ -55,21 +58,29 @@ def allreduce(args) -> None:
         if args.impl == "hvd":
             tensor = tf.ones([n], tf.float32)
             op = lambda: hvd.allreduce(tensor, op=hvd.Sum, name=f"bench.{nbytes}")  # noqa
+            if args.mode == "graph":
+                op = tf.function(op)
         else:
             src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
             op = lambda: comm.Allreduce(src, dst, op=MPI.SUM)  # noqa
         for _ in range(2):
-            op()  # warm-up: buffers, negotiation cache
-        barrier()
-        tick = time.perf_counter()
-        for _ in range(iters):
-            out = op()
-        if args.impl == "hvd":
-            out.numpy()
-        seconds = (time.perf_counter() - tick) / iters
-        rows.append({"bytes": nbytes, "iters": iters, "seconds": seconds})
+            op()  # warm-up: buffers, negotiation cache, tracing
+        rounds = max(1, min(args.rounds, iters))
+        per_round = max(1, iters // rounds)
+        times = []
+        for _ in range(rounds):
+            barrier()
+            tick = time.perf_counter()
+            for _ in range(per_round):
+                out = op()
+            if args.impl == "hvd":
+                out.numpy()
+            times.append((time.perf_counter() - tick) / per_round)
+        rows.append({"bytes": nbytes, "iters": per_round * rounds, "seconds": min(times),
+                     "mean_seconds": sum(times) / len(times)})
     if rank == 0:
-        _write(args.out, {"impl": args.impl, "controller": controller, "ranks": size, "rows": rows})
+        _write(args.out, {"impl": args.impl, "mode": args.mode, "controller": controller,
+                          "ranks": size, "rows": rows})
 
 
 def memcpy(args) -> None:
@@ -267,6 +278,9 @@ def main(argv=None) -> None:
     p.add_argument("--impl", choices=("hvd", "mpi4py", "hk", "hvd_keras"), default="hvd")
     p.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[4096])
     p.add_argument("--scale", type=float, default=1.0, help="repetitions scale (quick: < 1)")
+    p.add_argument("--mode", choices=("eager", "graph"), default="eager",
+                   help="allreduce --impl hvd: from Python, or inside a tf.function")
+    p.add_argument("--rounds", type=int, default=5, help="allreduce: timed rounds, best kept")
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--dataset", default="fashion_mnist")
     p.add_argument("--model", default="softmax")
