@@ -27,12 +27,12 @@ class RankError(RuntimeError):
     """One or more ranks failed a step that all ranks take together."""
 
 
-def launcher_size() -> int:
+def launcher_size(environ=os.environ) -> int:
     """The number of processes a launcher says it started (1 when there is no launcher)."""
     sizes = []
     for name in LAUNCHER_SIZE_VARS:
         try:
-            sizes.append(int(os.environ.get(name, "1")))
+            sizes.append(int(environ.get(name, "1")))
         except ValueError:
             pass
     return max(sizes, default=1)
@@ -407,8 +407,11 @@ def _horovod_defaults(environ=os.environ) -> dict:
     """Set (where unset) and return the environment hvd.init() reads for speed and safety.
 
     HOROVOD_CYCLE_TIME: the background thread collects ready tensors once a cycle, so a step
-    whose gradients are ready waits up to a cycle; 0.1 ms instead of 1 ms made the small
-    softmax steps 1.6-3.5x faster on 2 processes and did not change the mlp's throughput.
+    whose gradients are ready waits up to a cycle; with several ranks, 0.1 ms instead of 1 ms
+    made the small softmax steps 2-6x faster on 2 processes and did not change the mlp's
+    throughput measurably. A rank alone sends nothing per step, but a 0.1 ms cycle still
+    wakes the thread 10,000 times a second: one process of the compute-bound mlp (batch 4096)
+    ran 12 % slower than with 1 ms (docs/PERFORMANCE.md), so one rank keeps Horovod's 1 ms.
     OMPI_MCA_mpi_yield_when_idle: when the local ranks take every core, a rank waiting in MPI
     must yield its core instead of spinning, or it steals it from a peer's compute (the mlp's
     2-process throughput doubled). Open MPI turns it on itself only when oversubscribed.
@@ -422,7 +425,8 @@ def _horovod_defaults(environ=os.environ) -> dict:
     chosen = {}
     if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in environ:
         chosen["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = STALL_SHUTDOWN_SECONDS
-    if "HOROVOD_CYCLE_TIME" not in environ:
+    several = launcher_size(environ) > 1 or environ.get("HOROVOD_ELASTIC") == "1"
+    if "HOROVOD_CYCLE_TIME" not in environ and several:
         chosen["HOROVOD_CYCLE_TIME"] = HOROVOD_CYCLE_TIME_MS
     local = environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
     if (local.isdigit() and int(local) >= usable_cores()

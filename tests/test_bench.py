@@ -75,10 +75,13 @@ def test_steps_per_call_report():
 
 def test_horovod_defaults_respect_the_user(monkeypatch):
     monkeypatch.setattr(distributed, "usable_cores", lambda: 2)
-    environ = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    environ = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "2"}
     assert distributed._horovod_defaults(environ) == {
         "HOROVOD_CYCLE_TIME": "0.1", "OMPI_MCA_mpi_yield_when_idle": "1",
         "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "600"}
+    # One rank: Horovod's own 1 ms cycle (a 0.1 ms one only steals the compute threads' time).
+    assert "HOROVOD_CYCLE_TIME" not in distributed._horovod_defaults({})
+    assert distributed._horovod_defaults({"HOROVOD_ELASTIC": "1"})["HOROVOD_CYCLE_TIME"] == "0.1"
     user = {"HOROVOD_CYCLE_TIME": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}
     assert distributed._horovod_defaults(user) == {} and user["HOROVOD_CYCLE_TIME"] == "5"
