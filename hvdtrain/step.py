@@ -1,4 +1,8 @@
-"""One synchronous update, compiled: its input, the loss, the averaged gradients, the sums.
+"""Synchronous updates, compiled: their input, the loss, the averaged gradients, the sums.
+
+One compiled call runs up to ``n`` updates (``--steps-per-execution``) in a ``tf.while_loop``
+that draws each update's input from the epoch's iterator, and stops after the first update
+whose [SIGTERM, non-finite loss] flags, reduced with the gradients, are set.
 
 Input comes one of two ways, with the same batches in the same order (``data.epoch_plan``):
 - in memory: the training arrays live on the device as constants and each step gathers its

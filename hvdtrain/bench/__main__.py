@@ -1,7 +1,7 @@
 """``python -m hvdtrain.bench``: run the comparisons side by side, write JSON, Markdown, PNGs.
 
-    python -m hvdtrain.bench                       # everything (about 10 minutes on 2 cores)
-    python -m hvdtrain.bench --quick               # fewer sizes, one batch, under 3 minutes
+    python -m hvdtrain.bench                       # everything (about 16 minutes on 2 cores)
+    python -m hvdtrain.bench --quick               # fewer sizes, one batch, about 3 minutes
     python -m hvdtrain.bench --cases allreduce,tta --out /tmp/b
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def settings(quick: bool) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hvdtrain.bench", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
-    p.add_argument("--quick", action="store_true", help="a smaller suite, under 3 minutes")
+    p.add_argument("--quick", action="store_true", help="a smaller suite, about 3 minutes")
     p.add_argument("--cases", default=",".join(CASES),
                    help=f"comma-separated subset of {','.join(CASES)}")
     p.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")],
