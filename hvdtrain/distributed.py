@@ -236,8 +236,13 @@ class HorovodWorld(World):
         # the C++ side divides the postscale by the world size.
         scale = dict(prescale_factor=1.0 / gradient_predivide_factor,
                      postscale_factor=gradient_predivide_factor) if op == hvd.Average else {}
-        reduced = hvd.grouped_allreduce([tf.convert_to_tensor(grads[i]) for i in present],
-                                        op=op, compression=compression, **scale)
+        tensors = [tf.convert_to_tensor(grads[i]) for i in present]
+        if op == hvd.Adasum:
+            # Horovod 0.28.1's grouped_allreduce fails with Adasum (it reads an unset local,
+            # "'tensor' is used before assignment"); one Adasum allreduce per tensor works.
+            reduced = [hvd.allreduce(t, op=op, compression=compression) for t in tensors]
+        else:
+            reduced = hvd.grouped_allreduce(tensors, op=op, compression=compression, **scale)
         for i, g in zip(present, reduced):
             grads[i] = g
         return grads

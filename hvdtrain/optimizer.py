@@ -20,7 +20,8 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
     """Wrap ``optimizer`` so that every update uses gradients reduced over all ranks.
 
     op: ``"average"`` (the default: the learning rate keeps its single-process meaning),
-        ``"sum"`` or ``"adasum"``; Horovod's ``hvd.Average`` etc. are accepted too.
+        ``"sum"`` or ``"adasum"`` (Keras 3 only: Horovod's Keras 2 wrapper refuses it);
+        Horovod's ``hvd.Average`` etc. are accepted too.
     compression: ``"none"`` or ``"fp16"`` (gradients travel as float16), or
         ``hvd.Compression.*``.
     gradient_predivide_factor: average as ``sum(g / f) * f / size`` instead of

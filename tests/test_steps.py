@@ -5,11 +5,13 @@ trained: the same weights bit for bit, checkpoints at the same steps. And the st
 flags travel in the gradients' grouped allreduce: a Horovod timeline of a real 2-process run
 shows one negotiation round per step, not two.
 """
+import json
 import os
+import sys
 
 import pytest
 
-from conftest import launch, module_cmd, result, run
+from conftest import HOROVODRUN, KERAS2, launch, module_cmd, result, run
 from hvdtrain.bench.cases import read_timeline, summarize_timeline
 
 
@@ -62,3 +64,59 @@ def test_one_negotiation_round_per_step(env, tmp_path):
     # Outside the steps, a few per epoch (metric sums, the epoch-end checkpoint's) and per run.
     rounds = summarize_timeline(str(timeline))["allreduce_rounds"]
     assert steps < rounds <= steps + 3 * 2, rounds
+
+
+RIDERS = """
+import json
+import sys
+
+import tensorflow as tf
+
+import hvdtrain
+from hvdtrain.compat import keras
+from hvdtrain.optimizer import apply_gradients
+
+world = hvdtrain.world()
+k = keras()
+model = k.Sequential([k.Input((3,)), k.layers.Dense(1, kernel_initializer="ones")])
+opt = hvdtrain.DistributedOptimizer(k.optimizers.SGD(0.1), op=sys.argv[1])
+opt.build(model.trainable_variables)
+
+
+@tf.function
+def step(x, flags):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(model(x) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    return apply_gradients(opt, grads, model.trainable_variables, [flags])[0]
+
+
+# Rank 1 alone raises the first flag: every rank must see it; the second stays 0.
+flags = step(tf.ones([4, 3]) * (world.rank + 1), tf.constant([float(world.rank), 0.0]))
+with open(f"{sys.argv[2]}/rank{world.rank}.json", "w") as f:
+    json.dump([flags.numpy().tolist(), model.weights[0].numpy().ravel().tolist()], f)
+"""
+
+
+@pytest.mark.keras2
+@pytest.mark.parametrize("op, flag, kernel", [
+    # kernel gradients 6 (rank 0) and 24 (rank 1) per weight, lr 0.1, initial weights 1:
+    ("average", 0.5, -0.5),   # mean 15
+    ("sum", 1.0, -2.0),       # 30
+    ("adasum", 1.0, -0.5),    # Adasum of parallel 6 and 24: -1 * 6 + 0.875 * 24 = 15; the
+])                            # flags then travel in a sum of their own
+def test_flags_ride_with_every_reduction(op, flag, kernel, env, tmp_path):
+    """The step's flags reach every rank whatever the wrapper's op; Adasum included, which
+    Horovod's grouped allreduce cannot do (hvdtrain reduces it tensor by tensor)."""
+    script = tmp_path / "riders.py"
+    script.write_text(RIDERS)
+    p = run([HOROVODRUN, "-np", "2", "--mpi", sys.executable, str(script), op, str(tmp_path)],
+            env)
+    if op == "adasum" and KERAS2:  # Horovod's own Keras 2 wrapper refuses it, in its words
+        assert p.returncode != 0 and "only supports Average and Sum" in p.stderr
+        return
+    assert p.returncode == 0, p.stderr[-3000:]
+    for rank in (0, 1):
+        flags, weights = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert flags == [flag, 0.0], (rank, flags)
+        assert weights == pytest.approx([kernel] * 3), (rank, weights)
