@@ -176,7 +176,7 @@ class HorovodWorld(World):
                 # worker with status 0 and no result. Decide here instead.
                 if "Horovod" in e.message:
                     raise HorovodInternalError(e) from None  # a lost peer: roll back, go on
-                raise RuntimeError(f"{type(e).__name__}: {e.message.splitlines()[0]}") from None
+                raise RuntimeError(f"{type(e).__name__}: {first_line(e.message)}") from None
 
         result = self.hvd.elastic.run(run)(state)
         if result is None:
@@ -209,8 +209,6 @@ class HorovodWorld(World):
         # allreduce as the gradients (Adasum's combination is for gradients only).
         object.__setattr__(optimizer, "_hvdtrain_reduce", reduce)
         object.__setattr__(optimizer, "_hvdtrain_riders", op != self.hvd.Adasum)
-        object.__setattr__(optimizer, "_hvdtrain_reduce_riders",
-                           lambda riders: [self.sum_in_graph(r) for r in riders])
         return optimizer
 
     def allreduce_gradients(self, grads, op="average", compression="none",

@@ -82,9 +82,11 @@ def apply_gradients(optimizer, grads, variables, riders=()):
     if getattr(optimizer, "_hvdtrain_riders", True):
         reduced = reduce(grads + riders)
         grads, riders = reduced[:len(grads)], reduced[len(grads):]
-    else:  # Adasum: its combination is meant for gradients only
+    else:  # Adasum: its combination is meant for gradients only; the riders get a sum
+        from hvdtrain import distributed
+
         grads = reduce(grads)
-        riders = optimizer._hvdtrain_reduce_riders(riders)
+        riders = [distributed.current().sum_in_graph(r) for r in riders]
     if getattr(type(optimizer), "_hvdtrain_distributed", False):
         # Keras 3, hvdtrain's wrapper: the base class's apply (the wrapper's would reduce again).
         super(type(optimizer), optimizer).apply(grads, variables)

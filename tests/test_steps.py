@@ -15,11 +15,11 @@ from conftest import HOROVODRUN, KERAS2, launch, module_cmd, result, run
 from hvdtrain.bench.cases import read_timeline, summarize_timeline
 
 
-def _train(env, tmp_path, np_, k, *extra):
+def _train(env, tmp_path, np_, k):
     run_dir = tmp_path / f"np{np_}-k{k}"
     args = ["--epochs", "2", "--learning-rate", "0.5", "--checkpoint-every", "7",
             "--keep-checkpoints", "100", "--steps-per-execution", str(k), "--verbose", "0",
-            "--run-dir", str(run_dir), *extra]
+            "--run-dir", str(run_dir)]
     p = run(module_cmd("mnist", *args) if np_ == 1 else launch("gloo", np_, "mnist", *args),
             env)
     assert p.returncode == 0, p.stderr
