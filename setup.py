@@ -9,11 +9,18 @@ Horovod is an extra, not a hard requirement: it is compiled against the
 TensorFlow already installed (``pip install --no-build-isolation``, which
 ``scripts/setup.sh`` does), and hvdtrain trains in one process without it.
 """
+import os
+import re
+
 from setuptools import find_packages, setup
+
+# The version lives in one leaf module that hvdtrain itself reads too.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "hvdtrain", "_version.py")) as f:
+    VERSION = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
 
 setup(
     name="hvdtrain",
-    version="0.2.0",
+    version=VERSION,
     description="Horovod-backed synchronous data-parallel training for TensorFlow",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -14,17 +14,15 @@ import os as _os
 # TensorFlow's C++ INFO/WARNING start-up lines drown the training output; errors stay.
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-__version__ = "0.2.0"
-
+from hvdtrain._version import __version__  # noqa: E402
 from hvdtrain.config import Config, ConfigError, setting  # noqa: E402
 from hvdtrain.optimizer import DistributedOptimizer  # noqa: E402
-from hvdtrain.task import Task, TaskError  # noqa: E402
+from hvdtrain.task import Task, TaskError, load_task  # noqa: E402
 from hvdtrain.train import train  # noqa: E402
 
 
 def preset(task: str, **overrides) -> Config:
     """A built-in task's training configuration ("linear", "mnist"), with ``overrides``."""
-    from hvdtrain.__main__ import load_task
     return load_task(task).config(**overrides)
 
 

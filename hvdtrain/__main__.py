@@ -6,38 +6,14 @@
     python -m hvdtrain workers TASK [flags]           # the worker count those flags configure
                                                       # (the launch scripts start that many)
 """
-import importlib
 import sys
 
 from hvdtrain.config import parse_args
+from hvdtrain.errors import SpecError
+from hvdtrain.task import BUILTIN, load_task
 
-# The built-in tasks, by the name their module is run with.
-BUILTIN = {"linear": "hvdtrain.linear:LinearTask", "mnist": "hvdtrain.mnist:MnistTask"}
 USAGE = ("usage: python -m hvdtrain {linear,mnist} [flags] | run MODULE:TASK [flags] | "
          "workers TASK [flags]  (--help after the task)")
-
-
-class SpecError(ValueError):
-    pass
-
-
-def load_task(spec: str):
-    """An instance of the Task named ``spec``: a built-in name or ``package.module:Class``."""
-    from hvdtrain.task import Task
-
-    spec = BUILTIN.get(spec, spec)
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise SpecError(f"{spec!r}: name a task as package.module:TaskClass "
-                        f"(or one of {', '.join(BUILTIN)})")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise SpecError(f"{spec!r}: cannot import {module_name} ({e})") from None
-    cls = getattr(module, attr, None)
-    if not (isinstance(cls, type) and issubclass(cls, Task)):
-        raise SpecError(f"{spec!r}: {module_name} has no Task subclass named {attr}")
-    return cls()
 
 
 def main(argv=None) -> int:
@@ -46,7 +22,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
+        return 0 if argv else SpecError.status
     command, rest = argv[0], argv[1:]
     try:
         if command == "workers" and rest:
@@ -62,9 +38,9 @@ def main(argv=None) -> int:
                        f"python -m hvdtrain {command}")
     except SpecError as e:
         sys.stderr.write(f"hvdtrain: error: {e}\n")
-        return 2
+        return e.status
     sys.stderr.write(f"hvdtrain: error: unknown command {command!r}; {USAGE}\n")
-    return 2
+    return SpecError.status
 
 
 if __name__ == "__main__":

@@ -20,19 +20,17 @@ import json
 import os
 import re
 import struct
-import tempfile
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from hvdtrain.errors import CheckpointError
+from hvdtrain.files import atomic_open
 
 MAGIC = b"HVDTCKPT"
 VERSION = 2  # 1 (hvdtrain 0.1) hashed the payload only
 DIGEST = 32  # sha256
 PATTERN = re.compile(r"ckpt-(\d+)\.hvdt$")
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint where one is required; ``str()`` is one line."""
 
 
 def path_for(directory: str, global_step: int) -> str:
@@ -60,32 +58,13 @@ def save(directory: str, arrays: Sequence[np.ndarray], names: Sequence[str], met
                 variables=[[n, list(a.shape), str(a.dtype)] for n, a in zip(names, arrays)])
     header = json.dumps(meta, sort_keys=True).encode()
     target = path_for(directory, meta["global_step"])
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ckpt-", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide checkpoints from the team
-        body = MAGIC + bytes([VERSION]) + struct.pack(">Q", len(header)) + header + payload
-        with os.fdopen(fd, "wb") as f:
-            f.write(body)
-            f.write(hashlib.sha256(body).digest())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
+    body = MAGIC + bytes([VERSION]) + struct.pack(">Q", len(header)) + header + payload
+    with atomic_open(target, "wb") as f:  # a crash leaves the previous checkpoint intact
+        f.write(body)
+        f.write(hashlib.sha256(body).digest())
     for _, old in list_checkpoints(directory)[keep:]:
         os.unlink(old)
     return target
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read(path: str) -> Tuple[dict, List[np.ndarray]]:

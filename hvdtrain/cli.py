@@ -7,24 +7,25 @@
 Exit status: 0 trained; 1 a runtime failure (data file, checkpoint, a failed or frozen
 rank, the launcher, Keras, a task that breaks the Task interface's rules); 2 a bad command
 line or setting; 75 preempted by SIGTERM after saving a checkpoint (run the same command
-again to resume). Nothing is written before the settings are validated.
+again to resume). Nothing is written before the settings are validated. Each status is an
+error class's (``hvdtrain.errors``).
 """
 import sys
 
-from hvdtrain import compat, distributed
-from hvdtrain.checkpoint import CheckpointError
-from hvdtrain.config import ConfigError, parse_args
-from hvdtrain.data import DataError
-from hvdtrain.task import TaskError
-from hvdtrain.report import RunDirBusy
-from hvdtrain.train import EXIT_PREEMPTED, Diverged, Preempted, StepError, train
+from hvdtrain import distributed
+from hvdtrain.config import parse_args
+from hvdtrain.errors import Error, Preempted
+from hvdtrain.train import train
 
 
-def _fail(prog: str, message: str, status: int, show: bool = True) -> int:
-    if show:
-        sys.stderr.write(f"{prog}: error: {message}\n")
+def report(prog: str, e: Error) -> int:
+    """Say ``e`` in one line on stderr and return its exit status. An error raised on every
+    rank together is said once, by rank 0."""
+    if not e.together or distributed.launcher_rank() == 0:
+        label = "" if isinstance(e, Preempted) else "error: "
+        sys.stderr.write(f"{prog}: {label}{e}\n")
         sys.stderr.flush()
-    return status
+    return e.status
 
 
 def run(task, argv=None, prog=None) -> int:
@@ -34,18 +35,6 @@ def run(task, argv=None, prog=None) -> int:
     config = parse_args(task, argv, prog)  # exits 2 with one line on a bad flag
     try:
         train(task, config)
-    except ConfigError as e:  # raised alike on every rank: rank 0 says it
-        return _fail(prog, str(e), 2, show=distributed.launcher_rank() == 0)
-    except Preempted as e:
-        if distributed.launcher_rank() == 0:
-            sys.stderr.write(f"{prog}: {e}\n")
-        return EXIT_PREEMPTED
-    except distributed.RankError as e:
-        # Every rank raised the same agreed message: rank 0 says it once.
-        return _fail(prog, str(e), 1, show=distributed.launcher_rank() == 0)
-    except Diverged as e:  # every rank stopped at the same step: rank 0 says it
-        return _fail(prog, str(e), 1, show=distributed.launcher_rank() == 0)
-    except (DataError, CheckpointError, distributed.LaunchError, compat.KerasVersionError,
-            TaskError, StepError, RunDirBusy) as e:
-        return _fail(prog, str(e), 1)
+    except Error as e:
+        return report(prog, e)
     return 0

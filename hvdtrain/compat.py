@@ -7,11 +7,9 @@ that variable. Everything else in hvdtrain asks this module instead of importing
 """
 import os
 
+from hvdtrain.errors import KerasVersionError, first_line
+
 TRUE = ("1", "true", "yes")
-
-
-class KerasVersionError(RuntimeError):
-    """The Keras in use cannot train with hvdtrain; ``str()`` is one line with the fix."""
 
 
 def legacy_requested() -> bool:
@@ -43,7 +41,7 @@ def keras():
     try:
         import keras as keras3
     except ImportError as e:  # e.g. KERAS_BACKEND names a backend that is not installed
-        raise KerasVersionError(f"Keras 3 does not import ({str(e).splitlines()[0]}); with "
+        raise KerasVersionError(f"Keras 3 does not import ({first_line(e)}); with "
                                 "KERAS_BACKEND set, set it to tensorflow") from None
     if not keras3.__version__.startswith("3."):
         raise KerasVersionError(f"keras {keras3.__version__} is installed where Keras 3 is "

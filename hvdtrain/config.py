@@ -22,21 +22,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from hvdtrain.errors import ConfigError
+
 BACKENDS = ("auto", "horovod", "single")
-
-
-class ConfigError(ValueError):
-    """A bad setting. ``str()`` is the one-line message shown to the user."""
-
-    def __init__(self, name: str, value, reason: str):
-        self.flag = "--" + name.replace("_", "-")
-        super().__init__(f"{self.flag}={_show(value)}: {reason}")
-
-
-def _show(value) -> str:
-    if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)
-    return str(value)
 
 
 def setting(default, help: str, defines_run: bool = True, per_rank: bool = False, **meta):

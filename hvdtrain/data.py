@@ -11,7 +11,6 @@ import hashlib
 import io
 import os
 import struct
-import tempfile
 import urllib.request
 import zipfile
 import zlib
@@ -19,6 +18,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+
+from hvdtrain.errors import DataError
+from hvdtrain.files import atomic_open
 
 RESOURCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resources")
 SAMPLE_PATH = os.path.join(RESOURCES, "mnist_5k.csv.gz")
@@ -32,10 +34,6 @@ IDX_FILES = {  # split -> (images, labels), as published (also accepted without 
 }
 NPZ_NAMES = {"mnist": "mnist.npz", "fashion_mnist": "fashion-mnist.npz"}
 DATASETS = tuple(NPZ_NAMES)  # the MNIST-format datasets the loaders know
-
-
-class DataError(RuntimeError):
-    """A missing, truncated or malformed data file; ``str()`` is one line."""
 
 
 @dataclass
@@ -212,22 +210,14 @@ def download_mnist(cache_dir: str = KERAS_CACHE, timeout: float = 20.0) -> str:
     """Fetch Keras' mnist.npz into the cache atomically (temporary file, hash check, rename)."""
     os.makedirs(cache_dir, exist_ok=True)
     target = os.path.join(cache_dir, "mnist.npz")
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".mnist.npz.")
-    try:
+    with atomic_open(target, "wb") as out, urllib.request.urlopen(MNIST_URL, timeout=timeout) as r:
         digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(MNIST_URL, timeout=timeout) as r:
-            for chunk in iter(lambda: r.read(1 << 20), b""):
-                digest.update(chunk)
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        if digest.hexdigest() != MNIST_SHA256:
+        for chunk in iter(lambda: r.read(1 << 20), b""):
+            digest.update(chunk)
+            out.write(chunk)
+        if digest.hexdigest() != MNIST_SHA256:  # the old file (if any) stays
             raise DataError(f"{MNIST_URL}: downloaded file has the wrong sha256")
-        os.replace(tmp, target)
-        return target
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    return target
 
 
 def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, world,

@@ -1,9 +1,11 @@
-"""Everything rank-dependent: the ONLY module that imports horovod.
+"""Everything rank-dependent, and the one module of hvdtrain that imports horovod.
 
 ``init()`` picks the backend (Horovod, or one process), starts it, pins devices and thread
 pools, and returns a ``World``: rank, size, chief, and the few collectives the loop needs
-(optimizer wrapping, broadcast, sums, barrier, agreement on errors). Nothing else in
-hvdtrain asks ``rank() == 0``; it asks ``world.is_chief``.
+(the gradients' reduction, broadcast, sums, barrier, agreement on errors, the elastic
+driver). Nothing else in hvdtrain asks ``rank() == 0``; it asks ``world.is_chief``. The
+optimizer wrapper (``optimizer.py``), the doctor and the benchmarks reach Horovod through
+this module: ``World.reduction``, ``horovod_build()``, ``World.hvd``.
 """
 from __future__ import annotations
 
@@ -13,18 +15,12 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from hvdtrain.errors import LaunchError, RankError, error_line, first_line  # noqa: F401 (public)
+
 # Variables launchers set in every process they start: mpirun (Open MPI, MPICH/Hydra,
 # MVAPICH), horovodrun --gloo, and srun.
 LAUNCHER_SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
                       "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
-
-
-class LaunchError(RuntimeError):
-    """The processes cannot train together as launched; ``str()`` is one line."""
-
-
-class RankError(RuntimeError):
-    """One or more ranks failed a step that all ranks take together."""
 
 
 def launcher_size(environ=os.environ) -> int:
@@ -76,11 +72,12 @@ class World:
         """Rank 0 owns printing, files, checkpoints: the seeds' chief worker."""
         return self.rank == 0
 
-    def wrap_optimizer(self, optimizer, op: str = "average", compression: str = "none",
-                       gradient_predivide_factor: float = 1.0):
-        """One process: the optimizer as it is (there is nothing to average)."""
-        _reduction(op, compression, gradient_predivide_factor)  # the same errors everywhere
-        return optimizer
+    def reduction(self, op: str = "average", compression: str = "none",
+                  gradient_predivide_factor: float = 1.0) -> Optional["Reduction"]:
+        """How an optimizer's gradients are reduced over the ranks: None in one process
+        (there is nothing to reduce); the arguments are checked all the same."""
+        _reduction(op, compression, gradient_predivide_factor)
+        return None
 
     def allreduce_gradients(self, grads, op="average", compression="none",
                             gradient_predivide_factor=1.0) -> list:
@@ -127,7 +124,7 @@ class World:
         """Versions of the distributed stack, for the preflight comparison."""
         return {}
 
-    def run_elastic(self, model, optimizer, body, **progress):
+    def run_elastic(self, variables, body, **progress):
         raise LaunchError("--elastic needs Horovod under horovodrun's elastic mode "
                           "(--min-np/--max-np with --host-discovery-script)")
 
@@ -184,32 +181,10 @@ class HorovodWorld(World):
                               "driver swallowed an error)")
         return result
 
-    def wrap_optimizer(self, optimizer, op: str = "average", compression: str = "none",
-                       gradient_predivide_factor: float = 1.0):
-        # Horovod: average gradients over all ranks with ring-allreduce before each update,
-        # the synchronous update SyncReplicasOptimizer made.
-        from hvdtrain import compat
-
+    def reduction(self, op: str = "average", compression: str = "none",
+                  gradient_predivide_factor: float = 1.0) -> "Reduction":
         op, compression = _reduction(op, compression, gradient_predivide_factor, self.hvd)
-        reduce = lambda grads: self.allreduce_gradients(  # noqa: E731
-            grads, op, compression, gradient_predivide_factor)
-        if not compat.is_keras3():
-            # Keras 2: Horovod's own wrapper (it averages in minimize/get_gradients).
-            import horovod.tensorflow.keras as hvd_keras
-
-            optimizer = hvd_keras.DistributedOptimizer(
-                optimizer, op=op, compression=compression,
-                gradient_predivide_factor=gradient_predivide_factor)
-        else:
-            # Keras 3: Horovod's wrapper fails ("'Variable' object has no attribute 'ref'");
-            # hvdtrain's averages in apply() with Horovod's grouped allreduce instead.
-            from hvdtrain.optimizer import distribute
-            optimizer = distribute(optimizer, reduce)
-        # What hvdtrain.optimizer.apply_gradients needs to put the step's flags in the same
-        # allreduce as the gradients (Adasum's combination is for gradients only).
-        object.__setattr__(optimizer, "_hvdtrain_reduce", reduce)
-        object.__setattr__(optimizer, "_hvdtrain_riders", op != self.hvd.Adasum)
-        return optimizer
+        return Reduction(self, op, compression, gradient_predivide_factor)
 
     def allreduce_gradients(self, grads, op="average", compression="none",
                             gradient_predivide_factor=1.0) -> list:
@@ -286,6 +261,34 @@ class HorovodWorld(World):
         return f"{self.size} process{'es' if self.size > 1 else ''}, Horovod over {self.controller}"
 
 
+class Reduction:
+    """One optimizer's gradient reduction over the ranks (``World.reduction``): what
+    ``hvdtrain.DistributedOptimizer`` calls before every update."""
+
+    def __init__(self, world: HorovodWorld, op, compression, gradient_predivide_factor: float):
+        self.world, self.op, self.compression = world, op, compression
+        self.gradient_predivide_factor = gradient_predivide_factor
+        # Adasum's combination is meant for gradients only: other tensors (the step's flags)
+        # cannot ride in its round.
+        self.carries_riders = op != world.hvd.Adasum
+
+    def __call__(self, grads) -> list:
+        # Horovod: average gradients over all ranks with ring-allreduce before each update,
+        # the synchronous update SyncReplicasOptimizer made.
+        return self.world.allreduce_gradients(grads, self.op, self.compression,
+                                              self.gradient_predivide_factor)
+
+    def sum(self, tensor):
+        """A tensor summed over the ranks in a round of its own (for Adasum's riders)."""
+        return self.world.sum_in_graph(tensor)
+
+    def keras2_optimizer(self, optimizer):
+        """Keras 2: Horovod's own wrapper (it averages in minimize/get_gradients)."""
+        return horovod_keras().DistributedOptimizer(
+            optimizer, op=self.op, compression=self.compression,
+            gradient_predivide_factor=self.gradient_predivide_factor)
+
+
 def _elastic_state(hvd, variables, progress):
     """Horovod elastic state over a list of variables (model and optimizer) plus progress.
 
@@ -354,22 +357,32 @@ def _reduction(op, compression, gradient_predivide_factor, hvd=None):
     return op, compression
 
 
-def first_line(message) -> str:
-    """The first non-blank line of an error message: what a one-line report shows."""
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-    return lines[0] if lines else "unknown error"
+def horovod_package():
+    """The ``horovod`` package (its version, its files), for reports on the build."""
+    import horovod
+
+    return horovod
 
 
-def error_line(e: BaseException) -> str:
-    """``Type: first line`` of an exception."""
-    return f"{type(e).__name__}: {first_line(e)}"
+def horovod_tensorflow():
+    """``horovod.tensorflow``: fails if Horovod was built without TensorFlow or against
+    another TensorFlow."""
+    import horovod.tensorflow as hvd
+
+    return hvd
+
+
+def horovod_keras():
+    """``horovod.tensorflow.keras``: Horovod's own Keras 2 wrapper (the benchmarks' reference)."""
+    import horovod.tensorflow.keras as hvd_keras
+
+    return hvd_keras
 
 
 def _import_horovod():
     """(horovod.tensorflow, None) or (None, reason)."""
     try:
-        import horovod.tensorflow as hvd
-        return hvd, None
+        return horovod_tensorflow(), None
     except Exception as e:  # ImportError, or a TF op library built for another TensorFlow
         return None, error_line(e)
 

@@ -17,7 +17,8 @@ import shutil
 import subprocess
 import sys
 
-from hvdtrain.distributed import error_line
+from hvdtrain import distributed
+from hvdtrain.errors import error_line
 
 SETUP = "scripts/setup.sh"
 REBUILD = (f"pip uninstall -y horovod && {SETUP} (recompiles horovod against this "
@@ -79,7 +80,7 @@ def diagnose():
     # --- Horovod ---------------------------------------------------------------------------
     hvd_report = report["horovod"] = {"version": None}
     try:
-        import horovod
+        horovod = distributed.horovod_package()
         hvd_report["version"] = horovod.__version__
     except Exception as e:
         hvd_report["error"] = error_line(e)
@@ -87,7 +88,7 @@ def diagnose():
                 f"{SETUP} (compiles horovod with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)")
     if hvd_report["version"] is not None:
         try:
-            import horovod.tensorflow as hvd
+            hvd = distributed.horovod_tensorflow()
             hvd_report["frameworks"] = ["tensorflow"]
             hvd_report["built"] = {name: bool(getattr(hvd, f"{name}_built")())
                                    for name in BUILT}

@@ -7,11 +7,13 @@ every rank, naming the ranks and the differing values.
 """
 from __future__ import annotations
 
-from hvdtrain import distributed
+from hvdtrain._version import __version__
 from hvdtrain.compat import variable_name
 from hvdtrain.config import values
+from hvdtrain.errors import RankError
 
-class PreflightError(distributed.RankError):
+
+class PreflightError(RankError):
     """The ranks disagree; raised identically on every rank."""
 
 
@@ -19,9 +21,7 @@ def facts(world, config, settings, model, steps: int, data) -> dict:
     """This rank's view of the run, flattened to comparable key -> value pairs."""
     import tensorflow as tf
 
-    import hvdtrain
-
-    out = {"version.hvdtrain": hvdtrain.__version__, "version.tensorflow": tf.__version__}
+    out = {"version.hvdtrain": __version__, "version.tensorflow": tf.__version__}
     out.update({f"version.{k}": v for k, v in world.versions().items()})
     # Settings that may differ per rank (paths, chattiness) are marked per_rank on the field.
     out.update({f"setting.{k}": v for k, v in values(config, per_rank=False).items()})

@@ -16,8 +16,10 @@ import math
 import os
 import socket
 import sys
-import tempfile
 import time
+
+from hvdtrain.errors import RunDirBusy
+from hvdtrain.files import atomic_open, replacing
 
 
 def default_run_dir(task: str, root: str = "runs") -> str:
@@ -77,10 +79,6 @@ def run_dir_problem(path: str):
     return None
 
 
-class RunDirBusy(RuntimeError):
-    """Another live run holds the run directory; ``str()`` is one line."""
-
-
 class RunLock:
     """Rank 0's exclusive hold on a run directory for the whole run.
 
@@ -123,18 +121,9 @@ def finite_json(obj):
 
 def write_json_atomic(path: str, obj) -> None:
     """Readers see the old file or the whole new one, never half of it."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path))
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump(finite_json(obj), f, indent=2, sort_keys=True, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_open(path) as f:
+        json.dump(finite_json(obj), f, indent=2, sort_keys=True, allow_nan=False)
+        f.write("\n")
 
 
 class Reporter:
@@ -226,9 +215,8 @@ class Reporter:
         if not self.enabled:
             return None
         path = os.path.join(self.run_dir, "model.keras")
-        tmp = os.path.join(self.run_dir, ".model.keras.tmp.keras")  # Keras wants the suffix
-        model.save(tmp)
-        os.replace(tmp, path)
+        with replacing(path, suffix=".keras") as tmp:  # Keras saves only to *.keras
+            model.save(tmp)
         return path
 
     def result(self, result: dict) -> None:

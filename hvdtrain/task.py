@@ -21,14 +21,15 @@ exactly like the built-in tasks, with the same command line, checkpoints and gua
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Callable, Dict, Optional
 
 from hvdtrain.config import Config, ConfigError, validate_settings
 from hvdtrain.data import Data
+from hvdtrain.errors import SpecError, TaskError
 
-
-class TaskError(ValueError):
-    """The task's code broke one of the interface's rules; ``str()`` is one line."""
+# The built-in tasks, by the name their module is run with (python -m hvdtrain.<name>).
+BUILTIN = {"linear": "hvdtrain.linear:LinearTask", "mnist": "hvdtrain.mnist:MnistTask"}
 
 
 class Task:
@@ -97,8 +98,10 @@ class Task:
     # --- optional -------------------------------------------------------------------------
     def build_optimizer(self, config: Config, learning_rate: float):
         """Any Keras optimizer (a learning-rate schedule too); hvdtrain wraps it so that the
-        gradients are averaged over all ranks. ``learning_rate`` is ``--learning-rate``, times
-        the world size with ``--scale-lr``. Default: SGD with ``--momentum``."""
+        gradients are averaged over all ranks. ``learning_rate`` is the run's learning rate:
+        ``--learning-rate``, times the world size with ``--scale-lr``; the ``config`` a task
+        is handed (here and in ``load_data``/``build_model``) carries the same value in
+        ``config.learning_rate``. Default: SGD with ``--momentum``."""
         from hvdtrain.compat import keras
         return keras().optimizers.SGD(learning_rate=learning_rate, momentum=config.momentum)
 
@@ -140,4 +143,21 @@ def check_loss_shape(task: Task, per_example, batch: int) -> None:
             "keras.losses.<name>(y, pred) rather than a Loss object's mean)")
 
 
-__all__ = ["Task", "TaskError", "ConfigError", "check_loss_shape"]
+def load_task(spec: str) -> Task:
+    """An instance of the Task named ``spec``: a built-in name or ``package.module:Class``."""
+    spec = BUILTIN.get(spec, spec)
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise SpecError(f"{spec!r}: name a task as package.module:TaskClass "
+                        f"(or one of {', '.join(BUILTIN)})")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise SpecError(f"{spec!r}: cannot import {module_name} ({e})") from None
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise SpecError(f"{spec!r}: {module_name} has no Task subclass named {attr}")
+    return cls()
+
+
+__all__ = ["BUILTIN", "Task", "TaskError", "ConfigError", "check_loss_shape", "load_task"]

@@ -5,27 +5,23 @@ when the test's time bound passes, so a hang fails the test instead of the suite
 """
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
-BIN = os.path.dirname(sys.executable)
-HOROVODRUN = os.path.join(BIN, "horovodrun")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from hvdtrain import harness
+from hvdtrain.harness import BIN, HOROVODRUN, ROOT, start  # noqa: F401 (the tests' names)
+
 KERAS2 = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
 NOISE = ("cuda", "absl::", "E0000", "cpu_feature_guard", "oneDNN", "AVX", "cuInit",
          "rebuild TensorFlow")
 
 
 def clean_env(home, **extra):
-    env = dict(os.environ)
     # No Keras cache, no download attempt: tests never depend on this machine's state.
-    env.update(HOME=str(home), PATH=BIN + os.pathsep + env.get("PATH", ""),
-               PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
-    for name in ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE", "KERAS_BACKEND"):
-        env.pop(name, None)
+    env = harness.environment(HOME=str(home))
+    env["PYTHONPATH"] = ROOT
+    env.pop("KERAS_BACKEND", None)
     # Keras 3 unless this pytest runs the Keras 2 pass (TF_USE_LEGACY_KERAS=1 pytest -m keras2,
     # which scripts/test.sh does): its children then train on tf_keras too.
     if not KERAS2:
@@ -34,31 +30,29 @@ def clean_env(home, **extra):
     return env
 
 
+def _quiet(err: str) -> str:
+    return "\n".join(l for l in err.splitlines() if not any(n in l for n in NOISE))
+
+
 def run(cmd, env, timeout=180, cwd=None):
     """Run ``cmd``; kill its whole process group after ``timeout`` seconds."""
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out}\n{err}")
-    err = "\n".join(l for l in err.splitlines() if not any(n in l for n in NOISE))
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        proc = harness.run(cmd, env, timeout, cwd)
+    except harness.Timeout as e:
+        pytest.fail(f"{e}\n{e.out}\n{e.err}")
+    proc.stderr = _quiet(proc.stderr)
+    return proc
 
 
 def module_cmd(task, *args):
-    return [sys.executable, "-m", f"hvdtrain.{task}", *args]
+    return harness.python(f"hvdtrain.{task}", *args)
 
 
 def launch(launcher, np, task, *args):
     """The command line of a real multi-process launch."""
     if launcher == "mpirun":
-        return ["mpirun", "-np", str(np), "--allow-run-as-root", "--oversubscribe",
-                "--bind-to", "none", *module_cmd(task, *args)]
-    controller = {"gloo": "--gloo", "mpi": "--mpi"}[launcher]
-    return [HOROVODRUN, "-np", str(np), controller, *module_cmd(task, *args)]
+        return harness.mpirun(np, module_cmd(task, *args))
+    return harness.horovodrun(np, {"gloo": "gloo", "mpi": "mpi"}[launcher], module_cmd(task, *args))
 
 
 def result(run_dir):
@@ -112,23 +106,10 @@ def wait_for(predicate, timeout, interval=0.05):
     return None
 
 
-def start(cmd, env):
-    """Start ``cmd`` in its own session (stdout/stderr to pipes); pair with ``finish``."""
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-
-
 def finish(proc, timeout):
     """Wait up to ``timeout`` s; on time-out kill the whole group. Returns (rc or None, out, err)."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        rc = None
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    err = "\n".join(l for l in err.splitlines() if not any(n in l for n in NOISE))
-    return rc, out, err
+    rc, out, err = harness.finish(proc, timeout)
+    return rc, out, _quiet(err)
 
 
 def script_cmd(np, script, *args):

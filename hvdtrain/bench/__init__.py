@@ -10,15 +10,15 @@ allreduce, throughput, time to accuracy, timeline), ``report`` (tables, ratios, 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BIN = os.path.dirname(sys.executable)
-HOROVODRUN = os.path.join(BIN, "horovodrun")
+from hvdtrain import harness
+
+# The process harness is the tests' too: the same environment and launch commands.
+python, horovodrun, mpirun = harness.python, harness.horovodrun, harness.mpirun
 
 
 class BenchError(RuntimeError):
@@ -36,29 +36,8 @@ def busbw(nbytes: float, seconds: float, nranks: int) -> float:
 
 
 def env(**extra) -> dict:
-    """The environment of every benchmark process: quiet TensorFlow, root allowed for MPI."""
-    e = dict(os.environ)
-    e.update(PYTHONPATH=ROOT + os.pathsep + e.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3",
-             PATH=BIN + os.pathsep + e.get("PATH", ""), PYTHONUNBUFFERED="1",
-             OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    for name in ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE", "TF_CONFIG"):
-        e.pop(name, None)
-    e.update({k: str(v) for k, v in extra.items()})
-    return e
-
-
-def python(module: str, *args) -> list:
-    return [sys.executable, "-m", module, *map(str, args)]
-
-
-def horovodrun(np: int, controller: str, cmd: list) -> list:
-    """``horovodrun -np N --mpi|--gloo cmd``: hvdtrain's documented launcher."""
-    return [HOROVODRUN, "-np", str(np), f"--{controller}", *cmd]
-
-
-def mpirun(np: int, cmd: list) -> list:
-    return ["mpirun", "-np", str(np), "--allow-run-as-root", "--oversubscribe",
-            "--bind-to", "none", *cmd]
+    """The environment of every benchmark process (``harness.environment``)."""
+    return harness.environment(**extra)
 
 
 def run(cmd: list, environ: dict = None, timeout: float = 600) -> float:
@@ -66,16 +45,12 @@ def run(cmd: list, environ: dict = None, timeout: float = 600) -> float:
 
     Returns the wall seconds; raises BenchError on failure or time-out."""
     tick = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=environ or env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise BenchError(f"timed out after {timeout:.0f}s: {' '.join(cmd)}") from None
+        proc = harness.run(cmd, environ or env(), timeout)
+    except harness.Timeout as e:
+        raise BenchError(str(e)) from None
     if proc.returncode != 0:
-        tail = "\n".join((out + err).strip().splitlines()[-15:])
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise BenchError(f"exit {proc.returncode}: {' '.join(cmd)}\n{tail}")
     return time.perf_counter() - tick
 

@@ -252,10 +252,11 @@ def fit(args) -> None:
         model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(args.lr)), loss=loss,
                       metrics=["accuracy"], jit_compile=False)
         with tempfile.TemporaryDirectory() as run_dir:
+            # checkpoint_every=0: epoch ends only, as measured before hk.fit took Config's 100.
             hk.fit(model, hk.dataset(x, y, args.batch, seed=args.seed), args.epochs,
-                   run_dir=run_dir, callbacks=[Timer()], verbose=0)
+                   run_dir=run_dir, callbacks=[Timer()], verbose=0, checkpoint_every=0)
     else:
-        import horovod.tensorflow.keras as hvd_keras  # the reference: Horovod's own path
+        hvd_keras = distributed.horovod_keras()  # the reference: Horovod's own path
         model.compile(optimizer=hvd_keras.DistributedOptimizer(k.optimizers.SGD(args.lr)),
                       loss=loss, metrics=["accuracy"])
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed + world.rank)

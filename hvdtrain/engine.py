@@ -1,0 +1,284 @@
+"""The run engine: one training run's life, the same under the Task loop and under ``model.fit``.
+
+    with Run(world, config, "mnist", settings) as run:   # the watchdog; one-line errors
+        run.check_run_dir()                               # before any data is loaded
+        ... load data, build the model and optimizer ...
+        run.claim()                                       # rank 0 holds the run directory
+        progress = run.restore(model, optimizer)          # newest checkpoint, or a fresh start
+        run.broadcast()                                   # every rank from rank 0's state
+        run.start(progress.epoch)                         # config.json, metrics.jsonl kept
+        ... the driver trains, asking run.stop_requested (or run.should_stop()) and calling
+            run.save(progress, sums) / run.epoch_end(record) / run.preempt(step) ...
+        run.finish(result, model)                         # agreement, model.keras, result.json
+
+Both drivers use it: ``train.py`` (the Task path's compiled loop) and ``fit.py``
+(``hvdtrain.keras.fit``, Keras' own loop); neither keeps a copy of what is here:
+- the run directory: checked before anything is loaded, held by rank 0 while the run lives;
+- checkpoints: found (``--resume``/``--no-resume``, the settings that define the run must
+  match), restored on rank 0, broadcast; saved by rank 0 with the data position (``epoch``,
+  ``offset`` in examples) and the epoch's metric sums so far over every rank; committed in
+  memory for elastic runs;
+- SIGTERM: a flag every rank's driver reduces, so every rank stops after the same step; then
+  a checkpoint and ``Preempted`` (exit 75);
+- divergence: NaN or infinite weights are never checkpointed (``Diverged``, exit 1);
+- the result: every rank's weights compared, the model saved, result.json written last;
+- errors: an error raised on every rank together (``errors.Together``) ends the run quietly;
+  one rank's error stops the others through the watchdog; a failed collective becomes one
+  line naming the rank.
+
+Only rank 0 reads and writes files (``report.Reporter``); the partial sums it saves are the
+exact sums over every rank.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+import numpy as np
+
+from hvdtrain import checkpoint, compat
+from hvdtrain.config import Config, values
+from hvdtrain.distributed import Progress, World
+from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, Preempted, RankError,
+                             RunDirBusy, error_line, first_line)
+from hvdtrain.report import Reporter, weights_agreement
+from hvdtrain.watchdog import Watchdog
+
+# Where training stands, as a checkpoint or an elastic commit keeps it.
+PROGRESS_FIELDS = ("epoch", "offset", "sums", "last_record", "path")
+# Keys of an epoch's record that are bookkeeping, not a metric (result.json's final_* skip them).
+BOOKKEEPING = ("epoch", "epochs", "global_step", "samples_per_sec", "seconds", "world_size")
+
+
+class Run:
+    """One run on this rank: see the module docstring for the order of calls.
+
+    ``name`` names the run (the task's, or "fit"); ``settings`` is the driver's own settings
+    dataclass (a task's ``Settings``), or None. The driver sets ``global_batch`` before the
+    first save (it changes with the world size in elastic runs).
+    """
+
+    def __init__(self, world: World, config: Config, name: str, settings=None):
+        self.world, self.config, self.name, self.settings = world, config, name, settings
+        # Elastic runs: nothing before Horovod's driver may be a collective (a worker that
+        # joins later runs the setup alone while the others wait inside the driver's sync).
+        self.collective = not config.elastic
+        self.out = Reporter(world, config.run_dir, name, config.verbose)
+        self.checkpoints = Checkpoints(world, config, self.out.run_dir + "/checkpoints",
+                                       self.out.notice)
+        self.ckpt_dir = self.checkpoints.directory
+        self.stop_requested = False
+        self.last_record: Optional[dict] = None  # the newest finished epoch's (kept in checkpoints)
+        self.global_batch = 0
+        self.model = self.optimizer = None
+        self.state: list = []  # model and optimizer variables: what a checkpoint holds
+        self._sigterm = None
+
+    # --- the run's frame: watchdog, SIGTERM, errors ---------------------------------------------
+    def __enter__(self) -> "Run":
+        # Elastic runs survive a lost worker by design: Horovod's driver, not the watchdog, acts.
+        self.dog = Watchdog(self.world, 0 if self.config.elastic else
+                            self.config.peer_timeout).start()
+        return self
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+        self.out.release()
+        if e is None or getattr(e, "together", False):
+            self.dog.close()  # every rank ended here together; nobody waits for anyone
+            return False
+        if isinstance(e, Exception) and "Horovod" in str(e):
+            # A collective failed because a peer is gone; the watchdog, which names that
+            # peer, usually ends this process first. When Horovod's error wins the race,
+            # give the watchdog's verdict a moment to arrive, then say it in one line.
+            self.dog.await_verdict(5.0)
+            self.dog.abort(error_line(e))
+            raise RankError(f"rank {self.world.rank}: a collective failed (a peer is gone?): "
+                            f"{first_line(str(e))}") from None
+        self.dog.abort(f"{type(e).__name__}: {e}")  # this rank alone: stop the others too
+        return False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    def agree(self, fn, catch):
+        """``fn()`` on every rank, failing on all if it failed on one; alone in elastic runs."""
+        return self.world.agree(fn, catch=catch) if self.collective else fn()
+
+    # --- before training ----------------------------------------------------------------------
+    def check_run_dir(self) -> None:
+        """A file in its place, no permission or a finished run in it: refused before anything
+        is loaded (it would fail late, or be overwritten)."""
+        problem = self.out.problem()
+        if self.collective:
+            problem = self.world.broadcast_object(problem)
+        if problem:
+            raise ConfigError("run_dir", self.out.run_dir, problem)
+
+    def claim(self) -> None:
+        """Everything is checked: rank 0 takes the run directory for this run (a second run
+        on it is refused while this one lives)."""
+        self.agree(self.out.claim, catch=(RunDirBusy, OSError))
+
+    def restore(self, model, optimizer) -> Progress:
+        """Rank 0 loads its newest valid checkpoint into ``model`` and ``optimizer`` (built);
+        every rank gets the position to start from. From here on SIGTERM stops the run at a
+        step boundary instead of killing the process."""
+        self.model, self.optimizer = model, optimizer
+        self.state = list(model.variables) + list(optimizer.variables)
+        find = lambda: self.checkpoints.find(self.record(defines_run=True))  # noqa: E731
+        found = self.agree(find, catch=(CheckpointError,))
+        load = lambda: self.checkpoints.load(found, self.state)  # noqa: E731
+        fields = self.agree(load, catch=(CheckpointError,))
+        if self.collective:
+            fields = self.world.broadcast_object(fields)
+        self._sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return Progress(**(fields or dict.fromkeys(PROGRESS_FIELDS)))
+
+    def broadcast(self) -> None:
+        # Horovod: every rank starts from rank 0's state, initial or restored.
+        self.world.broadcast_variables(self.state)
+
+    def record(self, defines_run: Optional[bool] = None) -> dict:
+        """The run's name and settings (all, or only those that define the run): what
+        config.json shows, what a checkpoint keeps, what a resume compares."""
+        return {"task": self.name, **values(self.config, defines_run=defines_run),
+                "settings": values(self.settings, defines_run=defines_run)}
+
+    def start(self, completed_epochs: int) -> None:
+        """config.json; metrics.jsonl keeps the epochs a resume starts after."""
+        self.out.start({**self.record(), "world_size": self.world.size,
+                        "backend": self.world.backend, "keras": compat.describe()},
+                       completed_epochs=completed_epochs or 0)
+
+    # --- while training -----------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        return int(self.optimizer.iterations.numpy())
+
+    def should_stop(self) -> bool:
+        """All ranks: did SIGTERM reach any rank? (A host allreduce of its own: the Task loop
+        puts this flag in the step's gradient round instead.)"""
+        return self.world.allreduce_sum([float(self.stop_requested)])[0] > 0
+
+    def save(self, progress: Progress, partial_sums) -> None:
+        """All ranks (the divergence check is everyone's decision); rank 0 writes the
+        state, the position and ``partial_sums``: the epoch's metric sums so far over every
+        rank (zeros at an epoch's end)."""
+        self.check_weights()
+        self.checkpoints.save(progress, partial_sums, self.state, self.global_batch,
+                              self.global_step, self.record(), self.last_record)
+
+    def commit(self, progress: Progress, partial_sums) -> None:
+        """Elastic: remember this step in memory; may raise Horovod's hosts-updated interrupt."""
+        progress.sums, progress.last_record = list(partial_sums), self.last_record
+        progress.commit()
+
+    def check_weights(self) -> None:
+        """Every rank holds the same weights, so every rank decides the same here: a
+        checkpoint of NaN weights would make the "last good" one useless."""
+        if self.config.stop_on_divergence and not all(
+                np.isfinite(v.numpy()).all() for v in self.model.trainable_variables):
+            raise self.diverged(f"the weights became NaN or infinite by step {self.global_step}")
+
+    def diverged(self, what: str) -> Diverged:
+        newest = self.checkpoints.steps()
+        kept = (f"the newest checkpoint, from before it, is step {newest[0]} in "
+                f"{self.ckpt_dir}" if newest else "no checkpoint was saved before it")
+        return Diverged(f"{what}: training stopped ({kept}); try a lower --learning-rate in a "
+                        "new --run-dir, or --no-stop-on-divergence to train on")
+
+    def preempt(self, global_step: int) -> None:
+        """After the checkpoint of a SIGTERM'd step: every rank stops here."""
+        self.world.barrier()  # nobody exits (and gets the job killed) before the save
+        raise Preempted(f"stopped by SIGTERM at step {global_step}; checkpoint saved in "
+                        f"{self.ckpt_dir}; run the same command to resume")
+
+    def epoch_end(self, record: dict) -> None:
+        """An epoch's record: metrics.jsonl and TensorBoard (rank 0); kept for checkpoints."""
+        self.last_record = record
+        self.out.epoch(record)
+
+    # --- after training -----------------------------------------------------------------------
+    def finish(self, result: dict, model) -> dict:
+        """result.json: the common fields, the driver's ``result``, every rank's weights
+        compared, and model.keras (unless ``save_model`` is off). All ranks."""
+        last = self.last_record or {}
+        out = {"task": self.name, "backend": self.world.backend, "world_size": self.world.size,
+               "global_step": self.global_step, "epochs": self.config.epochs,
+               "keras": compat.describe(),
+               **{f"final_{k}": v for k, v in last.items() if k not in BOOKKEEPING},
+               **result}
+        out.update(weights_agreement(self.world, model))
+        if self.config.save_model:
+            out["model"] = self.out.save_model(model)
+        self.out.result(out)
+        return out
+
+
+class Checkpoints:
+    """A run's checkpoints: rank 0 finds, checks, loads and writes them (``checkpoint.py``
+    is the file format); the other ranks get what rank 0 read through the ``Run``."""
+
+    def __init__(self, world: World, config: Config, directory: str, notice):
+        self.world, self.config, self.directory, self.notice = world, config, directory, notice
+
+    def steps(self) -> list:
+        """The global steps of the checkpoints on disk, newest first."""
+        return [step for step, _ in checkpoint.list_checkpoints(self.directory)]
+
+    def find(self, defining: dict):
+        """Rank 0: the newest valid checkpoint's (meta, arrays, path), or None to start
+        fresh; refused when ``defining`` (the settings that define the run) differs."""
+        if not self.world.is_chief:
+            return None
+        found = checkpoint.list_checkpoints(self.directory)
+        if self.config.resume is False and found:
+            raise CheckpointError(
+                f"{self.directory} holds {len(found)} checkpoint(s) and --no-resume was given: "
+                "choose a new --run-dir, or drop --no-resume to continue")
+        state = checkpoint.load_latest(self.directory, self.notice) if found else None
+        if state is None and self.config.resume:
+            raise CheckpointError(f"--resume: no checkpoint in {self.directory}")
+        if state is not None:
+            saved, now = dict(state[0]["run"]), dict(defining)
+            saved.update(saved.pop("settings", {}))  # the driver's settings, flattened
+            now.update(now.pop("settings"))
+            changed = [f"--{k.replace('_', '-')} {saved.get(k)} -> {v}" if k != "task" else
+                       f"task {saved.get(k)} -> {v}" for k, v in now.items()
+                       if k in saved and saved[k] != v]
+            if changed:
+                raise CheckpointError(
+                    f"{state[2]} was made with other settings ({'; '.join(changed)}): resume "
+                    "with the same settings, or choose a new --run-dir")
+        return state
+
+    def load(self, found, state: list) -> Optional[dict]:
+        """Rank 0: put a found checkpoint into ``state``; return the progress fields."""
+        if found is None or not self.world.is_chief:
+            return None
+        meta, arrays, path = found
+        if len(arrays) != len(state) + 1 or any(
+                tuple(a.shape) != tuple(v.shape) for a, v in zip(arrays, state)):
+            raise CheckpointError(f"{path}: its variables do not match this model")
+        for variable, value in zip(state, arrays):
+            variable.assign(value)
+        sums = arrays[-1]  # an epoch end's sums are zero (hvdtrain <= 0.2's fit: empty)
+        return {"epoch": meta["epoch"], "offset": meta["offset"],
+                "sums": sums.tolist() if sums.size and sums.any() else None,
+                "last_record": meta.get("last_record"), "path": path}
+
+    def save(self, progress: Progress, partial_sums, state: list, global_batch: int,
+             global_step: int, record: dict, last_record) -> None:
+        """Rank 0 writes ``state``, the position and the epoch's metric sums so far."""
+        if not self.world.is_chief:
+            return
+        meta = {"epoch": progress.epoch, "offset": progress.offset,
+                "step_in_epoch": progress.offset // global_batch, "global_batch": global_batch,
+                "global_step": global_step, "world_size": self.world.size, "run": record,
+                "time": time.time(), "last_record": last_record}
+        arrays = [np.asarray(v.numpy()) for v in state] + [np.asarray(partial_sums, np.float64)]
+        names = [compat.variable_name(v) for v in state] + ["metric_sums"]
+        checkpoint.save(self.directory, arrays, names, meta, self.config.keep_checkpoints)

@@ -1,0 +1,105 @@
+"""Every error hvdtrain reports in one line, with the exit status it ends a program with.
+
+``Error`` is the base: ``str()`` is the one line a user sees, ``status`` the exit status the
+command line returns (1 unless said otherwise). ``Together`` marks an error that every rank
+raises at the same point (an agreed check, a reduced flag, a setting that is the same
+everywhere): rank 0 alone reports it, and no rank needs to stop the others. Any other error
+is one rank's: that rank reports it, and the watchdog stops its peers.
+
+The command line, the training loop and the fit path ask these two attributes; none of them
+keeps a list of classes.
+"""
+from __future__ import annotations
+
+EXIT_FAILED = 1      # a runtime failure: data, checkpoint, a lost rank, the launcher, Keras
+EXIT_USAGE = 2       # a bad flag, setting or task name
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after saving; rerun to resume
+
+
+class Error(Exception):
+    """An hvdtrain error: one line, an exit status."""
+
+    status = EXIT_FAILED
+    together = False
+
+
+class Together(Error):
+    """Raised identically on every rank at the same point of the run."""
+
+    together = True
+
+
+# --- bad input: exit 2 -------------------------------------------------------------------------
+
+class ConfigError(Together, ValueError):
+    """A bad setting. ``str()`` is ``--flag=value: reason``."""
+
+    status = EXIT_USAGE
+
+    def __init__(self, name: str, value, reason: str):
+        self.flag = "--" + name.replace("_", "-")
+        shown = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+        super().__init__(f"{self.flag}={shown}: {reason}")
+
+
+class SpecError(Error, ValueError):
+    """A task name that names no Task class."""
+
+    status = EXIT_USAGE
+
+
+# --- the run's own failures: exit 1 --------------------------------------------------------------
+
+class TaskError(Together, ValueError):
+    """The task's code broke one of the Task interface's rules."""
+
+
+class KerasVersionError(Together, RuntimeError):
+    """The Keras in use cannot train with hvdtrain; the line says the fix."""
+
+
+class RankError(Together, RuntimeError):
+    """One or more ranks failed a step that all ranks take together."""
+
+
+class Diverged(Together, RuntimeError):
+    """The loss (or the weights) became NaN or infinite; every rank stopped at that step."""
+
+
+class DataError(Error, RuntimeError):
+    """A data file is missing, corrupt or not what the task expects."""
+
+
+class CheckpointError(Error, RuntimeError):
+    """No usable checkpoint where one is required."""
+
+
+class LaunchError(Error, RuntimeError):
+    """The processes cannot train together as launched."""
+
+
+class RunDirBusy(Error, RuntimeError):
+    """Another live run holds the run directory."""
+
+
+class StepError(Error, RuntimeError):
+    """A training step failed on this rank (e.g. a label outside the model's classes)."""
+
+
+# --- not a failure: exit 75 -----------------------------------------------------------------------
+
+class Preempted(Together, RuntimeError):
+    """SIGTERM reached a rank; every rank stopped after the same step, rank 0 saved."""
+
+    status = EXIT_PREEMPTED
+
+
+def first_line(message) -> str:
+    """The first non-blank line of an error message: what a one-line report shows."""
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    return lines[0] if lines else "unknown error"
+
+
+def error_line(e: BaseException) -> str:
+    """``Type: first line`` of an exception."""
+    return f"{type(e).__name__}: {first_line(e)}"

@@ -1,0 +1,268 @@
+"""The fit path's driver: ``model.fit`` over the run engine (``hvdtrain.keras.fit`` calls it).
+
+``model.fit`` runs with ``steps_per_epoch`` fixed (twice when resuming inside an epoch:
+once for the rest of that epoch, once for the others) and a callback that hands Keras'
+events to ``_Fit``, which asks the engine (``engine.Run``) for everything a run's life needs:
+the run directory, rank 0's state broadcast before the first step (initial or restored),
+checkpoints with the data position, SIGTERM on any rank stopping every rank after the same
+step, divergence, the watchdog, result.json and model.keras. What is the fit path's own:
+epoch and validation metrics made exact over all ranks (the metrics' state variables summed
+over ranks; the validation set split so each example is scored by one rank).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from hvdtrain import compat
+from hvdtrain.config import Config, setting
+from hvdtrain.data import test_shard
+from hvdtrain.distributed import Progress
+from hvdtrain.engine import Run
+from hvdtrain.errors import ConfigError
+
+# Steps between two checks for a SIGTERM on any rank. Every step (a host allreduce per step)
+# halved fit's throughput against Horovod's own Keras wrapper; every 10 steps costs about
+# nothing and delays a stop by at most 9 steps.
+STOP_CHECK_EVERY = 10
+
+# Config fields that the model, the optimizer or the dataset already decide in a fit script.
+NOT_FIT_SETTINGS = {
+    "learning_rate": "set it on the optimizer given to model.compile",
+    "scale_lr": "scale the optimizer's learning rate by hk.size() in the script",
+    "momentum": "set it on the optimizer given to model.compile",
+    "batch_size": "it is hk.dataset's batch_size",
+    "seed": "it is hk.dataset's seed",
+    "num_workers": "the launcher decides the world size",
+    "backend": "hk.init(backend) decides it",
+    "steps_per_execution": "not offered by hk.fit yet",
+    "elastic": "elastic runs are offered for Task runs only",
+    "commit_every": "elastic runs are offered for Task runs only",
+}
+
+
+@dataclasses.dataclass
+class FitSettings:
+    """The fit path's own run-defining settings (config.json's ``settings``)."""
+
+    shuffle: bool = setting(True, "a new permutation of the examples every epoch")
+    train_examples: int = setting(0, "training examples")
+
+
+def fit_config(model, train, epochs: int, world, **settings) -> Config:
+    """``Config`` for a fit: ``settings`` by Config's names and with Config's defaults; the
+    learning rate, momentum, batch and seed recorded from the optimizer and the dataset."""
+    for name, why in NOT_FIT_SETTINGS.items():
+        if name in settings:
+            raise ConfigError(name, settings[name], f"not an hk.fit setting: {why}")
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(Config)})
+    if unknown:
+        raise TypeError(f"hk.fit() got unexpected keyword argument(s) {', '.join(unknown)}")
+    config = Config(epochs=epochs, batch_size=train.batch_size, seed=train.seed,
+                    backend=world.backend, **settings).validate()
+    # What the compiled optimizer really uses (None for a schedule): recorded, not checked.
+    return dataclasses.replace(config, learning_rate=_number(model.optimizer, "learning_rate"),
+                               momentum=_number(model.optimizer, "momentum"))
+
+
+def _number(optimizer, name):
+    try:
+        return float(np.asarray(getattr(optimizer, name)))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+class _GlobalMetrics:
+    """The model's metrics made exact over all ranks: their state variables (sums and
+    counts: Mean, accuracy, AUC, ...) summed over ranks."""
+
+    def __init__(self, model, world):
+        self.model, self.world = model, world
+
+    def variables(self) -> list:
+        seen, found = set(), []
+        for metric in self.model.metrics:
+            for v in metric.variables:
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    found.append(v)
+        return found
+
+    def flat(self) -> np.ndarray:
+        return np.concatenate([np.ravel(v.numpy()).astype(np.float64)
+                               for v in self.variables()] or [np.zeros(0)])
+
+    def summed(self) -> np.ndarray:
+        """All ranks: the metric state so far, summed over ranks (what a checkpoint keeps)."""
+        return self.world.allreduce_sum(self.flat())
+
+    def add(self, flat) -> None:
+        at, flat = 0, np.asarray(flat)
+        for v in self.variables():
+            n = int(np.prod(v.shape))
+            now = np.asarray(v.numpy())
+            v.assign(now + flat[at:at + n].reshape(now.shape).astype(now.dtype))
+            at += n
+
+    def reduce(self) -> dict:
+        """All ranks: put the sum over ranks into every metric variable; return the results."""
+        total = self.summed()
+        for v in self.variables():
+            v.assign(np.zeros_like(v.numpy()))
+        self.add(total)
+        return {k: float(v) for k, v in self.model.get_metrics_result().items()}
+
+
+class _Fit:
+    """One ``hk.fit`` on this rank, over the engine's ``Run``."""
+
+    def __init__(self, model, train, validation_data, run: Run):
+        self.model, self.train, self.run_, self.world = model, train, run, run.world
+        self.validation_data, self.out = validation_data, run.out
+        self.epochs = run.config.epochs
+        self.global_batch = run.global_batch = train.batch_size * self.world.size
+        self.stop_pending = False
+        self.metrics = _GlobalMetrics(model, self.world)
+
+    # --- before model.fit: build, restore, broadcast ------------------------------------------
+    def _prepare(self) -> Progress:
+        model, run = self.model, self.run_
+        if compat.is_keras3() and model.jit_compile:
+            self.out.notice("hvdtrain: jit_compile turned off: Horovod's ops have no XLA kernels")
+            model.jit_compile = False  # the setter drops any traced train function
+        if not model.built:
+            model(self.train.x[:1])
+        # Create the optimizer's slots now, so that one broadcast covers the whole state.
+        model.optimizer.build(model.trainable_variables)
+        run.claim()
+        progress = run.restore(model, model.optimizer)
+        run.broadcast()
+        if progress.epoch is None:
+            progress.epoch, progress.offset = 0, 0
+        return progress
+
+    # --- model.fit ----------------------------------------------------------------------------
+    def fit(self, callbacks, validation_batch_size):
+        keras, world, train, run = compat.keras(), self.world, self.train, self.run_
+        run.check_run_dir()
+        progress = self._prepare()
+        start = progress.epoch
+        first = min(-(-progress.offset // self.global_batch), train.steps)
+        self.saved_sums, run.last_record = progress.sums, progress.last_record
+        self.global_step = run.global_step
+        if self.global_step:
+            self.out.notice(f"hvdtrain: resumed from {progress.path} at epoch {start + 1}, "
+                            f"step {self.global_step}")
+        run.start(start)
+        val = None
+        if self.validation_data is not None:
+            x, y = self.validation_data
+            part = test_shard(len(x), world.rank, world.size)  # each example on one rank
+            val = (np.asarray(x)[part], np.asarray(y)[part])
+        callback = _callback(keras, self)
+        shown = self.out.verbose if self.out.interactive else 0  # rank 0, on a terminal
+        histories = []
+        # Resuming inside an epoch: one call for its remaining steps, then the others.
+        for e0, e1, skip in ((start, start + 1, first), (start + 1, self.epochs, 0)) if first \
+                else ((start, self.epochs, 0),):
+            if e1 <= e0:
+                continue
+            self.first_step = skip
+            histories.append(self.model.fit(
+                train.batches(e0, e1, skip), epochs=e1, initial_epoch=e0,
+                steps_per_epoch=train.steps - skip, validation_data=val,
+                validation_batch_size=validation_batch_size, callbacks=[callback] + callbacks,
+                shuffle=False, verbose=shown))  # the order is the Dataset's
+        run.finish({"batch_size": train.batch_size, "global_batch_size": self.global_batch,
+                    "learning_rate": run.config.learning_rate,
+                    "train_examples": len(train.x)}, self.model)
+        history = histories[-1] if histories else keras.callbacks.History()
+        for h in histories[:-1]:  # one History for the whole run
+            history.epoch = h.epoch + history.epoch
+            for k, v in h.history.items():
+                history.history[k] = v + history.history.get(k, [])
+        return history
+
+    # --- the callback's work --------------------------------------------------------------------
+    def epoch_begin(self, epoch):
+        self.epoch, self.step, self.started = epoch, self.first_step, self.first_step
+        self.first_step, self.tick = 0, time.perf_counter()
+
+    def batch_end(self, logs):
+        world, run = self.world, self.run_
+        if self.saved_sums is not None:  # first step after a mid-epoch resume: the saved part
+            if world.is_chief:  # of the epoch's metric sums (already over all ranks)
+                self.metrics.add(self.saved_sums)
+            self.saved_sums = None
+        self.step += 1
+        self.global_step += 1
+        run.dog.step = self.global_step
+        last = self.step == self.train.steps
+        # Horovod: a one-number allreduce makes any rank's SIGTERM every rank's decision at
+        # the same step. It is a host round trip of its own, so it is taken every
+        # STOP_CHECK_EVERY steps (and at each epoch's end): all ranks count the same steps.
+        stop = (self.step % STOP_CHECK_EVERY == 0 or last) and run.should_stop()
+        if last:
+            self.train_logs = self.metrics.reduce()  # before validation resets the metrics
+            if logs is not None:
+                logs.update(self.train_logs)
+        if stop and last:
+            self.stop_pending = True  # the epoch's end saves; stop there
+        elif stop:
+            run.save(self._position(), self.metrics.summed())
+            run.preempt(self.global_step)
+        elif (not last and run.config.checkpoint_every
+              and self.global_step % run.config.checkpoint_every == 0):
+            run.save(self._position(), self.metrics.summed())
+
+    def test_end(self, logs):
+        self.val_logs = self.metrics.reduce()
+        if logs is not None:
+            logs.update(self.val_logs)
+
+    def epoch_end(self, epoch, logs):
+        run = self.run_
+        logs.update(self.train_logs)  # Keras 2 built its dict before the reduction
+        if self.validation_data is not None:
+            logs.update({f"val_{k}": v for k, v in self.val_logs.items()})
+        seconds = time.perf_counter() - self.tick
+        record = {
+            "epoch": epoch + 1, "epochs": self.epochs, "global_step": self.global_step,
+            **{k: float(v) for k, v in logs.items() if np.ndim(v) == 0},
+            "samples_per_sec": (self.train.steps - self.started) * self.global_batch / seconds,
+            "seconds": seconds, "world_size": self.world.size}
+        if run.config.stop_on_divergence and not np.isfinite(record.get("loss", 0.0)):
+            # The loss is reduced over every rank: every rank decides the same here.
+            raise run.diverged(f"the loss became NaN or infinite in epoch {epoch + 1}")
+        run.epoch_end(record)
+        run.save(Progress(epoch=epoch + 1, offset=0), np.zeros_like(self.metrics.flat()))
+        if not self.out.interactive:
+            self.out.print(f"Epoch {epoch + 1}/{self.epochs} - " + " - ".join(
+                f"{k}: {record[k]:.4f}" for k in logs if k in record and k != "lr")
+                + f" - {record['samples_per_sec']:,.0f} samples/s")
+        if self.stop_pending:
+            run.preempt(self.global_step)
+
+    def _position(self) -> Progress:
+        return Progress(epoch=self.epoch, offset=self.step * self.global_batch)
+
+
+def _callback(keras, run: _Fit):
+    """The Keras callback (of the Keras in use) that hands fit's events to ``run``."""
+
+    class HorovodFit(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            run.epoch_begin(epoch)
+
+        def on_train_batch_end(self, batch, logs=None):
+            run.batch_end(logs)
+
+        def on_test_end(self, logs=None):
+            run.test_end(logs)
+
+        def on_epoch_end(self, epoch, logs=None):
+            run.epoch_end(epoch, logs)
+
+    return HorovodFit()
