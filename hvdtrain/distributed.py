@@ -461,11 +461,13 @@ def current() -> World:
 
 
 def init(backend: str = "auto", num_workers: Optional[int] = None,
-         notice: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> World:
+         notice: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+         elastic: bool = False) -> World:
     """Start the backend and return this process's World.
 
     backend: "auto" (Horovod if importable, else one process), "horovod" or "single".
     num_workers: the configured count; compared with the launcher's and warned about.
+    elastic: the run needs Horovod's elastic driver (no fallback to one process).
     """
     launched = launcher_size()
     if backend == "single":
@@ -476,12 +478,13 @@ def init(backend: str = "auto", num_workers: Optional[int] = None,
     else:
         hvd, why = _import_horovod()
         if hvd is None:
-            if backend == "horovod" or launched > 1:
+            if backend == "horovod" or launched > 1 or elastic:
                 raise LaunchError(
                     f"horovod cannot be imported ({why}), but "
                     + (f"a launcher started {launched} processes: refusing to train "
                        f"{launched} independent copies" if launched > 1 else
-                       "--backend horovod asks for it")
+                       "--backend horovod asks for it" if backend == "horovod" else
+                       "--elastic needs it")
                     + "; run scripts/setup.sh")
             notice(f"hvdtrain: horovod unavailable ({why}); training in one process "
                    "with the plain optimizer")

@@ -39,7 +39,8 @@ def train(task: Task, config: Optional[Config] = None,
     """
     compat.keras()  # fail early, with one line, if the Keras in use cannot train here
     config = (config or task.config()).validate()
-    world = world or distributed.init(config.backend, config.num_workers)
+    world = world or distributed.init(config.backend, config.num_workers,
+                                      elastic=config.elastic)
     with Run(world, config, task.name, task.settings) as run:
         return _TaskRun(task, run).run()
 

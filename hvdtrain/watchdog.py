@@ -79,6 +79,64 @@ class _Peer:
         return f"rank {self.rank} ({self.host}, pid {self.pid})"
 
 
+# --- the handshake: each side proves it knows the job's secret (HMAC of fresh nonces) -----------
+
+def _listen(world):
+    """Rank 0: (its listening socket, what the ranks need to reach it: addresses, port,
+    host name and the job's secret). One host (every rank local): loopback only. Several:
+    every interface, unless HVDTRAIN_WATCHDOG_ADDR names the one the ranks use."""
+    one_host = world.local_size == world.size
+    bind = "127.0.0.1" if one_host else os.environ.get("HVDTRAIN_WATCHDOG_ADDR", "")
+    port = int(os.environ.get("HVDTRAIN_WATCHDOG_PORT", "0") or 0)
+    server = socket.create_server((bind, port), backlog=world.size)
+    return server, (["127.0.0.1"] if one_host else _addresses(), server.getsockname()[1],
+                    socket.gethostname(), secrets.token_bytes(32))
+
+
+def _handshake_as_rank(sock, secret: bytes, rank: int) -> Optional[_Peer]:
+    """A rank's side: answer rank 0's challenge, check its answer to ours."""
+    sock.settimeout(HANDSHAKE_SECONDS)
+    stream = sock.makefile("r")
+    try:
+        challenge = stream.readline().split()
+        if len(challenge) != 2 or challenge[0] != "CHALLENGE":
+            return None
+        mine = secrets.token_hex(16)
+        me = (rank, os.getpid(), socket.gethostname())
+        sock.sendall((f"HELLO {me[0]} {me[1]} {me[2]} {mine} "
+                      f"{_mac(secret, 'rank', challenge[1], *me, mine)}\n").encode())
+        reply = stream.readline().split()
+        if (len(reply) != 4 or reply[0] != "WELCOME" or not hmac.compare_digest(
+                reply[3], _mac(secret, "rank0", mine, reply[1], reply[2]))):
+            return None
+    except (OSError, ValueError):
+        return None
+    return _Peer(sock, stream, 0, reply[2], reply[1])
+
+
+def _handshake_as_chief(sock, secret: bytes, size: int) -> Optional[_Peer]:
+    """Rank 0's side: challenge the caller; welcome it (answering its challenge) only if it
+    is a rank of this job. None for anything else."""
+    sock.settimeout(HANDSHAKE_SECONDS)
+    stream = sock.makefile("r")
+    nonce = secrets.token_hex(16)
+    try:
+        sock.sendall(f"CHALLENGE {nonce}\n".encode())
+        hello = stream.readline().split()
+        if not (len(hello) == 6 and hello[0] == "HELLO" and hmac.compare_digest(
+                hello[5], _mac(secret, "rank", nonce, *hello[1:5]))):
+            return None
+        rank = int(hello[1])
+    except (OSError, ValueError):
+        return None
+    if not 0 < rank < size:
+        return None
+    me = (os.getpid(), socket.gethostname())
+    peer = _Peer(sock, stream, rank, hello[3], hello[2])
+    peer.send(f"WELCOME {me[0]} {me[1]} {_mac(secret, 'rank0', hello[4], *me)}")
+    return peer
+
+
 class Watchdog:
     """Start with ``Watchdog(world, timeout).start()``; end with ``close()`` or ``abort()``."""
 
@@ -88,23 +146,13 @@ class Watchdog:
         self.peers: Dict[int, _Peer] = {}
         self._closing = threading.Event()
         self._failed = threading.Lock()
+        self._server: Optional[socket.socket] = None
 
     # --- life cycle -----------------------------------------------------------------------
     def start(self) -> "Watchdog":
         if self.world.size == 1 or self.timeout <= 0:
             return self
-        server = None
-        if self.world.is_chief:
-            # One host (every rank local): loopback only. Several: every interface, unless
-            # HVDTRAIN_WATCHDOG_ADDR names the one the ranks use.
-            one_host = self.world.local_size == self.world.size
-            bind = "127.0.0.1" if one_host else os.environ.get("HVDTRAIN_WATCHDOG_ADDR", "")
-            port = int(os.environ.get("HVDTRAIN_WATCHDOG_PORT", "0") or 0)
-            server = socket.create_server((bind, port), backlog=self.world.size)
-            where = (["127.0.0.1"] if one_host else _addresses(), server.getsockname()[1],
-                     socket.gethostname(), secrets.token_bytes(32))
-        else:
-            where = None
+        server, where = _listen(self.world) if self.world.is_chief else (None, None)
         # Horovod: the per-job secret travels with the address, inside the job only.
         addresses, port, host, self._secret = self.world.broadcast_object(where)
         if host == socket.gethostname() and "127.0.0.1" not in addresses:
@@ -157,31 +205,12 @@ class Watchdog:
                     sock = socket.create_connection((address, port), timeout=1.0)
                 except OSError:
                     continue
-                peer = self._client_handshake(sock)
+                peer = _handshake_as_rank(sock, self._secret, self.world.rank)
                 if peer is not None:
                     return peer
                 sock.close()  # not rank 0 of this job (or it hung up): keep looking
             time.sleep(0.5)
         return None
-
-    def _client_handshake(self, sock) -> Optional[_Peer]:
-        sock.settimeout(HANDSHAKE_SECONDS)
-        stream = sock.makefile("r")
-        try:
-            challenge = stream.readline().split()
-            if len(challenge) != 2 or challenge[0] != "CHALLENGE":
-                return None
-            mine = secrets.token_hex(16)
-            me = (self.world.rank, os.getpid(), socket.gethostname())
-            sock.sendall((f"HELLO {me[0]} {me[1]} {me[2]} {mine} "
-                          f"{_mac(self._secret, 'rank', challenge[1], *me, mine)}\n").encode())
-            reply = stream.readline().split()
-            if (len(reply) != 4 or reply[0] != "WELCOME" or not hmac.compare_digest(
-                    reply[3], _mac(self._secret, "rank0", mine, reply[1], reply[2]))):
-                return None
-        except (OSError, ValueError):
-            return None
-        return _Peer(sock, stream, 0, reply[2], reply[1])
 
     def _accept(self, server: socket.socket) -> None:
         """Rank 0: admit each rank that proves it knows the secret; refuse everything else,
@@ -196,26 +225,13 @@ class Watchdog:
             threading.Thread(target=self._admit, args=(sock, source), daemon=True).start()
 
     def _admit(self, sock, source) -> None:
-        sock.settimeout(HANDSHAKE_SECONDS)
-        stream = sock.makefile("r")
-        nonce = secrets.token_hex(16)
-        try:
-            sock.sendall(f"CHALLENGE {nonce}\n".encode())
-            hello = stream.readline().split()
-            ok = (len(hello) == 6 and hello[0] == "HELLO" and hmac.compare_digest(
-                hello[5], _mac(self._secret, "rank", nonce, *hello[1:5])))
-            rank = int(hello[1]) if ok else -1
-        except (OSError, ValueError):
-            ok, rank = False, -1
-        if not ok or not 0 < rank < self.world.size or rank in self.peers:
+        peer = _handshake_as_chief(sock, self._secret, self.world.size)
+        if peer is None or peer.rank in self.peers:
             self._warn(f"watchdog: refused a connection from {source[0]}: not a rank of this "
                        "job")
             sock.close()
             return
-        me = (os.getpid(), socket.gethostname())
-        peer = _Peer(sock, stream, rank, hello[3], hello[2])
-        peer.send(f"WELCOME {me[0]} {me[1]} {_mac(self._secret, 'rank0', hello[4], *me)}")
-        self.peers[rank] = peer
+        self.peers[peer.rank] = peer
         threading.Thread(target=self._read, args=(peer,), daemon=True).start()
 
     def _read(self, peer: _Peer) -> None:
@@ -252,7 +268,7 @@ class Watchdog:
                                f"{self.step}")
 
     def _stop_listening(self) -> None:
-        server, self._server = getattr(self, "_server", None), None
+        server, self._server = self._server, None
         if server is not None:
             server.close()
 
