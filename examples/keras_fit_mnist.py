@@ -5,6 +5,7 @@
 
 Trains on the 5,000 bundled MNIST digits (no network); run directory: --run-dir.
 Exit status 75: stopped by SIGTERM after a checkpoint; run the same command to resume.
+Any other error (a busy run directory, a diverged loss, a lost rank) is one line, exit 1 or 2.
 """
 import argparse
 import sys
@@ -64,10 +65,8 @@ def main(argv=None):
     try:
         hk.fit(model, train, epochs=args.epochs, validation_data=(x_test, data.y_test),
                run_dir=args.run_dir, checkpoint_every=args.checkpoint_every)
-    except hk.Preempted as e:
-        if hk.rank() == 0:
-            print(f"keras_fit_mnist: {e}", file=sys.stderr)
-        return hk.EXIT_PREEMPTED
+    except hk.Error as e:  # one line; exit 75 after SIGTERM: run the same command to resume
+        return hk.report_error(e)
     return 0
 
 

@@ -9,7 +9,7 @@
 import sys
 
 from hvdtrain.config import parse_args
-from hvdtrain.errors import SpecError
+from hvdtrain.errors import Error, SpecError
 from hvdtrain.task import BUILTIN, load_task
 
 USAGE = ("usage: python -m hvdtrain {linear,mnist} [flags] | run MODULE:TASK [flags] | "
@@ -36,9 +36,13 @@ def main(argv=None) -> int:
         if command in BUILTIN or ":" in command:  # a task spec works without "run" too
             return run(load_task(command), rest, None if command in BUILTIN else
                        f"python -m hvdtrain {command}")
-    except SpecError as e:
+    except Error as e:  # the task named: not found, or broken before it could train
         sys.stderr.write(f"hvdtrain: error: {e}\n")
         return e.status
+    if command in ("run", "workers"):  # without a task
+        sys.stderr.write(f"hvdtrain: error: {command} needs a task (a built-in name or "
+                         f"package.module:TaskClass); {USAGE}\n")
+        return SpecError.status
     sys.stderr.write(f"hvdtrain: error: unknown command {command!r}; {USAGE}\n")
     return SpecError.status
 

@@ -32,8 +32,8 @@ def run(task, argv=None, prog=None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]) as ``task``'s flags, train, return the exit
     status. ``task.settings`` takes the values of the task's own flags."""
     prog = prog or f"python -m hvdtrain.{task.name}"
-    config = parse_args(task, argv, prog)  # exits 2 with one line on a bad flag
     try:
+        config = parse_args(task, argv, prog)  # exits 2 with one line on a bad flag
         train(task, config)
     except Error as e:
         return report(prog, e)

@@ -7,7 +7,7 @@ that variable. Everything else in hvdtrain asks this module instead of importing
 """
 import os
 
-from hvdtrain.errors import KerasVersionError, first_line
+from hvdtrain.errors import KerasVersionError, TaskError, first_line
 
 TRUE = ("1", "true", "yes")
 
@@ -64,15 +64,22 @@ def is_keras3() -> bool:
     return not legacy_requested()
 
 
-def check_model(model, where: str = "build_model") -> None:
-    """Refuse a model built with the other Keras: its variables would not train."""
+def check_model(model, where: str = "build_model", verb: str = "returned") -> None:
+    """Refuse a model built with the other Keras (its variables would not train), an unbuilt
+    model (it would train nothing) and one with nothing to train."""
     k = keras()
     if not isinstance(model, k.Model):
         kind = type(model).__module__.split(".")[0]
         raise KerasVersionError(
-            f"{where} returned a {kind} {type(model).__name__}, but hvdtrain trains with "
+            f"{where} {verb} a {kind} {type(model).__name__}, but hvdtrain trains with "
             f"{k.__name__} ({'TF_USE_LEGACY_KERAS=1' if legacy_requested() else 'Keras 3, the default'}): "
             "build it with hvdtrain.compat.keras(), or set/unset TF_USE_LEGACY_KERAS to match")
+    if not model.built or not model.weights:
+        raise TaskError(f"{where} {verb} a model with no weights yet (a Sequential without "
+                        "keras.Input(shape) is built only when first called): start it with "
+                        "keras.Input(shape=...)")
+    if not model.trainable_weights:
+        raise TaskError(f"{where} {verb} a model with no trainable weights: nothing to train")
 
 
 def tf_variables(variables) -> list:

@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from hvdtrain.errors import ConfigError
+from hvdtrain.errors import ConfigError, TaskError, user_code
 
 BACKENDS = ("auto", "horovod", "single")
 
@@ -90,7 +90,7 @@ class Config:
         "from before it; --no-stop-on-divergence trains on", defines_run=False)
     # Output.
     run_dir: Optional[str] = setting(None, "where rank 0 writes config, metrics, TensorBoard, "
-                                     "checkpoints, the model and the result (default: "
+                                     "checkpoints, the model and the result (none: "
                                      "runs/<task>-<time>)", defines_run=False, per_rank=True)
     save_model: bool = setting(True, "rank 0 saves the trained model as RUN_DIR/model.keras",
                                defines_run=False)
@@ -99,6 +99,8 @@ class Config:
 
     def validate(self) -> "Config":
         """Raise ConfigError for the first bad field; return self when all are good."""
+        if self.seed < 0:
+            raise ConfigError("seed", self.seed, "must be 0 or more")
         for name in ("learning_rate", "epochs"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
@@ -205,7 +207,20 @@ def _add_fields(group, cls, defaults: dict) -> None:
 
 
 def build_parser(task, prog: Optional[str] = None) -> argparse.ArgumentParser:
-    """The command line of ``task``: the training flags, then the task's own (if any)."""
+    """The command line of ``task``: the training flags, then the task's own (if any).
+    A task whose declarations break the rules (an unknown name in ``defaults``, a setting
+    named like a training flag) is refused with a TaskError."""
+    name, known = type(task).__name__, {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(task.defaults) - known)
+    if unknown:
+        raise TaskError(f"{name}.defaults names {', '.join(map(repr, unknown))}, not a "
+                        "training setting (hvdtrain.Config's fields)")
+    clash = sorted(known & {f.name for f in dataclasses.fields(task.Settings)}
+                   if task.Settings is not None else ())
+    if clash:
+        raise TaskError(f"{name}.Settings field(s) {', '.join(map(repr, clash))} would shadow the "
+                        "training flag(s) of that name: rename them, or set the training "
+                        "value in defaults")
     defaults = Config(**task.defaults)
     parser = _Parser(
         prog=prog or f"python -m hvdtrain.{task.name}",
@@ -232,8 +247,9 @@ def parse_args(task, argv: Optional[Sequence[str]] = None, prog: Optional[str] =
         if task.Settings is not None:
             settings = task.Settings(**{k: tuple(v) if isinstance(v, list) else v
                                         for k, v in parsed.items() if k in own})
-            validate_settings(settings)
+            with user_code(f"{type(task).__name__}.Settings.validate"):
+                validate_settings(settings)
             task.settings = settings
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:  # the user's validate(): a ValueError is a bad value
         parser.error(str(e))
     return config

@@ -102,20 +102,22 @@ class World:
     def barrier(self) -> None:
         pass
 
-    def agree(self, fn: Callable, catch=(Exception,)):
+    def agree(self, fn: Callable, catch=(Exception,), merge=()):
         """Run ``fn`` on every rank; if it raised on any, raise RankError on all of them.
 
         Without this, a rank whose local file is corrupt exits while the others block in
-        the next collective forever.
+        the next collective forever. ``merge``: error classes that, raised with the same
+        message on every rank (an error in the user's code, say), are said once.
         """
         try:
             value, error = fn(), None
         except catch as e:
-            value, error = None, str(e)
+            value, error = None, (str(e), isinstance(e, merge))
         errors = self.allgather_object(error)
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        failed = [(r, e[0]) for r, e in enumerate(errors) if e is not None]
         if failed:
-            if self.size == 1:
+            if self.size == 1 or (len(failed) == self.size and all(e[1] for e in errors)
+                                  and len({e for _, e in failed}) == 1):
                 raise RankError(failed[0][1])
             raise RankError("; ".join(f"rank {r}: {e}" for r, e in failed))
         return value

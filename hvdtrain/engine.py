@@ -41,7 +41,7 @@ from hvdtrain import checkpoint, compat
 from hvdtrain.config import Config, values
 from hvdtrain.distributed import Progress, World
 from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, Preempted, RankError,
-                             RunDirBusy, error_line, first_line)
+                             RunDirBusy, TaskError, error_line, first_line, user_code)
 from hvdtrain.report import Reporter, weights_agreement
 from hvdtrain.watchdog import Watchdog
 
@@ -106,6 +106,15 @@ class Run:
     def agree(self, fn, catch):
         """``fn()`` on every rank, failing on all if it failed on one; alone in elastic runs."""
         return self.world.agree(fn, catch=catch) if self.collective else fn()
+
+    def user(self, what: str, fn, *args, catch=()):
+        """The user's ``fn(*args)`` on every rank: an exception from it (or ``catch``) on any
+        rank stops every rank with one line naming it and the user's file and line."""
+        def call():
+            with user_code(what):
+                return fn(*args)
+        return self.world.agree(call, catch=(TaskError,) + tuple(catch), merge=TaskError) \
+            if self.collective else call()
 
     # --- before training ----------------------------------------------------------------------
     def check_run_dir(self) -> None:

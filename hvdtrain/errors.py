@@ -103,3 +103,50 @@ def first_line(message) -> str:
 def error_line(e: BaseException) -> str:
     """``Type: first line`` of an exception."""
     return f"{type(e).__name__}: {first_line(e)}"
+
+
+# --- the user's own code --------------------------------------------------------------------------
+
+def show_tracebacks() -> bool:
+    """HVDTRAIN_TRACEBACK=1: let errors in the user's code (and hvdtrain's own) through
+    with their full traceback instead of one line."""
+    import os
+
+    return os.environ.get("HVDTRAIN_TRACEBACK", "") in ("1", "true", "yes")
+
+
+def user_frame(e: BaseException) -> str:
+    """" (file:line)" of the innermost frame of ``e``'s traceback that is the user's code:
+    not hvdtrain's, not an installed package's, not Python's own; "" if there is none."""
+    import os
+    import traceback
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = ""
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, SyntaxError) and e.filename:  # the error is in the file being compiled
+        frames.append(traceback.FrameSummary(e.filename, e.lineno or 0, "<module>"))
+    for frame in frames:
+        path = os.path.abspath(frame.filename)
+        if (path.startswith(here + os.sep) or "-packages" + os.sep in path
+                or frame.filename.startswith("<") or os.sep + "lib" + os.sep + "python" in path):
+            continue
+        found = f" ({frame.filename}:{frame.lineno})"
+    return found
+
+
+class user_code:
+    """``with user_code("MyTask.build_model"):`` an exception from the block that is not
+    hvdtrain's own becomes a TaskError: one line with the exception and the user's frame."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is None or isinstance(e, Error) or not isinstance(e, Exception) or \
+                show_tracebacks():
+            return False
+        raise TaskError(f"{self.what} raised {error_line(e)}{user_frame(e)}") from None

@@ -21,7 +21,7 @@ from hvdtrain.config import Config, setting
 from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
 from hvdtrain.engine import Run
-from hvdtrain.errors import ConfigError
+from hvdtrain.errors import ConfigError, TaskError
 
 # Steps between two checks for a SIGTERM on any rank. Every step (a host allreduce per step)
 # halved fit's throughput against Horovod's own Keras wrapper; every 10 steps costs about
@@ -54,6 +54,9 @@ class FitSettings:
 def fit_config(model, train, epochs: int, world, **settings) -> Config:
     """``Config`` for a fit: ``settings`` by Config's names and with Config's defaults; the
     learning rate, momentum, batch and seed recorded from the optimizer and the dataset."""
+    if "class_weight" in settings:
+        raise ConfigError("class_weight", "...", "not supported by hk.fit (the exact global "
+                          "metrics sum unweighted examples): weight the loss instead")
     for name, why in NOT_FIT_SETTINGS.items():
         if name in settings:
             raise ConfigError(name, settings[name], f"not an hk.fit setting: {why}")
@@ -62,9 +65,48 @@ def fit_config(model, train, epochs: int, world, **settings) -> Config:
         raise TypeError(f"hk.fit() got unexpected keyword argument(s) {', '.join(unknown)}")
     config = Config(epochs=epochs, batch_size=train.batch_size, seed=train.seed,
                     backend=world.backend, **settings).validate()
+    check_compiled(model, world)
     # What the compiled optimizer really uses (None for a schedule): recorded, not checked.
     return dataclasses.replace(config, learning_rate=_number(model.optimizer, "learning_rate"),
                                momentum=_number(model.optimizer, "momentum"))
+
+
+def check_compiled(model, world) -> None:
+    """The model is compiled, and on several ranks with a distributed optimizer (a plain one
+    would train one independent model per rank)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise TaskError("hk.fit: the model is not compiled: call model.compile(optimizer="
+                        "hk.DistributedOptimizer(...), loss=..., metrics=...) first")
+    distributed = (getattr(optimizer, "_hvdtrain_reduction", None) is not None
+                   or type(optimizer).__module__.startswith("horovod"))
+    if world.size > 1 and not distributed:
+        raise TaskError(f"hk.fit: the model's optimizer ({type(optimizer).__name__}) is not "
+                        f"distributed: the {world.size} ranks would train {world.size} "
+                        "independent models; compile with hk.DistributedOptimizer(optimizer)")
+
+
+def check_validation(validation_data, train, world):
+    """(x, y) shaped like the training examples, at least one example per rank."""
+    if validation_data is None:
+        return None
+    if not (isinstance(validation_data, (tuple, list)) and len(validation_data) == 2):
+        raise ConfigError("validation_data", type(validation_data).__name__,
+                          "give (x_val, y_val) arrays")
+    x, y = (np.asarray(a) for a in validation_data)
+    if len(x) != len(y):
+        raise ConfigError("validation_data", f"{len(x)} x, {len(y)} y",
+                          "x and y must hold the same number of examples")
+    for name, a, b in (("x", x, train.x), ("y", y, train.y)):
+        if a.shape[1:] != b.shape[1:]:
+            raise ConfigError("validation_data", f"{name} of shape {list(a.shape)}",
+                              f"examples must be shaped like the training {name}'s "
+                              f"{list(b.shape[1:])}")
+    if len(x) < world.size:
+        raise ConfigError("validation_data", f"{len(x)} example(s)",
+                          f"fewer than the {world.size} ranks: each rank scores its own part "
+                          "of it, and none may be empty")
+    return x, y
 
 
 def _number(optimizer, name):
@@ -120,7 +162,8 @@ class _Fit:
 
     def __init__(self, model, train, validation_data, run: Run):
         self.model, self.train, self.run_, self.world = model, train, run, run.world
-        self.validation_data, self.out = validation_data, run.out
+        self.validation_data = check_validation(validation_data, train, run.world)
+        self.out = run.out
         self.epochs = run.config.epochs
         self.global_batch = run.global_batch = train.batch_size * self.world.size
         self.stop_pending = False
@@ -134,6 +177,7 @@ class _Fit:
             model.jit_compile = False  # the setter drops any traced train function
         if not model.built:
             model(self.train.x[:1])
+        compat.check_model(model, "hk.fit", "was given")
         # Create the optimizer's slots now, so that one broadcast covers the whole state.
         model.optimizer.build(model.trainable_variables)
         run.claim()
@@ -152,9 +196,12 @@ class _Fit:
         first = min(-(-progress.offset // self.global_batch), train.steps)
         self.saved_sums, run.last_record = progress.sums, progress.last_record
         self.global_step = run.global_step
-        if self.global_step:
+        if progress.path:
             self.out.notice(f"hvdtrain: resumed from {progress.path} at epoch {start + 1}, "
                             f"step {self.global_step}")
+        elif self.global_step:  # e.g. a second hk.fit of the same model in one process
+            self.out.notice(f"hvdtrain: the model's optimizer is at step {self.global_step} "
+                            "already; training on from there")
         run.start(start)
         val = None
         if self.validation_data is not None:

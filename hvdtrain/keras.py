@@ -7,8 +7,8 @@
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     try:
         hk.fit(model, train, epochs=5, validation_data=(x_test, y_test), run_dir="runs/fit")
-    except hk.Preempted:
-        sys.exit(hk.EXIT_PREEMPTED)                    # 75: rerun the same command to resume
+    except hk.Error as e:                              # one line; 75 after SIGTERM: rerun
+        sys.exit(hk.report_error(e))                   # the same command to resume
 
 ``hk.fit`` takes the Task path's settings by the same names and with the same defaults
 (``run_dir``, ``checkpoint_every``, ``keep_checkpoints``, ``resume``, ``peer_timeout``,
@@ -33,7 +33,8 @@ import numpy as np
 from hvdtrain import distributed
 from hvdtrain.data import epoch_plan, steps_per_epoch
 from hvdtrain.engine import Run
-from hvdtrain.errors import EXIT_PREEMPTED, ConfigError, Diverged, Preempted  # noqa: F401
+from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
+                             Error, Preempted)
 from hvdtrain.fit import STOP_CHECK_EVERY, FitSettings, _Fit, fit_config
 from hvdtrain.optimizer import DistributedOptimizer  # noqa: F401 (public here)
 
@@ -58,6 +59,8 @@ class Dataset:
 
     def __init__(self, x, y, batch_size, seed, shuffle, world):
         self.x, self.y, self.seed, self.shuffle, self.world = x, y, seed, shuffle, world
+        if len(x) != len(y):
+            raise DataError(f"hk.dataset: x has {len(x)} examples but y has {len(y)}")
         if batch_size is not None and batch_size < 0:
             raise ConfigError("batch_size", batch_size, "must be 0 or None (each rank's whole "
                               "shard per step) or more")
@@ -102,5 +105,16 @@ def fit(model, train: Dataset, epochs: int, validation_data=None, *, callbacks=(
                                                             validation_batch_size)
 
 
-__all__ = ["DistributedOptimizer", "Diverged", "EXIT_PREEMPTED", "Preempted", "STOP_CHECK_EVERY",
-           "dataset", "fit", "init", "rank", "size"]
+def report_error(e: Error, prog: str = None) -> int:
+    """Say ``e`` in one line on stderr (once, by rank 0, when every rank raised it) and return
+    its exit status: what a fit script does with an ``hvdtrain.keras.Error``."""
+    import os
+    import sys
+
+    from hvdtrain.cli import report
+
+    return report(prog or os.path.basename(sys.argv[0]), e)
+
+
+__all__ = ["DistributedOptimizer", "Diverged", "EXIT_PREEMPTED", "Error", "Preempted",
+           "STOP_CHECK_EVERY", "dataset", "fit", "init", "rank", "report_error", "size"]

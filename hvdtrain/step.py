@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from hvdtrain.optimizer import apply_gradients
-from hvdtrain.task import check_loss_shape
+from hvdtrain.task import check_loss_shape, check_metric_shape
 
 # Arrays up to this size are held on the device; larger ones are streamed even if they are
 # in memory (a tf.constant is limited to 2 GiB, and a second copy of a large array hurts).
@@ -102,13 +102,18 @@ class TrainStep:
         return per_example, tf.stack([tf.reduce_sum(tf.cast(p, tf.float64)) for p in parts])
 
     def check(self) -> None:
-        """Before anything is compiled: the task's loss must give one value per example."""
+        """Before anything is compiled: the task's loss and metrics must give one value per
+        example, of a type the sums can take."""
         import tensorflow as tf
 
         n = min(2, len(self.x))
         x, y = self.task.preprocess(tf.constant(np.asarray(self.x[:n])),
                                     tf.constant(np.asarray(self.y[:n])))
-        check_loss_shape(self.task, self.task.loss(y, self.model(x, training=False)), n)
+        pred = self.model(x, training=False)
+        check_loss_shape(self.task, self.task.loss(y, pred), n)
+        for name, fn in self.metric_fns.items():
+            check_metric_shape(self.task, name, tf.convert_to_tensor(fn(y, pred)), n)
+        self.scores(y, pred)  # the sums' casts: a metric of a type they cannot take fails here
 
     def batches(self, plan: np.ndarray):
         """An iterator over the steps' inputs for ``plan`` (rows of example indices),

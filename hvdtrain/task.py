@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from typing import Callable, Dict, Optional
 
 from hvdtrain.config import Config, ConfigError, validate_settings
 from hvdtrain.data import Data
-from hvdtrain.errors import SpecError, TaskError
+from hvdtrain.errors import SpecError, TaskError, error_line, user_code, user_frame
 
 # The built-in tasks, by the name their module is run with (python -m hvdtrain.<name>).
 BUILTIN = {"linear": "hvdtrain.linear:LinearTask", "mnist": "hvdtrain.mnist:MnistTask"}
@@ -143,6 +144,80 @@ def check_loss_shape(task: Task, per_example, batch: int) -> None:
             "keras.losses.<name>(y, pred) rather than a Loss object's mean)")
 
 
+REQUIRED = ("load_data", "build_model", "loss")
+
+
+def check_task(task: Task) -> None:
+    """The methods every task must implement."""
+    missing = [m for m in REQUIRED if getattr(type(task), m) is getattr(Task, m)]
+    if missing:
+        raise TaskError(f"{type(task).__name__} does not implement {', '.join(missing)} "
+                        f"(every Task implements {', '.join(REQUIRED)}; see hvdtrain/task.py)")
+
+
+def _array_problem(name: str, a) -> Optional[str]:
+    if isinstance(a, (list, tuple)):
+        return f"{name} is a {type(a).__name__}: give a numpy array (np.asarray(...))"
+    if not (hasattr(a, "shape") and hasattr(a, "__len__") and hasattr(a, "dtype")):
+        return f"{name} is a {type(a).__name__}, not an array"
+    if len(a.shape) < 1:
+        return f"{name} is a scalar, not an array of examples"
+    return None
+
+
+def check_data(task: Task, data) -> None:
+    """What ``load_data`` returned: a ``Data`` of arrays, each x as long as its y."""
+    where = f"{type(task).__name__}.load_data"
+    if not isinstance(data, Data):
+        raise TaskError(f"{where} returned {type(data).__name__}, not hvdtrain.data.Data("
+                        "x_train, y_train, x_test, y_test)")
+    pairs = [("x_train", "y_train")]
+    if data.x_test is not None or data.y_test is not None:
+        pairs.append(("x_test", "y_test"))
+    for xn, yn in pairs:
+        x, y = getattr(data, xn), getattr(data, yn)
+        problem = _array_problem(xn, x) or _array_problem(yn, y)
+        if problem is None and len(x) != len(y):
+            problem = f"{xn} has {len(x)} examples but {yn} has {len(y)}"
+        if problem is None and xn == "x_train" and len(x) == 0:
+            problem = "x_train has no examples"
+        if problem:
+            raise TaskError(f"{where}: {problem}")
+
+
+def check_optimizer(task: Task, optimizer):
+    """What ``build_optimizer`` returned: an optimizer of the Keras in use."""
+    from hvdtrain.compat import keras
+
+    if not (hasattr(optimizer, "apply_gradients") and hasattr(optimizer, "iterations")):
+        raise TaskError(f"{type(task).__name__}.build_optimizer returned "
+                        f"{type(optimizer).__name__} {optimizer!r:.40}, not an optimizer "
+                        f"(e.g. {keras().__name__}.optimizers.SGD(learning_rate))")
+    return optimizer
+
+
+def check_metrics(task: Task, metrics) -> dict:
+    """What ``metrics()`` returned: a dict of name -> per-example function."""
+    if not isinstance(metrics, dict) or not all(
+            isinstance(k, str) and callable(f) for k, f in metrics.items()):
+        raise TaskError(f"{type(task).__name__}.metrics returned {type(metrics).__name__}; it "
+                        "must return a dict of name -> fn(y, pred) (one value per example)")
+    clash = [k for k in metrics if k == "loss"]
+    if clash:
+        raise TaskError(f"{type(task).__name__}.metrics: 'loss' is the loss's name")
+    return metrics
+
+
+def check_metric_shape(task: Task, name: str, values, batch: int) -> None:
+    """A metric gives one value per example, like the loss (see check_loss_shape)."""
+    shape = tuple(values.shape)
+    if shape != (batch,):
+        raise TaskError(
+            f"{type(task).__name__}.metrics()[{name!r}] returned shape {list(shape)} for a "
+            f"batch of {batch}: it must return one value per example (are y and the "
+            "predictions shaped alike?)")
+
+
 def load_task(spec: str) -> Task:
     """An instance of the Task named ``spec``: a built-in name or ``package.module:Class``."""
     spec = BUILTIN.get(spec, spec)
@@ -152,12 +227,24 @@ def load_task(spec: str) -> Task:
                         f"(or one of {', '.join(BUILTIN)})")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise SpecError(f"{spec!r}: cannot import {module_name} ({e})") from None
+    except ModuleNotFoundError as e:
+        hint = ""
+        if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
+            hint = (f"; KERAS_BACKEND={os.environ['KERAS_BACKEND']} is set, and hvdtrain "
+                    "trains with TensorFlow: unset it")
+        raise SpecError(f"{spec!r}: cannot import {module_name} ({e}){hint}") from None
+    except Exception as e:  # the module's own code: a SyntaxError, an error at import
+        raise SpecError(f"{spec!r}: importing {module_name} raised {error_line(e)}"
+                        f"{user_frame(e)}") from None
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise SpecError(f"{spec!r}: {module_name} has no Task subclass named {attr}")
-    return cls()
+    try:
+        with user_code(f"{attr}()"):
+            return cls()
+    except ConfigError as e:  # a Settings default outside its choices
+        raise TaskError(f"{attr}.Settings' default {e}") from None
 
 
-__all__ = ["BUILTIN", "Task", "TaskError", "ConfigError", "check_loss_shape", "load_task"]
+__all__ = ["BUILTIN", "Task", "TaskError", "ConfigError", "check_data", "check_loss_shape",
+           "check_metrics", "check_optimizer", "check_task", "load_task"]

@@ -21,7 +21,7 @@ from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, Diverged, Preempted,  
                              StepError, first_line)
 from hvdtrain.optimizer import DistributedOptimizer
 from hvdtrain.step import TrainStep
-from hvdtrain.task import Task
+from hvdtrain.task import Task, check_data, check_metrics, check_optimizer, check_task
 
 EVAL_BATCH = 1000  # evaluation has no collectives inside, so its batch is free to choose
 # --steps-per-execution 0 (auto): see _TaskRun._tune and docs/PERFORMANCE.md.
@@ -38,6 +38,7 @@ def train(task: Task, config: Optional[Config] = None,
     line, with its exit status (``Preempted`` after a SIGTERM: rerun to resume).
     """
     compat.keras()  # fail early, with one line, if the Keras in use cannot train here
+    check_task(task)
     config = (config or task.config()).validate()
     world = world or distributed.init(config.backend, config.num_workers,
                                       elastic=config.elastic)
@@ -71,22 +72,28 @@ class _TaskRun:
         import tensorflow as tf
 
         task, config, world, run = self.task, self.task_config, self.world, self.run_
-        keras = compat.keras()
+        keras, name = compat.keras(), type(task).__name__
         run.check_run_dir()
-        self.data = run.agree(lambda: task.load_data(config, world), catch=(DataError, OSError))
+        # The task's own code, checked where it is called: an error in it (or a broken rule
+        # of the interface) stops every rank with one line, before anything is written.
+        self.data = run.user(f"{name}.load_data", task.load_data, config, world,
+                             catch=(DataError, OSError))
+        check_data(task, self.data)
         self._shape()
 
         keras.utils.set_random_seed(config.seed)  # rank 0's init wins anyway (broadcast below)
-        self.model = task.build_model(config)
-        compat.check_model(self.model, f"{type(task).__name__}.build_model")
-        self.optimizer = DistributedOptimizer(task.build_optimizer(config, self.lr), world=world)
+        self.model = run.user(f"{name}.build_model", task.build_model, config)
+        compat.check_model(self.model, f"{name}.build_model")
+        self.optimizer = DistributedOptimizer(check_optimizer(task, run.user(
+            f"{name}.build_optimizer", task.build_optimizer, config, self.lr)), world=world)
         # Create the optimizer's slots now so that one broadcast covers the whole state.
         self.optimizer.build(self.model.trainable_variables)
-        self.metric_fns = task.metrics()
+        self.metric_fns = check_metrics(task, run.user(f"{name}.metrics", task.metrics))
         self.sums = tf.Variable(tf.zeros(2 + len(self.metric_fns), tf.float64), trainable=False)
         self.step = TrainStep(task, self.model, self.optimizer, world, self.data, self.sums,
                               self.metric_fns)
-        self.step.check()  # a reduced loss is refused here, before anything is written
+        # The loss and metrics' shapes on two examples, before anything is written.
+        run.user(f"{name}'s loss, metrics or preprocess", self.step.check)
 
         run.claim()
         progress = run.restore(self.model, self.optimizer)

@@ -1,0 +1,77 @@
+"""Resume from every checkpoint either path writes: SIGKILL a 2-rank run once its first
+checkpoint exists, at an epoch's end and in mid-epoch, then rerun the same command; the run
+ends with the uninterrupted run's weights (weights_sha256), on the Task path and on hk.fit."""
+import os
+import signal
+
+import pytest
+
+from conftest import finish, launch, launch_example, rank_pids, result, run, start, wait_for
+from hvdtrain import checkpoint as C
+
+# Task path: the linear task, 2 ranks, 100 steps an epoch. Fit path: the Keras example's
+# dense model, 2 ranks, 4,000 examples in batches of 16: 125 steps an epoch.
+PATHS = {
+    "task": lambda run_dir, every: launch(
+        "gloo", 2, "linear", "--run-dir", run_dir, "--batch-size", "5", "--epochs", "3",
+        "--learning-rate", "0.0005", "--verbose", "0", "--checkpoint-every", str(every)),
+    "fit": lambda run_dir, every: launch_example(
+        2, "keras_fit_mnist.py", "--model", "dense", "--run-dir", run_dir, "--epochs", "3",
+        "--batch-size", "16", "--optimizer", "sgd", "--lr", "0.05", "--checkpoint-every",
+        str(every)),
+}
+# When the first checkpoint is written: at the end of epoch 1 (checkpoints at epoch ends
+# only), or inside epoch 1 (every 30 steps).
+WHERE = {"epoch_end": 0, "mid_epoch": 30}
+
+
+def checkpoints(run_dir):
+    return C.list_checkpoints(os.path.join(run_dir, "checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    from conftest import clean_env
+    base = tmp_path_factory.mktemp("whole")
+    env = clean_env(base / "home")
+    out = {}
+    for path, cmd in PATHS.items():
+        p = run(cmd(str(base / path), 0), env, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out[path] = result(base / path)
+    return out
+
+
+@pytest.mark.keras2
+@pytest.mark.parametrize("where", sorted(WHERE))
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_sigkill_then_rerun_ends_with_the_uninterrupted_weights(path, where, uninterrupted, env,
+                                                                tmp_path):
+    run_dir = str(tmp_path / "run")
+    cmd = PATHS[path](run_dir, WHERE[where])
+    proc = start(cmd, env)
+    try:
+        assert wait_for(lambda: checkpoints(run_dir), 180), "no checkpoint appeared"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        finish(proc, 30)
+        for pid in rank_pids(run_dir).values():
+            os.kill(pid, signal.SIGKILL)
+    assert not os.path.exists(os.path.join(run_dir, "result.json")), "finished before the kill"
+    # The state a kill right after the first save leaves: later checkpoints (if the job got
+    # that far before the signal landed) are removed, so each case resumes from its kind.
+    first_step, first = checkpoints(run_dir)[-1]
+    for _, later in checkpoints(run_dir)[:-1]:
+        os.unlink(later)
+    meta, _ = C.read(first)
+    if where == "epoch_end":
+        assert (meta["epoch"], meta["offset"]) == (1, 0), meta
+    else:
+        assert meta["epoch"] == 0 and 0 < meta["offset"], meta
+    p = run(cmd, env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"step {first_step}" in p.stderr, p.stderr[-3000:]  # it said where it resumed
+    r, whole = result(run_dir), uninterrupted[path]
+    assert r["global_step"] == whole["global_step"]
+    assert r["ranks_identical"] is True
+    assert r["weights_sha256"] == whole["weights_sha256"]
