@@ -119,7 +119,10 @@ class _QuietLoader(importlib.abc.Loader):
         return self.real.create_module(spec)
 
     def exec_module(self, module):
+        uninstall()  # once: this is TensorFlow's import itself
         module.__loader__ = module.__spec__.loader = self.real  # as if never wrapped
+        if not wanted():
+            return self.real.exec_module(module)
         with _Held():
             self.real.exec_module(module)
             try:  # the first device listing is what tries cuInit
@@ -129,12 +132,20 @@ class _QuietLoader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of the "tensorflow" spec that the other finders find. Stays in place
+    until TensorFlow is executed: a find_spec() alone (an "is it installed?") imports nothing."""
+
+    busy = False
+
     def find_spec(self, name, path=None, target=None):
-        if name != "tensorflow":
+        if name != "tensorflow" or self.busy:
             return None
-        uninstall()  # once: the finders after this one find the real spec
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None and wanted():
+        self.busy = True  # importlib.util.find_spec asks this finder again
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.busy = False
+        if spec is not None and spec.loader is not None:
             spec.loader = _QuietLoader(spec.loader)
         return spec
 

@@ -116,6 +116,9 @@ def test_one_process_starts_with_hvdtrains_own_line(tmp_path):
     assert rc == 0 and err == "", err
     assert out.splitlines()[0].startswith("hvdtrain: linear on 1 process, Horovod over ")
     assert result(tmp_path / "r")["world_size"] == 1
+    # An "is it installed?" before the import does not spoil it.
+    code = "import hvdtrain, importlib.util; importlib.util.find_spec('tensorflow'); import keras"
+    assert raw([sys.executable, "-c", code], quiet_env(tmp_path)) == (0, "", "")
     # The lines are real, and HVDTRAIN_TF_LOGS=1 shows them again.
     rc, out, err = raw([sys.executable, "-c", "import hvdtrain, tensorflow"],
                        quiet_env(tmp_path, HVDTRAIN_TF_LOGS=1))
