@@ -13,6 +13,11 @@ import os as _os
 
 # TensorFlow's C++ INFO/WARNING start-up lines drown the training output; errors stay.
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# ... and its start-up lines on a machine without a GPU, which that level does not reach
+# (hvdtrain/tflogs.py; HVDTRAIN_TF_LOGS=1 shows them).
+from hvdtrain import tflogs as _tflogs  # noqa: E402
+
+_tflogs.install()
 
 from hvdtrain._version import __version__  # noqa: E402
 from hvdtrain.config import Config, ConfigError, setting  # noqa: E402

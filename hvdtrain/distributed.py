@@ -498,7 +498,9 @@ def init(backend: str = "auto", num_workers: Optional[int] = None,
     _configure_devices(world.local_rank, world.local_size)
     global _current
     _current = world
-    if num_workers is not None and num_workers != world.size and world.is_chief:
+    # Without a launcher there is no count to disagree with: one process is simply one.
+    if (num_workers is not None and num_workers != world.size and world.is_chief
+            and any(name in os.environ for name in LAUNCHER_SIZE_VARS)):
         notice(f"hvdtrain: warning: --num-workers is {num_workers} but the launcher started "
                f"{world.size} process(es); training with world size {world.size}")
     return world

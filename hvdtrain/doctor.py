@@ -5,17 +5,19 @@
 
 It reports Python, TensorFlow, the Keras hvdtrain will train with (Keras 3 by default,
 Keras 2 from tf_keras under TF_USE_LEGACY_KERAS=1, decided as training decides it),
-Horovod (what it was built with, and the hvdtrain patches its build carries), the MPI
-library, the GPUs TensorFlow sees and the launchers, and recognises the known bad
-combinations. Exit 1 prints one ``problem:`` and one ``fix:`` line per problem.
+Horovod (what it was built with, the frameworks it can really use, and the hvdtrain
+patches its build carries), the MPI library, the GPUs TensorFlow sees and the launchers,
+and recognises the known bad combinations. Exit 1 prints one ``problem:`` and one ``fix:`` line per problem.
 """
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 from hvdtrain import distributed
 from hvdtrain.errors import error_line
@@ -26,6 +28,13 @@ REBUILD = (f"pip uninstall -y horovod && {SETUP} (recompiles horovod against thi
 PATCH_MARKER = "hvdtrain_patches.txt"  # written into horovod/ by scripts/setup.sh
 BUILT = {"mpi": "MPI", "gloo": "Gloo", "nccl": "NCCL", "ddl": "DDL", "ccl": "CCL",
          "cuda": "CUDA", "rocm": "ROCm"}  # horovod.tensorflow's NAME_built() -> label
+# Horovod's frameworks: label, the framework's module, and horovod/<sub>/<library> that a
+# build with it leaves. `horovodrun --check-build` marks a framework [X] when horovod.<sub>
+# imports, and horovod.torch imports (printing a warning) with neither its library nor
+# PyTorch: the doctor asks for both instead.
+FRAMEWORKS = {"tensorflow": ("TensorFlow", "tensorflow", "mpi_lib"),
+              "torch": ("PyTorch", "torch", "mpi_lib_v2"),
+              "mxnet": ("MXNet", "mxnet", "mpi_lib")}
 
 
 def _version(dist):
@@ -33,6 +42,14 @@ def _version(dist):
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def frameworks(horovod_dir):
+    """{sub: {"built": horovod's library for it exists, "installed": the framework is}}."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return {sub: {"built": os.path.exists(os.path.join(horovod_dir, sub, lib + suffix)),
+                  "installed": importlib.util.find_spec(module) is not None}
+            for sub, (_, module, lib) in FRAMEWORKS.items()}
 
 
 def diagnose():
@@ -89,7 +106,10 @@ def diagnose():
     if hvd_report["version"] is not None:
         try:
             hvd = distributed.horovod_tensorflow()
-            hvd_report["frameworks"] = ["tensorflow"]
+            status = hvd_report["framework_status"] = frameworks(os.path.dirname(horovod.__file__))
+            # TensorFlow: horovod.tensorflow just loaded; the others: built and installed.
+            hvd_report["frameworks"] = ["tensorflow"] + [
+                sub for sub in ("torch", "mxnet") if all(status[sub].values())]
             hvd_report["built"] = {name: bool(getattr(hvd, f"{name}_built")())
                                    for name in BUILT}
             marker = os.path.join(os.path.dirname(horovod.__file__), PATCH_MARKER)
@@ -142,6 +162,11 @@ def _line(name, value):
     return f"  {name:<11} {value}"
 
 
+def _why_not(status, sub):
+    return ("not built into horovod" if not status["built"] else
+            f"built but {FRAMEWORKS[sub][1]} not installed")
+
+
 def render(report, problems) -> str:
     tfv, keras, hv, mpi = (report.get(k, {}) for k in ("tensorflow", "keras", "horovod", "mpi"))
     lines = [_line("python", f"{report['python']['version']} ({report['python']['executable']})"),
@@ -153,7 +178,10 @@ def render(report, problems) -> str:
     if "built" in hv:
         def on(names):
             return ", ".join(BUILT[n] for n in names if hv["built"][n]) or "none"
-        lines.append(_line("horovod", f"{hv['version']}: frameworks {', '.join(hv['frameworks'])};"
+        unusable = [f"{FRAMEWORKS[sub][0]} {_why_not(st, sub)}"
+                    for sub, st in hv["framework_status"].items() if sub not in hv["frameworks"]]
+        lines.append(_line("horovod", f"{hv['version']}: frameworks {', '.join(hv['frameworks'])}"
+                           + (f" ({', '.join(unusable)})" if unusable else "") + ";"
                            f" controllers {on(('mpi', 'gloo'))}; tensor operations "
                            f"{on(('nccl', 'ddl', 'ccl', 'mpi', 'gloo'))}; GPU {on(('cuda', 'rocm'))}; "
                            f"hvdtrain patches: {', '.join(hv['patches']) or 'none'}"))

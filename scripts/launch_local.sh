@@ -20,11 +20,20 @@ np=$("$python" -m hvdtrain workers "$task" "$@")  # validates the flags, prints 
 # horovodrun ends every failed job (and a SIGTERM to it) with a Python traceback of its own
 # and status 1, under the ranks' one-line error. Show the ranks' lines, drop that traceback,
 # and exit with the first failed rank's own status: 75 after a SIGTERM, 1, or 2.
+# horovodrun also asks, in a child process of its own, whether Horovod was built with MPI or
+# Gloo by importing horovod.tensorflow: TensorFlow's start-up lines, which the ranks hold back
+# (hvdtrain/tflogs.py), then come from the launcher. Drop those too unless HVDTRAIN_TF_LOGS=1
+# or TF_CPP_MIN_LOG_LEVEL below 2 asks for them.
+quiet=1
+if [[ "${HVDTRAIN_TF_LOGS:-0}" != 0 || "${TF_CPP_MIN_LOG_LEVEL:-2}" =~ ^[01]$ ]]; then quiet=0; fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkfifo "$work/stderr"
-awk -v codefile="$work/code" '
+awk -v codefile="$work/code" -v quiet="$quiet" '
     /^\[[0-9,]+\]<std(out|err)>:/ { print; fflush(); next }  # a rank'"'"'s line: always shown
+    quiet && /^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$/ { next }
+    quiet && /^[IW][0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ (port|cudart_stub|cpu_feature_guard)\.cc:[0-9]+\] (oneDNN custom operations are on|Could not find cuda drivers|This TensorFlow binary is optimized)/ { next }
+    quiet && /^To enable the following instructions: .*rebuild TensorFlow with the appropriate compiler flags\.$/ { next }
     /^Traceback \(most recent call last\):/ { skip = 1 }      # the launcher'"'"'s own
     skip && /^Exit code: [0-9]+/ { code = $3 }
     !skip { print; fflush() }

@@ -2,6 +2,7 @@
 # Idempotent environment for hvdtrain on Debian 12 (run as root, or with sudo for apt).
 #
 #   scripts/setup.sh            # Debian packages, .venv, TensorFlow, Horovod, hvdtrain
+#   scripts/setup.sh --check-horovod   # exit 0 if the venv's Horovod needs no rebuild
 #
 # A second run on a ready machine only verifies (well under a minute).
 # Environment knobs:
@@ -16,9 +17,35 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${HVDTRAIN_VENV:-$root/.venv}
 python=${PYTHON:-python3.11}
 horovod_version=0.28.1
+gpu=${HVDTRAIN_GPU:-0}
 
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+
+# The Horovod check: exit 0 when $venv's horovod is this version, loads with this TensorFlow,
+# has MPI and Gloo (and NCCL for HVDTRAIN_GPU=1), and is the build of today's patches (a
+# changed patch rebuilds). One Python process, quiet: a missing horovod is just "rebuild".
+horovod_ok() {
+    "$venv/bin/python" - "$horovod_version" "$gpu" "$(patch_sums)" <<'PY' >/dev/null 2>&1
+import os, sys
+import horovod
+assert horovod.__version__ == sys.argv[1], horovod.__version__
+import horovod.tensorflow as hvd  # fails if built against another TensorFlow
+assert hvd.mpi_built() and hvd.gloo_built()
+assert sys.argv[2] != "1" or hvd.nccl_built(), "no NCCL"
+with open(os.path.join(os.path.dirname(horovod.__file__), "hvdtrain_patches.txt")) as f:
+    assert f.read().strip() == sys.argv[3].strip(), "built with other patches"
+PY
+}
+patch_sums() { (cd "$root/scripts/patches" && sha1sum horovod-"$horovod_version"-*.patch); }
+
+# scripts/setup.sh --check-horovod: only that check, against $HVDTRAIN_VENV (tests use it).
+case "${1:-}" in
+    "") ;;
+    --check-horovod) [[ -x "$venv/bin/python" ]] || die "$venv/bin/python not found"
+                     horovod_ok; exit ;;
+    *) die "unknown argument $1 (scripts/setup.sh takes none, or --check-horovod)" ;;
+esac
 
 # --- Debian packages --------------------------------------------------------------
 # Open MPI: Horovod's MPI controller and mpirun; build tools: Horovod compiles from source;
@@ -27,7 +54,6 @@ die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 apt_packages=(build-essential cmake git openmpi-bin libopenmpi-dev python3-venv python3-dev
               procps iproute2 ca-certificates shellcheck openssh-client openssh-server)
 apt_optional=(dataset-fashion-mnist)  # not in every distribution: --data-dir works instead
-gpu=${HVDTRAIN_GPU:-0}
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 if [[ "${HVDTRAIN_SKIP_APT:-0}" != 1 ]]; then
     missing=()
@@ -68,21 +94,6 @@ if [[ ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
 fi
 
 # --- Horovod, compiled against this TensorFlow -------------------------------------
-horovod_ok() {
-    "$venv/bin/python" - "$horovod_version" "$gpu" <<'PY' >/dev/null 2>&1
-import sys
-import horovod
-assert horovod.__version__ == sys.argv[1], horovod.__version__
-import horovod.tensorflow as hvd  # fails if built against another TensorFlow
-assert hvd.mpi_built() and hvd.gloo_built()
-assert sys.argv[2] != "1" or hvd.nccl_built(), "no NCCL"
-PY
-    # ... and it is the build of today's patches (a changed patch rebuilds).
-    local marker
-    marker=$("$venv/bin/python" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("horovod").origin))')/hvdtrain_patches.txt
-    [[ -f "$marker" && "$(cat "$marker")" == "$(patch_sums)" ]]
-}
-patch_sums() { (cd "$root/scripts/patches" && sha1sum horovod-"$horovod_version"-*.patch); }
 if ! horovod_ok; then
     log "compiling horovod $horovod_version against TensorFlow (a few minutes on 2 cores)"
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1

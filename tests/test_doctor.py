@@ -1,8 +1,10 @@
 """python -m hvdtrain.doctor: this machine passes; each known bad combination, made real in
 a child process, gives exit 1 and exactly one fix line."""
+import importlib.util
 import json
 import os
 import sys
+import sysconfig
 
 
 from conftest import ROOT, clean_env, run
@@ -60,6 +62,10 @@ def test_this_machine_is_well(env):
     assert r["tf_keras"]["version"].startswith("2.21")
     assert r["horovod"]["patches"] == ["horovod-0.28.1-no-xla-ops.patch"]
     assert r["horovod"]["version"] == "0.28.1" and r["horovod"]["frameworks"] == ["tensorflow"]
+    # horovodrun --check-build says [X] PyTorch here; setup.sh builds without it.
+    assert r["horovod"]["framework_status"]["torch"] == {
+        "built": False, "installed": importlib.util.find_spec("torch") is not None}
+    assert r["horovod"]["framework_status"]["tensorflow"] == {"built": True, "installed": True}
     assert r["horovod"]["built"]["mpi"] is True and r["horovod"]["built"]["gloo"] is True
     assert set(r["horovod"]["built"]) == {"mpi", "gloo", "nccl", "ddl", "ccl", "cuda", "rocm"}
     assert r["mpi"]["library"].startswith("Open MPI v4.1")
@@ -76,6 +82,24 @@ def test_text_report(env):
     assert any(l.split()[:2] == ["keras", "keras"] and l.split()[2].startswith("3.") for l in out)
     assert any("hvdtrain patches: horovod-0.28.1-no-xla-ops.patch" in l for l in out)
     assert any("controllers MPI, Gloo" in l for l in out)
+    assert any(l.split()[:2] == ["horovod", "0.28.1:"] and "frameworks tensorflow (PyTorch not "
+               "built into horovod, MXNet not built into horovod);" in l for l in out)
+
+
+def test_a_framework_counts_only_when_built_and_installed(tmp_path):
+    """horovod/torch/ with Horovod's Python files alone is what --check-build marks [X]."""
+    from hvdtrain.doctor import frameworks
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    for sub in ("tensorflow", "torch", "mxnet"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "__init__.py").write_text("")
+    (tmp_path / "tensorflow" / f"mpi_lib{suffix}").write_bytes(b"")
+    (tmp_path / "torch" / f"mpi_lib{suffix}").write_bytes(b"")  # torch's is mpi_lib_v2
+    status = frameworks(str(tmp_path))
+    assert [status[s]["built"] for s in ("tensorflow", "torch", "mxnet")] == [True, False, False]
+    (tmp_path / "torch" / f"mpi_lib_v2{suffix}").write_bytes(b"")
+    assert frameworks(str(tmp_path))["torch"]["built"] is True
+    assert status["tensorflow"]["installed"] is True
 
 
 def test_the_venv_launchers_count_without_path(tmp_path):
