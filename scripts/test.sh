@@ -4,8 +4,8 @@
 #   2. the tests marked keras2 (parity, exact resume, fallback, the Task API) again under
 #      Keras 2, with TF_USE_LEGACY_KERAS=1 (HVDTRAIN_KERAS2=0 skips this pass);
 #   3. scripts/test_gpu_build.sh: the GPU build with no CUDA toolkit visible, in its own venv
-#      (.venv-gpu), trained with on CPU ranks (HVDTRAIN_GPU_TEST=0 skips it; about 6 minutes
-#      when the venv is new, 30 s when it is ready).
+#      (.venv-gpu), trained with on CPU ranks (HVDTRAIN_GPU_TEST=0 skips it; 14 minutes measured
+#      with a new venv on a loaded 2-core machine, 2.7 when it is ready).
 #
 #   scripts/test.sh                 # the whole suite
 #   scripts/test.sh -k multiprocess # pytest arguments pass through (to both passes)
