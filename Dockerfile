@@ -7,18 +7,19 @@
 # from its sdist with scripts/patches/ applied); the run stage gets the finished .venv and
 # only what it needs at run time (Python, Open MPI's runtime and mpirun, ssh for horovodrun -H).
 #
-# CUDA variant (Horovod with NCCL allreduce, one GPU per process); not built or run by the
-# project (its CI machines have no GPU and no Docker engine):
-#   docker build -t hvdtrain:gpu \
-#     --build-arg BASE_IMAGE=nvidia/cuda:12.5.1-cudnn-devel-ubuntu22.04 \
-#     --build-arg RUNTIME_IMAGE=nvidia/cuda:12.5.1-cudnn-runtime-ubuntu22.04 \
-#     --build-arg HVDTRAIN_GPU=1 --build-arg PYTHON=python3 .
-#   docker run --rm --gpus all hvdtrain:gpu horovodrun -np 2 python -m hvdtrain.mnist
+# CUDA variant (Horovod with NCCL allreduce, one GPU per process): the same Debian base and
+# the same script with HVDTRAIN_GPU=1, so CUDA comes from PyPI's wheels (TensorFlow's CUDA 12.9
+# runtime, cuDNN and NCCL in the venv; nvcc 13.0 only in the build stage, deleted there). No
+# vendor base image: the NVIDIA Container Toolkit mounts the host's driver (libcuda) at run time.
+#   docker build -t hvdtrain:gpu --build-arg HVDTRAIN_GPU=1 .
+#   docker run --rm --gpus all hvdtrain:gpu scripts/gpu_check.sh
+# Not yet run on a GPU by this project (no GPU machine with a container runtime here).
 ARG BASE_IMAGE=debian:12
 ARG RUNTIME_IMAGE=debian:12
+ARG HVDTRAIN_GPU=0
 
 FROM ${BASE_IMAGE} AS build
-ARG HVDTRAIN_GPU=0
+ARG HVDTRAIN_GPU
 ARG PYTHON=python3.11
 ENV DEBIAN_FRONTEND=noninteractive HVDTRAIN_GPU=${HVDTRAIN_GPU} PYTHON=${PYTHON}
 # setup.sh installs the rest; it needs only bash and apt.
@@ -30,6 +31,7 @@ RUN scripts/setup.sh && rm -rf /root/.cache/pip \
     && find .venv -name __pycache__ -prune -exec rm -rf {} +
 
 FROM ${RUNTIME_IMAGE}
+ARG HVDTRAIN_GPU
 ENV DEBIAN_FRONTEND=noninteractive
 # Run time: the interpreter the venv was made with, Open MPI (libmpi for Horovod's MPI
 # controller, mpirun), ssh (horovodrun -H), ps (horovodrun), Fashion-MNIST (optional data).
@@ -39,10 +41,16 @@ RUN apt-get update -q && apt-get install -y -q --no-install-recommends python3 o
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/hvdtrain
 COPY --from=build /opt/hvdtrain /opt/hvdtrain
+# NVIDIA_*: what the NVIDIA Container Toolkit gives the container (every GPU, the CUDA
+# driver and nvidia-smi); without that toolkit they do nothing.
 ENV PATH=/opt/hvdtrain/.venv/bin:${PATH} \
     OMPI_ALLOW_RUN_AS_ROOT=1 \
-    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
 # Fails the build if anything the run stage lacks is needed to load Horovod's op library.
-RUN python -c "import horovod.tensorflow as hvd; assert hvd.mpi_built() and hvd.gloo_built()" \
+RUN python -c "import horovod.tensorflow as hvd, sys; \
+assert hvd.mpi_built() and hvd.gloo_built() and (hvd.nccl_built() or sys.argv[1] != '1')" \
+        "${HVDTRAIN_GPU}" \
     && horovodrun --check-build
 CMD ["horovodrun", "-np", "2", "python", "-m", "hvdtrain.mnist"]

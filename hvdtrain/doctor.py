@@ -6,14 +6,18 @@
 It reports Python, TensorFlow, the Keras hvdtrain will train with (Keras 3 by default,
 Keras 2 from tf_keras under TF_USE_LEGACY_KERAS=1, decided as training decides it),
 Horovod (what it was built with, the frameworks it can really use, and the hvdtrain
-patches its build carries), the MPI library, the GPUs TensorFlow sees and the launchers,
-and recognises the known bad combinations. Exit 1 prints one ``problem:`` and one ``fix:`` line per problem.
+patches its build carries; for a GPU build the CUDA runtime, NCCL and compiler it used and
+the GPU architectures its kernels cover), the MPI library, the GPUs TensorFlow sees (or, in
+one line, why none) and the launchers, and recognises the known bad combinations. Exit 1
+prints one ``problem:`` and one ``fix:`` line per problem.
 """
 import argparse
+import ctypes
 import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +30,7 @@ SETUP = "scripts/setup.sh"
 REBUILD = (f"pip uninstall -y horovod && {SETUP} (recompiles horovod against this "
            "TensorFlow with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 and scripts/patches/ applied)")
 PATCH_MARKER = "hvdtrain_patches.txt"  # written into horovod/ by scripts/setup.sh
+BUILD_RECORD = "hvdtrain_build.txt"    # a GPU build's compiler, flags, NCCL: the same
 BUILT = {"mpi": "MPI", "gloo": "Gloo", "nccl": "NCCL", "ddl": "DDL", "ccl": "CCL",
          "cuda": "CUDA", "rocm": "ROCm"}  # horovod.tensorflow's NAME_built() -> label
 # Horovod's frameworks: label, the framework's module, and horovod/<sub>/<library> that a
@@ -115,6 +120,8 @@ def diagnose():
             marker = os.path.join(os.path.dirname(horovod.__file__), PATCH_MARKER)
             hvd_report["patches"] = ([line.split()[-1] for line in open(marker)]
                                      if os.path.exists(marker) else [])
+            if hvd_report["built"]["nccl"] or hvd_report["built"]["cuda"]:
+                hvd_report["gpu_build"] = gpu_build(os.path.dirname(horovod.__file__), tf)
             missing = [BUILT[n] for n in ("mpi", "gloo") if not hvd_report["built"][n]]
             if missing:
                 problem(f"horovod {horovod.__version__} was built without "
@@ -138,7 +145,9 @@ def diagnose():
         report["mpi"] = {"library": None, "error": error_line(e)}
 
     gpus = []
-    if tf is not None:
+    report["driver"], report["no_gpu"] = cuda_driver()
+    # Asked only when the driver has a GPU: CUDA TensorFlow otherwise logs its cuInit errors.
+    if tf is not None and report["no_gpu"] is None:
         gpus = [d.name for d in tf.config.list_physical_devices("GPU")]
     report["gpus"] = gpus
     smi = shutil.which("nvidia-smi")
@@ -156,6 +165,63 @@ def diagnose():
             problem(f"{name} is not on PATH or in {os.path.dirname(sys.executable)}", SETUP)
 
     return report, problems
+
+
+def cuda_driver():
+    """(driver's CUDA version, why no GPU is usable or None), asking libcuda directly."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None, "no NVIDIA driver (libcuda.so.1 not found)"
+    version, count = ctypes.c_int(0), ctypes.c_int(0)
+    cuda.cuDriverGetVersion(ctypes.byref(version))
+    driver = f"{version.value // 1000}.{version.value % 1000 // 10}"
+    status = cuda.cuInit(0)
+    if status != 0:
+        return driver, f"the NVIDIA driver (CUDA {driver}) has no usable GPU (cuInit error {status})"
+    if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
+        return driver, f"the NVIDIA driver (CUDA {driver}) lists no GPU"
+    return driver, None
+
+
+def kernel_architectures(library):
+    """(cubin architectures, PTX architectures) embedded in a shared library, read from it.
+
+    setup.sh's GPU build stores uncompressed fatbinaries (nvcc -compress-mode=none), so each
+    cubin is an ELF object with machine EM_CUDA (190) and each PTX is text with its target."""
+    data = open(library, "rb").read()
+    sass, start = set(), data.find(b"\x7fELF", 1)
+    while start != -1:
+        head = data[start:start + 52]
+        if len(head) == 52 and head[4] == 2 and int.from_bytes(head[18:20], "little") == 190:
+            flags = int.from_bytes(head[48:52], "little")
+            # ELF ABI version 8 and later (CUDA 12.8+) keep the SM in bits 8-15, older in 0-7.
+            sass.add(f"sm_{(flags >> 8) & 0xff if head[8] >= 8 else flags & 0xff}")
+        start = data.find(b"\x7fELF", start + 1)
+    ptx = {m.decode() for m in re.findall(rb"\.target\s+(sm_[0-9]+[a-z]?)", data)}
+    order = lambda a: int(re.sub(r"\D", "", a))
+    return sorted(sass, key=order), sorted(ptx, key=order)
+
+
+def gpu_build(horovod_dir, tf):
+    """What a GPU build of Horovod was compiled with and which GPUs its kernels run on."""
+    info = {"record": None, "compiler": None, "nccl_built": None, "nvcc_flags": None}
+    record = os.path.join(horovod_dir, BUILD_RECORD)
+    if os.path.exists(record):
+        info["record"] = record
+        for line in open(record):
+            key, _, value = line.rstrip("\n").partition("=")
+            info["nccl_built" if key == "nccl" else key] = value
+    info["nccl"] = _version("nvidia-nccl-cu12")  # the library loaded at run time
+    build = tf.sysconfig.get_build_info() if tf is not None else {}
+    info["cuda_runtime"] = build.get("cuda_version")  # TensorFlow's build, not what it loads
+    info["cudnn"] = build.get("cudnn_version")
+    info["cuda_runtime_wheel"] = _version("nvidia-cuda-runtime-cu12")
+    library = next((os.path.join(horovod_dir, "tensorflow", f)
+                    for f in os.listdir(os.path.join(horovod_dir, "tensorflow"))
+                    if f.startswith("mpi_lib") and f.endswith(".so")), None)
+    info["cubin"], info["ptx"] = kernel_architectures(library) if library else ([], [])
+    return info
 
 
 def _line(name, value):
@@ -187,8 +253,20 @@ def render(report, problems) -> str:
                            f"hvdtrain patches: {', '.join(hv['patches']) or 'none'}"))
     else:
         lines.append(_line("horovod", f"{hv.get('version') or '-'} ({hv.get('error')})"))
+    gb = hv.get("gpu_build")
+    if gb:
+        lines.append(_line("gpu build", f"CUDA runtime {gb['cuda_runtime_wheel']} (the "
+                           f"nvidia-cuda-runtime-cu12 wheel TensorFlow loads; TensorFlow built "
+                           f"with CUDA {gb['cuda_runtime']}), NCCL "
+                           f"{gb['nccl']} (built against {gb['nccl_built'] or 'unknown'}), "
+                           f"kernels by nvcc {gb['compiler'] or 'unknown (no build record)'}"))
+        lines.append(_line("kernels", f"cubins {' '.join(gb['cubin']) or 'none'}; PTX "
+                           f"{' '.join(gb['ptx']) or 'none'}"))
     lines.append(_line("mpi", mpi.get("library") or f"unknown ({mpi.get('error')})"))
-    lines.append(_line("gpus", ", ".join(report["gpus"]) or "none visible to TensorFlow"))
+    lines.append(_line("gpus", ", ".join(report["gpus"]) or
+                       f"none visible: {report['no_gpu'] or 'TensorFlow sees none'}"
+                       + (f" (driver CUDA {report['driver']})" if report["driver"]
+                          and not report["no_gpu"] else "")))
     lines.append(_line("launchers", ", ".join(f"{n} {w or 'MISSING'}"
                                               for n, w in report["launchers"].items())))
     for p in problems:

@@ -8,8 +8,13 @@
 # Environment knobs:
 #   HVDTRAIN_VENV=DIR           where the virtual environment lives (default: .venv)
 #   PYTHON=python3.11           interpreter for the venv
-#   HVDTRAIN_GPU=1              CUDA TensorFlow (tensorflow[and-cuda]) and Horovod with NCCL
-#                               allreduce; needs a CUDA toolkit with NCCL (the CUDA devel images)
+#   HVDTRAIN_GPU=1              CUDA TensorFlow (tensorflow[and-cuda]: CUDA 12.9 runtime, cuDNN,
+#                               NCCL wheels) and Horovod with NCCL allreduce. No CUDA toolkit
+#                               needed: Horovod's kernels are compiled by nvcc from PyPI's CUDA 13.0
+#                               compiler wheels in a build directory deleted afterwards
+#   HVDTRAIN_CUDA_HOME=DIR      (GPU) compile with this machine's CUDA toolkit instead (DIR/bin/nvcc)
+#   HOROVOD_BUILD_CUDA_CC_LIST  (GPU) compute capabilities to compile kernels for
+#                               (default 75,80,86,89,90,100,110,120: every family nvcc 13.0 knows)
 #   HVDTRAIN_SKIP_APT=1         skip apt (the packages are already there)
 set -euo pipefail
 
@@ -33,8 +38,11 @@ assert horovod.__version__ == sys.argv[1], horovod.__version__
 import horovod.tensorflow as hvd  # fails if built against another TensorFlow
 assert hvd.mpi_built() and hvd.gloo_built()
 assert sys.argv[2] != "1" or hvd.nccl_built(), "no NCCL"
-with open(os.path.join(os.path.dirname(horovod.__file__), "hvdtrain_patches.txt")) as f:
+here = os.path.dirname(horovod.__file__)
+with open(os.path.join(here, "hvdtrain_patches.txt")) as f:
     assert f.read().strip() == sys.argv[3].strip(), "built with other patches"
+# A GPU build carries its record (compiler, flags, NCCL) for the doctor.
+assert sys.argv[2] != "1" or os.path.exists(os.path.join(here, "hvdtrain_build.txt"))
 PY
 }
 patch_sums() { (cd "$root/scripts/patches" && sha1sum horovod-"$horovod_version"-*.patch); }
@@ -50,9 +58,10 @@ esac
 # --- Debian packages --------------------------------------------------------------
 # Open MPI: Horovod's MPI controller and mpirun; build tools: Horovod compiles from source;
 # dataset-fashion-mnist: full Fashion-MNIST with no network; openssh: horovodrun reaches other
-# hosts over ssh (tests/test_multihost.py runs an sshd in a network namespace).
+# hosts over ssh (tests/test_multihost.py runs an sshd in a network namespace); patchelf: a GPU
+# build's op library is pointed at the venv's NCCL.
 apt_packages=(build-essential cmake git openmpi-bin libopenmpi-dev python3-venv python3-dev
-              procps iproute2 ca-certificates shellcheck openssh-client openssh-server)
+              procps iproute2 ca-certificates shellcheck openssh-client openssh-server patchelf)
 apt_optional=(dataset-fashion-mnist)  # not in every distribution: --data-dir works instead
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 if [[ "${HVDTRAIN_SKIP_APT:-0}" != 1 ]]; then
@@ -94,13 +103,63 @@ if [[ ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
 fi
 
 # --- Horovod, compiled against this TensorFlow -------------------------------------
+# GPU build: a CUDA compiler and NCCL for Horovod's CMake, without a CUDA toolkit installed.
+# TensorFlow's wheels bring the CUDA 12.9 runtime and NCCL (nvidia-nccl-cu12), but no
+# nvidia-cuda-nvcc-cu12 wheel holds nvcc; the CUDA 13.0 compiler wheels do. They go into the
+# build directory, laid out as the toolkit directory CMake expects, and are deleted with it.
+cuda_wheels=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
+             nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85)
+gpu_build_env() {
+    local build=$1 src=$2 cuda nccl site
+    export HOROVOD_GPU_OPERATIONS=${HOROVOD_GPU_OPERATIONS:-NCCL}
+    if [[ -n "${HVDTRAIN_CUDA_HOME:-}" ]]; then
+        cuda=$HVDTRAIN_CUDA_HOME
+        [[ -x "$cuda/bin/nvcc" ]] || die "HVDTRAIN_CUDA_HOME=$cuda: no bin/nvcc there"
+        echo "compiler_source=$cuda" >"$build/hvdtrain_build.txt"
+    else
+        cuda=$build/cuda
+        log "fetching the CUDA compiler from PyPI into the build directory: ${cuda_wheels[*]}"
+        # One pip call: the wheels share nvidia/cu13/, which a second --upgrade call deletes.
+        pip install --no-deps --target "$build/cuda-wheels" "${cuda_wheels[@]}"
+        local cu=$build/cuda-wheels/nvidia/cu13 f
+        # nvcc takes bin/.. as the toolkit root: bin/ is a directory of links, not a link.
+        mkdir -p "$cuda/bin" "$cuda/lib64"
+        for f in "$cu"/bin/*; do ln -s "$f" "$cuda/bin/"; done
+        ln -s "$cu/include" "$cuda/include"
+        ln -s "$cu/nvvm" "$cuda/nvvm"
+        for f in libcudart_static.a libcudadevrt.a libcudart.so.13; do ln -s "$cu/lib/$f" "$cuda/lib64/"; done
+        ln -s libcudart.so.13 "$cuda/lib64/libcudart.so"
+        echo "compiler_source=pypi ${cuda_wheels[*]}" >"$build/hvdtrain_build.txt"
+        export HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-75,80,86,89,90,100,110,120}
+    fi
+    # NCCL from TensorFlow's own wheel (the library TensorFlow loads too); CMake's FindNCCL
+    # wants a libnccl.so beside the wheel's libnccl.so.2, made here rather than in the venv.
+    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    [[ -f "$site/nvidia/nccl/lib/libnccl.so.2" ]] || die "no NCCL wheel in $venv (tensorflow[and-cuda] brings nvidia-nccl-cu12)"
+    nccl=$build/nccl
+    mkdir -p "$nccl/lib"
+    ln -s "$site/nvidia/nccl/include" "$nccl/include"
+    ln -s "$site/nvidia/nccl/lib/libnccl.so.2" "$nccl/lib/libnccl.so"
+    export HOROVOD_CUDA_HOME=$cuda HOROVOD_NCCL_HOME=$nccl HOROVOD_NCCL_LINK=SHARED
+    # Horovod's CMake runs the first nvcc on PATH: make it this one.
+    PATH=$cuda/bin:$PATH
+    # Uncompressed fatbinaries (a few hundred KB): Horovod's kernels are registered through
+    # TensorFlow's CUDA 12.9 runtime and loaded by the machine's driver, both older than
+    # nvcc 13.0's compressed formats.
+    if "$cuda/bin/nvcc" --help | grep -q -- --compress-mode; then export CUDAFLAGS="${CUDAFLAGS:-} -compress-mode=none"; fi
+    {
+        echo "compiler=$("$cuda/bin/nvcc" --version | grep -o 'release [0-9.]*, V[0-9.]*')"
+        # The flags Horovod's CMake gives nvcc, computed the way it does.
+        echo "nvcc_flags=$(cd "$src/cmake" && "$venv/bin/python" -c 'import build_utils; print(" ".join(build_utils.get_nvcc_flags()))')${CUDAFLAGS:-}"
+        echo "nccl=$(awk '/^#define NCCL_(MAJOR|MINOR|PATCH) /{v = v (v ? "." : "") $3} END {print v}' "$nccl/include/nccl.h")"
+    } >>"$build/hvdtrain_build.txt"
+}
 if ! horovod_ok; then
     log "compiling horovod $horovod_version against TensorFlow (a few minutes on 2 cores)"
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
     export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
     MAKEFLAGS="-j$(nproc)"
     export MAKEFLAGS
-    if [[ "$gpu" == 1 ]]; then export HOROVOD_GPU_OPERATIONS=${HOROVOD_GPU_OPERATIONS:-NCCL}; fi
     # PyPI's sdist, patched: 0.28.1 does not compile against TensorFlow 2.19+ as released
     # (each patch says why in its header). No fork and no vendored copy: the patches are all.
     build=$(mktemp -d)
@@ -108,6 +167,7 @@ if ! horovod_ok; then
     pip download --no-deps --no-binary :all: --no-cache-dir -d "$build" "horovod==$horovod_version"
     tar -xzf "$build/horovod-$horovod_version.tar.gz" -C "$build"
     src="$build/horovod-$horovod_version"
+    if [[ "$gpu" == 1 ]]; then gpu_build_env "$build" "$src"; fi
     for p in "$root"/scripts/patches/horovod-"$horovod_version"-*.patch; do
         log "applying ${p#"$root"/}"
         (cd "$src" && git apply -p1 "$p") || die "$p does not apply to horovod $horovod_version"
@@ -121,6 +181,18 @@ if ! horovod_ok; then
     # Mark the build as hvdtrain's patched one: the doctor reports which patches it carries.
     hvd_dir=$("$venv/bin/python" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("horovod").origin))')
     patch_sums >"$hvd_dir/hvdtrain_patches.txt"
+    if [[ "$gpu" == 1 ]]; then
+        # The op library finds NCCL in the venv's wheel, not in the build directory deleted
+        # below (CMake put that in its RUNPATH): no LD_LIBRARY_PATH needed.
+        # shellcheck disable=SC2016  # $ORIGIN is for ld.so, not the shell
+        nccl_run='$ORIGIN/../../nvidia/nccl/lib'
+        for lib in "$hvd_dir"/tensorflow/mpi_lib*.so; do
+            rpath=$(patchelf --print-rpath "$lib")
+            patchelf --set-rpath "${rpath//"$HOROVOD_NCCL_HOME/lib"/$nccl_run}" "$lib"
+        done
+        # ... and what it was compiled with: the doctor reports it (no compiler is left).
+        cp "$build/hvdtrain_build.txt" "$hvd_dir/hvdtrain_build.txt"
+    fi
 fi
 
 # --- verify -------------------------------------------------------------------------

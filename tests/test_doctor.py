@@ -1,5 +1,6 @@
 """python -m hvdtrain.doctor: this machine passes; each known bad combination, made real in
 a child process, gives exit 1 and exactly one fix line."""
+import ctypes
 import importlib.util
 import json
 import os
@@ -34,6 +35,14 @@ sys.meta_path.insert(0, _Patch())
 """
 
 
+def has_driver():
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
 def doctor(env, *args):
     p = run([*DOCTOR, *args], env, timeout=120)
     fixes = [l for l in p.stdout.splitlines() if l.startswith("fix:")]
@@ -60,7 +69,8 @@ def test_this_machine_is_well(env):
     assert r["keras"]["module"] == "keras" and r["keras"]["version"].startswith("3.")
     assert r["keras"]["tf.keras"].startswith("keras") and r["keras"]["TF_USE_LEGACY_KERAS"] is None
     assert r["tf_keras"]["version"].startswith("2.21")
-    assert r["horovod"]["patches"] == ["horovod-0.28.1-no-xla-ops.patch"]
+    # the build carries every patch in scripts/patches/ (setup.sh rebuilds when one changes)
+    assert r["horovod"]["patches"] == sorted(os.listdir(os.path.join(ROOT, "scripts", "patches")))
     assert r["horovod"]["version"] == "0.28.1" and r["horovod"]["frameworks"] == ["tensorflow"]
     # horovodrun --check-build says [X] PyTorch here; setup.sh builds without it.
     assert r["horovod"]["framework_status"]["torch"] == {
@@ -80,7 +90,8 @@ def test_text_report(env):
     assert out[-1] == "all good"
     assert any(l.split()[:2] == ["tensorflow", "2.21.0"] for l in out)
     assert any(l.split()[:2] == ["keras", "keras"] and l.split()[2].startswith("3.") for l in out)
-    assert any("hvdtrain patches: horovod-0.28.1-no-xla-ops.patch" in l for l in out)
+    assert any("hvdtrain patches: horovod-0.28.1-gpu-stream-handle.patch, "
+               "horovod-0.28.1-no-xla-ops.patch" in l for l in out)
     assert any("controllers MPI, Gloo" in l for l in out)
     assert any(l.split()[:2] == ["horovod", "0.28.1:"] and "frameworks tensorflow (PyTorch not "
                "built into horovod, MXNet not built into horovod);" in l for l in out)
@@ -100,6 +111,10 @@ def test_a_framework_counts_only_when_built_and_installed(tmp_path):
     (tmp_path / "torch" / f"mpi_lib_v2{suffix}").write_bytes(b"")
     assert frameworks(str(tmp_path))["torch"]["built"] is True
     assert status["tensorflow"]["installed"] is True
+    if not has_driver():  # no NVIDIA driver: one line says so, not TensorFlow's cuInit errors
+        assert [l for l in out if "gpus" in l.split()[:1]] == [
+            "  gpus        none visible: no NVIDIA driver (libcuda.so.1 not found)"]
+        assert "cuInit" not in p.stdout + p.stderr
 
 
 def test_the_venv_launchers_count_without_path(tmp_path):
