@@ -86,18 +86,7 @@ class Run:
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
         self.out.release()
-        if e is None or getattr(e, "together", False):
-            self.dog.close()  # every rank ended here together; nobody waits for anyone
-            return False
-        if isinstance(e, Exception) and "Horovod" in str(e):
-            # A collective failed because a peer is gone; the watchdog, which names that
-            # peer, usually ends this process first. When Horovod's error wins the race,
-            # give the watchdog's verdict a moment to arrive, then say it in one line.
-            self.dog.await_verdict(5.0)
-            self.dog.abort(error_line(e))
-            raise RankError(f"rank {self.world.rank}: a collective failed (a peer is gone?): "
-                            f"{first_line(str(e))}") from None
-        self.dog.abort(f"{type(e).__name__}: {e}")  # this rank alone: stop the others too
+        _stop_watching(self.dog, self.world, e)
         return False
 
     def _on_sigterm(self, signum, frame) -> None:
@@ -225,6 +214,22 @@ class Run:
             out["model"] = self.out.save_model(model)
         self.out.result(out)
         return out
+
+
+def _stop_watching(dog: Watchdog, world: World, e: Optional[BaseException]) -> None:
+    """End the watchdog as the run ended: normally, together, or on this rank alone."""
+    if e is None or getattr(e, "together", False):
+        dog.close()  # every rank ended here together; nobody waits for anyone
+    elif isinstance(e, Exception) and "Horovod" in str(e):
+        # A collective failed because a peer is gone; the watchdog, which names that peer,
+        # usually ends this process first. When Horovod's error wins the race, give the
+        # watchdog's verdict a moment to arrive, then say it in one line.
+        dog.await_verdict(5.0)
+        dog.abort(error_line(e))
+        raise RankError(f"rank {world.rank}: a collective failed (a peer is gone?): "
+                        f"{first_line(str(e))}") from None
+    else:
+        dog.abort(f"{type(e).__name__}: {e}")  # this rank alone: stop the others too
 
 
 class Checkpoints:
