@@ -264,6 +264,9 @@ class _Fit:
               and self.global_step % run.config.checkpoint_every == 0):
             run.save(self._position(), self.metrics.summed())
 
+    def test_begin(self):
+        self.run_.sync_state()  # every rank scores its part with the same statistics
+
     def test_end(self, logs):
         self.val_logs = self.metrics.reduce()
         if logs is not None:
@@ -305,6 +308,9 @@ def _callback(keras, run: _Fit):
 
         def on_train_batch_end(self, batch, logs=None):
             run.batch_end(logs)
+
+        def on_test_begin(self, logs=None):
+            run.test_begin()
 
         def on_test_end(self, logs=None):
             run.test_end(logs)
