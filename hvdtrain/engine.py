@@ -73,6 +73,8 @@ class Run:
         self.global_batch = 0
         self.model = self.optimizer = None
         self.state: list = []  # model and optimizer variables: what a checkpoint holds
+        self.moving: list = []  # non-trainable float weights (BatchNorm's moving statistics)
+        self._synced_step = None  # the global step sync_state last averaged them at
         self._sigterm = None
 
     # --- the run's frame: watchdog, SIGTERM, errors ---------------------------------------------
@@ -126,6 +128,8 @@ class Run:
         step boundary instead of killing the process."""
         self.model, self.optimizer = model, optimizer
         self.state = list(model.variables) + list(optimizer.variables)
+        self.moving = [v for v in model.non_trainable_weights
+                       if np.asarray(v.numpy()).dtype.kind == "f"]
         find = lambda: self.checkpoints.find(self.record(defines_run=True))  # noqa: E731
         found = self.agree(find, catch=(CheckpointError,))
         load = lambda: self.checkpoints.load(found, self.state)  # noqa: E731
@@ -161,16 +165,34 @@ class Run:
         puts this flag in the step's gradient round instead.)"""
         return self.world.allreduce_sum([float(self.stop_requested)])[0] > 0
 
+    def sync_state(self) -> None:
+        """All ranks: average the non-trainable float weights (BatchNormalization's moving
+        mean and variance, any other statistic a layer updates in training) over the ranks,
+        so every rank, a checkpoint and model.keras hold the same model. Each rank's follow
+        its own batches between these calls; one host allreduce of them, taken before every
+        evaluation, checkpoint, elastic commit and the final save, and only once per step."""
+        if not self.moving or self.world.size == 1 or self._synced_step == self.global_step:
+            return
+        self._synced_step = self.global_step  # the same on every rank: all skip, or none
+        now = [np.asarray(v.numpy()) for v in self.moving]
+        flat = np.concatenate([np.ravel(a).astype(np.float64) for a in now])
+        mean, at = self.world.allreduce_sum(flat) / self.world.size, 0
+        for v, a in zip(self.moving, now):
+            v.assign(mean[at:at + a.size].reshape(a.shape).astype(a.dtype))
+            at += a.size
+
     def save(self, progress: Progress, partial_sums) -> None:
         """All ranks (the divergence check is everyone's decision); rank 0 writes the
         state, the position and ``partial_sums``: the epoch's metric sums so far over every
         rank (zeros at an epoch's end)."""
+        self.sync_state()
         self.check_weights()
         self.checkpoints.save(progress, partial_sums, self.state, self.global_batch,
                               self.global_step, self.record(), self.last_record)
 
     def commit(self, progress: Progress, partial_sums) -> None:
         """Elastic: remember this step in memory; may raise Horovod's hosts-updated interrupt."""
+        self.sync_state()
         progress.sums, progress.last_record = list(partial_sums), self.last_record
         progress.commit()
 
@@ -209,6 +231,7 @@ class Run:
                "keras": compat.describe(),
                **{f"final_{k}": v for k, v in last.items() if k not in BOOKKEEPING},
                **result}
+        self.sync_state()  # the driver synced before evaluating; a no-op unless it did not
         out.update(weights_agreement(self.world, model))
         if self.config.save_model:
             out["model"] = self.out.save_model(model)

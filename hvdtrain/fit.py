@@ -37,10 +37,27 @@ NOT_FIT_SETTINGS = {
     "seed": "it is hk.dataset's seed",
     "num_workers": "the launcher decides the world size",
     "backend": "hk.init(backend) decides it",
-    "steps_per_execution": "not offered by hk.fit yet",
+    "steps_per_execution": "set it in model.compile(steps_per_execution=N)",
     "elastic": "elastic runs are offered for Task runs only",
     "commit_every": "elastic runs are offered for Task runs only",
 }
+
+# Keras callbacks that write files: rank 0 runs them, the other ranks leave them out (each
+# would write the same files). BackupAndRestore is refused: it would restore one rank alone.
+RANK0_CALLBACKS = ("ModelCheckpoint", "TensorBoard", "CSVLogger")
+REFUSED_CALLBACKS = {"BackupAndRestore": "hk.fit checkpoints and resumes by itself (run_dir, "
+                                         "checkpoint_every): leave it out"}
+
+
+def user_callbacks(callbacks, world) -> list:
+    """The user's callbacks that run on this rank (see RANK0_CALLBACKS)."""
+    keras = compat.keras()
+    for cb in callbacks:
+        for name, why in REFUSED_CALLBACKS.items():
+            if isinstance(cb, getattr(keras.callbacks, name)):
+                raise ConfigError("callbacks", name, f"not for hk.fit: {why}")
+    rank0 = tuple(getattr(keras.callbacks, name) for name in RANK0_CALLBACKS)
+    return [cb for cb in callbacks if world.is_chief or not isinstance(cb, rank0)]
 
 
 @dataclasses.dataclass
@@ -68,7 +85,19 @@ def fit_config(model, train, epochs: int, world, **settings) -> Config:
     check_compiled(model, world)
     # What the compiled optimizer really uses (None for a schedule): recorded, not checked.
     return dataclasses.replace(config, learning_rate=_number(model.optimizer, "learning_rate"),
-                               momentum=_number(model.optimizer, "momentum"))
+                               momentum=_number(model.optimizer, "momentum"),
+                               steps_per_execution=steps_per_execution(model))
+
+
+def steps_per_execution(model) -> int:
+    """model.compile's steps_per_execution (Keras 2 keeps it in a variable)."""
+    n = getattr(model, "steps_per_execution", None)
+    if n is None:
+        n = getattr(model, "_steps_per_execution", None)
+    try:
+        return max(1, int(np.asarray(n)))
+    except (TypeError, ValueError):
+        return 1
 
 
 def check_compiled(model, world) -> None:
@@ -168,6 +197,7 @@ class _Fit:
         self.global_batch = run.global_batch = train.batch_size * self.world.size
         self.stop_pending = False
         self.metrics = _GlobalMetrics(model, self.world)
+        self.calls = _Calls(model)
 
     # --- before model.fit: build, restore, broadcast ------------------------------------------
     def _prepare(self) -> Progress:
@@ -218,7 +248,7 @@ class _Fit:
                 continue
             self.first_step = skip
             histories.append(self.model.fit(
-                train.batches(e0, e1, skip), epochs=e1, initial_epoch=e0,
+                self.calls.input(train.batches(e0, e1, skip)), epochs=e1, initial_epoch=e0,
                 steps_per_epoch=train.steps - skip, validation_data=val,
                 validation_batch_size=validation_batch_size, callbacks=[callback] + callbacks,
                 shuffle=False, verbose=shown))  # the order is the Dataset's
@@ -237,20 +267,29 @@ class _Fit:
         self.epoch, self.step, self.started = epoch, self.first_step, self.first_step
         self.first_step, self.tick = 0, time.perf_counter()
 
-    def batch_end(self, logs):
+    def batch_begin(self):
+        self.calls.begin(self.train.steps - self.step)
+
+    def batch_end(self, batch, logs):
         world, run = self.world, self.run_
+        self.calls.end()
         if self.saved_sums is not None:  # first step after a mid-epoch resume: the saved part
             if world.is_chief:  # of the epoch's metric sums (already over all ranks)
                 self.metrics.add(self.saved_sums)
             self.saved_sums = None
-        self.step += 1
-        self.global_step += 1
+        # With steps_per_execution N, Keras calls this once per N steps with the index (in
+        # this model.fit's epoch) of the call's last step; Keras 3 says N - 1 more even for
+        # a shorter last call of the epoch, hence the bound.
+        step = min(self.started + batch + 1, self.train.steps)
+        done, self.step = step - self.step, step
+        self.global_step += done
         run.dog.step = self.global_step
         last = self.step == self.train.steps
         # Horovod: a one-number allreduce makes any rank's SIGTERM every rank's decision at
-        # the same step. It is a host round trip of its own, so it is taken every
-        # STOP_CHECK_EVERY steps (and at each epoch's end): all ranks count the same steps.
-        stop = (self.step % STOP_CHECK_EVERY == 0 or last) and run.should_stop()
+        # the same step. It is a host round trip of its own, so it is taken when a call
+        # passes a multiple of STOP_CHECK_EVERY steps (and at each epoch's end): all ranks
+        # count the same steps.
+        stop = (last or _passed(self.step, done, STOP_CHECK_EVERY)) and run.should_stop()
         if last:
             self.train_logs = self.metrics.reduce()  # before validation resets the metrics
             if logs is not None:
@@ -260,9 +299,13 @@ class _Fit:
         elif stop:
             run.save(self._position(), self.metrics.summed())
             run.preempt(self.global_step)
-        elif (not last and run.config.checkpoint_every
-              and self.global_step % run.config.checkpoint_every == 0):
+        elif not last and _passed(self.global_step, done, run.config.checkpoint_every):
+            # At the first call boundary at or after each multiple of checkpoint_every (the
+            # multiple itself when N = 1 or N divides it): the state between steps.
             run.save(self._position(), self.metrics.summed())
+
+    def test_begin(self):
+        self.run_.sync_state()  # every rank scores its part with the same statistics
 
     def test_end(self, logs):
         self.val_logs = self.metrics.reduce()
@@ -296,6 +339,42 @@ class _Fit:
         return Progress(epoch=self.epoch, offset=self.step * self.global_batch)
 
 
+def _passed(step: int, done: int, every: int) -> bool:
+    """Did the last ``done`` steps, ending at ``step``, reach a multiple of ``every``?"""
+    return bool(every) and step // every > (step - done) // every
+
+
+class _Calls:
+    """Keras 3's compiled calls of ``steps_per_execution`` N steps: its loop runs N steps
+    per call until the input ends, and hk.fit's input runs on into the next epoch, so the
+    epoch's last call, when fewer than N steps are left, runs a function compiled for that
+    many (traced once per length; Keras 2 cuts that call itself)."""
+
+    def __init__(self, model):
+        self.model, self.shorter, self.full = model, {}, None
+        self.n = steps_per_execution(model) if compat.is_keras3() else 1
+
+    def input(self, dataset):
+        """Keras 3 counts N steps for every call and ends an epoch early when its count
+        passes the input's known length: a length it cannot know keeps it from counting."""
+        return dataset.filter(lambda x, y: True) if self.n > 1 else dataset
+
+    def begin(self, left: int) -> None:
+        if left >= self.n:
+            return
+        model, self.full = self.model, self.model.train_function
+        model.steps_per_execution = left  # read when the function is traced, at its first call
+        if left not in self.shorter:
+            model.make_train_function(force=True)
+            self.shorter[left] = model.train_function
+        model.train_function = self.shorter[left]
+
+    def end(self) -> None:
+        if self.full is not None:
+            self.model.steps_per_execution, self.model.train_function = self.n, self.full
+            self.full = None
+
+
 def _callback(keras, run: _Fit):
     """The Keras callback (of the Keras in use) that hands fit's events to ``run``."""
 
@@ -303,8 +382,14 @@ def _callback(keras, run: _Fit):
         def on_epoch_begin(self, epoch, logs=None):
             run.epoch_begin(epoch)
 
+        def on_train_batch_begin(self, batch, logs=None):
+            run.batch_begin()
+
         def on_train_batch_end(self, batch, logs=None):
-            run.batch_end(logs)
+            run.batch_end(batch, logs)
+
+        def on_test_begin(self, logs=None):
+            run.test_begin()
 
         def on_test_end(self, logs=None):
             run.test_end(logs)

@@ -35,7 +35,7 @@ from hvdtrain.data import epoch_plan, steps_per_epoch
 from hvdtrain.engine import Run
 from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
                              Error, Preempted)
-from hvdtrain.fit import STOP_CHECK_EVERY, FitSettings, _Fit, fit_config
+from hvdtrain.fit import STOP_CHECK_EVERY, FitSettings, _Fit, fit_config, user_callbacks
 from hvdtrain.optimizer import DistributedOptimizer  # noqa: F401 (public here)
 
 
@@ -100,6 +100,7 @@ def fit(model, train: Dataset, epochs: int, validation_data=None, *, callbacks=(
     """
     world = train.world
     config = fit_config(model, train, epochs, world, **settings)
+    callbacks = user_callbacks(list(callbacks), world)  # some write files: rank 0's alone
     with Run(world, config, "fit", FitSettings(train.shuffle, len(train.x))) as run:
         return _Fit(model, train, validation_data, run).fit(list(callbacks),
                                                             validation_batch_size)

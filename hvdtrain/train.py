@@ -156,6 +156,7 @@ class _TaskRun:
         result = {"batch_size": self.batch, "global_batch_size": self.batch * world.size,
                   "learning_rate": self.lr, "train_examples": len(data.x_train), **data.info}
         if data.x_test is not None:
+            self.run_.sync_state()  # every rank scores its part with the same statistics
             result.update(self._evaluate())
         result.update(self.task.summarize(self.model))
         result = self.run_.finish(result, self.model)
