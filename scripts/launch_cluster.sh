@@ -10,6 +10,9 @@
 #   IFACE=eth0    the network interface MPI, Gloo and NCCL use between hosts
 #   PYTHON=...    the interpreter on every host (default: this checkout's .venv)
 #   DRY_RUN=1     print the command instead of running it
+# Forwarded to every host with -x, where set: PATH LD_LIBRARY_PATH PYTHONPATH PYTHONUNBUFFERED
+# TF_CPP_MIN_LOG_LEVEL TF_USE_LEGACY_KERAS HOROVOD_CYCLE_TIME HOROVOD_FUSION_THRESHOLD, and
+# NCCL_DEBUG (default WARN).
 set -euo pipefail
 hostfile=${1:?usage: launch_cluster.sh HOSTFILE TASK [flags]}
 task=${2:?usage: launch_cluster.sh HOSTFILE TASK [flags]}
@@ -23,12 +26,16 @@ cmd=(mpirun -np "$np" --hostfile "$hostfile"
      # Horovod: no core binding (TensorFlow sizes its own thread pools per local rank) and
      # ranks filled host by host, so local rank = GPU index.
      --bind-to none --map-by slot
-     # Forward the environment the workers need; -x NAME copies it from this shell.
-     -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x "NCCL_DEBUG=${NCCL_DEBUG:-WARN}"
-     -x TF_CPP_MIN_LOG_LEVEL -x HOROVOD_CYCLE_TIME -x HOROVOD_FUSION_THRESHOLD
+     -x "NCCL_DEBUG=${NCCL_DEBUG:-WARN}"
      # Plain TCP between hosts: InfiniBand's openib BTL is deprecated and unstable with
      # fork(); UCX or NCCL carry the heavy traffic on clusters that have them.
      --mca pml ob1 --mca btl ^openib)
+# Forward the environment the workers need; -x NAME copies it from this shell, and only
+# names that are set (mpirun warns about each unset one).
+for name in PATH LD_LIBRARY_PATH PYTHONPATH PYTHONUNBUFFERED TF_CPP_MIN_LOG_LEVEL \
+            TF_USE_LEGACY_KERAS HOROVOD_CYCLE_TIME HOROVOD_FUSION_THRESHOLD; do
+    if [[ -n "${!name+set}" ]]; then cmd+=(-x "$name"); fi
+done
 if [[ -n "${IFACE:-}" ]]; then
     cmd+=(--mca btl_tcp_if_include "$IFACE" --mca oob_tcp_if_include "$IFACE"
           -x "NCCL_SOCKET_IFNAME=$IFACE" -x "HOROVOD_GLOO_IFACE=$IFACE")
