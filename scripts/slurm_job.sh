@@ -13,8 +13,10 @@
 # default hvdtrain), unless the flags give --run-dir. It does not depend on the job id, so
 # submitting the same command again resumes from the newest checkpoint, as does `scontrol
 # requeue`; give each experiment its own --job-name (or --run-dir).
-# Exit status: hvdtrain's; 75 after a SIGTERM (`scancel --signal=TERM JOBID`, or preemption):
-# every rank stopped at the same step and rank 0 saved a checkpoint; submit again to resume.
+# Exit status: hvdtrain's; 75 after a SIGTERM: every rank stopped at the same step and rank 0
+# saved a checkpoint; submit again to resume. Send it with `scancel --signal=TERM JOBID` (the
+# ranks; srun only: under mpirun it also ends mpirun's daemons, status 205) or `scancel --batch
+# --signal=TERM JOBID` (this script, which passes it to the ranks; either launcher).
 #
 # Environment (sbatch passes the submitting shell's environment by default):
 #   HVDTRAIN_ROOT=DIR  the checkout, the same path on every node (default: the submit
@@ -28,6 +30,7 @@
 #                      does not with Debian's Open MPI: "OMPI was not built with SLURM's PMI")
 #   IFACE=ib0          the network interface between nodes, for MPI, Gloo and NCCL
 #   DRY_RUN=1          print the launch command instead of running it
+#   TF_CPP_MIN_LOG_LEVEL=2, NCCL_DEBUG=WARN   TensorFlow's and NCCL's log levels (defaults)
 #
 # Resources: the #SBATCH lines below ask for 2 nodes, 1 task (process) each with 2 CPUs, no
 # GPU; sbatch's own flags override them. GPU nodes: one task per GPU, and ask for the GPUs,
