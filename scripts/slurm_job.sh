@@ -14,9 +14,10 @@
 # submitting the same command again resumes from the newest checkpoint, as does `scontrol
 # requeue`; give each experiment its own --job-name (or --run-dir).
 # Exit status: hvdtrain's; 75 after a SIGTERM: every rank stopped at the same step and rank 0
-# saved a checkpoint; submit again to resume. Send it with `scancel --signal=TERM JOBID` (the
-# ranks; srun only: under mpirun it also ends mpirun's daemons, status 205) or `scancel --batch
-# --signal=TERM JOBID` (this script, which passes it to the ranks; either launcher).
+# saved a checkpoint; submit again to resume. Send it with `scancel --batch --signal=TERM
+# JOBID`: this script passes it to the ranks (either launcher). A plain `scancel --signal=TERM`
+# also stops them with a checkpoint, but SLURM then cancels the step: under srun the job can
+# end 143 (srun "Force Terminated" a rank still exiting), under mpirun 205 (its daemons exit).
 #
 # Environment (sbatch passes the submitting shell's environment by default):
 #   HVDTRAIN_ROOT=DIR  the checkout, the same path on every node (default: the submit
@@ -35,11 +36,12 @@
 # Resources: the #SBATCH lines below ask for 2 nodes, 1 task (process) each with 2 CPUs, no
 # GPU; sbatch's own flags override them. GPU nodes: one task per GPU, and ask for the GPUs,
 # e.g. --ntasks-per-node=4 --gpus-per-node=4 (or --gres=gpu:4): every task of a node then
-# sees all of its GPUs and hvdtrain pins GPU number = local rank. A request no node can hold
-# (more CPUs, memory or GPUs per node than any node has) is not refused by sbatch but left
-# PENDING (reason PartitionConfig) until cancelled; this script cannot see that, since it
-# only runs once the job starts: `sbatch --test-only ...` prints one line for it instead
-# ("allocation failure: Requested node configuration is not available").
+# sees all of its GPUs and hvdtrain pins GPU number = local rank. Some requests the nodes
+# cannot hold are not refused by sbatch but left PENDING until cancelled (more CPUs per task
+# than a node has: reason PartitionConfig; more nodes than the partition: PartitionNodeLimit).
+# This script cannot see that, since it only runs once the job starts: `sbatch --test-only
+# ...` prints one line for it instead ("allocation failure: Requested node configuration is
+# not available").
 #SBATCH --job-name=hvdtrain
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
