@@ -38,7 +38,8 @@
 # e.g. --ntasks-per-node=4 --gpus-per-node=4 (or --gres=gpu:4): every task of a node then
 # sees all of its GPUs and hvdtrain pins GPU number = local rank. Some requests the nodes
 # cannot hold are not refused by sbatch but left PENDING until cancelled (more CPUs per task
-# than a node has: reason PartitionConfig; more nodes than the partition: PartitionNodeLimit).
+# than a node has, or more nodes than the partition: reason PartitionConfig or
+# PartitionNodeLimit).
 # This script cannot see that, since it only runs once the job starts: `sbatch --test-only
 # ...` prints one line for it instead ("allocation failure: Requested node configuration is
 # not available").

@@ -13,7 +13,8 @@ exec`` remounts /sys, hiding /sys/fs/cgroup, and slurmd's cgroup plugin fails wi
 and each node reads its own copy of the configuration, whose mpi.conf gives it its own
 ``PMIxCliTmpDirBase``: the nodes share /tmp, and PMIx would give a job step's directory the
 same name on both. ``AuthInfo=cred_expire=5`` makes a requeued job eligible again after 6 s
-instead of 121.
+instead of 121, and the scheduler looks at pending jobs every second (instead of every 30 to
+60 s), so a requeued job starts as soon as it may.
 
 Every daemon is a child of the test process (run in the foreground); ``destroy`` kills them and
 everything left in the namespaces, deletes the namespaces and checks that no process, namespace
@@ -52,6 +53,7 @@ AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
+SchedulerParameters=sched_interval=1,bf_interval=1
 ReturnToService=2
 SlurmdParameters=config_overrides
 {nodes}
