@@ -10,6 +10,9 @@
 #   IFACE=eth0    the network interface MPI, Gloo and NCCL use between hosts
 #   PYTHON=...    the interpreter on every host (default: this checkout's .venv)
 #   DRY_RUN=1     print the command instead of running it
+# Forwarded to every host with -x, where set: PATH LD_LIBRARY_PATH PYTHONPATH
+# TF_CPP_MIN_LOG_LEVEL HVDTRAIN_TF_LOGS HOROVOD_CYCLE_TIME HOROVOD_FUSION_THRESHOLD
+# PYTHONUNBUFFERED TF_USE_LEGACY_KERAS, and NCCL_DEBUG (default WARN).
 set -euo pipefail
 hostfile=${1:?usage: launch_cluster.sh HOSTFILE TASK [flags]}
 task=${2:?usage: launch_cluster.sh HOSTFILE TASK [flags]}
@@ -30,7 +33,7 @@ cmd=(mpirun -np "$np" --hostfile "$hostfile"
 # Forward the environment the workers need; -x NAME copies it from this shell. Only names
 # that are set: Open MPI prints a warning for each unset one.
 for name in PATH LD_LIBRARY_PATH PYTHONPATH TF_CPP_MIN_LOG_LEVEL HVDTRAIN_TF_LOGS \
-            HOROVOD_CYCLE_TIME HOROVOD_FUSION_THRESHOLD; do
+            HOROVOD_CYCLE_TIME HOROVOD_FUSION_THRESHOLD PYTHONUNBUFFERED TF_USE_LEGACY_KERAS; do
     if [[ -n "${!name+set}" ]]; then cmd+=(-x "$name"); fi
 done
 if [[ -n "${IFACE:-}" ]]; then

@@ -61,7 +61,11 @@ esac
 # hosts over ssh (tests/test_multihost.py runs an sshd in a network namespace); patchelf: a GPU
 # build's op library is pointed at the venv's NCCL.
 apt_packages=(build-essential cmake git openmpi-bin libopenmpi-dev python3-venv python3-dev
-              procps iproute2 ca-certificates shellcheck openssh-client openssh-server patchelf)
+              procps iproute2 ca-certificates shellcheck openssh-client openssh-server patchelf
+              # SLURM 22.05 and munge: tests/test_slurm.py runs scripts/slurm_job.sh on a
+              # two-node cluster of its own (the daemons run only while those tests do);
+              # srun --mpi=pmix loads libpmix.so from libpmix-dev, which libopenmpi-dev brings
+              slurmctld slurmd slurm-client munge)
 apt_optional=(dataset-fashion-mnist)  # not in every distribution: --data-dir works instead
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 if [[ "${HVDTRAIN_SKIP_APT:-0}" != 1 ]]; then

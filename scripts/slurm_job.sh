@@ -1,46 +1,80 @@
 #!/usr/bin/env bash
-# hvdtrain on a SLURM allocation: one process per GPU on every node. Submit it from the
-# root of the checkout (the same path, with its .venv, on every node, e.g. a shared home):
+# hvdtrain as a SLURM batch job: srun (or mpirun) starts one process per task on every node.
+# Tested under SLURM 22.05 (Debian's slurmctld/slurmd, two nodes): tests/test_slurm.py.
 #
-#   sbatch scripts/slurm_job.sh                               # MNIST, the defaults below
-#   sbatch --nodes=4 scripts/slurm_job.sh mnist --epochs 20 --data-dir /shared/mnist
-#   sbatch --export=ALL,IFACE=ib0 scripts/slurm_job.sh linear
-#   sbatch --export=ALL,LAUNCHER=mpirun scripts/slurm_job.sh  # Open MPI's mpirun instead of srun
+#   sbatch scripts/slurm_job.sh                                   # MNIST, 2 nodes x 1 task
+#   sbatch scripts/slurm_job.sh linear --epochs 5                 # TASK and hvdtrain flags
+#   sbatch --nodes=4 --ntasks-per-node=4 --gpus-per-node=4 scripts/slurm_job.sh mnist
+#   sbatch --export=ALL,LAUNCHER=mpirun,IFACE=ib0 scripts/slurm_job.sh linear
+#   sbatch --test-only [same flags] scripts/slurm_job.sh ...      # refused now, or queued
 #
-# Arguments: TASK (linear or mnist, default mnist) and hvdtrain flags; the run directory
-# defaults to runs/TASK-JOBID under the submit directory (a later --run-dir wins).
+# TASK: linear, mnist (default) or package.module:TaskClass; the rest are its flags.
+# Run directory: runs/JOBNAME-TASK under the submit directory (JOBNAME is sbatch's --job-name,
+# default hvdtrain), unless the flags give --run-dir. It does not depend on the job id, so
+# submitting the same command again resumes from the newest checkpoint, as does `scontrol
+# requeue`; give each experiment its own --job-name (or --run-dir).
+# Exit status: hvdtrain's; 75 after a SIGTERM: every rank stopped at the same step and rank 0
+# saved a checkpoint; submit again to resume. Send it with `scancel --batch --signal=TERM
+# JOBID`: this script passes it to the ranks (either launcher). A plain `scancel --signal=TERM`
+# also stops them with a checkpoint, but SLURM then cancels the step: under srun the job can
+# end 143 (srun "Force Terminated" a rank still exiting), under mpirun 205 (its daemons exit).
+#
 # Environment (sbatch passes the submitting shell's environment by default):
-#   IFACE=ib0        the network interface between nodes, for MPI, Gloo and NCCL
-#   LAUNCHER=srun    srun (default; needs SLURM's PMIx plugin and an MPI built with PMIx)
-#                    or mpirun (scripts/launch_cluster.sh with a hostfile of the allocation)
-#   SRUN_MPI=pmix    srun's --mpi plugin (srun --mpi=list shows yours; e.g. pmix_v3)
-#   PYTHON=...       the interpreter on every node (default: the checkout's .venv)
-#   DRY_RUN=1        print the launch command instead of running it
+#   HVDTRAIN_ROOT=DIR  the checkout, the same path on every node (default: the submit
+#                      directory, i.e. submit from the checkout's root)
+#   PYTHON=...         the interpreter on every node (default: HVDTRAIN_ROOT/.venv/bin/python)
+#   LAUNCHER=srun      srun (default): SLURM starts the tasks and gives them their ranks through
+#                      its PMIx plugin (Open MPI built with PMIx, e.g. Debian's); or mpirun:
+#                      Open MPI's mpirun over a hostfile of the allocation, via
+#                      scripts/launch_cluster.sh (mpirun then starts its daemons through srun)
+#   SRUN_MPI=pmix      srun's --mpi plugin (`srun --mpi=list`; pmix_v4 etc. also work; pmi2
+#                      does not with Debian's Open MPI: "OMPI was not built with SLURM's PMI")
+#   IFACE=ib0          the network interface between nodes, for MPI, Gloo and NCCL
+#   DRY_RUN=1          print the launch command instead of running it
+#   TF_CPP_MIN_LOG_LEVEL=2, NCCL_DEBUG=WARN   TensorFlow's and NCCL's log levels (defaults)
 #
-# Change the #SBATCH lines below to your cluster (partition, account, GPUs per node).
-# One task per GPU: --ntasks-per-node equals the GPUs per node. --gres gives every task of
-# a node all of its GPUs and hvdtrain pins GPU number = local rank (with memory growth);
-# --gpus-per-task=1 also works (each process then sees one GPU) but, where SLURM isolates
-# devices with cgroups, can keep NCCL from copying directly between a node's GPUs.
+# Resources: the #SBATCH lines below ask for 2 nodes, 1 task (process) each with 2 CPUs, no
+# GPU; sbatch's own flags override them. GPU nodes: one task per GPU, and ask for the GPUs,
+# e.g. --ntasks-per-node=4 --gpus-per-node=4 (or --gres=gpu:4): every task of a node then
+# sees all of its GPUs and hvdtrain pins GPU number = local rank. Some requests the nodes
+# cannot hold are not refused by sbatch but left PENDING until cancelled (more CPUs per task
+# than a node has, or more nodes than the partition: reason PartitionConfig or
+# PartitionNodeLimit).
+# This script cannot see that, since it only runs once the job starts: `sbatch --test-only
+# ...` prints one line for it instead ("allocation failure: Requested node configuration is
+# not available").
 #SBATCH --job-name=hvdtrain
 #SBATCH --nodes=2
-#SBATCH --ntasks-per-node=4
-#SBATCH --gres=gpu:4
-#SBATCH --cpus-per-task=8
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=2
 #SBATCH --time=01:00:00
 #SBATCH --output=hvdtrain-%j.out
 set -euo pipefail
 
 task=${1:-mnist}
 if (($#)); then shift; fi
-# sbatch runs a copy of this script from its spool directory: find the checkout from the
-# directory the job was submitted from, not from the script's own path.
-root=${HVDTRAIN_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+# sbatch runs a copy of this script from its spool directory: the checkout is named by
+# HVDTRAIN_ROOT or is the directory the job was submitted from, not the script's own path.
+submit_dir=${SLURM_SUBMIT_DIR:-$PWD}
+root=${HVDTRAIN_ROOT:-$submit_dir}
 python=${PYTHON:-$root/.venv/bin/python}
 launcher=${LAUNCHER:-srun}
-job=${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)}
-run_dir=$root/runs/$task-$job
-[[ -x "$python" ]] || { echo "slurm_job.sh: error: no $python (run scripts/setup.sh, or set PYTHON)" >&2; exit 2; }
+[[ -x "$python" ]] || { echo "slurm_job.sh: error: no $python (run scripts/setup.sh, or set PYTHON or HVDTRAIN_ROOT)" >&2; exit 2; }
+
+# The run directory: the flags' --run-dir (the last one wins, as in hvdtrain), else one named
+# after the job name and the task, so that the same submission finds its checkpoints again.
+run_dir=""
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case ${args[i]} in
+    --run-dir) run_dir=${args[i + 1]:-} ;;
+    --run-dir=*) run_dir=${args[i]#--run-dir=} ;;
+    esac
+done
+if [[ -z "$run_dir" ]]; then
+    run_dir=$submit_dir/runs/${SLURM_JOB_NAME:-hvdtrain}-${task//[^A-Za-z0-9._-]/_}
+    set -- --run-dir "$run_dir" "$@"
+fi
 
 # Network interface: the same one for every layer that opens sockets between nodes.
 if [[ -n "${IFACE:-}" ]]; then
@@ -57,9 +91,12 @@ srun)
     # srun starts SLURM_NTASKS processes, forwards this whole environment (--export=ALL
     # is its default inside a job) and gives each its rank through PMIx; Horovod's MPI
     # controller reads them, so no mpirun and no ssh between nodes.
+    # --kill-on-bad-exit=0 (also over a KillOnBadExit=1 in slurm.conf): after a SIGTERM every
+    # rank exits 75 at its own pace, and srun must not kill the slower ones (the job would end
+    # 143); a rank that dies is caught by hvdtrain's peer watchdog, which stops the others.
     # --cpu-bind=none: TensorFlow sizes its own thread pools per local rank.
-    cmd=(srun --mpi="${SRUN_MPI:-pmix}" --cpu-bind=none --kill-on-bad-exit=1
-         "$python" -m hvdtrain "$task" --run-dir "$run_dir" "$@")
+    cmd=(srun --mpi="${SRUN_MPI:-pmix}" --cpu-bind=none --kill-on-bad-exit=0
+         "$python" -m hvdtrain "$task" "$@")
     ;;
 mpirun)
     # Open MPI's mpirun with a hostfile of the allocation: SLURM_JOB_NODELIST expanded by
@@ -71,7 +108,7 @@ mpirun)
     scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a SLURM allocation}" |
         sed "s/\$/ slots=${slots%%[(,]*}/" >"$hostfile"
     cmd=(env NP="${SLURM_NTASKS:?not inside a SLURM allocation}" PYTHON="$python"
-         "$root/scripts/launch_cluster.sh" "$hostfile" "$task" --run-dir "$run_dir" "$@")
+         "$root/scripts/launch_cluster.sh" "$hostfile" "$task" "$@")
     ;;
 *)
     echo "slurm_job.sh: error: LAUNCHER=$launcher: use srun or mpirun" >&2; exit 2 ;;
@@ -82,5 +119,34 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
     if [[ -n "${hostfile:-}" ]]; then sed 's/^/hostfile: /' "$hostfile"; fi
     exit 0
 fi
-echo "slurm_job.sh: $task on ${SLURM_NTASKS:-?} processes, ${SLURM_JOB_NUM_NODES:-?} nodes; run dir $run_dir"
-"${cmd[@]}"  # not exec: the EXIT trap removes the hostfile
+echo "slurm_job.sh: $task on ${SLURM_NTASKS:-?} processes, ${SLURM_JOB_NUM_NODES:-?} nodes" \
+     "(${SLURM_JOB_NODELIST:-?}), $launcher; GPUs per node: ${SLURM_GPUS_ON_NODE:-none};" \
+     "run dir $run_dir"
+# A SIGTERM to this shell (`scancel --batch --signal=TERM`) goes on to the ranks, not to the
+# launcher: srun and mpirun end the whole step on a SIGTERM of their own (the job would end 137
+# or 1, not 75). One rank's SIGTERM stops every rank at the same step, so this node's ranks
+# (srun's tasks or mpirun's local processes: a rank variable and this job's id in their
+# environment) are enough; rank 0 saves and each exits 75.
+# shellcheck disable=SC2317  # invoked by the trap below
+pass_term() {
+    local environ vars
+    for environ in /proc/[0-9]*/environ; do
+        vars=$(tr '\0' '\n' 2>/dev/null <"$environ") || continue
+        if grep -qx "SLURM_JOB_ID=$SLURM_JOB_ID" <<<"$vars" &&
+                grep -qE '^(PMIX_RANK|OMPI_COMM_WORLD_RANK)=' <<<"$vars"; then
+            environ=${environ#/proc/}
+            kill -TERM "${environ%/environ}" 2>/dev/null || true
+        fi
+    done
+}
+# In the background, so that the trap runs at once rather than after the launcher ends.
+"${cmd[@]}" &
+launched=$!
+trap pass_term TERM
+status=0
+wait "$launched" || status=$?
+while kill -0 "$launched" 2>/dev/null; do  # the trap ended the wait, not the launcher
+    status=0
+    wait "$launched" || status=$?
+done
+exit "$status"
