@@ -73,8 +73,7 @@ class Run:
         self.global_batch = 0
         self.model = self.optimizer = None
         self.state: list = []  # model and optimizer variables: what a checkpoint holds
-        self.moving: list = []  # non-trainable float weights (BatchNorm's moving statistics)
-        self._synced_step = None  # the global step sync_state last averaged them at
+        self.moving = MovingStatistics(world, [])
         self._sigterm = None
 
     # --- the run's frame: watchdog, SIGTERM, errors ---------------------------------------------
@@ -128,8 +127,7 @@ class Run:
         step boundary instead of killing the process."""
         self.model, self.optimizer = model, optimizer
         self.state = list(model.variables) + list(optimizer.variables)
-        self.moving = [v for v in model.non_trainable_weights
-                       if np.asarray(v.numpy()).dtype.kind == "f"]
+        self.moving = MovingStatistics(world, model.non_trainable_weights)
         find = lambda: self.checkpoints.find(self.record(defines_run=True))  # noqa: E731
         found = self.agree(find, catch=(CheckpointError,))
         load = lambda: self.checkpoints.load(found, self.state)  # noqa: E731
@@ -166,20 +164,8 @@ class Run:
         return self.world.allreduce_sum([float(self.stop_requested)])[0] > 0
 
     def sync_state(self) -> None:
-        """All ranks: average the non-trainable float weights (BatchNormalization's moving
-        mean and variance, any other statistic a layer updates in training) over the ranks,
-        so every rank, a checkpoint and model.keras hold the same model. Each rank's follow
-        its own batches between these calls; one host allreduce of them, taken before every
-        evaluation, checkpoint, elastic commit and the final save, and only once per step."""
-        if not self.moving or self.world.size == 1 or self._synced_step == self.global_step:
-            return
-        self._synced_step = self.global_step  # the same on every rank: all skip, or none
-        now = [np.asarray(v.numpy()) for v in self.moving]
-        flat = np.concatenate([np.ravel(a).astype(np.float64) for a in now])
-        mean, at = self.world.allreduce_sum(flat) / self.world.size, 0
-        for v, a in zip(self.moving, now):
-            v.assign(mean[at:at + a.size].reshape(a.shape).astype(a.dtype))
-            at += a.size
+        """All ranks: the model's moving statistics averaged over the ranks (once a step)."""
+        self.moving.sync(self.global_step)
 
     def save(self, progress: Progress, partial_sums) -> None:
         """All ranks (the divergence check is everyone's decision); rank 0 writes the
@@ -212,6 +198,11 @@ class Run:
 
     def preempt(self, global_step: int) -> None:
         """After the checkpoint of a SIGTERM'd step: every rank stops here."""
+        # The process is ending with 75: a second SIGTERM (srun sends its own when the job
+        # is cancelled) must not turn that into a death by signal (143), now or on the way
+        # out, so it stays ignored.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self._sigterm = None
         self.world.barrier()  # nobody exits (and gets the job killed) before the save
         raise Preempted(f"stopped by SIGTERM at step {global_step}; checkpoint saved in "
                         f"{self.ckpt_dir}; run the same command to resume")
@@ -253,6 +244,33 @@ def _stop_watching(dog: Watchdog, world: World, e: Optional[BaseException]) -> N
                         f"{first_line(str(e))}") from None
     else:
         dog.abort(f"{type(e).__name__}: {e}")  # this rank alone: stop the others too
+
+
+class MovingStatistics:
+    """The non-trainable float weights of a model (BatchNormalization's moving mean and
+    variance, any other statistic a layer updates in training), kept the same on every rank.
+
+    Each rank's follow its own batches between two ``sync`` calls; ``sync`` replaces them by
+    their average over the ranks with one host allreduce. The run engine syncs before every
+    evaluation, checkpoint, elastic commit and the final save, once per step at most (the
+    semantics of MultiWorkerMirroredStrategy's ON_READ variables with MEAN aggregation).
+    """
+
+    def __init__(self, world: World, weights):
+        self.world = world
+        self.weights = [v for v in weights if np.asarray(v.numpy()).dtype.kind == "f"]
+        self._synced_step = None  # the global step they were last averaged at
+
+    def sync(self, global_step: int) -> None:
+        if not self.weights or self.world.size == 1 or self._synced_step == global_step:
+            return
+        self._synced_step = global_step  # the same on every rank: all skip, or none
+        now = [np.asarray(v.numpy()) for v in self.weights]
+        flat = np.concatenate([np.ravel(a).astype(np.float64) for a in now])
+        mean, at = self.world.allreduce_sum(flat) / self.world.size, 0
+        for v, a in zip(self.weights, now):
+            v.assign(mean[at:at + a.size].reshape(a.shape).astype(a.dtype))
+            at += a.size
 
 
 class Checkpoints:
