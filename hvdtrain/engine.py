@@ -127,7 +127,7 @@ class Run:
         step boundary instead of killing the process."""
         self.model, self.optimizer = model, optimizer
         self.state = list(model.variables) + list(optimizer.variables)
-        self.moving = MovingStatistics(world, model.non_trainable_weights)
+        self.moving = MovingStatistics(self.world, model.non_trainable_weights)
         find = lambda: self.checkpoints.find(self.record(defines_run=True))  # noqa: E731
         found = self.agree(find, catch=(CheckpointError,))
         load = lambda: self.checkpoints.load(found, self.state)  # noqa: E731
