@@ -2,7 +2,8 @@
 
 The pins are the combination measured to build and train (see README, "Supported
 versions"): Horovod 0.28.1 is the last release; scripts/setup.sh compiles it against
-TensorFlow 2.21 with one small patch (scripts/patches/). Keras 3 is the default;
+TensorFlow 2.21 with two small kept patches (scripts/patches/; the second matters to GPU
+builds only). Keras 3 is the default;
 tf-keras gives Keras 2 to users who set TF_USE_LEGACY_KERAS=1.
 
 Horovod is an extra, not a hard requirement: it is compiled against the
