@@ -319,3 +319,15 @@ def test_a_keras3_model_under_keras2_is_one_line(tmp_path):
     p = fit_run(tmp_path, change, tmp_path / "run", extra_env={"TF_USE_LEGACY_KERAS": "1"})
     one_line(p, 1, ["hk.fit was given a keras Sequential, but hvdtrain trains with tf_keras"])
     assert not (tmp_path / "run").exists()
+
+
+def test_the_fit_example_reports_a_bad_run_dir_in_one_line(env, tmp_path):
+    """examples/keras_fit_mnist.py reports hvdtrain's errors as the CLI does (it caught only
+    Preempted before: a busy or unusable run_dir was a traceback)."""
+    from conftest import launch_example
+
+    where = tmp_path / "a-file"
+    where.write_text("not a directory")
+    p = run(launch_example(1, "keras_fit_mnist.py", "--model", "dense", "--epochs", "1",
+                           "--run-dir", str(where)), env, timeout=120)
+    one_line(p, 2, [f"keras_fit_mnist.py: error: --run-dir={where}: is a file, not a directory"])
