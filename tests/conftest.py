@@ -123,3 +123,29 @@ def launch_example(np, name, *args):
     return script_cmd(np, os.path.join(ROOT, "examples", name), *args)
 
 
+@pytest.fixture
+def no_horovod(tmp_path):
+    """An environment where ``import horovod`` fails as it does when it is not installed."""
+    shim = tmp_path / "shim" / "horovod"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'horovod'\")\n")
+    return clean_env(tmp_path / "home", PYTHONPATH=f"{shim.parent}:{ROOT}")
+
+
+def kill_after_first_checkpoint(cmd, env, run_dir, timeout=120):
+    """Start a job, SIGKILL all of it once a checkpoint exists; return that checkpoint's step."""
+    import signal
+
+    from hvdtrain import checkpoint
+
+    newest = lambda: checkpoint.list_checkpoints(os.path.join(run_dir, "checkpoints"))  # noqa
+    proc = start(cmd, env)
+    try:
+        assert wait_for(newest, timeout), "no checkpoint appeared"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        finish(proc, 30)
+    for pid in rank_pids(str(run_dir)).values():  # ranks in their own session, if any
+        os.kill(pid, signal.SIGKILL)
+    assert not os.path.exists(os.path.join(run_dir, "result.json")), "job finished before kill"
+    return newest()[0][0]

@@ -151,15 +151,6 @@ def test_a_task_gets_the_scaled_learning_rate_once(code, tmp_path):
     assert config["learning_rate"] == 0.05 and config["scale_lr"] is True
 
 
-@pytest.fixture
-def no_horovod(tmp_path):
-    """``import horovod`` fails as it does when it is not installed."""
-    shim = tmp_path / "shim" / "horovod"
-    shim.mkdir(parents=True)
-    (shim / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'horovod'\")\n")
-    return clean_env(tmp_path / "home", PYTHONPATH=f"{shim.parent}:{ROOT}")
-
-
 def test_elastic_without_horovod_is_one_line(no_horovod, tmp_path):
     p = run(module_cmd("linear", "--elastic", "--run-dir", str(tmp_path / "r")), no_horovod)
     assert p.returncode == 1, p.stderr

@@ -2,16 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import ROOT, keras_flavour, clean_env, module_cmd, result, run
-
-
-@pytest.fixture
-def no_horovod(tmp_path):
-    """An environment where ``import horovod`` fails as it does when it is not installed."""
-    shim = tmp_path / "shim" / "horovod"
-    shim.mkdir(parents=True)
-    (shim / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'horovod'\")\n")
-    return clean_env(tmp_path / "home", PYTHONPATH=f"{shim.parent}:{ROOT}")
+from conftest import keras_flavour, module_cmd, result, run
 
 
 @pytest.mark.keras2

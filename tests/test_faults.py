@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import keras_flavour, finish, launch, module_cmd, rank_pids, result, run, start, wait_for
+from conftest import (keras_flavour, finish, kill_after_first_checkpoint, launch, module_cmd,
+                      rank_pids, result, run, start, wait_for)
 from hvdtrain import checkpoint as C
 
 # Linear, far from converged at the end (lr 5e-4, 1,000 small steps), so equal weights mean
@@ -22,20 +23,6 @@ MNIST = ["--batch-size", "20", "--epochs", "5", "--learning-rate", "0.5", "--no-
 
 def checkpoints(run_dir):
     return C.list_checkpoints(os.path.join(run_dir, "checkpoints"))
-
-
-def kill_after_first_checkpoint(cmd, env, run_dir):
-    """Start a job, SIGKILL all of it once a checkpoint exists; return that checkpoint's step."""
-    proc = start(cmd, env)
-    try:
-        assert wait_for(lambda: checkpoints(run_dir), 120), "no checkpoint appeared"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        finish(proc, 30)
-    for pid in rank_pids(str(run_dir)).values():  # ranks in their own session, if any
-        os.kill(pid, signal.SIGKILL)
-    assert not os.path.exists(os.path.join(run_dir, "result.json")), "job finished before kill"
-    return checkpoints(run_dir)[0][0]
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,10 @@
 checkpoint exists, at an epoch's end and in mid-epoch, then rerun the same command; the run
 ends with the uninterrupted run's weights (weights_sha256), on the Task path and on hk.fit."""
 import os
-import signal
 
 import pytest
 
-from conftest import finish, launch, launch_example, rank_pids, result, run, start, wait_for
+from conftest import kill_after_first_checkpoint, launch, launch_example, result, run
 from hvdtrain import checkpoint as C
 
 # Task path: the linear task, 2 ranks, 100 steps an epoch. Fit path: the Keras example's
@@ -49,15 +48,7 @@ def test_sigkill_then_rerun_ends_with_the_uninterrupted_weights(path, where, uni
                                                                 tmp_path):
     run_dir = str(tmp_path / "run")
     cmd = PATHS[path](run_dir, WHERE[where])
-    proc = start(cmd, env)
-    try:
-        assert wait_for(lambda: checkpoints(run_dir), 180), "no checkpoint appeared"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        finish(proc, 30)
-        for pid in rank_pids(run_dir).values():
-            os.kill(pid, signal.SIGKILL)
-    assert not os.path.exists(os.path.join(run_dir, "result.json")), "finished before the kill"
+    kill_after_first_checkpoint(cmd, env, run_dir, timeout=180)
     # The state a kill right after the first save leaves: later checkpoints (if the job got
     # that far before the signal landed) are removed, so each case resumes from its kind.
     first_step, first = checkpoints(run_dir)[-1]
