@@ -102,22 +102,25 @@ class World:
     def barrier(self) -> None:
         pass
 
-    def agree(self, fn: Callable, catch=(Exception,), merge=()):
+    def agree(self, fn: Callable, catch=(Exception,), merge=None):
         """Run ``fn`` on every rank; if it raised on any, raise RankError on all of them.
 
         Without this, a rank whose local file is corrupt exits while the others block in
-        the next collective forever. ``merge``: error classes that, raised with the same
-        message on every rank (an error in the user's code, say), are said once.
+        the next collective forever. ``merge``: an error class that, raised with the same
+        message on every rank (an error in the user's code, say), is raised again as
+        itself, said once, rather than as a RankError.
         """
         try:
             value, error = fn(), None
         except catch as e:
-            value, error = None, (str(e), isinstance(e, merge))
+            value, error = None, (str(e), merge is not None and isinstance(e, merge))
         errors = self.allgather_object(error)
         failed = [(r, e[0]) for r, e in enumerate(errors) if e is not None]
         if failed:
-            if self.size == 1 or (len(failed) == self.size and all(e[1] for e in errors)
-                                  and len({e for _, e in failed}) == 1):
+            same = len(failed) == self.size and len({e for _, e in failed}) == 1
+            if same and all(e[1] for e in errors):
+                raise merge(failed[0][1])  # the same error everywhere: as it was raised
+            if self.size == 1:
                 raise RankError(failed[0][1])
             raise RankError("; ".join(f"rank {r}: {e}" for r, e in failed))
         return value
