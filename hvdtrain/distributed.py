@@ -5,7 +5,8 @@ pools, and returns a ``World``: rank, size, chief, and the few collectives the l
 (the gradients' reduction, broadcast, sums, barrier, agreement on errors, the elastic
 driver). Nothing else in hvdtrain asks ``rank() == 0``; it asks ``world.is_chief``. The
 optimizer wrapper (``optimizer.py``), the doctor and the benchmarks reach Horovod through
-this module: ``World.reduction``, ``horovod_build()``, ``World.hvd``.
+this module: ``World.reduction``, ``horovod_package()``, ``horovod_tensorflow()``,
+``horovod_keras()``, ``World.hvd``.
 """
 from __future__ import annotations
 

@@ -93,9 +93,10 @@ class Run:
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True
 
-    def agree(self, fn, catch):
-        """``fn()`` on every rank, failing on all if it failed on one; alone in elastic runs."""
-        return self.world.agree(fn, catch=catch) if self.collective else fn()
+    def agree(self, fn, catch, merge=None):
+        """``fn()`` on every rank, failing on all if it failed on one (``World.agree``); alone
+        in elastic runs."""
+        return self.world.agree(fn, catch=catch, merge=merge) if self.collective else fn()
 
     def user(self, what: str, fn, *args, catch=()):
         """The user's ``fn(*args)`` on every rank: an exception from it (or ``catch``) on any
@@ -103,8 +104,7 @@ class Run:
         def call():
             with user_code(what):
                 return fn(*args)
-        return self.world.agree(call, catch=(TaskError,) + tuple(catch), merge=TaskError) \
-            if self.collective else call()
+        return self.agree(call, catch=(TaskError,) + tuple(catch), merge=TaskError)
 
     # --- before training ----------------------------------------------------------------------
     def check_run_dir(self) -> None:

@@ -202,8 +202,7 @@ def check_metrics(task: Task, metrics) -> dict:
             isinstance(k, str) and callable(f) for k, f in metrics.items()):
         raise TaskError(f"{type(task).__name__}.metrics returned {type(metrics).__name__}; it "
                         "must return a dict of name -> fn(y, pred) (one value per example)")
-    clash = [k for k in metrics if k == "loss"]
-    if clash:
+    if "loss" in metrics:
         raise TaskError(f"{type(task).__name__}.metrics: 'loss' is the loss's name")
     return metrics
 

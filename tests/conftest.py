@@ -132,20 +132,24 @@ def no_horovod(tmp_path):
     return clean_env(tmp_path / "home", PYTHONPATH=f"{shim.parent}:{ROOT}")
 
 
+def checkpoints(run_dir):
+    """(global step, path) of the run directory's checkpoints, newest first."""
+    from hvdtrain import checkpoint
+
+    return checkpoint.list_checkpoints(os.path.join(run_dir, "checkpoints"))
+
+
 def kill_after_first_checkpoint(cmd, env, run_dir, timeout=120):
     """Start a job, SIGKILL all of it once a checkpoint exists; return that checkpoint's step."""
     import signal
 
-    from hvdtrain import checkpoint
-
-    newest = lambda: checkpoint.list_checkpoints(os.path.join(run_dir, "checkpoints"))  # noqa
     proc = start(cmd, env)
     try:
-        assert wait_for(newest, timeout), "no checkpoint appeared"
+        assert wait_for(lambda: checkpoints(run_dir), timeout), "no checkpoint appeared"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         finish(proc, 30)
     for pid in rank_pids(str(run_dir)).values():  # ranks in their own session, if any
         os.kill(pid, signal.SIGKILL)
     assert not os.path.exists(os.path.join(run_dir, "result.json")), "job finished before kill"
-    return newest()[0][0]
+    return checkpoints(run_dir)[0][0]

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (keras_flavour, finish, kill_after_first_checkpoint, launch, module_cmd,
+from conftest import (checkpoints, keras_flavour, finish, kill_after_first_checkpoint, launch, module_cmd,
                       rank_pids, result, run, start, wait_for)
 from hvdtrain import checkpoint as C
 
@@ -19,10 +19,6 @@ LINEAR = ["--batch-size", "5", "--epochs", str(LINEAR_EPOCHS), "--learning-rate"
           "--checkpoint-every", "100", "--verbose", "0"]
 MNIST = ["--batch-size", "20", "--epochs", "5", "--learning-rate", "0.5", "--no-download",
          "--checkpoint-every", "50", "--verbose", "0"]
-
-
-def checkpoints(run_dir):
-    return C.list_checkpoints(os.path.join(run_dir, "checkpoints"))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest import kill_after_first_checkpoint, launch, launch_example, result, run
+from conftest import checkpoints, kill_after_first_checkpoint, launch, launch_example, result, run
 from hvdtrain import checkpoint as C
 
 # Task path: the linear task, 2 ranks, 100 steps an epoch. Fit path: the Keras example's
@@ -22,10 +22,6 @@ PATHS = {
 # When the first checkpoint is written: at the end of epoch 1 (checkpoints at epoch ends
 # only), or inside epoch 1 (every 30 steps).
 WHERE = {"epoch_end": 0, "mid_epoch": 30}
-
-
-def checkpoints(run_dir):
-    return C.list_checkpoints(os.path.join(run_dir, "checkpoints"))
 
 
 @pytest.fixture(scope="module")
