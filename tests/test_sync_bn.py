@@ -93,6 +93,23 @@ y_infer_plain = plain(tf.constant(X[mine]), training=False)
 out["inference"] = diff([y_infer], [y_infer_plain])
 out["inference_moved"] = diff(before, [np.asarray(v) for v in sync.weights])
 
+# Masked time steps (a Masking layer's mask) are not counted: sequences with padding.
+S = np.where(rng.random(size=(N, 5, 1)) < 0.3, 0.0, rng.normal(size=(N, 5, 3)) + 1.0)
+S = S.astype("float32")
+
+
+def masked(bn):
+    k.utils.set_random_seed(1)
+    return k.Sequential([k.Input((5, 3)), k.layers.Masking(0.0), bn(momentum=0.5)])
+
+
+m_sync, m_plain, m_local = masked(SyncBatchNormalization), masked(BN), masked(BN)
+forward(m_sync, tf.constant(S[mine]))
+forward(m_plain, tf.constant(S))
+forward(m_local, tf.constant(S[mine]))
+out["masked"] = diff(stats(m_sync), stats(m_plain))
+out["masked_local"] = diff(stats(m_local), stats(m_plain))
+
 # A few SGD steps: each rank's loss is its share of the global batch's mean loss, so that
 # the averaged gradients are the global batch's (uneven batches).
 opt = hvdtrain.DistributedOptimizer(k.optimizers.SGD(0.1))
@@ -234,6 +251,8 @@ def test_two_ranks_uneven_batches_give_one_process_at_the_global_batch(code, tmp
         assert out["ops_train"] == ["HorovodAllreduce"] * 4 + ["HorovodGroupedAllreduce"]
         assert out["ops_inference"] == [] and out["inference"] < 1e-5
         assert out["inference_moved"] == 0.0
+        # Masked entries are left out of the count and the sums alike.
+        assert out["masked"] < 1e-5 < 0.1 < out["masked_local"], out
         # It saves, and shows, as Keras' BatchNormalization.
         assert "BatchNormalization" in out["types"]
 
@@ -242,6 +261,7 @@ def test_two_ranks_uneven_batches_give_one_process_at_the_global_batch(code, tmp
 def test_one_process_is_batch_normalization_to_the_bit(code, tmp_path):
     out, = exact(code, tmp_path, 1)
     assert out["stats"] == out["outputs"] == out["trainable"] == out["moving"] == 0.0, out
+    assert out["masked"] == 0.0
     assert out["ops_train"] == [] and out["ops_inference"] == []
     assert out["trained"] > 1e-2
 
