@@ -148,8 +148,8 @@ with open(f"{sys.argv[1]}{world.rank}.json", "w") as f:
 
 COMMON = textwrap.dedent("""
     import numpy as np
+    import hvdtrain
     from hvdtrain.compat import keras
-    from hvdtrain.layers import SyncBatchNormalization
 
     def data():
         rng = np.random.default_rng(0)
@@ -160,7 +160,7 @@ COMMON = textwrap.dedent("""
     def model():
         k = keras()
         k.utils.set_random_seed(1)
-        return k.Sequential([k.Input((8,)), k.layers.Dense(16), SyncBatchNormalization(),
+        return k.Sequential([k.Input((8,)), k.layers.Dense(16), hvdtrain.SyncBatchNormalization(),
                              k.layers.Activation("relu"), k.layers.Dense(2, activation="softmax")])
 """)
 TASK = textwrap.dedent("""
