@@ -6,7 +6,8 @@
 
 Keras 3 is the default; with ``TF_USE_LEGACY_KERAS=1`` set before the program starts, the
 same code runs on Keras 2 (tf_keras). Public API: ``Task``, ``train``, ``Config``,
-``setting``, ``preset``, ``world``, ``DistributedOptimizer``, ``hvdtrain.cli.run``, and the
+``setting``, ``preset``, ``world``, ``DistributedOptimizer``, ``SyncBatchNormalization``
+(``hvdtrain.layers``), ``hvdtrain.cli.run``, and the
 Keras ``fit`` path in ``hvdtrain.keras`` (see README, "Your own model").
 """
 import os as _os
@@ -38,5 +39,14 @@ def world():
     return distributed.current()
 
 
-__all__ = ["Config", "ConfigError", "DistributedOptimizer", "Task", "TaskError", "preset",
-           "setting", "train", "world", "__version__"]
+def __getattr__(name):
+    # Imported on first use: the class depends on the Keras in use, and importing hvdtrain
+    # does not import TensorFlow.
+    if name == "SyncBatchNormalization":
+        from hvdtrain import layers
+        return layers.SyncBatchNormalization
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Config", "ConfigError", "DistributedOptimizer", "SyncBatchNormalization", "Task",
+           "TaskError", "preset", "setting", "train", "world", "__version__"]

@@ -64,6 +64,7 @@ class World:
     """One process's view of the job. The single-process world needs no Horovod."""
 
     backend = "single"
+    elastic = False  # Horovod's elastic mode: the size may change after compilation
 
     def __init__(self):
         self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
@@ -92,6 +93,12 @@ class World:
 
     def sum_in_graph(self, tensor):
         """Sum a tensor over ranks inside a compiled step."""
+        return tensor
+
+    def sum_statistics(self, tensor):
+        """Sum a layer's batch statistics over the ranks inside a step, differentiably: the
+        gradient with respect to each rank's part is the sum of the ranks' gradients with
+        respect to the total (``hvdtrain.layers.SyncBatchNormalization``)."""
         return tensor
 
     def broadcast_object(self, obj):
@@ -247,6 +254,14 @@ class HorovodWorld(World):
         # A round of its own: the training step puts its flags in the gradients' grouped
         # allreduce instead (hvdtrain.optimizer.apply_gradients); this is for Adasum only.
         return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.flags")
+
+    def sum_statistics(self, tensor):
+        # Horovod: a round of its own where the layer stands in the forward pass (the next
+        # layer needs the statistics: they cannot wait for the gradients' grouped allreduce),
+        # and one in the backward pass: Horovod's gradient of a Sum allreduce is a Sum
+        # allreduce. No name: TensorFlow's unique op name in the traced step names it alike
+        # on every rank.
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum)
 
     def broadcast_object(self, obj):
         return self.hvd.broadcast_object(obj, root_rank=0)
