@@ -57,7 +57,7 @@ def test_task_path_sigterm_and_checkpoints_on_updates_and_exact_resume(env, tmp_
     stops both ranks after an update with a checkpoint there; the rerun ends with the
     uninterrupted run's weights."""
     args = ["--batch-size", "5", "--accumulate-steps", "4", "--checkpoint-every", "10",
-            "--keep-checkpoints", "100", "--epochs", "40", "--learning-rate", "0.0005",
+            "--keep-checkpoints", "1000", "--epochs", "40", "--learning-rate", "0.0005",
             "--steps-per-execution", "1", "--verbose", "0"]
     whole = tmp_path / "whole"
     p = run(launch("gloo", 2, "linear", "--run-dir", str(whole), *args), env, timeout=400)
@@ -239,3 +239,30 @@ def test_fit_path_bad_backward_passes_is_one_line(batch, passes, why, fit_script
     assert p.returncode != 0
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     assert why in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.keras2
+def test_task_path_one_negotiation_round_per_update(env, tmp_path):
+    """4 micro-batches per update: the gradients and the [stop, diverged] flags still travel
+    in one grouped allreduce per update (a Horovod timeline of a real 2-process run)."""
+    from hvdtrain.bench.cases import read_timeline, summarize_timeline
+
+    timeline = tmp_path / "timeline.json"
+    p = run(launch("mpi", 2, "mnist", "--epochs", "2", "--batch-size", "25",
+                   "--accumulate-steps", "4", "--checkpoint-every", "0", "--verbose", "0",
+                   "--run-dir", str(tmp_path / "r")),
+            dict(env, HOROVOD_TIMELINE=str(timeline)), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = result(tmp_path / "r")
+    steps = r["global_step"]
+    assert steps == 2 * 4000 // (100 * 2) and r["global_batch_size"] == 200
+    events = read_timeline(str(timeline))
+    tensors = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("name") == "process_name" and "name" in e.get("args", {})}
+    grouped = sorted(t for t in tensors.values() if "GroupedAllreduce" in t)
+    assert [t[-4:] for t in grouped] == ["1of3", "2of3", "3of3"], tensors
+    negotiated = [tensors[e["pid"]] for e in events
+                  if e.get("ph") == "B" and e.get("name") == "NEGOTIATE_ALLREDUCE"]
+    assert all(negotiated.count(t) == steps for t in grouped)  # per update, not micro-batch
+    rounds = summarize_timeline(str(timeline))["allreduce_rounds"]
+    assert steps < rounds <= steps + 3 * 2, rounds
