@@ -10,12 +10,11 @@ import json
 import os
 import signal
 import textwrap
-import time
 
 import numpy as np
 import pytest
 
-from conftest import (HOROVODRUN, ROOT, checkpoints, clean_env, finish, launch, module_cmd,
+from conftest import (HOROVODRUN, KERAS2, checkpoints, clean_env, finish, launch, module_cmd,
                       rank_pids, result, run, start, wait_for)
 from hvdtrain import checkpoint as C
 
@@ -266,3 +265,55 @@ def test_task_path_one_negotiation_round_per_update(env, tmp_path):
     assert all(negotiated.count(t) == steps for t in grouped)  # per update, not micro-batch
     rounds = summarize_timeline(str(timeline))["allreduce_rounds"]
     assert steps < rounds <= steps + 3 * 2, rounds
+
+
+@pytest.mark.keras2
+def test_task_path_streamed_micro_batches_train_like_in_memory(tmp_path):
+    """Arrays on disk (streamed: each update's rows read as one block, split in the step)
+    and in memory give the same bits with 4 micro-batches of 4; and the weights of batches
+    of 16 to 1e-5 (SGD with momentum: the same mean gradient, the same update)."""
+    import hvdtrain
+    from hvdtrain import distributed
+    from test_single import OnDisk, Xor
+
+    world = distributed.init("auto")
+    args = dict(learning_rate=0.5, momentum=0.9, epochs=5, verbose=0, num_workers=1)
+
+    def train(task, name, **more):
+        config = hvdtrain.Config(run_dir=str(tmp_path / name), **args, **more)
+        return hvdtrain.train(task, config, world), hvdtrain.compat.keras().models.load_model(
+            tmp_path / name / "model.keras", compile=False).get_weights()
+
+    (a, wa), (b, _) = (train(Xor(), "mem", batch_size=4, accumulate_steps=4),
+                        train(OnDisk(str(tmp_path)), "disk", batch_size=4, accumulate_steps=4))
+    assert a["weights_sha256"] == b["weights_sha256"]
+    assert a["global_step"] == b["global_step"] == 5 * 256 // 16
+    one, w1 = train(Xor(), "one", batch_size=16)
+    assert one["global_step"] == a["global_step"]
+    for x, y in zip(w1, wa):
+        np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+    assert abs(one["final_loss"] - a["final_loss"]) < 1e-5
+
+
+@pytest.mark.skipif(KERAS2, reason="Keras 2's accumulation is Horovod's own wrapper")
+def test_fit_path_one_gradient_round_per_update(fit_script, tmp_path):
+    """Keras 3 (hvdtrain's wrapper over Keras' own accumulation): 120 Keras steps of 8 on
+    2 ranks, 4 per update: the gradients' grouped allreduce is negotiated 30 times, once per
+    update, not per micro-batch (a Horovod timeline of the real run)."""
+    import sys
+    from hvdtrain.bench.cases import read_timeline
+
+    timeline = tmp_path / "timeline.json"
+    cmd = [HOROVODRUN, "-np", "2", "--mpi", sys.executable, str(fit_script),
+           str(tmp_path / "r"), "8", "4", "1", "0"]
+    p = run(cmd, clean_env(tmp_path / "home", HOROVOD_TIMELINE=str(timeline)), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert result(tmp_path / "r")["global_step"] == 30
+    events = read_timeline(str(timeline))
+    tensors = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("name") == "process_name" and "name" in e.get("args", {})}
+    grouped = sorted(t for t in tensors.values() if "GroupedAllreduce" in t)
+    assert [t[-4:] for t in grouped] == ["1of4", "2of4", "3of4", "4of4"], tensors
+    negotiated = [tensors[e["pid"]] for e in events
+                  if e.get("ph") == "B" and e.get("name") == "NEGOTIATE_ALLREDUCE"]
+    assert [negotiated.count(t) for t in grouped] == [30] * 4
