@@ -25,8 +25,6 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--no-scale-lr", action="store_true", help="keep --lr at any world size")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: epoch ends only)")
-    p.add_argument("--accumulate", type=int, default=1,
-                   help="batches per update (gradient accumulation: one allreduce per update)")
     args = p.parse_args(argv)
     k = keras()
 
@@ -60,8 +58,7 @@ def main(argv=None):
     opt = k.optimizers.Adam(scaled_lr) if args.optimizer == "adam" else k.optimizers.SGD(scaled_lr)
     # Horovod: add Horovod DistributedOptimizer (XLA off: no XLA kernels for its ops).
     model.compile(loss=k.losses.SparseCategoricalCrossentropy(),
-                  optimizer=hk.DistributedOptimizer(opt, backward_passes_per_step=args.accumulate),
-                  metrics=["accuracy"],
+                  optimizer=hk.DistributedOptimizer(opt), metrics=["accuracy"],
                   jit_compile=False)
 
     # Horovod: broadcast, global metrics, rank-0 checkpoints and logs, SIGTERM, watchdog.
