@@ -317,3 +317,16 @@ def test_fit_path_one_gradient_round_per_update(fit_script, tmp_path):
     negotiated = [tensors[e["pid"]] for e in events
                   if e.get("ph") == "B" and e.get("name") == "NEGOTIATE_ALLREDUCE"]
     assert [negotiated.count(t) for t in grouped] == [30] * 4
+
+
+def test_task_path_resume_with_other_accumulate_steps_is_refused(env, tmp_path):
+    """N defines the run (each update's batch): a checkpoint made with another N is refused
+    in one line naming the change."""
+    args = ["--batch-size", "10", "--epochs", "1", "--verbose", "0", "--run-dir", str(tmp_path)]
+    p = run(module_cmd("linear", *args, "--accumulate-steps", "2"), env)
+    assert p.returncode == 0, p.stderr
+    assert result(tmp_path)["global_step"] == 50
+    p = run(module_cmd("linear", *args[:3], "2", *args[4:], "--accumulate-steps", "4"), env)
+    assert p.returncode == 1
+    errors = [l for l in p.stderr.splitlines() if "error:" in l]
+    assert len(errors) == 1 and "--accumulate-steps 2 -> 4" in errors[0], p.stderr
