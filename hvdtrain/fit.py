@@ -7,7 +7,10 @@ the run directory, rank 0's state broadcast before the first step (initial or re
 checkpoints with the data position, SIGTERM on any rank stopping every rank after the same
 step, divergence, the watchdog, result.json and model.keras. What is the fit path's own:
 epoch and validation metrics made exact over all ranks (the metrics' state variables summed
-over ranks; the validation set split so each example is scored by one rank).
+over ranks; the validation set split so each example is scored by one rank). With gradient
+accumulation (``hk.DistributedOptimizer(..., backward_passes_per_step=N)``) Keras' steps are
+micro-batches and the run's global step counts updates; checkpoints and SIGTERM stops wait
+for the first call boundary that ends an update, so no checkpoint holds half an update.
 """
 from __future__ import annotations
 
