@@ -54,6 +54,10 @@ class Config:
     batch_size: Optional[int] = setting(
         32, "examples per worker per step; global batch = batch_size * world size; "
         "0 or none: each worker's whole shard per step (full-batch gradient descent)")
+    accumulate_steps: int = setting(
+        1, "gradient accumulation: each optimizer update (a step) averages the gradients of N "
+        "micro-batches of batch_size per worker, in one allreduce; global batch per update = "
+        "N * batch_size * world size")
     seed: int = setting(1, "seed for data order, synthetic data and initialisation (same on "
                         "every rank)")
     steps_per_execution: int = setting(
@@ -111,6 +115,9 @@ class Config:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(name, value, "must be 0 or more")
+        if self.accumulate_steps < 1:
+            raise ConfigError("accumulate_steps", self.accumulate_steps,
+                              "must be at least 1 (1: no accumulation)")
         if self.commit_every < 1:
             raise ConfigError("commit_every", self.commit_every, "must be at least 1")
         if self.elastic and not self.run_dir:

@@ -303,11 +303,14 @@ class Reduction:
         """A tensor summed over the ranks in a round of its own (for Adasum's riders)."""
         return self.world.sum_in_graph(tensor)
 
-    def keras2_optimizer(self, optimizer):
-        """Keras 2: Horovod's own wrapper (it averages in minimize/get_gradients)."""
+    def keras2_optimizer(self, optimizer, backward_passes_per_step: int = 1):
+        """Keras 2: Horovod's own wrapper (it averages in minimize/get_gradients; with
+        backward_passes_per_step, the mean of that many calls' gradients every that many)."""
         return horovod_keras().DistributedOptimizer(
             optimizer, op=self.op, compression=self.compression,
-            gradient_predivide_factor=self.gradient_predivide_factor)
+            gradient_predivide_factor=self.gradient_predivide_factor,
+            backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=True)
 
 
 def _elastic_state(hvd, variables, progress):

@@ -42,6 +42,7 @@ from hvdtrain.config import Config, values
 from hvdtrain.distributed import Progress, World
 from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, Preempted, RankError,
                              RunDirBusy, TaskError, error_line, first_line, user_code)
+from hvdtrain.optimizer import updates
 from hvdtrain.report import Reporter, weights_agreement
 from hvdtrain.watchdog import Watchdog
 
@@ -156,7 +157,7 @@ class Run:
     # --- while training -----------------------------------------------------------------------
     @property
     def global_step(self) -> int:
-        return int(self.optimizer.iterations.numpy())
+        return updates(self.optimizer)  # optimizer updates, also when accumulating
 
     def should_stop(self) -> bool:
         """All ranks: did SIGTERM reach any rank? (A host allreduce of its own: the Task loop

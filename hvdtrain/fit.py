@@ -7,7 +7,10 @@ the run directory, rank 0's state broadcast before the first step (initial or re
 checkpoints with the data position, SIGTERM on any rank stopping every rank after the same
 step, divergence, the watchdog, result.json and model.keras. What is the fit path's own:
 epoch and validation metrics made exact over all ranks (the metrics' state variables summed
-over ranks; the validation set split so each example is scored by one rank).
+over ranks; the validation set split so each example is scored by one rank). With gradient
+accumulation (``hk.DistributedOptimizer(..., backward_passes_per_step=N)``) Keras' steps are
+micro-batches and the run's global step counts updates; checkpoints and SIGTERM stops wait
+for the first call boundary that ends an update, so no checkpoint holds half an update.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
 from hvdtrain.engine import Run
 from hvdtrain.errors import ConfigError, TaskError
+from hvdtrain.optimizer import accumulation
 
 # Steps between two checks for a SIGTERM on any rank. Every step (a host allreduce per step)
 # halved fit's throughput against Horovod's own Keras wrapper; every 10 steps costs about
@@ -38,6 +42,8 @@ NOT_FIT_SETTINGS = {
     "num_workers": "the launcher decides the world size",
     "backend": "hk.init(backend) decides it",
     "steps_per_execution": "set it in model.compile(steps_per_execution=N)",
+    "accumulate_steps": "wrap the optimizer in hk.DistributedOptimizer(optimizer, "
+                        "backward_passes_per_step=N)",
     "elastic": "elastic runs are offered for Task runs only",
     "commit_every": "elastic runs are offered for Task runs only",
 }
@@ -83,10 +89,19 @@ def fit_config(model, train, epochs: int, world, **settings) -> Config:
     config = Config(epochs=epochs, batch_size=train.batch_size, seed=train.seed,
                     backend=world.backend, **settings).validate()
     check_compiled(model, world)
+    passes = accumulation(model.optimizer)
+    if train.steps % passes:
+        # Every epoch ends on an update, so that its end (a checkpoint) holds no
+        # half-accumulated gradients and the next epoch's first update is whole.
+        raise ConfigError("backward_passes_per_step", passes, f"must divide the {train.steps} "
+                          f"steps of an epoch ({len(train.x)} examples in batches of "
+                          f"{train.batch_size} x {world.size} ranks): choose a batch_size "
+                          "that makes it so")
     # What the compiled optimizer really uses (None for a schedule): recorded, not checked.
     return dataclasses.replace(config, learning_rate=_number(model.optimizer, "learning_rate"),
                                momentum=_number(model.optimizer, "momentum"),
-                               steps_per_execution=steps_per_execution(model))
+                               steps_per_execution=steps_per_execution(model),
+                               accumulate_steps=passes)
 
 
 def steps_per_execution(model) -> int:
@@ -194,8 +209,12 @@ class _Fit:
         self.validation_data = check_validation(validation_data, train, run.world)
         self.out = run.out
         self.epochs = run.config.epochs
-        self.global_batch = run.global_batch = train.batch_size * self.world.size
-        self.stop_pending = False
+        # Keras' steps are micro-batches: backward_passes_per_step of them make an update,
+        # and the run's global step counts updates (as the Task path's does).
+        self.passes = run.config.accumulate_steps
+        self.global_batch = train.batch_size * self.world.size  # per Keras step
+        run.global_batch = self.global_batch * self.passes  # per update
+        self.stop_pending = self.save_pending = False
         self.metrics = _GlobalMetrics(model, self.world)
         self.calls = _Calls(model)
 
@@ -226,6 +245,7 @@ class _Fit:
         first = min(-(-progress.offset // self.global_batch), train.steps)
         self.saved_sums, run.last_record = progress.sums, progress.last_record
         self.global_step = run.global_step
+        self.micro = self.global_step * self.passes  # micro-batches (Keras' steps) so far
         if progress.path:
             self.out.notice(f"hvdtrain: resumed from {progress.path} at epoch {start + 1}, "
                             f"step {self.global_step}")
@@ -252,7 +272,7 @@ class _Fit:
                 steps_per_epoch=train.steps - skip, validation_data=val,
                 validation_batch_size=validation_batch_size, callbacks=[callback] + callbacks,
                 shuffle=False, verbose=shown))  # the order is the Dataset's
-        run.finish({"batch_size": train.batch_size, "global_batch_size": self.global_batch,
+        run.finish({"batch_size": train.batch_size, "global_batch_size": run.global_batch,
                     "learning_rate": run.config.learning_rate,
                     "train_examples": len(train.x)}, self.model)
         history = histories[-1] if histories else keras.callbacks.History()
@@ -282,26 +302,33 @@ class _Fit:
         # a shorter last call of the epoch, hence the bound.
         step = min(self.started + batch + 1, self.train.steps)
         done, self.step = step - self.step, step
-        self.global_step += done
+        self.micro += done
+        updated, self.global_step = self.global_step, self.micro // self.passes
         run.dog.step = self.global_step
         last = self.step == self.train.steps
         # Horovod: a one-number allreduce makes any rank's SIGTERM every rank's decision at
         # the same step. It is a host round trip of its own, so it is taken when a call
         # passes a multiple of STOP_CHECK_EVERY steps (and at each epoch's end): all ranks
         # count the same steps.
-        stop = (last or _passed(self.step, done, STOP_CHECK_EVERY)) and run.should_stop()
+        if (last or _passed(self.step, done, STOP_CHECK_EVERY)) and run.should_stop():
+            self.stop_pending = True
+        # At the first call boundary at or after each multiple of checkpoint_every updates
+        # (the multiple itself when steps_per_execution is 1 or divides it).
+        if _passed(self.global_step, self.global_step - updated, run.config.checkpoint_every):
+            self.save_pending = True
         if last:
             self.train_logs = self.metrics.reduce()  # before validation resets the metrics
             if logs is not None:
                 logs.update(self.train_logs)
-        if stop and last:
-            self.stop_pending = True  # the epoch's end saves; stop there
-        elif stop:
+            return  # the epoch's end saves, and stops if a stop is pending
+        if self.micro % self.passes:
+            return  # inside an update: its gradients are half accumulated, not in a checkpoint
+        if self.stop_pending:
             run.save(self._position(), self.metrics.summed())
             run.preempt(self.global_step)
-        elif not last and _passed(self.global_step, done, run.config.checkpoint_every):
-            # At the first call boundary at or after each multiple of checkpoint_every (the
-            # multiple itself when N = 1 or N divides it): the state between steps.
+        elif self.save_pending:
+            # The state between updates.
+            self.save_pending = False
             run.save(self._position(), self.metrics.summed())
 
     def test_begin(self):
@@ -328,6 +355,7 @@ class _Fit:
             raise run.diverged(f"the loss became NaN or infinite in epoch {epoch + 1}")
         run.epoch_end(record)
         run.save(Progress(epoch=epoch + 1, offset=0), np.zeros_like(self.metrics.flat()))
+        self.save_pending = False
         if not self.out.interactive:
             self.out.print(f"Epoch {epoch + 1}/{self.epochs} - " + " - ".join(
                 f"{k}: {record[k]:.4f}" for k in logs if k in record and k != "lr")

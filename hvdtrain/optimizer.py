@@ -10,15 +10,24 @@ does, and what TF1's SyncReplicasOptimizer did in the seeds. Under Keras 2
 (``TF_USE_LEGACY_KERAS=1``) this *is* Horovod's ``horovod.tensorflow.keras``
 ``DistributedOptimizer``; under Keras 3, whose variables that wrapper cannot handle, it is
 hvdtrain's, with the same arguments and meaning. In one process it returns the optimizer
-unchanged.
+unchanged (but for ``backward_passes_per_step``).
+
+``backward_passes_per_step=N`` accumulates: each update applies the mean of N calls'
+gradients (N micro-batches), reduced over the ranks once, at the N-th call. Under Keras 3 this
+is Keras' own ``gradient_accumulation_steps=N`` (its accumulators are optimizer variables, so
+they are saved with it; ``iterations`` counts updates) with the reduction at the update; under
+Keras 2 it is Horovod's ``backward_passes_per_step`` with ``average_aggregated_gradients``
+(``iterations`` counts calls there: ``updates()`` below counts updates under either Keras).
 """
 from __future__ import annotations
 
 from hvdtrain import compat, distributed
+from hvdtrain.errors import ConfigError
 
 
 def DistributedOptimizer(optimizer, op: str = "average", compression: str = "none",
-                         gradient_predivide_factor: float = 1.0, world=None):
+                         gradient_predivide_factor: float = 1.0, world=None,
+                         backward_passes_per_step: int = 1):
     """Wrap ``optimizer`` so that every update uses gradients reduced over all ranks.
 
     op: ``"average"`` (the default: the learning rate keeps its single-process meaning),
@@ -29,6 +38,10 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
     gradient_predivide_factor: average as ``sum(g / f) * f / size`` instead of
         ``sum(g) / size`` (guards float16 sums against overflow); op ``"average"`` only.
     world: the ``World`` to reduce over (default: this process's, ``hvdtrain.world()``).
+    backward_passes_per_step: N > 1 accumulates the gradients of N calls (micro-batches) on
+        each rank and applies their mean, reduced over the ranks in one allreduce, every N-th
+        call: N micro-batches of b train as one batch of N * b with a mean loss. Keras 3:
+        the optimizer must not be built yet (its accumulators are created with its slots).
 
     Horovod is started (``hvd.init()``) if hvdtrain has not started it yet. Under Keras 3 the
     optimizer is wrapped in place and returned: its state, learning-rate schedule and saved
@@ -36,26 +49,55 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
     """
     reduction = (world or distributed.current()).reduction(op, compression,
                                                            gradient_predivide_factor)
+    passes = _backward_passes(optimizer, backward_passes_per_step, reduction)
     if reduction is None:  # one process: nothing to reduce
         return optimizer
     if compat.is_keras3():
         # Horovod's wrapper fails under Keras 3 ("'Variable' object has no attribute 'ref'"):
         # hvdtrain's reduces in apply() with Horovod's grouped allreduce instead.
-        optimizer = _reducing_subclass(optimizer)
+        optimizer = _reducing_subclass(optimizer, passes)
     else:
-        optimizer = reduction.keras2_optimizer(optimizer)
+        optimizer = reduction.keras2_optimizer(optimizer, passes)
     # What apply_gradients below needs to put the step's flags in the gradients' round.
     # object.__setattr__: Keras 3 would track an attribute set the usual way as state.
     object.__setattr__(optimizer, "_hvdtrain_reduction", reduction)
     return optimizer
 
 
-def _reducing_subclass(optimizer):
+def _backward_passes(optimizer, n, reduction) -> int:
+    """Check ``backward_passes_per_step``; Keras 3: set the optimizer's own accumulation."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError("backward_passes_per_step", n, "must be an integer, at least 1 "
+                          "(1: no accumulation)")
+    own = getattr(optimizer, "gradient_accumulation_steps", None) or 1
+    if n == 1 or n == own:
+        return own
+    if not compat.is_keras3():
+        if reduction is None:
+            raise ConfigError("backward_passes_per_step", n, "under Keras 2 accumulation is "
+                              "Horovod's wrapper's, and this process runs without Horovod")
+        return n
+    if own != 1 or getattr(optimizer, "built", False):
+        had = f" with gradient_accumulation_steps={own}" if own != 1 else ""
+        raise ConfigError("backward_passes_per_step", n, f"the {type(optimizer).__name__} "
+                          f"optimizer is built already{had}; wrap it before compile or any use")
+    # Keras' own accumulation: averaged over the N calls, applied at the N-th; its
+    # accumulators are optimizer variables (checkpointed, broadcast) and its iterations
+    # count updates, as the Task path's global step does.
+    optimizer.gradient_accumulation_steps = n
+    return n
+
+
+def _reducing_subclass(optimizer, passes: int = 1):
     """Keras 3: make ``optimizer`` apply its reduction's result instead of its gradients.
 
     The optimizer's class becomes a subclass of its own class named like it (the pattern of
     Horovod's wrapper), whose ``apply`` reduces first; ``apply_gradients`` and ``fit`` go
-    through ``apply``. Wrapping twice would average twice: refused.
+    through ``apply``. Accumulating (``passes`` > 1), Keras' ``apply`` adds each call's
+    gradients to its accumulators and only an update's mean is reduced: in
+    ``_clip_gradients``, which Keras calls once per update, on that mean, before clipping
+    (as Horovod's Keras 2 wrapper reduces before the optimizer clips). Wrapping twice would
+    average twice: refused.
     """
     cls = type(optimizer)
     if getattr(cls, "_hvdtrain_distributed", False):
@@ -66,8 +108,14 @@ def _reducing_subclass(optimizer):
         return super(wrapped, self).apply(self._hvdtrain_reduction(list(grads)),
                                           trainable_variables)
 
+    def _clip_gradients(self, grads):
+        # Horovod: one allreduce per update, of the N micro-batches' mean; every rank takes
+        # the update branch at the same call (the count is in the broadcast iterations).
+        return super(wrapped, self)._clip_gradients(self._hvdtrain_reduction(list(grads)))
+
+    methods = {"_clip_gradients": _clip_gradients} if passes > 1 else {"apply": apply}
     wrapped = type(cls.__name__, (cls,), {
-        "apply": apply, "_hvdtrain_distributed": True,
+        **methods, "_hvdtrain_distributed": True,
         # Saved models name the optimizer's own class, so they load without hvdtrain.
         "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     optimizer.__class__ = wrapped
@@ -104,3 +152,18 @@ def apply_gradients(optimizer, grads, variables, riders=()):
         # apply_gradients applies what it is given (TF >= 2.4).
         optimizer.apply_gradients(zip(grads, variables))
     return riders
+
+
+def accumulation(optimizer) -> int:
+    """Calls (micro-batches) per update: ``backward_passes_per_step``, or 1."""
+    helper = getattr(optimizer, "_agg_helper", None)  # Horovod's Keras 2 wrapper
+    if helper is not None:
+        return int(helper.backward_passes_per_step)
+    return int(getattr(optimizer, "gradient_accumulation_steps", None) or 1)
+
+
+def updates(optimizer) -> int:
+    """The optimizer's updates so far, under either Keras: Keras 3's ``iterations`` counts
+    updates when accumulating, Horovod's Keras 2 wrapper's counts calls."""
+    done = int(optimizer.iterations.numpy())
+    return done // accumulation(optimizer) if hasattr(optimizer, "_agg_helper") else done

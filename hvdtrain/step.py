@@ -2,7 +2,9 @@
 
 One compiled call runs up to ``n`` updates (``--steps-per-execution``) in a ``tf.while_loop``
 that draws each update's input from the epoch's iterator, and stops after the first update
-whose [SIGTERM, non-finite loss] flags, reduced with the gradients, are set.
+whose [SIGTERM, non-finite loss] flags, reduced with the gradients, are set. With
+``--accumulate-steps N`` an update's input is N micro-batches: their gradients are computed
+one after the other and averaged on the rank, then reduced over the ranks once.
 
 Input comes one of two ways, with the same batches in the same order (``data.epoch_plan``):
 - in memory: the training arrays live on the device as constants and each step gathers its
@@ -39,10 +41,11 @@ class TrainStep:
     before the call) or any rank's non-finite loss.
     """
 
-    def __init__(self, task, model, optimizer, world, data, sums, metric_fns):
+    def __init__(self, task, model, optimizer, world, data, sums, metric_fns, accumulate=1):
         import tensorflow as tf
 
         self.task, self.model, self.metric_fns = task, model, metric_fns
+        self.accumulate = accumulate  # micro-batches per update (--accumulate-steps)
         self.x, self.y = data.x_train, data.y_train
         self.streamed = not (in_memory(self.x) and in_memory(self.y))
         variables = model.trainable_variables
@@ -50,8 +53,8 @@ class TrainStep:
         if not self.streamed:
             x_all, y_all = tf.constant(self.x), tf.constant(self.y)
 
-        def update(args, stop):
-            x, y = (args if self.streamed else (tf.gather(x_all, args), tf.gather(y_all, args)))
+        def gradients(x, y):
+            """One micro-batch: its gradients, whether its loss is not finite, its sums."""
             x, y = task.preprocess(x, y)
             with tf.GradientTape() as tape:
                 pred = model(x, training=True)
@@ -59,12 +62,48 @@ class TrainStep:
                 loss = tf.reduce_mean(per_example)
                 if model.losses:  # regularisation: part of what is minimised, not reported
                     loss += tf.add_n(model.losses)
-            diverged = tf.logical_not(tf.math.is_finite(loss))
-            flags = tf.stack([stop, tf.cast(diverged, dtype)])
+            diverged = tf.cast(tf.logical_not(tf.math.is_finite(loss)), dtype)
+            return tape.gradient(loss, variables), diverged, step_sums
+
+        def micro_batch(args, i):
+            """The i-th of the update's ``accumulate`` micro-batches (its rows i*b..(i+1)*b)."""
+            if not self.streamed:
+                idx = tf.reshape(args, [self.accumulate, -1])[i]
+                return tf.gather(x_all, idx), tf.gather(y_all, idx)
+            return tuple(tf.reshape(a, [self.accumulate, a.shape[0] // self.accumulate]
+                                    + a.shape[1:].as_list())[i] for a in args)
+
+        def accumulated(args):
+            """The mean of the update's micro-batch gradients (what one batch of all their
+            examples with a mean loss gives), computed one micro-batch at a time."""
+            if self.accumulate == 1:
+                return gradients(*(args if self.streamed else
+                                   (tf.gather(x_all, args), tf.gather(y_all, args))))
+            grads, diverged, step_sums = gradients(*micro_batch(args, 0))
+            present = [i for i, g in enumerate(grads) if g is not None]
+
+            def body(i, total, diverged, step_sums):
+                g, d, s = gradients(*micro_batch(args, i))
+                return (i + 1, [t + tf.convert_to_tensor(g[j]) for t, j in zip(total, present)],
+                        tf.maximum(diverged, d), step_sums + s)
+
+            # One micro-batch at a time (parallel_iterations=1): the point is to hold one
+            # micro-batch's activations, and layers' moving statistics update in order.
+            _, total, diverged, step_sums = tf.while_loop(
+                lambda i, *_: i < self.accumulate, body,
+                (tf.constant(1), [tf.convert_to_tensor(grads[j]) for j in present], diverged,
+                 step_sums), parallel_iterations=1)
+            for j, t in zip(present, total):
+                grads[j] = t / self.accumulate
+            return grads, diverged, step_sums
+
+        def update(args, stop):
+            grads, diverged, step_sums = accumulated(args)
+            flags = tf.stack([stop, diverged])
             # Horovod: the gradients are averaged over all ranks by the wrapped optimizer's
-            # reduction, with the flags in the same grouped allreduce (one round per step).
-            flags, = apply_gradients(optimizer, tape.gradient(loss, variables), variables,
-                                     [flags])
+            # reduction, with the flags in the same grouped allreduce: one round per update,
+            # however many micro-batches it accumulated.
+            flags, = apply_gradients(optimizer, grads, variables, [flags])
             with tf.control_dependencies([sums.assign_add(step_sums)]):
                 return tf.identity(flags)
 

@@ -193,6 +193,10 @@ def check_optimizer(task: Task, optimizer):
         raise TaskError(f"{type(task).__name__}.build_optimizer returned "
                         f"{type(optimizer).__name__} {optimizer!r:.40}, not an optimizer "
                         f"(e.g. {keras().__name__}.optimizers.SGD(learning_rate))")
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps and steps > 1:  # it would reduce every micro-batch: the loop accumulates instead
+        raise TaskError(f"{type(task).__name__}.build_optimizer returned an optimizer with "
+                        f"gradient_accumulation_steps={steps}: use --accumulate-steps {steps}")
     return optimizer
 
 

@@ -91,7 +91,7 @@ class _TaskRun:
         self.metric_fns = check_metrics(task, run.user(f"{name}.metrics", task.metrics))
         self.sums = tf.Variable(tf.zeros(2 + len(self.metric_fns), tf.float64), trainable=False)
         self.step = TrainStep(task, self.model, self.optimizer, world, self.data, self.sums,
-                              self.metric_fns)
+                              self.metric_fns, self.config.accumulate_steps)
         # The loss and metrics' shapes on two examples, before anything is written.
         run.user(f"{name}'s loss, metrics or preprocess", self.step.check)
 
@@ -108,14 +108,23 @@ class _TaskRun:
 
     def _shape(self) -> None:
         """Batch and steps for the current world size (it changes in elastic runs)."""
-        n, size = len(self.data.x_train), self.world.size
-        # Full batch (None or 0): each worker's whole shard per step, as the linear seed does.
-        self.batch = self.config.batch_size or n // size
-        self.steps = steps_per_epoch(n, self.batch, size) if self.batch else 0
+        n, size, micro = len(self.data.x_train), self.world.size, self.config.accumulate_steps
+        # Full batch (None or 0): each worker's whole shard per step, as the linear seed does
+        # (in ``micro`` micro-batches when accumulating).
+        self.batch = self.config.batch_size or n // (size * micro)  # per micro-batch
+        # A step is an update: ``micro`` micro-batches of ``batch`` on each worker, taken as
+        # one batch of micro * batch from the epoch's plan, so the data position (counted in
+        # examples) means the same with or without accumulation.
+        self.update_batch = self.batch * micro
+        self.steps = steps_per_epoch(n, self.update_batch, size) if self.batch else 0
+        if self.steps < 1 and micro > 1:
+            raise ConfigError("accumulate_steps", micro, f"{micro} micro-batches of "
+                              f"{self.batch} x {size} workers need more than the {n} "
+                              "training examples")
         if self.steps < 1:
             raise ConfigError("batch_size", self.batch, f"a global batch of {self.batch} x "
                               f"{size} workers needs more than the {n} training examples")
-        self.run_.global_batch = self.batch * size
+        self.run_.global_batch = self.update_batch * size
 
     def _preflight(self) -> None:
         """All ranks must agree on versions, settings, variables and step counts before the
@@ -138,9 +147,12 @@ class _TaskRun:
                          else tf.zeros_like(self.sums))
         run.last_record = progress.last_record
         run.start(progress.epoch)
+        micro = (f" in {config.accumulate_steps} micro-batches of {self.batch}"
+                 if config.accumulate_steps > 1 else "")
         self.out.print(f"hvdtrain: {self.task.name} on {world.describe()}; global batch "
-                       f"{self.batch * world.size} ({self.batch} per worker), {self.steps} steps "
-                       f"per epoch, learning rate {self.lr:g}; run dir {self.out.run_dir}")
+                       f"{self.update_batch * world.size} ({self.update_batch} per worker"
+                       f"{micro}), {self.steps} steps per epoch, learning rate {self.lr:g}; "
+                       f"run dir {self.out.run_dir}")
         step = run.global_step
         if step:
             source = f" from {progress.path}" if progress.path else ""
@@ -153,7 +165,7 @@ class _TaskRun:
     # --- after the loop -------------------------------------------------------------------------
     def _finish(self) -> dict:
         data, world = self.data, self.world
-        result = {"batch_size": self.batch, "global_batch_size": self.batch * world.size,
+        result = {"batch_size": self.batch, "global_batch_size": self.update_batch * world.size,
                   "learning_rate": self.lr, "train_examples": len(data.x_train), **data.info}
         if data.x_test is not None:
             self.run_.sync_state()  # every rank scores its part with the same statistics
@@ -192,7 +204,9 @@ class _Epochs:
         self.task, self.config, self.world, self.run_ = (owner.task, owner.config, owner.world,
                                                           owner.run_)
         self.out, self.step, self.sums = owner.out, owner.step, owner.sums
-        self.batch, self.steps, self.examples = owner.batch, owner.steps, len(owner.data.x_train)
+        # batch: the examples of one update on this rank (all its micro-batches)
+        self.batch, self.steps, self.examples = (owner.update_batch, owner.steps,
+                                                 len(owner.data.x_train))
         self.names = ["loss"] + list(owner.metric_fns)
         self.auto_steps = 1  # updates per compiled call, when tuned (the first call traces)
 
