@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain import distributed
+from hvdtrain import distributed, pipeline
 from hvdtrain.data import epoch_plan, steps_per_epoch
 from hvdtrain.engine import Run
 from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
                              Error, Preempted)
 from hvdtrain.fit import STOP_CHECK_EVERY, FitSettings, _Fit, fit_config, user_callbacks
 from hvdtrain.optimizer import DistributedOptimizer  # noqa: F401 (public here)
-from hvdtrain.pipeline import Batches, files, is_dataset  # noqa: F401 (files: public here)
+from hvdtrain.pipeline import Batches, is_dataset
 
 
 def init(backend: str = "auto") -> distributed.World:
@@ -87,6 +87,12 @@ class Dataset:
         x, y = tf.constant(self.x), tf.constant(self.y)
         return (tf.data.Dataset.from_tensor_slices(idx)
                 .map(lambda i: (tf.gather(x, i), tf.gather(y, i))).prefetch(2))
+
+
+def files(pattern: str) -> list:
+    """The files matching ``pattern``, sorted: the same list on every rank, for a tf.data
+    pipeline that hvdtrain shards by file. One line (every rank) when none matches."""
+    return pipeline.files(pattern, distributed.current())
 
 
 def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True) -> Dataset:

@@ -6,7 +6,8 @@
 - Sharding (as MultiWorkerMirroredStrategy's auto-shard, with TensorFlow's own rewrite): by
   file when the pipeline reads files (TFRecord, text, fixed-length records) and there are
   at least as many files as ranks (the FILE policy: rank r reads files r, r + size, ...),
-  else by element (the DATA policy: every rank reads everything and keeps its share). A
+  else by batch (as the DATA policy: every rank reads everything and keeps every size-th
+  batch, so the pipeline's order must be the same on every rank: a seeded shuffle). A
   user who shards by hand says so (``sharded=True``) and is not sharded twice. Either way
   every example is seen by exactly one rank per epoch, provided the file list is in the
   same order on every rank (``list_files(..., shuffle=False)``, or a seed).
@@ -38,15 +39,17 @@ def is_dataset(obj) -> bool:
     return hasattr(obj, "element_spec") and hasattr(obj, "as_numpy_iterator")
 
 
-def files(pattern: str) -> list:
-    """The files matching ``pattern``, sorted (the same order on every rank); DataError when
-    none does (``tf.data.Dataset.list_files`` would raise a traceback)."""
+def files(pattern: str, world) -> list:
+    """All ranks: the files matching ``pattern``, sorted (the same order on every rank);
+    one line when none does on some rank (``tf.data.Dataset.list_files`` raises a traceback)."""
     import glob
 
-    found = sorted(glob.glob(pattern))
-    if not found:
-        raise DataError(f"{pattern}: matches no file")
-    return found
+    def match():
+        found = sorted(glob.glob(pattern))
+        if not found:
+            raise DataError(f"{pattern}: matches no file")
+        return found
+    return world.agree(match, catch=(DataError,), merge=InputError)
 
 
 def _nodes(ds) -> list:
@@ -103,10 +106,12 @@ def shard(ds, world, policy: str):
 
     if policy == "user" or world.size == 1:
         return ds
+    if policy == "data":
+        # Batch k to rank k mod size. (TensorFlow's DATA rewrite failed on some pipelines
+        # here with its FILE policy's error.) Every rank reads everything, as under it.
+        return ds.shard(world.size, world.rank)
     options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.FILE if policy == "file"
-        else tf.data.experimental.AutoShardPolicy.DATA)
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
     return _AutoShardDataset(ds.with_options(options), world.size, world.rank, world.size)
 
 
@@ -145,7 +150,7 @@ def _sharded_sizes(ds, world, sharded: bool, what: str, limit: Optional[int] = N
                 if policy == "file" and "shard" in str(e):
                     return None  # fewer files than ranks: TensorFlow says so on some ranks
                 raise
-        return world.agree(attempt, catch=(DataError, tf.errors.OpError), merge=DataError)
+        return world.agree(attempt, catch=(DataError, tf.errors.OpError), merge=InputError)
 
     policy = "user" if sharded or world.size == 1 else "file" if reads_files(ds) else "data"
     found = count(policy)
