@@ -100,11 +100,12 @@ def _corrupt_file(ds) -> Optional[tuple]:
 
 
 def shard(ds, world, policy: str):
-    """``ds`` as this rank's shard: policy "file", "data" or "user" (sharded by hand)."""
+    """``ds`` as this rank's shard: policy "file", "data", "user" (sharded by hand) or
+    "none" (one process)."""
     import tensorflow as tf
     from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
 
-    if policy == "user" or world.size == 1:
+    if policy in ("user", "none") or world.size == 1:
         return ds
     if policy == "data":
         # Batch k to rank k mod size. (TensorFlow's DATA rewrite failed on some pipelines
@@ -152,7 +153,8 @@ def _sharded_sizes(ds, world, sharded: bool, what: str, limit: Optional[int] = N
                 raise
         return world.agree(attempt, catch=(DataError, tf.errors.OpError), merge=InputError)
 
-    policy = "user" if sharded or world.size == 1 else "file" if reads_files(ds) else "data"
+    policy = ("user" if sharded else "none" if world.size == 1 else
+              "file" if reads_files(ds) else "data")
     found = count(policy)
     # Horovod: the policy must be every rank's, or ranks would read overlapping shards.
     if policy == "file" and not all(world.allgather_object(found is not None)):

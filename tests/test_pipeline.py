@@ -107,7 +107,7 @@ def sigterm_rank1(cmd, env, run_dir):
     try:
         pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(run_dir)), 120)
         ckpts = os.path.join(run_dir, "checkpoints")
-        assert pids and wait_for(lambda: os.path.isdir(ckpts) and os.listdir(ckpts), 150)
+        assert pids and wait_for(lambda: os.path.isdir(ckpts) and os.listdir(ckpts), 240), "no checkpoint"
         os.kill(pids[1], signal.SIGTERM)
     finally:
         rc, out, err = finish(proc, 120)
@@ -197,3 +197,4 @@ def test_bad_input_is_one_line_on_every_rank_no_hang(env, tmp_path, records, cas
     assert len(said) == 1, proc.stderr[-3000:]  # once, by one rank
     assert not [l for l in ranks if "Traceback" in l], proc.stderr[-3000:]
     assert not os.path.exists(tmp_path / "run" / "result.json")
+
