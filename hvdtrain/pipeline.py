@@ -137,14 +137,17 @@ def _count(ds, what: str) -> list:
     return sizes
 
 
-def _sharded_sizes(ds, world, sharded: bool, what: str, limit: Optional[int] = None):
+def _sharded_sizes(ds, world, sharded: bool, what: str, limit: Optional[int] = None,
+                   batch: Optional[int] = None):
     """All ranks: (this rank's shard, its batch sizes (the first ``limit``), the policy
-    used): by file if it can be on every rank, else by element. Errors agreed."""
+    used): by file if it can be on every rank, else by element. ``batch``: ``ds`` holds
+    examples, sharded first, then batched. Errors agreed."""
     import tensorflow as tf
 
     def count(policy):
         def attempt():
             mine = shard(ds, world, policy)
+            mine = mine.batch(batch) if batch else mine
             try:
                 return mine, _count(mine.take(limit) if limit else mine, what)
             except DataError as e:
@@ -175,7 +178,7 @@ class Batches:
     seed, shuffle = 0, False  # the pipeline's own
 
     def __init__(self, ds, world, sharded: bool = False, steps_per_epoch: Optional[int] = None,
-                 what: str = "the training dataset"):
+                 what: str = "the training dataset", batch: Optional[int] = None):
         import tensorflow as tf
 
         self.world, self.what = world, what
@@ -187,7 +190,7 @@ class Batches:
             raise ConfigError("steps_per_epoch", steps_per_epoch, "must be 1 or more")
 
         self.ds, sizes, self.policy = _sharded_sizes(ds, world, sharded, what,
-                                                     steps_per_epoch if infinite else None)
+                                                     steps_per_epoch if infinite else None, batch)
         everyone = world.allgather_object(sizes)
         self.used = 1  # iterations of self.ds created so far: the count's
         empty = [r for r, s in enumerate(everyone) if not s]
@@ -202,14 +205,14 @@ class Batches:
         self.batch_size = max(max(s) for s in everyone)
         self.examples = sum(sum(s[:self.steps]) for s in everyone)  # trained per epoch
         self.left_out = 0 if infinite else sum(sum(s) for s in everyone) - self.examples
-        self.sample = self._first()
+        self.first = self._first()
+        self.sample = self.first[0] if isinstance(self.first, (tuple, list)) else self.first
 
     def _first(self):
-        """The first batch's inputs (numpy), from an iterator of its own (counted)."""
+        """The first batch (numpy), from an iterator of its own (counted)."""
         first = next(iter(self.ds.take(1)))
         self.used += 1
-        x = first[0] if isinstance(first, (tuple, list)) else first
-        return _numpy(x)
+        return _numpy(first)
 
     def info(self) -> dict:
         return {"train_examples": self.examples, "examples_left_out": self.left_out,
@@ -239,12 +242,14 @@ def _numpy(x):
     return tf.nest.map_structure(lambda t: np.asarray(t), x)
 
 
-def validation(ds, world, sharded: bool = False) -> tuple:
+def validation(ds, world, sharded: bool = False, batch: Optional[int] = None,
+               what: str = "validation_data") -> tuple:
     """A validation dataset as (this rank's shard, its batches): each example is scored by
-    exactly one rank (no rank may be empty: its part of the exact metrics would be missing)."""
-    mine, sizes, policy = _sharded_sizes(ds, world, sharded, "validation_data")
+    exactly one rank (no rank may be empty: its part of the exact metrics would be missing).
+    ``batch``: ``ds`` holds examples, to be sharded, then batched."""
+    mine, sizes, policy = _sharded_sizes(ds, world, sharded, what, batch=batch)
     counts = world.allgather_object(sum(sizes))
     if min(counts) == 0:
-        raise InputError(f"validation_data: rank {counts.index(0)}'s shard is empty "
+        raise InputError(f"{what}: rank {counts.index(0)}'s shard is empty "
                          f"(sharded {policy} over {world.size} ranks)")
     return mine, len(sizes)

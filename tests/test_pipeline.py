@@ -198,3 +198,76 @@ def test_bad_input_is_one_line_on_every_rank_no_hang(env, tmp_path, records, cas
     assert not [l for l in ranks if "Traceback" in l], proc.stderr[-3000:]
     assert not os.path.exists(tmp_path / "run" / "result.json")
 
+
+TASK = """
+import os
+import sys
+
+import tensorflow as tf
+
+import hvdtrain
+import hvdtrain.keras as hk
+from hvdtrain.compat import keras
+from hvdtrain.data import Data
+
+sys.path.insert(0, {examples!r})
+from keras_fit_tfrecord import parse
+
+
+class Records(hvdtrain.Task):
+    name = "records"
+    defaults = dict(learning_rate=0.001, batch_size=32, epochs=2)
+
+    def load_data(self, config, world):  # examples, unbatched: hvdtrain shards and batches
+        def examples(pattern):
+            files = tf.data.Dataset.from_tensor_slices(
+                hk.files(os.path.join(os.environ["RECORDS"], pattern)))
+            return files.interleave(tf.data.TFRecordDataset, cycle_length=4).map(parse)
+        train = examples("train-*.tfrecord").shuffle(1000, seed=config.seed)
+        return Data(train, None, examples("test.tfrecord"), None)
+
+    def build_model(self, config):
+        k = keras()
+        return k.Sequential([k.Input((28, 28, 1)), k.layers.Flatten(), k.layers.Dense(10)])
+
+    def build_optimizer(self, config, learning_rate):
+        return keras().optimizers.Adam(learning_rate)
+
+    def loss(self, y, pred):
+        return keras().losses.sparse_categorical_crossentropy(y, pred, from_logits=True)
+
+    def metrics(self):
+        return {{"accuracy": lambda y, p: tf.cast(tf.equal(tf.argmax(p, -1), y), tf.float32)}}
+"""
+
+
+@pytest.mark.keras2
+def test_task_path_pipeline_trains_evaluates_once_and_resumes_exactly(env, tmp_path, records):
+    """A Task's load_data returns tf.data pipelines of examples: hvdtrain shards them by
+    file, batches them per rank, agrees on the steps, scores each test example once, and a
+    SIGTERM'd run resumes to the uninterrupted run's weights_sha256."""
+    from conftest import HOROVODRUN
+
+    (tmp_path / "records_task.py").write_text(TASK.format(examples=os.path.join(ROOT,
+                                                                                "examples")))
+    env = dict(env, RECORDS=records, PYTHONPATH=f"{tmp_path}:{env['PYTHONPATH']}")
+
+    def cmd(run_dir):
+        return [HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvdtrain", "run",
+                "records_task:Records", "--run-dir", str(run_dir), "--checkpoint-every", "7",
+                "--verbose", "0"]
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    p = run(cmd(whole), env, 240, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    reference = result(whole)
+    steps, trained, total = planned(file_sizes(records), 32)
+    assert reference["global_step"] == 2 * steps and reference["ranks_identical"] is True
+    assert reference["train_examples"] == trained and reference["examples_left_out"] == total \
+        - trained and reference["sharding"] == "file"
+    assert reference["test_examples"] == 1000 and reference["test_accuracy"] > 0.7, reference
+    sigterm_rank1(cmd(cut), dict(env), str(cut))
+    again = run(cmd(cut), env, 240, cwd=str(tmp_path))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr
+    assert result(cut)["weights_sha256"] == reference["weights_sha256"]
