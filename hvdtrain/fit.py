@@ -203,6 +203,8 @@ class _Fit:
         self.global_batch = run.global_batch = train.batch_size * self.world.size
         self.stop_pending = False
         self.metrics = _GlobalMetrics(model, self.world)
+        if isinstance(train, pipeline.Batches):
+            run.pipeline = train  # the engine records its input wait per epoch
         self.calls = _Calls(model)
 
     # --- before model.fit: build, restore, broadcast ------------------------------------------

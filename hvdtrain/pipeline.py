@@ -19,6 +19,9 @@
   so iteration k of a freshly built pipeline is the same in any process. Epoch e is always
   the same iteration of it (after the count's), and a resumed run creates (and drops) the
   iterators before it, then skips the batches already trained.
+- Input-bound runs: the time each step waited for its batch (measured where the stream
+  hands batches to the loop) is summed; per epoch the slowest rank's share of the epoch's
+  time goes into metrics.jsonl (``input_wait``; see ``engine.Run.epoch_end``).
 - Bad input: a corrupt or truncated file, an empty shard, an unreadable record: one line
   (``DataError`` naming the file where TensorFlow does not), agreed by every rank.
 """
@@ -207,6 +210,7 @@ class Batches:
         self.left_out = 0 if infinite else sum(sum(s) for s in everyone) - self.examples
         self.first = self._first()
         self.sample = self.first[0] if isinstance(self.first, (tuple, list)) else self.first
+        self.waited = tf.Variable(0.0, dtype=tf.float64, trainable=False)  # seconds
 
     def _first(self):
         """The first batch (numpy), from an iterator of its own (counted)."""
@@ -233,7 +237,31 @@ class Batches:
         ds, steps = self.ds, self.steps
         self.used = 2 + end_epoch
         stream = tf.data.Dataset.range(end_epoch - first_epoch).flat_map(lambda e: ds.take(steps))
-        return stream.skip(first_step) if first_step else stream
+        return self._timed(stream.skip(first_step) if first_step else stream)
+
+    def _timed(self, stream):
+        """``stream``, adding to ``waited`` the time each batch was waited for: zip asks the
+        clock, then the stream, in the consumer's own call (no prefetch after them)."""
+        import tensorflow as tf
+
+        def handed(asked, batch):
+            with tf.control_dependencies(tf.nest.flatten(batch)):
+                got = tf.timestamp()
+            with tf.control_dependencies([self.waited.assign_add(got - asked)]):
+                return tf.nest.map_structure(tf.identity, batch)
+
+        clock = tf.data.Dataset.from_tensors(0).repeat().map(lambda _: tf.timestamp())
+        timed = tf.data.Dataset.zip((clock, stream)).map(handed)
+        options = tf.data.Options()
+        options.experimental_optimization.inject_prefetch = False  # it would hide the wait
+        return timed.with_options(options)
+
+    def wait_share(self, seconds: float) -> float:
+        """All ranks: the slowest rank's share of ``seconds`` spent waiting for input since
+        the last call."""
+        waited = float(self.waited.numpy())
+        self.waited.assign(0.0)
+        return max(self.world.allgather_object(min(1.0, waited / max(seconds, 1e-9))))
 
 
 def _numpy(x):

@@ -80,6 +80,7 @@ class _TaskRun:
                              catch=(DataError, OSError))
         check_data(task, self.data)
         self.pipe = self._pipeline() if pipeline.is_dataset(self.data.x_train) else None
+        run.pipeline = self.pipe  # the engine records its input wait per epoch
         self._shape()
 
         keras.utils.set_random_seed(config.seed)  # rank 0's init wins anyway (broadcast below)

@@ -122,4 +122,4 @@ def test_tfrecord_example_alone_as_printed(env, tmp_path):
     r = result(tmp_path / "runs" / "keras_fit_tfrecord")
     assert r["train_examples"] == 4000 and r["examples_left_out"] == 0  # one rank: all
     assert r["sharding"] == "none" and r["global_step"] == -(-4000 // 64)
-    assert r["final_val_accuracy"] > 0.7, r
+    assert r["final_val_accuracy"] > 0.5, r  # one epoch; chance is 0.1

@@ -98,8 +98,32 @@ def test_uneven_files_two_ranks_equal_steps_every_example_counted(env, tmp_path,
     assert res["train_examples"] == trained and res["examples_left_out"] == total - trained
     assert total == 4000 and 0 < total - trained < 64 * 8  # the longer shard's tail
     assert res["final_val_accuracy"] > 0.7, res
+    for record in records_of(run_dir):  # the slowest rank's share of the epoch
+        assert 0 <= record["input_wait"] < 0.5, record
+    assert "input-bound" not in proc.stderr
     assert "ran out of data" not in proc.stderr  # every rank drew exactly its steps
     assert proc.stdout.count("Epoch 2/2") == 1
+
+
+def records_of(run_dir):
+    import json
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_input_bound_run_says_so_once(env, tmp_path, records):
+    """A pipeline whose batches take 0.3 s each: metrics.jsonl's input_wait (the slowest
+    rank's share of the epoch) is most of the time, and rank 0 says so once."""
+    script = tmp_path / "slow.py"
+    script.write_text(BAD.format(examples=os.path.join(ROOT, "examples")))
+    run_dir = str(tmp_path / "run")
+    proc = run(script_cmd(2, script, "slow", records, run_dir), env, 180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record, = records_of(run_dir)
+    assert record["input_wait"] > 0.5, record
+    said = [l for l in proc.stderr.splitlines() if "input-bound: epoch 1's steps waited" in l]
+    assert len(said) == 1, proc.stderr[-3000:]
 
 
 def sigterm_rank1(cmd, env, run_dir):
@@ -143,7 +167,7 @@ def test_sigterm_and_sigkill_mid_epoch_resume_gives_the_uninterrupted_weights(en
 
 
 BAD = """
-import os, sys
+import os, sys, time
 sys.path.insert(0, {examples!r})
 import hvdtrain.keras as hk
 import tensorflow as tf
@@ -164,6 +188,12 @@ try:
         ds = ds.map(lambda x, y: (tf.reshape(x, (-1, 784)), y))
     if case == "infinite":
         ds = ds.repeat()
+    if case == "slow":  # 0.3 s for each batch, after the pipeline's own prefetch
+        def slow(x):
+            time.sleep(0.3)
+            return x
+        ds = ds.map(lambda x, y: (tf.ensure_shape(tf.numpy_function(slow, [x], tf.float32),
+                                                  [None, 28, 28, 1]), y))
     hk.fit(model, ds, epochs=1, run_dir=run_dir)
 except hk.Error as e:
     sys.exit(hk.report_error(e))
