@@ -126,6 +126,23 @@ def test_input_bound_run_says_so_once(env, tmp_path, records):
     assert len(said) == 1, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("case, steps, sharding", [("steps", 2 * 5, "file"),
+                                                   ("by_hand", 2 * 32, "user")])
+def test_steps_per_epoch_and_sharding_by_hand(env, tmp_path, records, case, steps, sharding):
+    """steps_per_epoch for a dataset that repeats forever; sharded=True is not sharded again
+    (each rank's 2,000 of the examples by hand: 32 batches of 64, the last of 16)."""
+    script = tmp_path / "fit.py"
+    script.write_text(BAD.format(examples=os.path.join(ROOT, "examples")))
+    run_dir = str(tmp_path / "run")
+    proc = run(script_cmd(2, script, case, records, run_dir), env, 180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = result(run_dir)
+    assert (res["global_step"], res["sharding"]) == (steps, sharding), res
+    assert res["ranks_identical"] is True
+    if case == "by_hand":
+        assert res["train_examples"] == 4000 and res["examples_left_out"] == 0
+
+
 def sigterm_rank1(cmd, env, run_dir):
     proc = start(cmd, env)
     try:
@@ -194,7 +211,12 @@ try:
             return x
         ds = ds.map(lambda x, y: (tf.ensure_shape(tf.numpy_function(slow, [x], tf.float32),
                                                   [None, 28, 28, 1]), y))
-    hk.fit(model, ds, epochs=1, run_dir=run_dir)
+    settings = {{}}
+    if case == "steps":  # repeats forever: the steps per epoch are given
+        ds, settings = ds.repeat(), dict(steps_per_epoch=5)
+    if case == "by_hand":  # Horovod's examples' own sharding, said
+        ds, settings = ds.unbatch().shard(hk.size(), hk.rank()).batch(64), dict(sharded=True)
+    hk.fit(model, ds, epochs=2 if settings else 1, run_dir=run_dir, **settings)
 except hk.Error as e:
     sys.exit(hk.report_error(e))
 """
