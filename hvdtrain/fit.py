@@ -7,7 +7,8 @@ the run directory, rank 0's state broadcast before the first step (initial or re
 checkpoints with the data position, SIGTERM on any rank stopping every rank after the same
 step, divergence, the watchdog, result.json and model.keras. What is the fit path's own:
 epoch and validation metrics made exact over all ranks (the metrics' state variables summed
-over ranks; the validation set split so each example is scored by one rank).
+over ranks; the validation set split so each example is scored by one rank). A tf.data
+input is ``pipeline.Batches``: the same interface as ``hk.dataset``'s batches.
 """
 from __future__ import annotations
 

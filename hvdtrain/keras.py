@@ -22,6 +22,9 @@ the data position; a SIGTERM on any rank stopping every rank after the same step
 metrics.jsonl, tensorboard/, checkpoints/, result.json, model.keras). Only rank 0 prints:
 Keras' progress bar on a terminal, one line per epoch in a pipe. The driver is ``fit.py``.
 
+``hk.fit`` also takes a ``tf.data.Dataset`` of per-rank batches, sharded, counted and
+resumed by hvdtrain (``pipeline.py``; README, "Your own data").
+
 Keras 3 with ``jit_compile=True`` (or "auto" resolving to it on a GPU): Horovod's ops have
 no XLA kernels in this build, so ``fit`` turns it off and says so in one line on rank 0.
 Metrics must keep sums as state (Mean, accuracy, AUC, ... do), or their global value is wrong.
@@ -107,7 +110,7 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
 
     ``train``: ``hk.dataset(x, y, ...)``, or a ``tf.data.Dataset`` of this rank's batches
     built as for one process ((x, y) or (x, y, sample_weight), Horovod's per-rank batch
-    size), which hvdtrain shards (by file, else by element; ``sharded=True``: the user did)
+    size), which hvdtrain shards (by file, else by batch; ``sharded=True``: the user did)
     and counts (every rank takes the fewest steps any rank has, or ``steps_per_epoch``,
     required for a dataset that repeats forever): ``hvdtrain.pipeline``. ``validation_data``:
     (x, y) arrays or a ``tf.data.Dataset`` of batches, each example scored by one rank.

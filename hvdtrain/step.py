@@ -43,7 +43,7 @@ class TrainStep:
         import tensorflow as tf
 
         self.task, self.model, self.metric_fns = task, model, metric_fns
-        self.x, self.y = data.x_train, data.y_train  # x_train: a tf.data pipeline's batches
+        self.x, self.y = data.x_train, data.y_train  # or a tf.data pipeline: see batches()
         self.sample = None  # (x, y): a pipeline's first batch, for check()
         self.streamed = not (in_memory(self.x) and in_memory(self.y))
         variables = model.trainable_variables
