@@ -49,7 +49,10 @@ from hvdtrain.watchdog import Watchdog
 # Where training stands, as a checkpoint or an elastic commit keeps it.
 PROGRESS_FIELDS = ("epoch", "offset", "sums", "last_record", "path")
 # Keys of an epoch's record that are bookkeeping, not a metric (result.json's final_* skip them).
-BOOKKEEPING = ("epoch", "epochs", "global_step", "samples_per_sec", "seconds", "world_size")
+BOOKKEEPING = ("epoch", "epochs", "global_step", "samples_per_sec", "seconds", "world_size",
+               "input_wait")
+# An epoch whose steps waited for input this share of its time (slowest rank) is input-bound.
+INPUT_BOUND = 0.5
 
 
 class Run:
@@ -76,6 +79,8 @@ class Run:
         self.state: list = []  # model and optimizer variables: what a checkpoint holds
         self.moving = MovingStatistics(world, [])
         self._sigterm = None
+        self.pipeline = None  # the driver's pipeline.Batches, for a tf.data input
+        self._said_input_bound = False
 
     # --- the run's frame: watchdog, SIGTERM, errors ---------------------------------------------
     def __enter__(self) -> "Run":
@@ -209,7 +214,15 @@ class Run:
                         f"{self.ckpt_dir}; run the same command to resume")
 
     def epoch_end(self, record: dict) -> None:
-        """An epoch's record: metrics.jsonl and TensorBoard (rank 0); kept for checkpoints."""
+        """All ranks. An epoch's record: metrics.jsonl and TensorBoard (rank 0); kept for
+        checkpoints. With a tf.data input, the share of the epoch spent waiting for it."""
+        if self.pipeline is not None:
+            record["input_wait"] = share = self.pipeline.wait_share(record["seconds"])
+            if share > INPUT_BOUND and not self._said_input_bound:
+                self._said_input_bound = True
+                self.out.notice(f"hvdtrain: input-bound: epoch {record['epoch']}'s steps waited "
+                                f"for input {share:.0%} of its time (slowest rank); parallel "
+                                "map/interleave, prefetch or cache would speed it up")
         self.last_record = record
         self.out.epoch(record)
 

@@ -70,6 +70,10 @@ class DataError(Error, RuntimeError):
     """A data file is missing, corrupt or not what the task expects."""
 
 
+class InputError(Together, DataError):
+    """The input as a whole cannot train (an empty shard): every rank found it together."""
+
+
 class CheckpointError(Error, RuntimeError):
     """No usable checkpoint where one is required."""
 

@@ -7,7 +7,8 @@ the run directory, rank 0's state broadcast before the first step (initial or re
 checkpoints with the data position, SIGTERM on any rank stopping every rank after the same
 step, divergence, the watchdog, result.json and model.keras. What is the fit path's own:
 epoch and validation metrics made exact over all ranks (the metrics' state variables summed
-over ranks; the validation set split so each example is scored by one rank). With gradient
+over ranks; the validation set split so each example is scored by one rank). A tf.data
+input is ``pipeline.Batches``: the same interface as ``hk.dataset``'s batches. With gradient
 accumulation (``hk.DistributedOptimizer(..., backward_passes_per_step=N)``) Keras' steps are
 micro-batches and the run's global step counts updates; checkpoints and SIGTERM stops wait
 for the first call boundary that ends an update, so no checkpoint holds half an update.
@@ -19,7 +20,7 @@ import time
 
 import numpy as np
 
-from hvdtrain import compat
+from hvdtrain import compat, pipeline
 from hvdtrain.config import Config, setting
 from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
@@ -71,7 +72,10 @@ class FitSettings:
     """The fit path's own run-defining settings (config.json's ``settings``)."""
 
     shuffle: bool = setting(True, "a new permutation of the examples every epoch")
-    train_examples: int = setting(0, "training examples")
+    train_examples: int = setting(0, "training examples (a tf.data pipeline: trained per epoch)")
+    input: str = setting("arrays", "the training input: arrays (hk.dataset), or a tf.data "
+                         "pipeline sharded by file, by element (data) or by the user")
+    steps_per_epoch: int = setting(0, "steps per epoch given to hk.fit (0: counted)")
 
 
 def fit_config(model, train, epochs: int, world, **settings) -> Config:
@@ -130,10 +134,13 @@ def check_compiled(model, world) -> None:
                         "independent models; compile with hk.DistributedOptimizer(optimizer)")
 
 
-def check_validation(validation_data, train, world):
-    """(x, y) shaped like the training examples, at least one example per rank."""
+def check_validation(validation_data, train, world, sharded=False):
+    """(x, y) shaped like the training examples, at least one example per rank; a tf.data
+    pipeline: this rank's shard of it."""
     if validation_data is None:
         return None
+    if pipeline.is_dataset(validation_data):
+        return pipeline.validation(validation_data, world, sharded)
     if not (isinstance(validation_data, (tuple, list)) and len(validation_data) == 2):
         raise ConfigError("validation_data", type(validation_data).__name__,
                           "give (x_val, y_val) arrays")
@@ -141,8 +148,8 @@ def check_validation(validation_data, train, world):
     if len(x) != len(y):
         raise ConfigError("validation_data", f"{len(x)} x, {len(y)} y",
                           "x and y must hold the same number of examples")
-    for name, a, b in (("x", x, train.x), ("y", y, train.y)):
-        if a.shape[1:] != b.shape[1:]:
+    for name, a, b in (("x", x, train.sample), ("y", y, getattr(train, "y", None))):
+        if b is not None and hasattr(b, "shape") and a.shape[1:] != b.shape[1:]:
             raise ConfigError("validation_data", f"{name} of shape {list(a.shape)}",
                               f"examples must be shaped like the training {name}'s "
                               f"{list(b.shape[1:])}")
@@ -204,9 +211,9 @@ class _GlobalMetrics:
 class _Fit:
     """One ``hk.fit`` on this rank, over the engine's ``Run``."""
 
-    def __init__(self, model, train, validation_data, run: Run):
+    def __init__(self, model, train, validation_data, run: Run, sharded: bool = False):
         self.model, self.train, self.run_, self.world = model, train, run, run.world
-        self.validation_data = check_validation(validation_data, train, run.world)
+        self.validation_data = check_validation(validation_data, train, run.world, sharded)
         self.out = run.out
         self.epochs = run.config.epochs
         # Keras' steps are micro-batches: backward_passes_per_step of them make an update,
@@ -216,6 +223,8 @@ class _Fit:
         run.global_batch = self.global_batch * self.passes  # per update
         self.stop_pending = self.save_pending = False
         self.metrics = _GlobalMetrics(model, self.world)
+        if isinstance(train, pipeline.Batches):
+            run.pipeline = train  # the engine records its input wait per epoch
         self.calls = _Calls(model)
 
     # --- before model.fit: build, restore, broadcast ------------------------------------------
@@ -224,8 +233,11 @@ class _Fit:
         if compat.is_keras3() and model.jit_compile:
             self.out.notice("hvdtrain: jit_compile turned off: Horovod's ops have no XLA kernels")
             model.jit_compile = False  # the setter drops any traced train function
-        if not model.built:
-            model(self.train.x[:1])
+        if isinstance(self.train, pipeline.Batches):  # the user's examples must fit the model
+            run.user(f"hk.fit: the model on {self.train.what}'s first batch", model,
+                     self.train.sample)
+        elif not model.built:
+            model(self.train.sample)
         compat.check_model(model, "hk.fit", "was given")
         # Create the optimizer's slots now, so that one broadcast covers the whole state.
         model.optimizer.build(model.trainable_variables)
@@ -253,8 +265,12 @@ class _Fit:
             self.out.notice(f"hvdtrain: the model's optimizer is at step {self.global_step} "
                             "already; training on from there")
         run.start(start)
-        val = None
-        if self.validation_data is not None:
+        val = val_steps = None
+        if isinstance(self.validation_data, tuple) and len(self.validation_data) == 2 and \
+                pipeline.is_dataset(self.validation_data[0]):
+            # Batched by the user; its counted batches: Keras 3 warns when it runs dry.
+            (val, val_steps), validation_batch_size = self.validation_data, None
+        elif self.validation_data is not None:
             x, y = self.validation_data
             part = test_shard(len(x), world.rank, world.size)  # each example on one rank
             val = (np.asarray(x)[part], np.asarray(y)[part])
@@ -270,11 +286,12 @@ class _Fit:
             histories.append(self.model.fit(
                 self.calls.input(train.batches(e0, e1, skip)), epochs=e1, initial_epoch=e0,
                 steps_per_epoch=train.steps - skip, validation_data=val,
-                validation_batch_size=validation_batch_size, callbacks=[callback] + callbacks,
+                validation_batch_size=validation_batch_size, validation_steps=val_steps,
+                callbacks=[callback] + callbacks,
                 shuffle=False, verbose=shown))  # the order is the Dataset's
         run.finish({"batch_size": train.batch_size, "global_batch_size": run.global_batch,
                     "learning_rate": run.config.learning_rate,
-                    "train_examples": len(train.x)}, self.model)
+                    **train.info()}, self.model)
         history = histories[-1] if histories else keras.callbacks.History()
         for h in histories[:-1]:  # one History for the whole run
             history.epoch = h.epoch + history.epoch
@@ -385,7 +402,7 @@ class _Calls:
     def input(self, dataset):
         """Keras 3 counts N steps for every call and ends an epoch early when its count
         passes the input's known length: a length it cannot know keeps it from counting."""
-        return dataset.filter(lambda x, y: True) if self.n > 1 else dataset
+        return dataset.filter(lambda *batch: True) if self.n > 1 else dataset
 
     def begin(self, left: int) -> None:
         if left >= self.n:

@@ -22,6 +22,9 @@ the data position; a SIGTERM on any rank stopping every rank after the same step
 metrics.jsonl, tensorboard/, checkpoints/, result.json, model.keras). Only rank 0 prints:
 Keras' progress bar on a terminal, one line per epoch in a pipe. The driver is ``fit.py``.
 
+``hk.fit`` also takes a ``tf.data.Dataset`` of per-rank batches, sharded, counted and
+resumed by hvdtrain (``pipeline.py``; README, "Your own data").
+
 Keras 3 with ``jit_compile=True`` (or "auto" resolving to it on a GPU): Horovod's ops have
 no XLA kernels in this build, so ``fit`` turns it off and says so in one line on rank 0.
 Metrics must keep sums as state (Mean, accuracy, AUC, ... do), or their global value is wrong.
@@ -30,13 +33,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain import distributed
+from hvdtrain import distributed, pipeline
 from hvdtrain.data import epoch_plan, steps_per_epoch
 from hvdtrain.engine import Run
 from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
                              Error, Preempted)
 from hvdtrain.fit import STOP_CHECK_EVERY, FitSettings, _Fit, fit_config, user_callbacks
 from hvdtrain.optimizer import DistributedOptimizer  # noqa: F401 (public here)
+from hvdtrain.pipeline import Batches, is_dataset
 
 
 def init(backend: str = "auto") -> distributed.World:
@@ -70,6 +74,10 @@ class Dataset:
             raise ConfigError("batch_size", self.batch_size, f"a global batch of "
                               f"{self.batch_size} x {world.size} ranks needs more than the "
                               f"{len(x)} examples")
+        self.examples, self.sample = len(x), x[:1]
+
+    def info(self) -> dict:
+        return {"train_examples": self.examples}
 
     def batches(self, first_epoch: int, end_epoch: int, first_step: int = 0):
         """A tf.data.Dataset of this rank's batches from (first_epoch, first_step) to the end."""
@@ -84,26 +92,50 @@ class Dataset:
                 .map(lambda i: (tf.gather(x, i), tf.gather(y, i))).prefetch(2))
 
 
+def files(pattern: str) -> list:
+    """The files matching ``pattern``, sorted: the same list on every rank, for a tf.data
+    pipeline that hvdtrain shards by file. One line (every rank) when none matches."""
+    return pipeline.files(pattern, distributed.current())
+
+
 def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True) -> Dataset:
     return Dataset(np.asarray(x), np.asarray(y), batch_size, seed, shuffle, distributed.current())
 
 
-def fit(model, train: Dataset, epochs: int, validation_data=None, *, callbacks=(),
-        validation_batch_size: int = 256, **settings):
+def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
+        validation_batch_size: int = 256, steps_per_epoch: int = None, sharded: bool = False,
+        **settings):
     """``model.fit`` on every rank from rank 0's state or its newest checkpoint in
     ``run_dir``; returns the History (all ranks).
+
+    ``train``: ``hk.dataset(x, y, ...)``, or a ``tf.data.Dataset`` of this rank's batches
+    built as for one process ((x, y) or (x, y, sample_weight), Horovod's per-rank batch
+    size), which hvdtrain shards (by file, else by batch; ``sharded=True``: the user did)
+    and counts (every rank takes the fewest steps any rank has, or ``steps_per_epoch``,
+    required for a dataset that repeats forever): ``hvdtrain.pipeline``. ``validation_data``:
+    (x, y) arrays or a ``tf.data.Dataset`` of batches, each example scored by one rank.
 
     ``settings``: ``hvdtrain.Config``'s fields, by the same names and with the same defaults
     (``run_dir=None`` is ``runs/fit-<time>``; ``checkpoint_every=100``; ``peer_timeout=30``).
     Raises an ``hvdtrain.errors.Error`` (one line; ``Preempted`` after a SIGTERM: rerun the
     same command to resume).
     """
+    if is_dataset(train):
+        train = Batches(train, distributed.current(), sharded, steps_per_epoch)
+        source = "tf.data " + train.policy
+    elif steps_per_epoch is not None or sharded:
+        raise ConfigError("steps_per_epoch" if steps_per_epoch is not None else "sharded",
+                          steps_per_epoch if steps_per_epoch is not None else sharded,
+                          "for a tf.data.Dataset only (hk.dataset counts its own steps)")
+    else:
+        source = "arrays"
     world = train.world
     config = fit_config(model, train, epochs, world, **settings)
     callbacks = user_callbacks(list(callbacks), world)  # some write files: rank 0's alone
-    with Run(world, config, "fit", FitSettings(train.shuffle, len(train.x))) as run:
-        return _Fit(model, train, validation_data, run).fit(list(callbacks),
-                                                            validation_batch_size)
+    fit_settings = FitSettings(train.shuffle, train.examples, source, steps_per_epoch or 0)
+    with Run(world, config, "fit", fit_settings) as run:
+        return _Fit(model, train, validation_data, run, sharded).fit(list(callbacks),
+                                                                     validation_batch_size)
 
 
 def report_error(e: Error, prog: str = None) -> int:
@@ -118,4 +150,4 @@ def report_error(e: Error, prog: str = None) -> int:
 
 
 __all__ = ["DistributedOptimizer", "Diverged", "EXIT_PREEMPTED", "Error", "Preempted",
-           "STOP_CHECK_EVERY", "dataset", "fit", "init", "rank", "report_error", "size"]
+           "STOP_CHECK_EVERY", "dataset", "files", "fit", "init", "rank", "report_error", "size"]

@@ -28,10 +28,15 @@ def facts(world, config, settings, model, steps: int, data) -> dict:
     out.update({f"setting.{k}": v for k, v in values(settings, per_rank=False).items()})
     out["model.variables"] = [(variable_name(v), tuple(v.shape),
                                str(getattr(v.dtype, "name", v.dtype))) for v in model.variables]
-    out["data.train_examples"] = len(data.x_train)
-    out["data.test_examples"] = 0 if data.x_test is None else len(data.x_test)
+    # A tf.data pipeline's counts are agreed when it is counted (pipeline.py).
+    out["data.train_examples"] = _examples(data.x_train)
+    out["data.test_examples"] = 0 if data.x_test is None else _examples(data.x_test)
     out["steps_per_epoch"] = steps
     return out
+
+
+def _examples(x):
+    return "tf.data" if hasattr(x, "element_spec") else len(x)
 
 
 def _describe(key, value):

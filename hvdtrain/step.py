@@ -46,7 +46,8 @@ class TrainStep:
 
         self.task, self.model, self.metric_fns = task, model, metric_fns
         self.accumulate = accumulate  # micro-batches per update (--accumulate-steps)
-        self.x, self.y = data.x_train, data.y_train
+        self.x, self.y = data.x_train, data.y_train  # or a tf.data pipeline: see batches()
+        self.sample = None  # (x, y): a pipeline's first batch, for check()
         self.streamed = not (in_memory(self.x) and in_memory(self.y))
         variables = model.trainable_variables
         dtype = variables[0].dtype if variables else tf.float32
@@ -145,9 +146,9 @@ class TrainStep:
         example, of a type the sums can take."""
         import tensorflow as tf
 
-        n = min(2, len(self.x))
-        x, y = self.task.preprocess(tf.constant(np.asarray(self.x[:n])),
-                                    tf.constant(np.asarray(self.y[:n])))
+        x, y = self.sample[:2] if self.sample is not None else (self.x, self.y)
+        n = min(2, len(x))
+        x, y = self.task.preprocess(tf.constant(np.asarray(x[:n])), tf.constant(np.asarray(y[:n])))
         pred = self.model(x, training=False)
         check_loss_shape(self.task, self.task.loss(y, pred), n)
         for name, fn in self.metric_fns.items():
@@ -159,6 +160,8 @@ class TrainStep:
         prefetched: index rows (in memory) or the rows' arrays read from disk (streamed)."""
         import tensorflow as tf
 
+        if not isinstance(plan, np.ndarray):  # a tf.data pipeline's batches (pipeline.py)
+            return iter(plan)
         if not self.streamed:
             return iter(tf.data.Dataset.from_tensor_slices(plan).prefetch(2))
         x, y = self.x, self.y

@@ -174,6 +174,14 @@ def check_data(task: Task, data) -> None:
     pairs = [("x_train", "y_train")]
     if data.x_test is not None or data.y_test is not None:
         pairs.append(("x_test", "y_test"))
+    for xn, yn in list(pairs):  # a tf.data pipeline of (x, y) examples in place of x, y None
+        x, y = getattr(data, xn), getattr(data, yn)
+        if hasattr(x, "element_spec"):
+            pairs.remove((xn, yn))
+            if y is not None or not (isinstance(x.element_spec, tuple)
+                                     and len(x.element_spec) == 2):
+                raise TaskError(f"{where}: {xn} is a tf.data.Dataset: its elements must be "
+                                f"(x, y) examples, unbatched, and {yn} None")
     for xn, yn in pairs:
         x, y = getattr(data, xn), getattr(data, yn)
         problem = _array_problem(xn, x) or _array_problem(yn, y)

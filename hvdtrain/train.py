@@ -13,12 +13,12 @@ from typing import Optional
 
 import numpy as np
 
-from hvdtrain import compat, distributed, preflight
+from hvdtrain import compat, distributed, pipeline, preflight
 from hvdtrain.config import Config
 from hvdtrain.data import DataError, epoch_plan, steps_per_epoch, test_shard
 from hvdtrain.engine import PROGRESS_FIELDS, Run
 from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, Diverged, Preempted,  # noqa: F401
-                             StepError, first_line)
+                             StepError, TaskError, first_line)
 from hvdtrain.optimizer import DistributedOptimizer
 from hvdtrain.step import TrainStep
 from hvdtrain.task import Task, check_data, check_metrics, check_optimizer, check_task
@@ -79,6 +79,8 @@ class _TaskRun:
         self.data = run.user(f"{name}.load_data", task.load_data, config, world,
                              catch=(DataError, OSError))
         check_data(task, self.data)
+        self.pipe = self._pipeline() if pipeline.is_dataset(self.data.x_train) else None
+        run.pipeline = self.pipe  # the engine records its input wait per epoch
         self._shape()
 
         keras.utils.set_random_seed(config.seed)  # rank 0's init wins anyway (broadcast below)
@@ -92,6 +94,8 @@ class _TaskRun:
         self.sums = tf.Variable(tf.zeros(2 + len(self.metric_fns), tf.float64), trainable=False)
         self.step = TrainStep(task, self.model, self.optimizer, world, self.data, self.sums,
                               self.metric_fns, self.config.accumulate_steps)
+        if self.pipe is not None:
+            self.step.sample = self.pipe.first  # what the checks below run on
         # The loss and metrics' shapes on two examples, before anything is written.
         run.user(f"{name}'s loss, metrics or preprocess", self.step.check)
 
@@ -106,8 +110,33 @@ class _TaskRun:
         run.broadcast()
         return self._train(progress)
 
+    def _pipeline(self) -> pipeline.Batches:
+        """load_data's tf.data pipeline of examples, batched, sharded and counted."""
+        if self.config.elastic:
+            raise ConfigError("elastic", True, "not with a tf.data pipeline from load_data (its "
+                              "shards change with the world size): give arrays, or drop it")
+        if not self.config.batch_size:
+            raise ConfigError("batch_size", self.config.batch_size, "a tf.data pipeline from "
+                              "load_data needs a batch size (per worker)")
+        if self.config.accumulate_steps > 1:
+            # A pipeline's last batch may be short, and micro-batches split a step's batch
+            # evenly: not offered yet (arrays from load_data, or hk.fit, accumulate).
+            raise ConfigError("accumulate_steps", self.config.accumulate_steps,
+                              "not with a tf.data pipeline from load_data: give arrays, or "
+                              "use hk.fit with DistributedOptimizer(backward_passes_per_step)")
+        train = self.data.x_train
+        if int(train.cardinality()) == -1:  # tf.data.INFINITE_CARDINALITY
+            raise TaskError(f"{type(self.task).__name__}.load_data: x_train repeats forever; "
+                            "hvdtrain runs the epochs: leave out the repeat()")
+        return pipeline.Batches(train, self.world, what="x_train", batch=self.config.batch_size)
+
     def _shape(self) -> None:
         """Batch and steps for the current world size (it changes in elastic runs)."""
+        if self.pipe is not None:
+            self.batch = self.update_batch = self.config.batch_size
+            self.steps = self.pipe.steps
+            self.run_.global_batch = self.batch * self.world.size
+            return
         n, size, micro = len(self.data.x_train), self.world.size, self.config.accumulate_steps
         # Full batch (None or 0): each worker's whole shard per step, as the linear seed does
         # (in ``micro`` micro-batches when accumulating).
@@ -165,8 +194,10 @@ class _TaskRun:
     # --- after the loop -------------------------------------------------------------------------
     def _finish(self) -> dict:
         data, world = self.data, self.world
+        examples = (self.pipe.info() if self.pipe is not None else
+                    {"train_examples": len(data.x_train)})
         result = {"batch_size": self.batch, "global_batch_size": self.update_batch * world.size,
-                  "learning_rate": self.lr, "train_examples": len(data.x_train), **data.info}
+                  "learning_rate": self.lr, **examples, **data.info}
         if data.x_test is not None:
             self.run_.sync_state()  # every rank scores its part with the same statistics
             result.update(self._evaluate())
@@ -185,8 +216,13 @@ class _TaskRun:
             return self.step.scores(y, self.model(x, training=False))[1]
 
         data, world = self.data, self.world
-        idx = test_shard(len(data.x_test), world.rank, world.size)
         local = np.zeros(2 + len(self.metric_fns))
+        if pipeline.is_dataset(data.x_test):  # each example scored by one rank
+            mine, _ = pipeline.validation(data.x_test, world, batch=EVAL_BATCH, what="x_test")
+            for x, y in mine:
+                local += eval_step(x, y).numpy()
+        idx = test_shard(0 if pipeline.is_dataset(data.x_test) else len(data.x_test),
+                         world.rank, world.size)
         for start in range(0, len(idx), EVAL_BATCH):
             part = idx[start:start + EVAL_BATCH]
             local += eval_step(tf.constant(data.x_test[part]), tf.constant(data.y_test[part])).numpy()
@@ -205,8 +241,8 @@ class _Epochs:
                                                           owner.run_)
         self.out, self.step, self.sums = owner.out, owner.step, owner.sums
         # batch: the examples of one update on this rank (all its micro-batches)
-        self.batch, self.steps, self.examples = (owner.update_batch, owner.steps,
-                                                 len(owner.data.x_train))
+        self.batch, self.steps, self.pipe = owner.update_batch, owner.steps, owner.pipe
+        self.examples = len(owner.data.x_train) if self.pipe is None else self.pipe.examples
         self.names = ["loss"] + list(owner.metric_fns)
         self.auto_steps = 1  # updates per compiled call, when tuned (the first call traces)
 
@@ -219,8 +255,9 @@ class _Epochs:
         # After a resume or reset with another world size, continue after the same
         # examples, rounded up to a whole global batch of the new size.
         first = min(-(-progress.offset // global_batch), self.steps)
-        plan = epoch_plan(self.examples, self.batch, world.rank, world.size,
-                          config.seed, epoch)[first:]
+        plan = (self.pipe.batches(epoch, epoch + 1, first) if self.pipe is not None else
+                epoch_plan(self.examples, self.batch, world.rank, world.size,
+                           config.seed, epoch)[first:])
         bar = self._progress_bar(epoch)
         # Each step adds exactly one to optimizer.iterations: count in Python instead of
         # reading the variable back every step (one device-to-host copy fewer per step).

@@ -109,3 +109,17 @@ def test_readme_user_model_example_runs_as_printed(env, tmp_path):
     assert a["test_accuracy"] == b["test_accuracy"] == 1.0 and b["ranks_identical"] is True
     # A user task that sets no worker count is not warned about one.
     assert "--num-workers" not in one.stderr + two_.stderr
+
+
+def test_tfrecord_example_alone_as_printed(env, tmp_path):
+    """examples/keras_fit_tfrecord.py as its docstring prints it (one process): it writes
+    the TFRecord files, trains from them through hk.fit, and a rerun reuses the files."""
+    script = os.path.join(ROOT, "examples", "keras_fit_tfrecord.py")
+    p = run(alone(script, "--epochs", "1"), env, timeout=240, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = tmp_path / "runs" / "mnist_tfrecord"
+    assert sorted(os.listdir(data))[:2] == ["test.tfrecord", "train-00-of-07.tfrecord"]
+    r = result(tmp_path / "runs" / "keras_fit_tfrecord")
+    assert r["train_examples"] == 4000 and r["examples_left_out"] == 0  # one rank: all
+    assert r["sharding"] == "none" and r["global_step"] == -(-4000 // 64)
+    assert r["final_val_accuracy"] > 0.5, r  # one epoch; chance is 0.1
