@@ -37,7 +37,7 @@ from typing import Optional
 
 import numpy as np
 
-from hvdtrain import checkpoint, compat
+from hvdtrain import checkpoint, compat, precision
 from hvdtrain.config import Config, values
 from hvdtrain.distributed import Progress, World
 from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, Preempted, RankError,
@@ -222,6 +222,9 @@ class Run:
                "keras": compat.describe(),
                **{f"final_{k}": v for k, v in last.items() if k not in BOOKKEEPING},
                **result}
+        scale = precision.loss_scale(self.optimizer)
+        if scale is not None:  # float16: the scale the run ended with (the same on every rank)
+            out["loss_scale"] = scale
         self.sync_state()  # the driver synced before evaluating; a no-op unless it did not
         out.update(weights_agreement(self.world, model))
         if self.config.save_model:

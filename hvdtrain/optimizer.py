@@ -11,10 +11,16 @@ does, and what TF1's SyncReplicasOptimizer did in the seeds. Under Keras 2
 ``DistributedOptimizer``; under Keras 3, whose variables that wrapper cannot handle, it is
 hvdtrain's, with the same arguments and meaning. In one process it returns the optimizer
 unchanged.
+
+Loss scaling (float16 mixed precision, see ``precision.py``) composes with it in either
+order: ``DistributedOptimizer(LossScaleOptimizer(opt))`` is made to reduce the gradients
+before the scaler checks them, under both Keras; ``LossScaleOptimizer(DistributedOptimizer(opt))``
+(what ``compile`` makes under a ``mixed_float16`` policy) is right as it is under Keras 2 and
+is turned around by ``reduce_before_loss_scaling`` under Keras 3.
 """
 from __future__ import annotations
 
-from hvdtrain import compat, distributed
+from hvdtrain import compat, distributed, precision
 
 
 def DistributedOptimizer(optimizer, op: str = "average", compression: str = "none",
@@ -40,8 +46,17 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
         return optimizer
     if compat.is_keras3():
         # Horovod's wrapper fails under Keras 3 ("'Variable' object has no attribute 'ref'"):
-        # hvdtrain's reduces in apply() with Horovod's grouped allreduce instead.
+        # hvdtrain's reduces in apply() with Horovod's grouped allreduce instead. Around a
+        # LossScaleOptimizer, it reduces before the scaler checks the gradients.
         optimizer = _reducing_subclass(optimizer)
+    elif precision.is_loss_scaled(optimizer):
+        # Horovod: Keras 2's scaler must see the reduced gradients (one decision on every
+        # rank), and Horovod's wrapper reduces in compute_gradients, which the scaler calls
+        # on its inner optimizer: the wrapper goes inside.
+        optimizer = type(optimizer)(
+            reduction.keras2_optimizer(optimizer.inner_optimizer),
+            initial_scale=optimizer.initial_scale,
+            dynamic_growth_steps=optimizer.dynamic_growth_steps)
     else:
         optimizer = reduction.keras2_optimizer(optimizer)
     # What apply_gradients below needs to put the step's flags in the gradients' round.
@@ -63,8 +78,7 @@ def _reducing_subclass(optimizer):
 
     def apply(self, grads, trainable_variables=None):
         # Horovod: every rank applies the same, averaged gradients (a synchronous update).
-        return super(wrapped, self).apply(self._hvdtrain_reduction(list(grads)),
-                                          trainable_variables)
+        return _apply_reduced(self, self._hvdtrain_reduction(list(grads)), trainable_variables)
 
     wrapped = type(cls.__name__, (cls,), {
         "apply": apply, "_hvdtrain_distributed": True,
@@ -87,7 +101,7 @@ def apply_gradients(optimizer, grads, variables, riders=()):
     riders = list(riders)
     reduce = getattr(optimizer, "_hvdtrain_reduction", None)
     if reduce is None:  # not wrapped: one process, nothing to reduce
-        optimizer.apply_gradients(zip(grads, variables))
+        _apply_reduced(optimizer, list(grads), variables)
         return riders
     grads = list(grads)
     if reduce.carries_riders:
@@ -96,11 +110,50 @@ def apply_gradients(optimizer, grads, variables, riders=()):
     else:  # Adasum: its combination is meant for gradients only; the riders get a sum
         grads = reduce(grads)
         riders = [reduce.sum(r) for r in riders]
-    if getattr(type(optimizer), "_hvdtrain_distributed", False):
-        # Keras 3, hvdtrain's wrapper: the base class's apply (the wrapper's would reduce again).
-        super(type(optimizer), optimizer).apply(grads, variables)
-    else:
-        # Keras 2, Horovod's wrapper: it reduces in minimize()/get_gradients() only;
-        # apply_gradients applies what it is given (TF >= 2.4).
-        optimizer.apply_gradients(zip(grads, variables))
+    _apply_reduced(optimizer, grads, variables)
     return riders
+
+
+def _apply_reduced(optimizer, grads, variables):
+    """Apply gradients that are reduced already (or need none: one process).
+
+    Keras 3: the class's own apply (hvdtrain's wrapper's would reduce again). A
+    LossScaleOptimizer skips a step with a non-finite gradient without counting it; here it
+    counts, as Keras 2's does: hvdtrain's step count is the optimizer's (checkpoints, resume,
+    learning-rate schedules), and every rank skips the same steps, since the gradients it
+    checks are reduced. Keras 2: Horovod's wrapper reduces in minimize()/get_gradients()
+    only and apply_gradients applies what it is given (TF >= 2.4); its LossScaleOptimizer
+    takes unscaled gradients.
+    """
+    import tensorflow as tf
+
+    if compat.is_keras3():
+        cls = type(optimizer)
+        own = super(cls, optimizer) if getattr(cls, "_hvdtrain_distributed", False) else optimizer
+        if not precision.is_loss_scaled(optimizer):
+            return own.apply(grads, variables)
+        skipped = tf.logical_not(optimizer.check_finite(grads))
+        own.apply(grads, variables)
+        optimizer.iterations.assign_add(tf.cast(skipped, optimizer.iterations.dtype))
+        return None
+    if precision.is_loss_scaled(optimizer):
+        grads = optimizer.get_unscaled_gradients(grads)
+    return optimizer.apply_gradients(zip(grads, variables))
+
+
+def reduce_before_loss_scaling(optimizer):
+    """Keras 3: ``LossScaleOptimizer(DistributedOptimizer(opt))``, as ``compile`` wraps a
+    distributed optimizer under a ``mixed_float16`` policy, checks each rank's own gradients
+    and reduces only on ranks whose gradients are finite: one rank would skip the allreduce
+    the others wait in. Turned around in place: the scaler reduces, its inner optimizer is
+    plain again. Anything else is returned as it is."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if not (compat.is_keras3() and precision.is_loss_scaled(optimizer)
+            and getattr(type(inner), "_hvdtrain_distributed", False)):
+        return optimizer
+    reduction = inner._hvdtrain_reduction
+    inner.__class__ = type(inner).__bases__[0]  # its own class again
+    object.__delattr__(inner, "_hvdtrain_reduction")
+    optimizer = _reducing_subclass(optimizer)
+    object.__setattr__(optimizer, "_hvdtrain_reduction", reduction)
+    return optimizer
