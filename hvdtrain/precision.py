@@ -85,6 +85,16 @@ def loss_scale(optimizer):
     return float(np.asarray(value))
 
 
+def scaler_state(optimizer) -> list:
+    """Keras 2's loss scale and its good-step counter: state a checkpoint and the broadcast
+    must cover (a resume would start from the initial scale again), but not among its
+    optimizer's ``variables``, as Keras 3's are."""
+    if compat.is_keras3() or not is_loss_scaled(optimizer):
+        return []
+    state = optimizer._loss_scale  # tf_keras' _DynamicLossScaleState
+    return [state._current_loss_scale, state._counter]
+
+
 def to_float32(pred):
     """The model's outputs in float32 where a policy made them float16 or bfloat16: the
     loss and the metrics are computed in float32 (a float16 softmax or sum loses digits)."""
