@@ -234,6 +234,7 @@ def test_fit_float16_overflow_skipped_on_every_rank(code, tmp_path, order):
     assert got[-1] < got[0] - 0.1, got
 
 
+@pytest.mark.keras2
 def test_a_bad_precision_is_one_line(code, tmp_path):
     env = clean_env(tmp_path / "home", PYTHONPATH=f"{code}{os.pathsep}{ROOT}")
     p = run([*map(str, ["python", "-m", "hvdtrain", "run", "mp_task:MP",
