@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 from hvdtrain.errors import ConfigError, TaskError, user_code
 
 BACKENDS = ("auto", "horovod", "single")
+PRECISIONS = ("none", "float16", "bfloat16")  # --mixed-precision: see precision.py
 
 
 def setting(default, help: str, defines_run: bool = True, per_rank: bool = False, **meta):
@@ -60,6 +61,10 @@ class Config:
         "N * batch_size * world size")
     seed: int = setting(1, "seed for data order, synthetic data and initialisation (same on "
                         "every rank)")
+    mixed_precision: str = setting(
+        "none", "float16 or bfloat16: build the model under Keras' mixed_<dtype> policy "
+        "(16-bit compute, float32 variables, loss and metrics); float16 adds dynamic loss "
+        "scaling", choices=PRECISIONS)
     steps_per_execution: int = setting(
         0, "synchronous steps per compiled call (fewer Python and host round trips; SIGTERM, "
         "checkpoints and resume stay on exact steps); 0: auto, calls of about 50 ms, at most "
@@ -131,6 +136,9 @@ class Config:
             raise ConfigError("batch_size", self.batch_size, "must be 0 (full batch) or more")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError("momentum", self.momentum, "must be in [0, 1)")
+        if self.mixed_precision not in PRECISIONS:
+            raise ConfigError("mixed_precision", self.mixed_precision,
+                              f"choose one of {', '.join(PRECISIONS)}")
         if self.backend not in BACKENDS:
             raise ConfigError("backend", self.backend,
                               f"unknown backend; choose one of {', '.join(BACKENDS)}")

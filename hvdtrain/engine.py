@@ -37,7 +37,7 @@ from typing import Optional
 
 import numpy as np
 
-from hvdtrain import checkpoint, compat
+from hvdtrain import checkpoint, compat, precision
 from hvdtrain.config import Config, values
 from hvdtrain.distributed import Progress, World
 from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, Preempted, RankError,
@@ -132,7 +132,8 @@ class Run:
         every rank gets the position to start from. From here on SIGTERM stops the run at a
         step boundary instead of killing the process."""
         self.model, self.optimizer = model, optimizer
-        self.state = list(model.variables) + list(optimizer.variables)
+        self.state = (list(model.variables) + list(optimizer.variables)
+                      + precision.scaler_state(optimizer))
         self.moving = MovingStatistics(self.world, model.non_trainable_weights)
         find = lambda: self.checkpoints.find(self.record(defines_run=True))  # noqa: E731
         found = self.agree(find, catch=(CheckpointError,))
@@ -236,6 +237,9 @@ class Run:
                "keras": compat.describe(),
                **{f"final_{k}": v for k, v in last.items() if k not in BOOKKEEPING},
                **result}
+        scale = precision.loss_scale(self.optimizer)
+        if scale is not None:  # float16: the scale the run ended with (the same on every rank)
+            out["loss_scale"] = scale
         self.sync_state()  # the driver synced before evaluating; a no-op unless it did not
         out.update(weights_agreement(self.world, model))
         if self.config.save_model:

@@ -20,13 +20,13 @@ import time
 
 import numpy as np
 
-from hvdtrain import compat, pipeline
+from hvdtrain import compat, pipeline, precision
 from hvdtrain.config import Config, setting
 from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
 from hvdtrain.engine import Run
 from hvdtrain.errors import ConfigError, TaskError
-from hvdtrain.optimizer import accumulation
+from hvdtrain.optimizer import accumulation, reduce_before_loss_scaling
 
 # Steps between two checks for a SIGTERM on any rank. Every step (a host allreduce per step)
 # halved fit's throughput against Horovod's own Keras wrapper; every 10 steps costs about
@@ -45,6 +45,8 @@ NOT_FIT_SETTINGS = {
     "steps_per_execution": "set it in model.compile(steps_per_execution=N)",
     "accumulate_steps": "wrap the optimizer in hk.DistributedOptimizer(optimizer, "
                         "backward_passes_per_step=N)",
+    "mixed_precision": "set Keras' policy in the script before building the model "
+                       "(keras.mixed_precision.set_global_policy('mixed_bfloat16'))",
     "elastic": "elastic runs are offered for Task runs only",
     "commit_every": "elastic runs are offered for Task runs only",
 }
@@ -105,7 +107,8 @@ def fit_config(model, train, epochs: int, world, **settings) -> Config:
     return dataclasses.replace(config, learning_rate=_number(model.optimizer, "learning_rate"),
                                momentum=_number(model.optimizer, "momentum"),
                                steps_per_execution=steps_per_execution(model),
-                               accumulate_steps=passes)
+                               accumulate_steps=passes,
+                               mixed_precision=precision.model_precision(model))
 
 
 def steps_per_execution(model) -> int:
@@ -126,8 +129,12 @@ def check_compiled(model, world) -> None:
     if optimizer is None:
         raise TaskError("hk.fit: the model is not compiled: call model.compile(optimizer="
                         "hk.DistributedOptimizer(...), loss=..., metrics=...) first")
-    distributed = (getattr(optimizer, "_hvdtrain_reduction", None) is not None
-                   or type(optimizer).__module__.startswith("horovod"))
+    # Keras 3 under mixed_float16: compile put the loss scaler outside; reduce first.
+    optimizer = reduce_before_loss_scaling(optimizer)
+    # Keras 2 under mixed_float16: the scaler outside Horovod's wrapper is the right order.
+    inner = getattr(optimizer, "inner_optimizer", None)
+    distributed = any(getattr(o, "_hvdtrain_reduction", None) is not None
+                      or type(o).__module__.startswith("horovod") for o in (optimizer, inner))
     if world.size > 1 and not distributed:
         raise TaskError(f"hk.fit: the model's optimizer ({type(optimizer).__name__}) is not "
                         f"distributed: the {world.size} ranks would train {world.size} "

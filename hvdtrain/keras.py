@@ -28,6 +28,11 @@ resumed by hvdtrain (``pipeline.py``; README, "Your own data").
 Keras 3 with ``jit_compile=True`` (or "auto" resolving to it on a GPU): Horovod's ops have
 no XLA kernels in this build, so ``fit`` turns it off and says so in one line on rank 0.
 Metrics must keep sums as state (Mean, accuracy, AUC, ... do), or their global value is wrong.
+
+Mixed precision: set Keras' policy in the script before building the model
+(``keras.mixed_precision.set_global_policy("mixed_bfloat16")``); under ``mixed_float16``
+the loss scaler that ``compile`` adds is composed with the distributed optimizer so that it
+sees the reduced gradients (README, "Mixed precision").
 """
 from __future__ import annotations
 

@@ -18,10 +18,18 @@ is Keras' own ``gradient_accumulation_steps=N`` (its accumulators are optimizer 
 they are saved with it; ``iterations`` counts updates) with the reduction at the update; under
 Keras 2 it is Horovod's ``backward_passes_per_step`` with ``average_aggregated_gradients``
 (``iterations`` counts calls there: ``updates()`` below counts updates under either Keras).
+
+Loss scaling (float16 mixed precision, see ``precision.py``) composes with it in either
+order: ``DistributedOptimizer(LossScaleOptimizer(opt))`` is made to reduce the gradients
+before the scaler checks them, under both Keras; ``LossScaleOptimizer(DistributedOptimizer(opt))``
+(what ``compile`` makes under a ``mixed_float16`` policy) is right as it is under Keras 2 and
+is turned around by ``reduce_before_loss_scaling`` under Keras 3. Loss scaling and
+``backward_passes_per_step`` together are refused (the Task path's ``--accumulate-steps``
+accumulates in its own step and takes both).
 """
 from __future__ import annotations
 
-from hvdtrain import compat, distributed
+from hvdtrain import compat, distributed, precision
 from hvdtrain.errors import ConfigError
 
 
@@ -54,8 +62,17 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
         return optimizer
     if compat.is_keras3():
         # Horovod's wrapper fails under Keras 3 ("'Variable' object has no attribute 'ref'"):
-        # hvdtrain's reduces in apply() with Horovod's grouped allreduce instead.
+        # hvdtrain's reduces in apply() with Horovod's grouped allreduce instead. Around a
+        # LossScaleOptimizer, it reduces before the scaler checks the gradients.
         optimizer = _reducing_subclass(optimizer, passes)
+    elif precision.is_loss_scaled(optimizer):
+        # Horovod: Keras 2's scaler must see the reduced gradients (one decision on every
+        # rank), and Horovod's wrapper reduces in compute_gradients, which the scaler calls
+        # on its inner optimizer: the wrapper goes inside.
+        optimizer = type(optimizer)(
+            reduction.keras2_optimizer(optimizer.inner_optimizer, passes),
+            initial_scale=optimizer.initial_scale,
+            dynamic_growth_steps=optimizer.dynamic_growth_steps)
     else:
         optimizer = reduction.keras2_optimizer(optimizer, passes)
     # What apply_gradients below needs to put the step's flags in the gradients' round.
@@ -72,6 +89,9 @@ def _backward_passes(optimizer, n, reduction) -> int:
     own = getattr(optimizer, "gradient_accumulation_steps", None) or 1
     if n == 1 or n == own:
         return own
+    if precision.is_loss_scaled(optimizer):
+        raise ConfigError("backward_passes_per_step", n, "not with a LossScaleOptimizer "
+                          "(float16 loss scaling): use bfloat16, or no accumulation")
     if not compat.is_keras3():
         if reduction is None:
             raise ConfigError("backward_passes_per_step", n, "under Keras 2 accumulation is "
@@ -105,8 +125,7 @@ def _reducing_subclass(optimizer, passes: int = 1):
 
     def apply(self, grads, trainable_variables=None):
         # Horovod: every rank applies the same, averaged gradients (a synchronous update).
-        return super(wrapped, self).apply(self._hvdtrain_reduction(list(grads)),
-                                          trainable_variables)
+        return _apply_reduced(self, self._hvdtrain_reduction(list(grads)), trainable_variables)
 
     def _clip_gradients(self, grads):
         # Horovod: one allreduce per update, of the N micro-batches' mean; every rank takes
@@ -135,7 +154,7 @@ def apply_gradients(optimizer, grads, variables, riders=()):
     riders = list(riders)
     reduce = getattr(optimizer, "_hvdtrain_reduction", None)
     if reduce is None:  # not wrapped: one process, nothing to reduce
-        optimizer.apply_gradients(zip(grads, variables))
+        _apply_reduced(optimizer, list(grads), variables)
         return riders
     grads = list(grads)
     if reduce.carries_riders:
@@ -144,13 +163,7 @@ def apply_gradients(optimizer, grads, variables, riders=()):
     else:  # Adasum: its combination is meant for gradients only; the riders get a sum
         grads = reduce(grads)
         riders = [reduce.sum(r) for r in riders]
-    if getattr(type(optimizer), "_hvdtrain_distributed", False):
-        # Keras 3, hvdtrain's wrapper: the base class's apply (the wrapper's would reduce again).
-        super(type(optimizer), optimizer).apply(grads, variables)
-    else:
-        # Keras 2, Horovod's wrapper: it reduces in minimize()/get_gradients() only;
-        # apply_gradients applies what it is given (TF >= 2.4).
-        optimizer.apply_gradients(zip(grads, variables))
+    _apply_reduced(optimizer, grads, variables)
     return riders
 
 
@@ -167,3 +180,52 @@ def updates(optimizer) -> int:
     updates when accumulating, Horovod's Keras 2 wrapper's counts calls."""
     done = int(optimizer.iterations.numpy())
     return done // accumulation(optimizer) if hasattr(optimizer, "_agg_helper") else done
+
+
+def _apply_reduced(optimizer, grads, variables):
+    """Apply gradients that are reduced already (or need none: one process).
+
+    Keras 3: the class's own apply (hvdtrain's wrapper's would reduce again). A
+    LossScaleOptimizer skips a step with a non-finite gradient without counting it; here it
+    counts, as Keras 2's does: hvdtrain's step count is the optimizer's (checkpoints, resume,
+    learning-rate schedules), and every rank skips the same steps, since the gradients it
+    checks are reduced. Keras 2: Horovod's wrapper reduces in minimize()/get_gradients()
+    only and apply_gradients applies what it is given (TF >= 2.4); its LossScaleOptimizer
+    takes unscaled gradients.
+    """
+    import tensorflow as tf
+
+    if compat.is_keras3():
+        cls = type(optimizer)
+        own = super(cls, optimizer) if getattr(cls, "_hvdtrain_distributed", False) else optimizer
+        if not precision.is_loss_scaled(optimizer):
+            return own.apply(grads, variables)
+        skipped = tf.logical_not(optimizer.check_finite(grads))
+        own.apply(grads, variables)
+        optimizer.iterations.assign_add(tf.cast(skipped, optimizer.iterations.dtype))
+        return None
+    if precision.is_loss_scaled(optimizer):
+        grads = optimizer.get_unscaled_gradients(grads)
+    return optimizer.apply_gradients(zip(grads, variables))
+
+
+def reduce_before_loss_scaling(optimizer):
+    """Keras 3: ``LossScaleOptimizer(DistributedOptimizer(opt))``, as ``compile`` wraps a
+    distributed optimizer under a ``mixed_float16`` policy, checks each rank's own gradients
+    and reduces only on ranks whose gradients are finite: one rank would skip the allreduce
+    the others wait in. Turned around in place: the scaler reduces, its inner optimizer is
+    plain again. Anything else is returned as it is."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if not (compat.is_keras3() and precision.is_loss_scaled(optimizer)
+            and getattr(type(inner), "_hvdtrain_distributed", False)):
+        return optimizer
+    if accumulation(inner) > 1:
+        raise ConfigError("backward_passes_per_step", accumulation(inner), "not with a "
+                          "mixed_float16 policy (loss scaling): use mixed_bfloat16, or no "
+                          "accumulation")
+    reduction = inner._hvdtrain_reduction
+    inner.__class__ = type(inner).__bases__[0]  # its own class again
+    object.__delattr__(inner, "_hvdtrain_reduction")
+    optimizer = _reducing_subclass(optimizer)
+    object.__setattr__(optimizer, "_hvdtrain_reduction", reduction)
+    return optimizer

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from hvdtrain.optimizer import apply_gradients
+from hvdtrain.precision import scale_loss, to_float32
 from hvdtrain.task import check_loss_shape, check_metric_shape
 
 # Arrays up to this size are held on the device; larger ones are streamed even if they are
@@ -62,9 +63,14 @@ class TrainStep:
                 per_example, step_sums = self.scores(y, pred)
                 loss = tf.reduce_mean(per_example)
                 if model.losses:  # regularisation: part of what is minimised, not reported
-                    loss += tf.add_n(model.losses)
+                    loss += tf.add_n([tf.cast(l, loss.dtype) for l in model.losses])
+                # float16: times the loss scale (the gradients are unscaled after the reduction)
+                scaled = scale_loss(optimizer, loss)
+            # The loss is computed in float32 whatever the policy, so a loss scale never makes
+            # it non-finite: a non-finite loss is divergence (or a float16 forward overflow,
+            # which loss scaling cannot cure), a non-finite gradient alone is the scaler's.
             diverged = tf.cast(tf.logical_not(tf.math.is_finite(loss)), dtype)
-            return tape.gradient(loss, variables), diverged, step_sums
+            return tape.gradient(scaled, variables), diverged, step_sums
 
         def micro_batch(args, i):
             """The i-th of the update's ``accumulate`` micro-batches (its rows i*b..(i+1)*b)."""
@@ -133,9 +139,11 @@ class TrainStep:
         return int(done), bool(stop), bool(diverged)
 
     def scores(self, y, pred):
-        """Per-example loss, and the sums [loss, count, metric...] over this batch."""
+        """Per-example loss, and the sums [loss, count, metric...] over this batch; both
+        from the predictions in float32 (a mixed-precision model's are float16/bfloat16)."""
         import tensorflow as tf
 
+        pred = to_float32(pred)
         per_example = self.task.loss(y, pred)
         parts = [per_example, tf.ones_like(per_example)]
         parts += [tf.cast(fn(y, pred), per_example.dtype) for fn in self.metric_fns.values()]

@@ -87,7 +87,9 @@ class Task:
     def build_model(self, config: Config):
         """A built Keras model (its variables exist), identical in shape on every rank. Build
         it with the Keras in use: ``hvdtrain.compat.keras()`` (or plain ``import keras``
-        unless TF_USE_LEGACY_KERAS=1 is set)."""
+        unless TF_USE_LEGACY_KERAS=1 is set). Under ``--mixed-precision`` it is called
+        with Keras' mixed policy set (16-bit layers, float32 variables); its outputs may be
+        16-bit: they are cast to float32 before ``loss`` and the metrics."""
         raise NotImplementedError
 
     def loss(self, y, pred):

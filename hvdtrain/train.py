@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from hvdtrain import compat, distributed, pipeline, preflight
+from hvdtrain import compat, distributed, pipeline, precision, preflight
 from hvdtrain.config import Config
 from hvdtrain.data import DataError, epoch_plan, steps_per_epoch, test_shard
 from hvdtrain.engine import PROGRESS_FIELDS, Run
@@ -84,10 +84,14 @@ class _TaskRun:
         self._shape()
 
         keras.utils.set_random_seed(config.seed)  # rank 0's init wins anyway (broadcast below)
-        self.model = run.user(f"{name}.build_model", task.build_model, config)
+        with precision.policy(config.mixed_precision):  # the layers keep it, the process not
+            self.model = run.user(f"{name}.build_model", task.build_model, config)
         compat.check_model(self.model, f"{name}.build_model")
-        self.optimizer = DistributedOptimizer(check_optimizer(task, run.user(
-            f"{name}.build_optimizer", task.build_optimizer, config, self.lr)), world=world)
+        optimizer = check_optimizer(task, run.user(
+            f"{name}.build_optimizer", task.build_optimizer, config, self.lr))
+        # float16: loss scaling, composed with the reduction so that every rank skips alike.
+        self.optimizer = DistributedOptimizer(
+            precision.with_loss_scaling(optimizer, config.mixed_precision), world=world)
         # Create the optimizer's slots now so that one broadcast covers the whole state.
         self.optimizer.build(self.model.trainable_variables)
         self.metric_fns = check_metrics(task, run.user(f"{name}.metrics", task.metrics))
