@@ -1,7 +1,9 @@
 """``python -m hvdtrain.bench``: run the comparisons side by side, write JSON, Markdown, PNGs.
 
-    python -m hvdtrain.bench                       # everything (about 16 minutes on 2 cores)
+    python -m hvdtrain.bench                       # everything (about 16 minutes on 2 cores,
+                                                   # plus keras_speed's 28 launches)
     python -m hvdtrain.bench --quick               # fewer sizes, one batch, about 3 minutes
+                                                   # (keras_speed: 8 launches more)
     python -m hvdtrain.bench --cases allreduce,tta --out /tmp/b
 """
 from __future__ import annotations
@@ -43,9 +45,9 @@ def settings(quick: bool) -> dict:
             # --steps-per-execution sweep: models, global batch, epochs, values, repeats
             "steps": ([softmax, mlp], 256, 3, (1, 4, 16, 64, 0), 2),
             # issue 17's Keras targets: global batch, epochs, repeats (softmax epochs are
-            # short: 0.1-0.5 s, hence more epochs and repeats than the other cases); quick:
+            # short: 0.05-0.5 s, hence more epochs, the fastest counting); quick:
             # steps_per_execution 64 only, Keras 3 only for the one-process pair, a smaller BN mlp
-            "keras_speed": (256, 5, 2)}
+            "keras_speed": (256, 6, 2)}
 
 
 def main(argv=None) -> int:

@@ -374,10 +374,17 @@ def _keras_env(keras2: bool) -> dict:
     return env
 
 
+def _fastest(epochs):
+    """samples/s of the fastest epoch but the first: these epochs last 0.05-0.5 s, so one
+    burst of another process's work decides an epoch's time, and the least disturbed epoch is
+    the one that measures the code."""
+    return max(e["samples_per_sec"] for e in epochs[1:] or epochs)
+
+
 def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2", "k3"),
                 bn_units=1024, bn_every=100) -> dict:
-    """Best-of-``repeats`` steady samples/s, every launch round-robin, on the softmax at
-    ``global_batch`` (SGD, lr 0.5, full Fashion-MNIST):
+    """samples/s of the fastest epoch after the first, best of ``repeats`` launches, every
+    launch round-robin, on the softmax at ``global_batch`` (SGD, lr 0.5, full Fashion-MNIST):
 
     - fit: ``hk.fit`` (tf_keras and Keras 3) against Horovod's tf_keras fit with
       ``hvd.DistributedOptimizer`` (the faster of its two inputs: a tf.data pipeline shuffling
@@ -433,7 +440,7 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
                 if name == "bn_sync":  # the sync's own seconds against the training's
                     sync_share.append(_load(path)["bn_sync"]["seconds"]
                                       / sum(e["seconds"] for e in records))
-            runs[name].append(_steady(records))
+            runs[name].append(_fastest(records))
             progress(f"keras_speed {name}: {runs[name][-1]:,.0f} samples/s")
     best = {v: max(r) for v, r in runs.items()}
     ratios = {}

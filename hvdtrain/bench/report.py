@@ -169,8 +169,8 @@ def markdown(results, command: str) -> str:
     ks = results.get("keras_speed")
     if ks:
         parts.append(f"\n### Keras paths against Keras' and Horovod's own, softmax, global batch "
-                     f"{ks['global_batch']}: samples/s (best of {ks['repeats']}, epochs 2-"
-                     f"{ks['epochs']}, every launch round-robin)\n")
+                     f"{ks['global_batch']}: samples/s (the fastest of epochs 2-{ks['epochs']}, best "
+                     f"of {ks['repeats']} launches, every launch round-robin)\n")
         s = ks["samples_per_sec"]
         r = ks["ratios"]
         rows = [(f"2 processes, steps_per_execution {spe}", s[f"hk_k2_spe{spe}"],
