@@ -80,13 +80,8 @@ class Dataset:
                                          e, self.shuffle)[first_step if e == first_epoch else 0:]
                               for e in range(first_epoch, end_epoch)])
         x, y = tf.constant(self.x), tf.constant(self.y)
-        # Batches are gathered ahead, in parallel, in order (deterministic): compile(
-        # steps_per_execution=N) draws N of them per call, and 2 prefetched left the rest
-        # to be gathered while the call waited.
         return (tf.data.Dataset.from_tensor_slices(idx)
-                .map(lambda i: (tf.gather(x, i), tf.gather(y, i)),
-                     num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-                .prefetch(tf.data.AUTOTUNE))
+                .map(lambda i: (tf.gather(x, i), tf.gather(y, i))).prefetch(2))
 
 
 def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True) -> Dataset:
