@@ -431,6 +431,12 @@ def _callback(keras, run: _Fit):
     """The Keras callback (of the Keras in use) that hands fit's events to ``run``."""
 
     class HorovodFit(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            # tf_keras: the batch logs may stay tensors (read only at the epoch's end), so
+            # this callback alone does not make Keras copy them to numpy after every call.
+            self._supports_tf_logs = True
+
         def on_epoch_begin(self, epoch, logs=None):
             run.epoch_begin(epoch)
 

@@ -114,3 +114,60 @@ def test_fit_case_report():
     assert "| hvdtrain.keras fit, Keras 3 | 900 |" in text
     assert "| Horovod's keras wrapper + broadcast callback, Keras 2 | 1,000 |" in text
     assert "| hk_k3/hvd_k2 | 0.9 |" in text
+
+
+def _keras_speed(hk_k2=90.0, task=300.0, nosync=100.0, share=0.01):
+    s = {"hk_k2_spe1": hk_k2, "hvd_k2_spe1": 100.0, "hvd_arrays_k2_spe1": 80.0,
+         "hk_k3_spe1": 70.0, "task_k3": task, "keras_k3": 200.0,
+         "bn_sync": 100.0, "bn_nosync": nosync}
+    ratios = {"fit_k2_spe1": s["hk_k2_spe1"] / max(s["hvd_k2_spe1"], s["hvd_arrays_k2_spe1"]),
+              "fit_k3_spe1": s["hk_k3_spe1"] / max(s["hvd_k2_spe1"], s["hvd_arrays_k2_spe1"]),
+              "task1_k3": s["task_k3"] / s["keras_k3"],
+              "bn_sync_cost": s["bn_nosync"] / s["bn_sync"] - 1, "bn_sync_share": share}
+    return {"global_batch": 256, "ranks": 2, "epochs": 5, "repeats": 2, "spes": [1],
+            "kerases": ["k3"], "bn_units": 1024, "bn_every": 100, "samples_per_sec": s,
+            "ratios": ratios}
+
+
+def test_keras_speed_acceptance_rows_and_tables():
+    """Issue 17's three targets, each with its threshold and direction, at their edges."""
+    results = {"machine": "m", "keras_speed": _keras_speed(nosync=106.0)}
+    checks = {(c[0], c[1]): c for c in report.acceptance(results)}
+    fit = checks["fit path, 2 processes: hk.fit / Horovod's Keras fit (tf_keras)",
+                 "softmax, batch 256, tf_keras, steps_per_execution 1"]
+    assert fit[2:] == (0.9, 1.0, False)  # 90 against Horovod's faster input (100, not 80)
+    task = checks["Task path, 1 process / one-process Keras fit, steps_per_execution 64",
+                  "softmax, batch 256, Keras 3"]
+    assert task[2:] == (1.5, 1.0, True)
+    share, bn = [c for k, c in checks.items() if k[0].startswith("BN sync")]
+    assert share[2:] == (0.01, 0.05, True)
+    assert bn[2] == pytest.approx(0.06) and bn[3:] == (0.05, False)  # 6 % more step time
+    text = report.markdown(results, "cmd")
+    assert "| 2 processes, steps_per_execution 1 | 90 | 70 | 100 | 80 | 0.9 | 0.7 |" in text
+    assert "| Keras 3 | 300 | 200 | 1.5 |" in text
+    assert "<= 0.05 | **no** |" in text
+    edge = [c[4] for c in report.acceptance(
+        {"keras_speed": _keras_speed(hk_k2=100.0, task=200.0, nosync=104.9, share=0.05)})]
+    assert edge == [True, True, True, True]  # exactly 1.0 holds, 5 % holds; 4.9 % holds
+    assert not report.acceptance({"keras_speed": _keras_speed(nosync=105.1)})[-1][4]
+
+
+def test_keras_speed_case_through_the_real_launchers(tmp_path):
+    """The quick keras_speed case end to end: hk.fit and Horovod's Keras fit under horovodrun,
+    the Task path and plain model.fit in one process, the BN mlp synced and not."""
+    out = tmp_path / "out"
+    env = clean_env(tmp_path / "home")
+    proc = run([sys.executable, "-m", "hvdtrain.bench", "--quick", "--cases", "keras_speed",
+                "--out", str(out)], env, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ks = json.loads((out / "results.json").read_text())["keras_speed"]
+    assert set(ks["samples_per_sec"]) == {
+        "hk_k2_spe64", "hvd_k2_spe64", "hvd_arrays_k2_spe64", "hk_k3_spe64", "task_k3",
+        "keras_k3", "bn_sync", "bn_nosync"}
+    assert all(v > 0 for v in ks["samples_per_sec"].values())
+    s = ks["samples_per_sec"]
+    assert ks["ratios"]["task1_k3"] == pytest.approx(s["task_k3"] / s["keras_k3"])
+    text = (out / "results.md").read_text()
+    for target in ("hk.fit / Horovod's Keras fit", "Task path, 1 process", "BN sync"):
+        assert target in text
+    assert 0 < ks["ratios"]["bn_sync_share"] < 1  # the sync ran and was timed

@@ -351,7 +351,8 @@ def fit(out, batch, epochs, repeats, hidden_units=256, lr=0.05) -> dict:
             if not keras2:
                 env.pop("TF_USE_LEGACY_KERAS", None)
             bench.run(bench.horovodrun(NP, CONTROLLER, bench.python(
-                WORKERS, "fit", "--impl", impl, "--out", path, "--batch", batch, "--epochs",
+                WORKERS, "fit", "--impl", impl, "--model", "mlp", "--out", path, "--batch",
+                batch, "--epochs",
                 epochs, "--hidden-units", hidden_units, "--lr", lr)), env)
             runs[name].append(_steady(_load(path)["epochs"]))
     best = {v: max(r) for v, r in runs.items()}
@@ -362,3 +363,101 @@ def fit(out, batch, epochs, repeats, hidden_units=256, lr=0.05) -> dict:
     return {"batch_per_rank": batch, "ranks": NP, "epochs": epochs, "repeats": repeats,
             "hidden_units": hidden_units, "samples_per_sec": best, "all_runs": dict(runs),
             "ratios": ratios, "variants": {k: v[0] for k, v in FIT_VARIANTS.items()}}
+
+
+# --- issue 17's speed targets: the Keras paths against Keras' and Horovod's own -----------
+
+def _keras_env(keras2: bool) -> dict:
+    env = bench.env(**({"TF_USE_LEGACY_KERAS": "1"} if keras2 else {}))
+    if not keras2:
+        env.pop("TF_USE_LEGACY_KERAS", None)
+    return env
+
+
+def _fastest(epochs):
+    """samples/s of the fastest epoch but the first: these epochs last 0.05-0.5 s, so one
+    burst of another process's work decides an epoch's time, and the least disturbed epoch is
+    the one that measures the code."""
+    return max(e["samples_per_sec"] for e in epochs[1:] or epochs)
+
+
+def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2", "k3"),
+                bn_units=1024, bn_every=100) -> dict:
+    """samples/s of the fastest epoch after the first, best of ``repeats`` launches, every
+    launch round-robin, on the softmax at ``global_batch`` (SGD, lr 0.5, full Fashion-MNIST):
+
+    - fit: ``hk.fit`` (tf_keras and Keras 3) against Horovod's tf_keras fit with
+      ``hvd.DistributedOptimizer`` (the faster of its two inputs: a tf.data pipeline shuffling
+      all examples, as Horovod's examples do, or each rank's shard as arrays), 2 processes,
+      at each ``compile(steps_per_execution=)`` in ``spes``;
+    - task1: ``python -m hvdtrain.mnist --steps-per-execution 64``, 1 process, against a
+      one-process ``model.fit`` of the arrays at ``steps_per_execution=64``, both under each
+      of ``kerases`` (k2: tf_keras, k3: Keras 3);
+    - bn: ``hk.fit`` of the mlp with BatchNormalization (784-``bn_units``-BN-10, Keras 3, 2
+      processes, a checkpoint every ``bn_every`` steps), its moving statistics synced
+      (hvdtrain's way, the sync's own seconds timed) or not (the bench's knob).
+    """
+    softmax = {"label": "softmax", "model": "softmax", "hidden_units": 256, "lr": 0.5,
+               "dataset": "fashion_mnist"}
+    per_rank = global_batch // NP
+    launches = {}  # name: (group, command for an output path or None: the Task path, Keras 2?)
+
+    def worker(impl, batch, *flags):
+        return lambda path: bench.python(WORKERS, "fit", "--impl", impl, "--out", path,
+                                         "--batch", batch, "--epochs", epochs, *flags)
+
+    soft = ("--model", "softmax", "--lr", softmax["lr"])
+    for spe in spes:
+        for name, impl, keras2, extra in (
+                (f"hk_k2_spe{spe}", "hk", True, ()),
+                (f"hvd_k2_spe{spe}", "hvd_keras", True, ("--input", "dataset")),
+                (f"hvd_arrays_k2_spe{spe}", "hvd_keras", True, ("--input", "arrays")),
+                (f"hk_k3_spe{spe}", "hk", False, ())):
+            cmd = worker(impl, per_rank, "--spe", spe, *soft, *extra)
+            launches[name] = ("fit", lambda p, c=cmd: bench.horovodrun(NP, CONTROLLER, c(p)),
+                              keras2)
+    for tag in kerases:
+        keras2 = tag == "k2"
+        launches[f"task_{tag}"] = ("task1", None, keras2)
+        launches[f"keras_{tag}"] = ("task1", worker("keras", global_batch, "--spe", 64, *soft),
+                                    keras2)
+    for name, extra in (("bn_sync", ()), ("bn_nosync", ("--no-bn-sync",))):
+        cmd = worker("hk", per_rank, "--model", "mlp", "--bn", "--hidden-units", bn_units,
+                     "--lr", 0.05, "--checkpoint-every", bn_every, *extra)
+        launches[name] = ("bn", lambda p, c=cmd: bench.horovodrun(NP, CONTROLLER, c(p)), False)
+    work = os.path.join(out, "runs")
+    runs, sync_share = collections.defaultdict(list), []
+    for _ in range(repeats):
+        for name, (group, cmd, keras2) in launches.items():
+            if cmd is None:  # the Task path, as the throughput case runs it
+                records, _ = run_variant("b", softmax, global_batch, epochs, work,
+                                         {"TF_USE_LEGACY_KERAS": "1" if keras2 else "0"},
+                                         flags=("--steps-per-execution", 64), tag=f"-{name}")
+            else:
+                path = os.path.join(out, "raw", f"keras_speed-{name}.json")
+                bench.run(cmd(path), _keras_env(keras2))
+                records = _load(path)["epochs"]
+                if name == "bn_sync":  # the sync's own seconds against the training's
+                    sync_share.append(_load(path)["bn_sync"]["seconds"]
+                                      / sum(e["seconds"] for e in records))
+            runs[name].append(_fastest(records))
+            progress(f"keras_speed {name}: {runs[name][-1]:,.0f} samples/s")
+    best = {v: max(r) for v, r in runs.items()}
+    ratios = {}
+    for spe in spes:  # against the faster of Horovod's two inputs
+        horovod = max(best[f"hvd_k2_spe{spe}"], best[f"hvd_arrays_k2_spe{spe}"])
+        ratios[f"fit_k2_spe{spe}"] = best[f"hk_k2_spe{spe}"] / horovod
+        ratios[f"fit_k3_spe{spe}"] = best[f"hk_k3_spe{spe}"] / horovod
+    for tag in kerases:
+        ratios[f"task1_{tag}"] = best[f"task_{tag}"] / best[f"keras_{tag}"]
+    # What the sync costs, two ways: the seconds spent in it over the training's seconds,
+    # timed in the synced run (the least of the repeats), and the step time with it against
+    # without it, minus 1 (two launches' difference: as noisy as the machine).
+    ratios["bn_sync_share"] = min(sync_share)
+    ratios["bn_sync_cost"] = best["bn_nosync"] / best["bn_sync"] - 1
+    progress("keras_speed: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    return {"global_batch": global_batch, "ranks": NP, "epochs": epochs, "repeats": repeats,
+            "spes": list(spes), "kerases": list(kerases), "bn_units": bn_units,
+            "bn_every": bn_every,
+            "samples_per_sec": best, "all_runs": dict(runs), "ratios": ratios,
+            "groups": {k: v[0] for k, v in launches.items()}}

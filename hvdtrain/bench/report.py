@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 MIB = 1 << 20
+KERAS = {"k2": "tf_keras", "k3": "Keras 3"}
 
 
 def table(header, rows) -> str:
@@ -67,6 +68,23 @@ def acceptance(results) -> list:
         if c and d:
             add("time to accuracy: 2 processes / MWMS", f"{tta['model']} to {tta['target']}",
                 c / d, 1.0 - 1e-9, higher=False)
+    ks = results.get("keras_speed")
+    if ks:
+        r, batch = ks["ratios"], ks["global_batch"]
+        for spe in ks["spes"]:
+            add("fit path, 2 processes: hk.fit / Horovod's Keras fit (tf_keras)",
+                f"softmax, batch {batch}, tf_keras, steps_per_execution {spe}",
+                r[f"fit_k2_spe{spe}"], 1.0)
+        for tag in ks["kerases"]:
+            keras = KERAS[tag]
+            add("Task path, 1 process / one-process Keras fit, steps_per_execution 64",
+                f"softmax, batch {batch}, {keras}", r[f"task1_{tag}"], 1.0)
+        where = (f"mlp-{ks['bn_units']} + BN, batch {batch}, 2 processes, Keras 3, checkpoint "
+                 f"every {ks['bn_every']}")
+        add("BN sync: its seconds / the training's seconds", where, r["bn_sync_share"], 0.05,
+            higher=False)
+        add("BN sync: step time synced / unsynced - 1", where, r["bn_sync_cost"], 0.05,
+            higher=False)
     return checks
 
 
@@ -81,7 +99,7 @@ def markdown(results, command: str) -> str:
     if checks:
         parts.append("### Acceptance ratios (one run, side by side)\n")
         parts.append(table(["target", "where", "ratio", "needs", "holds"], [
-            (t, w, v, ("<= " if t.startswith(("softmax", "time", "allreduce")) else ">= ")
+            (t, w, v, ("<= " if t.startswith(("softmax", "time", "allreduce", "BN")) else ">= ")
              + f"{th:.3g}",
              "yes" if ok else "**no**") for t, w, v, th, ok in checks]))
     ar = results.get("allreduce")
@@ -148,6 +166,32 @@ def markdown(results, command: str) -> str:
         parts.append(table(["variant", "samples/s"], [
             (label, fit["samples_per_sec"][v]) for v, label in fit["variants"].items()]))
         parts.append("\n" + table(["ratio", "value"], list(fit["ratios"].items())))
+    ks = results.get("keras_speed")
+    if ks:
+        parts.append(f"\n### Keras paths against Keras' and Horovod's own, softmax, global batch "
+                     f"{ks['global_batch']}: samples/s (the fastest of epochs 2-{ks['epochs']}, best "
+                     f"of {ks['repeats']} launches, every launch round-robin)\n")
+        s = ks["samples_per_sec"]
+        r = ks["ratios"]
+        rows = [(f"2 processes, steps_per_execution {spe}", s[f"hk_k2_spe{spe}"],
+                 s[f"hk_k3_spe{spe}"], s[f"hvd_k2_spe{spe}"], s[f"hvd_arrays_k2_spe{spe}"],
+                 r[f"fit_k2_spe{spe}"], r[f"fit_k3_spe{spe}"]) for spe in ks["spes"]]
+        parts.append(table(["fit", "hk.fit, tf_keras", "hk.fit, Keras 3",
+                            "Horovod, tf.data shuffle", "Horovod, arrays",
+                            "hk tf_keras / Horovod's best", "hk Keras 3 / Horovod's best"], rows))
+        parts.append("\n" + table(["1 process, steps_per_execution 64", "Task path",
+                                   "model.fit", "Task / fit"],
+                                  [(KERAS[tag], s[f"task_{tag}"], s[f"keras_{tag}"],
+                                    s[f"task_{tag}"] / s[f"keras_{tag}"])
+                                   for tag in ks["kerases"]]))
+        parts.append("\n" + table([f"hk.fit, mlp-{ks['bn_units']} + BN, 2 processes, Keras 3",
+                                    "samples/s"],
+                                   [("moving statistics synced (hvdtrain)", s["bn_sync"]),
+                                    ("not synced (the bench's knob)", s["bn_nosync"]),
+                                    ("extra step time of the sync (synced / not - 1)",
+                                     ks["ratios"]["bn_sync_cost"]),
+                                    ("the sync's own seconds / the training's seconds",
+                                     ks["ratios"]["bn_sync_share"])]))
     return "\n".join(parts)
 
 

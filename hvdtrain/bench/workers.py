@@ -5,9 +5,10 @@
     plain                         (a) a minimal tf.function loop, one process, no Horovod
     mwms --index I                (d) tf.distribute.MultiWorkerMirroredStrategy worker I
                                   (TF_CONFIG is set by the caller)
-    fit --impl hk|hvd_keras       model.fit under horovodrun: hvdtrain.keras's fit, or
+    fit --impl hk|hvd_keras|keras model.fit under horovodrun: hvdtrain.keras's fit, or
                                   Horovod's own horovod.tensorflow.keras wrapper and
-                                  callbacks (Keras 2 only: run it with TF_USE_LEGACY_KERAS=1)
+                                  callbacks (Keras 2 only: run it with TF_USE_LEGACY_KERAS=1);
+                                  or plain Keras in one process, no Horovod (keras)
 
 Each writes one JSON object to ``--out`` (rank or worker 0 only). The training workers use
 the same model (``MnistTask.build_model``), data (``load_mnist_format``), per-rank index
@@ -213,11 +214,26 @@ def mwms(args) -> None:
         _write(args.out, {"peer": "mwms", **result})
 
 
+def _fit_model(k, args):
+    """The fit case's model: the seed's softmax (784 -> 10, zero-initialised, as the Task
+    path's) or a 784-hidden-10 MLP, with BatchNormalization after the hidden layer (--bn)."""
+    if args.model == "softmax":
+        return k.Sequential([k.Input((784,)), k.layers.Dense(
+            10, kernel_initializer="zeros", bias_initializer="zeros")])
+    if not args.bn:
+        return k.Sequential([k.Input((784,)), k.layers.Dense(args.hidden_units, activation="relu"),
+                             k.layers.Dense(10)])
+    return k.Sequential([k.Input((784,)), k.layers.Dense(args.hidden_units),
+                         k.layers.BatchNormalization(), k.layers.ReLU(), k.layers.Dense(10)])
+
+
 def fit(args) -> None:
-    """model.fit on a 784-hidden-10 MLP, Fashion-MNIST (--dataset), SGD, ``args.batch`` per
-    rank: with hvdtrain.keras (sharded order, exact metrics, checkpoints, stop flag, watchdog),
-    or with Horovod's wrapper and BroadcastGlobalVariablesCallback.
-    Both start Horovod as hvdtrain does (same thread pools and Horovod settings)."""
+    """model.fit, Fashion-MNIST (--dataset), SGD, ``args.batch`` per rank,
+    ``compile(steps_per_execution=args.spe)``: with hvdtrain.keras (sharded order, exact
+    metrics, checkpoints, stop flag, watchdog), with Horovod's wrapper and
+    BroadcastGlobalVariablesCallback (both start Horovod as hvdtrain does: same thread pools
+    and Horovod settings), or (--impl keras) plain Keras in one process without Horovod: what
+    a user writes for one machine."""
     import tempfile
 
     import tensorflow as tf
@@ -226,7 +242,22 @@ def fit(args) -> None:
     from hvdtrain.data import load_mnist_format, steps_per_epoch
 
     k = keras()
-    world = distributed.init("horovod", notice=lambda m: None)
+    world = (distributed.World() if args.impl == "keras"
+             else distributed.init("horovod", notice=lambda m: None))
+    from hvdtrain import engine
+    synced = {"seconds": 0.0, "calls": 0}
+    if args.no_bn_sync:  # the bench's knob for the BN sync's cost: moving statistics unsynced
+        engine.MovingStatistics.sync = lambda self, global_step: None
+    elif args.impl == "hk":  # the sync's own time, every call (a no-op one too)
+        sync = engine.MovingStatistics.sync
+
+        def timed(self, global_step):
+            tick = time.perf_counter()
+            sync(self, global_step)
+            synced["seconds"] += time.perf_counter() - tick
+            synced["calls"] += 1
+
+        engine.MovingStatistics.sync = timed
     # The full Fashion-MNIST (60,000 examples, 468 steps per epoch at 64 x 2): per-epoch work
     # (hvdtrain's checkpoint, metric sums, metrics line) weighs as in a real run, not as in
     # the 31 steps of the 4,000-digit sample.
@@ -234,8 +265,7 @@ def fit(args) -> None:
     x = (data.x_train.reshape(-1, 784) / 255.0).astype("float32")
     y = data.y_train.astype("int64")
     k.utils.set_random_seed(args.seed)
-    model = k.Sequential([k.Input((784,)), k.layers.Dense(args.hidden_units, activation="relu"),
-                          k.layers.Dense(10)])
+    model = _fit_model(k, args)
     loss = k.losses.SparseCategoricalCrossentropy(from_logits=True)
     steps = steps_per_epoch(len(x), args.batch, world.size)
     times = []
@@ -247,36 +277,48 @@ def fit(args) -> None:
         def on_epoch_end(self, epoch, logs=None):
             times.append(time.perf_counter() - self.tick)
 
+    compiled = dict(loss=loss, metrics=["accuracy"], steps_per_execution=args.spe)
     if args.impl == "hk":
         import hvdtrain.keras as hk
-        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(args.lr)), loss=loss,
-                      metrics=["accuracy"], jit_compile=False)
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(args.lr)),
+                      jit_compile=False, **compiled)
         with tempfile.TemporaryDirectory() as run_dir:
-            # checkpoint_every=0: epoch ends only, as measured before hk.fit took Config's 100.
             hk.fit(model, hk.dataset(x, y, args.batch, seed=args.seed), args.epochs,
-                   run_dir=run_dir, callbacks=[Timer()], verbose=0, checkpoint_every=0)
-    else:
-        hvd_keras = distributed.horovod_keras()  # the reference: Horovod's own path
+                   run_dir=run_dir, callbacks=[Timer()], verbose=0,
+                   checkpoint_every=args.checkpoint_every)
+    elif args.impl == "hvd_keras":  # the reference: Horovod's own path
+        hvd_keras = distributed.horovod_keras()
         model.compile(optimizer=hvd_keras.DistributedOptimizer(k.optimizers.SGD(args.lr)),
-                      loss=loss, metrics=["accuracy"])
-        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed + world.rank)
-        model.fit(ds.repeat().batch(args.batch).prefetch(2), steps_per_epoch=steps,
-                  epochs=args.epochs, verbose=0,
-                  # (its MetricAverageCallback fails here: it calls keras.backend.constant,
-                  # which Keras 3's backend lacks, even under TF_USE_LEGACY_KERAS=1)
-                  callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), Timer()])
+                      **compiled)
+        callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), Timer()]
+        # (its MetricAverageCallback fails here: it calls keras.backend.constant, which
+        # Keras 3's backend lacks, even under TF_USE_LEGACY_KERAS=1)
+        if args.input == "arrays":  # each rank its own shard, as arrays
+            part = slice(world.rank * steps * args.batch, (world.rank + 1) * steps * args.batch)
+            model.fit(x[part], y[part], batch_size=args.batch, epochs=args.epochs, verbose=0,
+                      callbacks=callbacks)
+        else:  # Horovod's examples: a tf.data pipeline, shuffled with a seed per rank
+            ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed
+                                                                     + world.rank)
+            model.fit(ds.repeat().batch(args.batch).prefetch(2), steps_per_epoch=steps,
+                      epochs=args.epochs, verbose=0, callbacks=callbacks)
+    else:  # one process, the arrays as a user passes them: Keras shuffles the indices and
+        # gathers each batch in its input pipeline
+        model.compile(optimizer=k.optimizers.SGD(args.lr), **compiled)
+        model.fit(x[:steps * args.batch], y[:steps * args.batch], batch_size=args.batch,
+                  epochs=args.epochs, verbose=0, callbacks=[Timer()])
     epochs = [{"epoch": i + 1, "seconds": t, "samples_per_sec": steps * args.batch * world.size / t}
               for i, t in enumerate(times)]
     if world.is_chief:
         _write(args.out, {"peer": f"fit-{args.impl}", "keras": f"{k.__name__} {k.__version__}",
-                          "epochs": epochs, "steps_per_epoch": steps})
+                          "epochs": epochs, "steps_per_epoch": steps, "bn_sync": synced})
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.workers")
     p.add_argument("kind", choices=("allreduce", "memcpy", "plain", "mwms", "fit"))
     p.add_argument("--out", required=True)
-    p.add_argument("--impl", choices=("hvd", "mpi4py", "hk", "hvd_keras"), default="hvd")
+    p.add_argument("--impl", choices=("hvd", "mpi4py", "hk", "hvd_keras", "keras"), default="hvd")
     p.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[4096])
     p.add_argument("--scale", type=float, default=1.0, help="repetitions scale (quick: < 1)")
     p.add_argument("--mode", choices=("eager", "graph"), default="eager",
@@ -290,6 +332,16 @@ def main(argv=None) -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--spe", type=int, default=1, help="fit: compile(steps_per_execution=)")
+    p.add_argument("--input", choices=("arrays", "dataset"), default="dataset",
+                   help="fit --impl hvd_keras: each rank's shard as arrays, or a tf.data "
+                   "pipeline shuffling all examples (Horovod's examples)")
+    p.add_argument("--bn", action="store_true", help="fit, mlp: BatchNormalization after the "
+                   "hidden layer")
+    p.add_argument("--no-bn-sync", action="store_true", help="fit --impl hk: leave the moving "
+                   "statistics unsynced (only to measure what the sync costs)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="fit --impl hk: steps "
+                   "between checkpoints (0: epoch ends only)")
     p.add_argument("--target", type=float, default=0.0, help="mwms: stop at this test accuracy")
     args = p.parse_args(argv)
     {"allreduce": allreduce, "memcpy": memcpy, "plain": plain, "mwms": mwms,
