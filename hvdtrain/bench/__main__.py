@@ -1,7 +1,8 @@
 """``python -m hvdtrain.bench``: run the comparisons side by side, write JSON, Markdown, PNGs.
 
     python -m hvdtrain.bench                       # everything (about 16 minutes on 2 cores,
-                                                   # plus keras_speed's 28 launches)
+                                                   # plus keras_speed's 28 launches and
+                                                   # pipeline's 6, about 3 minutes)
     python -m hvdtrain.bench --quick               # fewer sizes, one batch, about 3 minutes
                                                    # (keras_speed: 8 launches more)
     python -m hvdtrain.bench --cases allreduce,tta --out /tmp/b
