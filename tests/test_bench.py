@@ -171,3 +171,53 @@ def test_keras_speed_case_through_the_real_launchers(tmp_path):
     for target in ("hk.fit / Horovod's Keras fit", "Task path, 1 process", "BN sync"):
         assert target in text
     assert 0 < ks["ratios"]["bn_sync_share"] < 1  # the sync ran and was timed
+
+
+def _pipeline(tfrecord=90.0, hk_mwms=130.0):
+    s = {"hk_arrays": 100.0, "hk_tfrecord": tfrecord, "mwms_tfrecord": tfrecord * 100 / hk_mwms}
+    return {"batch_per_rank": 64, "ranks": 2, "epochs": 3, "repeats": 1, "files": 8,
+            "hidden_units": 256, "samples_per_sec": s,
+            "ratios": {"tfrecord/arrays": s["hk_tfrecord"] / s["hk_arrays"],
+                       "hk/mwms": s["hk_tfrecord"] / s["mwms_tfrecord"]},
+            "variants": dict(cases.PIPELINE_VARIANTS)}
+
+
+def test_pipeline_acceptance_rows_and_tables():
+    """Issue 18's two targets, each with its threshold, either side of it."""
+    where = "mlp-256, 2 processes, batch 64 per rank, 8 files"
+    checks = {c[0]: c for c in report.acceptance({"pipeline": _pipeline()})}
+    files = checks["hk.fit: TFRecord files through tf.data / arrays in memory"]
+    assert files[1] == where and files[2] == pytest.approx(0.9) and files[3:] == (0.9, True)
+    mwms = checks["tf.data pipeline: hk.fit / MultiWorkerMirroredStrategy fit (auto-sharded)"]
+    assert mwms[2] == pytest.approx(1.3) and mwms[3:] == (1.3, True)
+    below = [c[4] for c in report.acceptance({"pipeline": _pipeline(89.9, 129.9)})]
+    assert below == [False, False]
+    text = report.markdown({"machine": "m", "pipeline": _pipeline(95.0, 140.0)}, "cmd")
+    assert "| hk.fit, TFRecord files through tf.data | 95 |" in text
+    assert "| hk.fit, arrays in memory (hk.dataset) | 100 |" in text
+    assert "| tfrecord/arrays | 0.95 |" in text and "| hk/mwms | 1.4 |" in text
+    assert "| 1.4 | >= 1.3 | yes |" in text
+
+
+def test_pipeline_case_through_the_real_launchers(tmp_path):
+    """The quick pipeline case end to end: the TFRecord files written once, hk.fit from
+    arrays and from the files under horovodrun, MultiWorkerMirroredStrategy's fit on the same
+    files as two workers."""
+    out = tmp_path / "out"
+    env = clean_env(tmp_path / "home")
+    proc = run([sys.executable, "-m", "hvdtrain.bench", "--quick", "--cases", "pipeline",
+                "--out", str(out)], env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pl = json.loads((out / "results.json").read_text())["pipeline"]
+    assert set(pl["samples_per_sec"]) == set(cases.PIPELINE_VARIANTS)
+    assert all(v > 0 for v in pl["samples_per_sec"].values())
+    s = pl["samples_per_sec"]
+    assert pl["ratios"]["hk/mwms"] == pytest.approx(s["hk_tfrecord"] / s["mwms_tfrecord"])
+    shards = sorted((out / "tfrecord-fashion_mnist-8").iterdir())
+    assert [p.name for p in shards] == [f"train-{i:02d}-of-08.tfrecord" for i in range(8)]
+    # every one of the 60,000 examples went into the files, once
+    import tensorflow as tf
+    assert sum(1 for p in shards for _ in tf.data.TFRecordDataset(str(p))) == 60000
+    text = (out / "results.md").read_text()
+    assert "TFRecord files through tf.data / arrays in memory" in text
+    assert "hk.fit / MultiWorkerMirroredStrategy fit" in text

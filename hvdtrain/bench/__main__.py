@@ -1,7 +1,8 @@
 """``python -m hvdtrain.bench``: run the comparisons side by side, write JSON, Markdown, PNGs.
 
     python -m hvdtrain.bench                       # everything (about 16 minutes on 2 cores,
-                                                   # plus keras_speed's 28 launches)
+                                                   # plus keras_speed's 28 launches and
+                                                   # pipeline's 6, about 3 minutes)
     python -m hvdtrain.bench --quick               # fewer sizes, one batch, about 3 minutes
                                                    # (keras_speed: 8 launches more)
     python -m hvdtrain.bench --cases allreduce,tta --out /tmp/b
@@ -20,7 +21,8 @@ from hvdtrain import bench
 from hvdtrain.bench import cases, report
 from hvdtrain.distributed import usable_cores
 
-CASES = ("allreduce", "throughput", "steps", "tta", "timeline", "fit", "keras_speed")
+CASES = ("allreduce", "throughput", "steps", "tta", "timeline", "fit", "keras_speed",
+         "pipeline")
 KIB = 1024
 
 
@@ -37,7 +39,8 @@ def settings(quick: bool) -> dict:
                 "specs": [softmax, mlp], "batches": [4096], "epochs": 3, "repeats": 1,
                 "tta": (softmax, 512, 0.80, 4), "timeline": (softmax, 512, 2),
                 "fit": (64, 3, 1), "steps": ([softmax], 256, 3, (1, 16, 0), 1),
-                "keras_speed": (256, 2, 1, (64,), ("k3",), 256)}
+                "keras_speed": (256, 2, 1, (64,), ("k3",), 256),
+                "pipeline": (64, 3, 1)}
     return {"sizes": [4 * KIB << (2 * i) for i in range(8)], "scale": 1.0,  # 4 KiB .. 64 MiB
             "specs": [softmax, mlp], "batches": [256, 1024, 4096], "epochs": 3, "repeats": 2,
             "tta": (softmax, 512, 0.80, 6), "timeline": (softmax, 512, 2),
@@ -47,7 +50,9 @@ def settings(quick: bool) -> dict:
             # issue 17's Keras targets: global batch, epochs, repeats (softmax epochs are
             # short: 0.05-0.5 s, hence more epochs, the fastest counting); quick:
             # steps_per_execution 64 only, Keras 3 only for the one-process pair, a smaller BN mlp
-            "keras_speed": (256, 6, 2)}
+            "keras_speed": (256, 6, 2),
+            # issue 18's pipeline targets: batch per rank, epochs, repeats (mlp-256, 8 files)
+            "pipeline": (64, 4, 2)}
 
 
 def main(argv=None) -> int:
@@ -94,6 +99,8 @@ def main(argv=None) -> int:
                 results[case] = cases.fit(out, *s["fit"])
             elif case == "keras_speed":
                 results[case] = cases.keras_speed(out, *s["keras_speed"])
+            elif case == "pipeline":
+                results[case] = cases.pipeline(out, *s["pipeline"])
     except bench.BenchError as e:
         print(f"python -m hvdtrain.bench: error: {e}", file=sys.stderr)
         return 1

@@ -8,6 +8,9 @@
     timeline(...)    one hvdtrain run under HOROVOD_TIMELINE, summarised per activity
     fit(...)         model.fit, 2 processes: hvdtrain.keras (Keras 3 and 2) vs Horovod's own
                      Keras wrapper + BroadcastGlobalVariablesCallback (Keras 2): samples/s
+    keras_speed(...) issue 17's targets: hk.fit, the Task path against Keras' and Horovod's own
+    pipeline(...)    issue 18's targets: hk.fit from TFRecord files through tf.data vs from
+                     arrays, and vs MultiWorkerMirroredStrategy's fit on the same pipeline
 """
 from __future__ import annotations
 
@@ -151,7 +154,7 @@ def run_variant(variant, spec, global_batch, epochs, work, extra_env=None, flags
     return _metrics(run_dir), wall
 
 
-def _mwms(out, per_worker, worker_flags, env, target=0.0):
+def _mwms(out, per_worker, worker_flags, env, target=0.0, worker=("mwms",)):
     ports = bench.free_ports(NP)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     procs = []
@@ -161,8 +164,8 @@ def _mwms(out, per_worker, worker_flags, env, target=0.0):
     for index in range(NP):
         e = dict(env, TF_CONFIG=json.dumps({"cluster": cluster,
                                             "task": {"type": "worker", "index": index}}))
-        cmd = bench.python(WORKERS, "mwms", "--index", index, "--out", out, "--batch", per_worker,
-                           "--target", target, *worker_flags)
+        cmd = bench.python(WORKERS, *worker, "--index", index, "--out", out, "--batch",
+                           per_worker, "--target", target, *worker_flags)
         procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
     errors = []
@@ -461,3 +464,53 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
             "bn_every": bn_every,
             "samples_per_sec": best, "all_runs": dict(runs), "ratios": ratios,
             "groups": {k: v[0] for k, v in launches.items()}}
+
+
+# --- issue 18's targets: a tf.data pipeline from TFRecord files ----------------------------
+
+PIPELINE_VARIANTS = {  # name: label
+    "hk_arrays": "hk.fit, arrays in memory (hk.dataset)",
+    "hk_tfrecord": "hk.fit, TFRecord files through tf.data",
+    "mwms_tfrecord": "MultiWorkerMirroredStrategy model.fit, the same pipeline",
+}
+
+
+def pipeline(out, batch, epochs, repeats, files=8, hidden_units=256, lr=0.05) -> dict:
+    """Best-of-``repeats`` steady samples/s of the mlp (784-``hidden_units``-10, SGD, tf_keras)
+    on the full Fashion-MNIST, 2 processes, ``batch`` per rank, round-robin: ``hk.fit`` from
+    arrays (``hk.dataset``), ``hk.fit`` from ``files`` TFRecord files of equal size through
+    a user's tf.data pipeline (interleave, map, seeded shuffle, batch, prefetch; hvdtrain
+    shards it by file), and MultiWorkerMirroredStrategy's ``model.fit`` on the same
+    pipeline at the global batch (auto-sharded by file). The files are written once into
+    ``out``. All three under tf_keras: Keras 3's fit under MultiWorkerMirroredStrategy
+    fails here (its distributed batches reach the model as PerReplica values)."""
+    data_dir = os.path.join(out, f"tfrecord-fashion_mnist-{files}")
+    if not os.path.isdir(data_dir):
+        bench.run(bench.python(WORKERS, "tfrecords", "--files", files, "--out",
+                               data_dir + ".tmp"), bench.env())
+        os.replace(data_dir + ".tmp", data_dir)
+    common = ("--model", "mlp", "--epochs", epochs, "--hidden-units", hidden_units, "--lr", lr)
+    env = _keras_env(True)
+    runs = collections.defaultdict(list)
+    for _ in range(repeats):
+        for name in PIPELINE_VARIANTS:
+            path = os.path.join(out, "raw", f"pipeline-{name}.json")
+            if name == "mwms_tfrecord":
+                records, _ = _mwms(path, batch, list(common), env, worker=(
+                    "fit", "--impl", "mwms", "--input", "tfrecord", "--data-dir", data_dir))
+            else:
+                extra = ("--input", "tfrecord", "--data-dir", data_dir) \
+                    if name == "hk_tfrecord" else ()
+                bench.run(bench.horovodrun(NP, CONTROLLER, bench.python(
+                    WORKERS, "fit", "--impl", "hk", "--out", path, "--batch", batch,
+                    *common, *extra)), env)
+                records = _load(path)["epochs"]
+            runs[name].append(_steady(records))
+            progress(f"pipeline {name}: {runs[name][-1]:,.0f} samples/s")
+    best = {v: max(r) for v, r in runs.items()}
+    ratios = {"tfrecord/arrays": best["hk_tfrecord"] / best["hk_arrays"],
+              "hk/mwms": best["hk_tfrecord"] / best["mwms_tfrecord"]}
+    progress("pipeline: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    return {"batch_per_rank": batch, "ranks": NP, "epochs": epochs, "repeats": repeats,
+            "files": files, "hidden_units": hidden_units, "samples_per_sec": best,
+            "all_runs": dict(runs), "ratios": ratios, "variants": dict(PIPELINE_VARIANTS)}

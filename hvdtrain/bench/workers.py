@@ -9,6 +9,10 @@
                                   Horovod's own horovod.tensorflow.keras wrapper and
                                   callbacks (Keras 2 only: run it with TF_USE_LEGACY_KERAS=1);
                                   or plain Keras in one process, no Horovod (keras)
+    fit --impl mwms --index I     model.fit under MultiWorkerMirroredStrategy, worker I
+    fit --input tfrecord          (hk, mwms) from the TFRecord files in --data-dir through
+                                  a tf.data pipeline (interleave, map, shuffle, batch)
+    tfrecords --files N           write the training set as N TFRecord files into --out
 
 Each writes one JSON object to ``--out`` (rank or worker 0 only). The training workers use
 the same model (``MnistTask.build_model``), data (``load_mnist_format``), per-rank index
@@ -227,6 +231,52 @@ def _fit_model(k, args):
                          k.layers.BatchNormalization(), k.layers.ReLU(), k.layers.Dense(10)])
 
 
+def tfrecords(args) -> None:
+    """The training set (--dataset) as ``--files`` TFRecord files of equal size in the
+    directory ``--out``: each example a 784-byte image and an int64 label."""
+    import tensorflow as tf
+    from hvdtrain.data import load_mnist_format
+    from hvdtrain.distributed import World
+
+    data = load_mnist_format(args.dataset, None, False, World(), notice=lambda m: None)
+    os.makedirs(args.out, exist_ok=True)
+    images = data.x_train.reshape(len(data.x_train), -1)
+    for i, part in enumerate(np.array_split(np.arange(len(images)), args.files)):
+        path = os.path.join(args.out, f"train-{i:02d}-of-{args.files:02d}.tfrecord")
+        with tf.io.TFRecordWriter(path + ".tmp") as w:
+            for j in part:
+                w.write(tf.train.Example(features=tf.train.Features(feature={
+                    "image": tf.train.Feature(bytes_list=tf.train.BytesList(
+                        value=[images[j].tobytes()])),
+                    "label": tf.train.Feature(int64_list=tf.train.Int64List(
+                        value=[int(data.y_train[j])]))})).SerializeToString())
+        os.replace(path + ".tmp", path)
+
+
+def _tfrecord_pipeline(data_dir, batch, seed):
+    """What a user writes for one process, as tf.data's performance guide has it: the files
+    (sorted: the same list on every rank), interleaved, the records shuffled with a seed,
+    batched, then parsed a batch at a time (one parse_example per batch, not per example),
+    prefetched."""
+    import glob
+
+    import tensorflow as tf
+
+    def parse(records):
+        f = tf.io.parse_example(records, {
+            "image": tf.io.FixedLenFeature([], tf.string),
+            "label": tf.io.FixedLenFeature([], tf.int64)})
+        images = tf.reshape(tf.io.decode_raw(f["image"], tf.uint8), (-1, 784))
+        return tf.cast(images, tf.float32) / 255.0, f["label"]
+
+    ds = tf.data.Dataset.from_tensor_slices(sorted(glob.glob(os.path.join(data_dir,
+                                                                          "*.tfrecord"))))
+    ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=4,
+                       num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.shuffle(10000, seed=seed).batch(batch)
+    return ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+
+
 def fit(args) -> None:
     """model.fit, Fashion-MNIST (--dataset), SGD, ``args.batch`` per rank,
     ``compile(steps_per_execution=args.spe)``: with hvdtrain.keras (sharded order, exact
@@ -241,8 +291,16 @@ def fit(args) -> None:
     from hvdtrain.compat import keras
     from hvdtrain.data import load_mnist_format, steps_per_epoch
 
+    strategy = None
+    if args.impl == "mwms":  # the strategy first: before any other TensorFlow op
+        size = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+        if "TF_NUM_INTRAOP_THREADS" not in os.environ:  # the thread pools hvdtrain gives a rank
+            threads = max(1, distributed.usable_cores() // size)
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
     k = keras()
-    world = (distributed.World() if args.impl == "keras"
+    world = (distributed.World() if args.impl in ("keras", "mwms")
              else distributed.init("horovod", notice=lambda m: None))
     from hvdtrain import engine
     synced = {"seconds": 0.0, "calls": 0}
@@ -278,14 +336,30 @@ def fit(args) -> None:
             times.append(time.perf_counter() - self.tick)
 
     compiled = dict(loss=loss, metrics=["accuracy"], steps_per_execution=args.spe)
+    trained = steps * args.batch * world.size  # examples per epoch
+    if args.input == "tfrecord":  # every example, the last batch of each shard short
+        trained = len(x)
     if args.impl == "hk":
         import hvdtrain.keras as hk
         model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(args.lr)),
                       jit_compile=False, **compiled)
+        train = (_tfrecord_pipeline(args.data_dir, args.batch, args.seed)
+                 if args.input == "tfrecord" else hk.dataset(x, y, args.batch, seed=args.seed))
         with tempfile.TemporaryDirectory() as run_dir:
-            hk.fit(model, hk.dataset(x, y, args.batch, seed=args.seed), args.epochs,
-                   run_dir=run_dir, callbacks=[Timer()], verbose=0,
+            hk.fit(model, train, args.epochs, run_dir=run_dir, callbacks=[Timer()], verbose=0,
                    checkpoint_every=args.checkpoint_every)
+    elif args.impl == "mwms":  # the reference for a pipeline: Keras' own multi-worker fit,
+        # the same pipeline at the global batch, auto-sharded by file (each worker reads its
+        # files and batches its share of each global batch)
+        world_size = strategy.num_replicas_in_sync
+        with strategy.scope():
+            model = _fit_model(k, args)
+            model.compile(optimizer=k.optimizers.SGD(args.lr), **compiled)
+        ds = _tfrecord_pipeline(args.data_dir, args.batch * world_size, args.seed)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = \
+            tf.data.experimental.AutoShardPolicy.FILE
+        model.fit(ds.with_options(options), epochs=args.epochs, verbose=0, callbacks=[Timer()])
     elif args.impl == "hvd_keras":  # the reference: Horovod's own path
         hvd_keras = distributed.horovod_keras()
         model.compile(optimizer=hvd_keras.DistributedOptimizer(k.optimizers.SGD(args.lr)),
@@ -307,18 +381,19 @@ def fit(args) -> None:
         model.compile(optimizer=k.optimizers.SGD(args.lr), **compiled)
         model.fit(x[:steps * args.batch], y[:steps * args.batch], batch_size=args.batch,
                   epochs=args.epochs, verbose=0, callbacks=[Timer()])
-    epochs = [{"epoch": i + 1, "seconds": t, "samples_per_sec": steps * args.batch * world.size / t}
+    epochs = [{"epoch": i + 1, "seconds": t, "samples_per_sec": trained / t}
               for i, t in enumerate(times)]
-    if world.is_chief:
+    if world.is_chief and (strategy is None or args.index == 0):
         _write(args.out, {"peer": f"fit-{args.impl}", "keras": f"{k.__name__} {k.__version__}",
                           "epochs": epochs, "steps_per_epoch": steps, "bn_sync": synced})
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.workers")
-    p.add_argument("kind", choices=("allreduce", "memcpy", "plain", "mwms", "fit"))
+    p.add_argument("kind", choices=("allreduce", "memcpy", "plain", "mwms", "fit", "tfrecords"))
     p.add_argument("--out", required=True)
-    p.add_argument("--impl", choices=("hvd", "mpi4py", "hk", "hvd_keras", "keras"), default="hvd")
+    p.add_argument("--impl", choices=("hvd", "mpi4py", "hk", "hvd_keras", "keras", "mwms"),
+                   default="hvd")
     p.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[4096])
     p.add_argument("--scale", type=float, default=1.0, help="repetitions scale (quick: < 1)")
     p.add_argument("--mode", choices=("eager", "graph"), default="eager",
@@ -333,9 +408,12 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--spe", type=int, default=1, help="fit: compile(steps_per_execution=)")
-    p.add_argument("--input", choices=("arrays", "dataset"), default="dataset",
+    p.add_argument("--input", choices=("arrays", "dataset", "tfrecord"), default="dataset",
                    help="fit --impl hvd_keras: each rank's shard as arrays, or a tf.data "
-                   "pipeline shuffling all examples (Horovod's examples)")
+                   "pipeline shuffling all examples (Horovod's examples); --impl hk|mwms "
+                   "tfrecord: the TFRecord files in --data-dir through a tf.data pipeline")
+    p.add_argument("--data-dir", help="fit --input tfrecord: the files' directory")
+    p.add_argument("--files", type=int, default=8, help="tfrecords: how many files")
     p.add_argument("--bn", action="store_true", help="fit, mlp: BatchNormalization after the "
                    "hidden layer")
     p.add_argument("--no-bn-sync", action="store_true", help="fit --impl hk: leave the moving "
@@ -345,7 +423,7 @@ def main(argv=None) -> None:
     p.add_argument("--target", type=float, default=0.0, help="mwms: stop at this test accuracy")
     args = p.parse_args(argv)
     {"allreduce": allreduce, "memcpy": memcpy, "plain": plain, "mwms": mwms,
-     "fit": fit}[args.kind](args)
+     "fit": fit, "tfrecords": tfrecords}[args.kind](args)
 
 
 if __name__ == "__main__":
