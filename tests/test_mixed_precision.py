@@ -296,3 +296,18 @@ def test_float16_one_negotiation_round_per_step_both_paths(code, tmp_path):
     # Measured: 12. The SIGTERM check every STOP_CHECK_EVERY steps and at each epoch's end,
     # the epoch's and the validation's metric sums.
     assert others <= steps // STOP_CHECK_EVERY + 3 * EPOCHS, others
+
+
+@pytest.mark.keras2
+def test_float16_loss_scaling_with_backward_passes_is_refused_in_one_line():
+    """Loss scaling and hk.DistributedOptimizer's accumulation together are not offered: one
+    ConfigError naming backward_passes_per_step (bfloat16 needs no scaler and accumulates)."""
+    from hvdtrain.compat import keras
+    from hvdtrain.errors import ConfigError
+    from hvdtrain.optimizer import DistributedOptimizer
+
+    k = keras()
+    scaled = k.mixed_precision.LossScaleOptimizer(k.optimizers.SGD(0.1))
+    with pytest.raises(ConfigError, match="backward.passes.per.step=2: not with a LossScale") as e:
+        DistributedOptimizer(scaled, backward_passes_per_step=2)
+    assert "\n" not in str(e.value)

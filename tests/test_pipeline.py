@@ -323,3 +323,18 @@ def test_task_path_pipeline_trains_evaluates_once_and_resumes_exactly(env, tmp_p
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stderr
     assert result(cut)["weights_sha256"] == reference["weights_sha256"]
+
+
+def test_task_pipeline_with_accumulate_steps_is_one_line(env, tmp_path, records):
+    """--accumulate-steps with a Task's pipeline is not offered: refused in one line naming
+    the flag, before anything is written (one process)."""
+    (tmp_path / "records_task.py").write_text(TASK.format(examples=os.path.join(ROOT,
+                                                                                "examples")))
+    env = dict(env, RECORDS=records, PYTHONPATH=f"{tmp_path}:{env['PYTHONPATH']}")
+    p = run([sys.executable, "-m", "hvdtrain", "run", "records_task:Records", "--run-dir",
+             str(tmp_path / "r"), "--accumulate-steps", "2"], env, 180, cwd=str(tmp_path))
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    lines = [l for l in p.stderr.splitlines() if "accumulate" in l]
+    assert len(lines) == 1 and "tf.data pipeline" in lines[0], p.stderr[-3000:]
+    assert not (tmp_path / "r" / "checkpoints").exists()
