@@ -100,7 +100,7 @@ def fit_config(model, train, epochs: int, world, **settings) -> Config:
         # Every epoch ends on an update, so that its end (a checkpoint) holds no
         # half-accumulated gradients and the next epoch's first update is whole.
         raise ConfigError("backward_passes_per_step", passes, f"must divide the {train.steps} "
-                          f"steps of an epoch ({len(train.x)} examples in batches of "
+                          f"steps of an epoch ({train.examples} examples in batches of "
                           f"{train.batch_size} x {world.size} ranks): choose a batch_size "
                           "that makes it so")
     # What the compiled optimizer really uses (None for a schedule): recorded, not checked.

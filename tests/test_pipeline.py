@@ -338,3 +338,26 @@ def test_task_pipeline_with_accumulate_steps_is_one_line(env, tmp_path, records)
     lines = [l for l in p.stderr.splitlines() if "accumulate" in l]
     assert len(lines) == 1 and "tf.data pipeline" in lines[0], p.stderr[-3000:]
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_fit_pipeline_backward_passes_not_dividing_the_epoch_is_one_line():
+    """A pipeline of 3 batches with backward_passes_per_step=2: refused with the one line the
+    arrays get (it named len(train.x), which a pipeline does not have: a traceback)."""
+    import tensorflow as tf
+
+    from hvdtrain import pipeline
+    from hvdtrain.compat import keras
+    from hvdtrain.distributed import World
+    from hvdtrain.errors import ConfigError
+    from hvdtrain.fit import fit_config
+    from hvdtrain.optimizer import DistributedOptimizer
+
+    k, world = keras(), World()
+    x, y = np.zeros((12, 4), np.float32), np.zeros(12, np.int64)
+    train = pipeline.Batches(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), world)
+    model = k.Sequential([k.Input((4,)), k.layers.Dense(2)])
+    opt = DistributedOptimizer(k.optimizers.SGD(0.1), world=world, backward_passes_per_step=2)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    with pytest.raises(ConfigError, match=r"backward.passes.per.step=2: must divide the 3 "
+                                          r"steps of an epoch \(12 examples"):
+        fit_config(model, train, 1, world)
