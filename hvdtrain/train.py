@@ -222,14 +222,13 @@ class _TaskRun:
         data, world = self.data, self.world
         local = np.zeros(2 + len(self.metric_fns))
         if pipeline.is_dataset(data.x_test):  # each example scored by one rank
-            mine, _ = pipeline.validation(data.x_test, world, batch=EVAL_BATCH, what="x_test")
-            for x, y in mine:
-                local += eval_step(x, y).numpy()
-        idx = test_shard(0 if pipeline.is_dataset(data.x_test) else len(data.x_test),
-                         world.rank, world.size)
-        for start in range(0, len(idx), EVAL_BATCH):
-            part = idx[start:start + EVAL_BATCH]
-            local += eval_step(tf.constant(data.x_test[part]), tf.constant(data.y_test[part])).numpy()
+            batches, _ = pipeline.validation(data.x_test, world, batch=EVAL_BATCH, what="x_test")
+        else:
+            idx = test_shard(len(data.x_test), world.rank, world.size)
+            batches = ((tf.constant(data.x_test[part]), tf.constant(data.y_test[part]))
+                       for part in (idx[i:i + EVAL_BATCH] for i in range(0, len(idx), EVAL_BATCH)))
+        for x, y in batches:
+            local += eval_step(x, y).numpy()
         totals = world.allreduce_sum(local)
         result = {"test_examples": int(totals[1]), "test_loss": float(totals[0] / totals[1])}
         result.update({f"test_{k}": float(totals[2 + i] / totals[1])
