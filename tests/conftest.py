@@ -13,6 +13,9 @@ from hvdtrain import harness
 from hvdtrain.harness import BIN, HOROVODRUN, ROOT, start  # noqa: F401 (the tests' names)
 
 KERAS2 = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
+# Every time bound a test sets (pytest-timeout's per-test bound, and each process's below) is
+# multiplied by this: a slower or busier machine than the 2 cores the bounds were set on.
+TIME_SCALE = float(os.environ.get("HVDTRAIN_TEST_TIME_SCALE", "1") or 1)
 NOISE = ("cuda", "absl::", "E0000", "cpu_feature_guard", "oneDNN", "AVX", "cuInit",
          "rebuild TensorFlow")
 
@@ -30,6 +33,19 @@ def clean_env(home, **extra):
     return env
 
 
+def pytest_collection_modifyitems(config, items):
+    """HVDTRAIN_TEST_TIME_SCALE: each test's pytest-timeout bound (its own marker's, or
+    pytest.ini's) times the scale."""
+    if TIME_SCALE == 1:
+        return
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        bound = float(marker.args[0]) if marker and marker.args else default
+        if bound:
+            item.add_marker(pytest.mark.timeout(bound * TIME_SCALE), append=False)
+
+
 def _quiet(err: str) -> str:
     return "\n".join(l for l in err.splitlines() if not any(n in l for n in NOISE))
 
@@ -37,7 +53,7 @@ def _quiet(err: str) -> str:
 def run(cmd, env, timeout=180, cwd=None):
     """Run ``cmd``; kill its whole process group after ``timeout`` seconds."""
     try:
-        proc = harness.run(cmd, env, timeout, cwd)
+        proc = harness.run(cmd, env, timeout * TIME_SCALE, cwd)
     except harness.Timeout as e:
         pytest.fail(f"{e}\n{e.out}\n{e.err}")
     proc.stderr = _quiet(proc.stderr)
@@ -97,7 +113,7 @@ def rank_pids(marker):
 def wait_for(predicate, timeout, interval=0.05):
     """Poll until ``predicate()`` is truthy; return its value, or None after ``timeout``."""
     import time
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout * TIME_SCALE
     while time.monotonic() < deadline:
         value = predicate()
         if value:
@@ -108,7 +124,7 @@ def wait_for(predicate, timeout, interval=0.05):
 
 def finish(proc, timeout):
     """Wait up to ``timeout`` s; on time-out kill the whole group. Returns (rc or None, out, err)."""
-    rc, out, err = harness.finish(proc, timeout)
+    rc, out, err = harness.finish(proc, timeout * TIME_SCALE)
     return rc, out, _quiet(err)
 
 
@@ -121,6 +137,35 @@ def script_cmd(np, script, *args):
 def launch_example(np, name, *args):
     """examples/<name>, alone (np 1) or under horovodrun."""
     return script_cmd(np, os.path.join(ROOT, "examples", name), *args)
+
+
+class References:
+    """Uninterrupted runs computed once per session and shared by every test (of any module)
+    that compares against the same command: ``references.run("gloo", 2, "linear", *args)``
+    launches it the first time and returns its result.json (``references.run_dir(...)``: its
+    run directory) every time. The key is the launcher, the ranks, the task and its flags."""
+
+    def __init__(self, base):
+        self.base, self.done = base, {}
+
+    def run_dir(self, launcher, np, task, *args):
+        key = (launcher, np, task, *map(str, args))
+        if key not in self.done:
+            run_dir = self.base / f"ref{len(self.done)}"
+            cmd = (module_cmd(task, *args) if np == 1 else launch(launcher, np, task, *args))
+            p = run([*cmd, "--run-dir", str(run_dir)], clean_env(self.base / "home"),
+                    timeout=300)
+            assert p.returncode == 0, f"reference run {key} failed:\n{p.stderr[-3000:]}"
+            self.done[key] = run_dir
+        return self.done[key]
+
+    def run(self, launcher, np, task, *args):
+        return result(self.run_dir(launcher, np, task, *args))
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory):
+    return References(tmp_path_factory.mktemp("references"))
 
 
 @pytest.fixture

@@ -23,10 +23,10 @@ or mount of the cluster is left.
 import os
 import re
 import shutil
-import subprocess
-import time
 
 import pytest
+
+from netns import Hosts, sh
 
 NODES = {"nodeA": "10.78.0.1", "nodeB": "10.78.0.2"}
 IFACE = "hvds0"  # the veth's name in both namespaces
@@ -61,18 +61,10 @@ PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def sh(*cmd, timeout=30, **kw):
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
-
-
-class SlurmCluster:
+class SlurmCluster(Hosts):
     def __init__(self, base):
-        self.base = base
-        tag = f"hvds{os.getpid()}"
-        self.ns = {"nodeA": f"{tag}a", "nodeB": f"{tag}b"}
+        super().__init__(base, NODES, tag="hvds", iface=IFACE)
         self.conf = base / "ctld" / "slurm.conf"  # the clients' (the same text on every node)
-        self.daemons = []   # (name, Popen)
-        self.made = []      # namespaces made, to delete
 
     # --- making it ------------------------------------------------------------------------
     def create(self):
@@ -81,31 +73,17 @@ class SlurmCluster:
         if missing:
             pytest.fail(f"SLURM missing ({', '.join(missing)}): apt-get install slurmctld slurmd "
                         "slurm-client munge (scripts/setup.sh installs them)")
-        for ns in self.ns.values():
-            p = sh("ip", "netns", "add", ns)
-            if p.returncode != 0:
-                pytest.skip(f"cannot make network namespaces here (needs root with "
-                            f"CAP_SYS_ADMIN): ip netns add: {p.stderr.strip()}")
-            self.made.append(ns)
-        if sh("unshare", "--uts", "true").returncode != 0:
-            pytest.skip("cannot make UTS namespaces here (unshare --uts needs CAP_SYS_ADMIN)")
-        a, b = self.ns["nodeA"], self.ns["nodeB"]
-        self.check("ip", "-n", a, "link", "add", IFACE, "type", "veth", "peer", "name", IFACE,
-                   "netns", b)
-        for node, ns in self.ns.items():
-            self.check("ip", "-n", ns, "addr", "add", f"{NODES[node]}/24", "dev", IFACE)
-            self.check("ip", "-n", ns, "link", "set", "lo", "up")
-            self.check("ip", "-n", ns, "link", "set", IFACE, "up")
+        super().create()
         self.write_config()
         munge = self.base / "munge"
         self.start("munged", ["munged", "--foreground", "--force", f"--socket={munge}/socket",
                               f"--key-file={munge}/key", f"--pid-file={munge}/pid",
                               f"--log-file={munge}/log", f"--seed-file={munge}/seed"])
         self.wait(lambda: (munge / "socket").exists(), 10, "munged's socket")
-        self.start("slurmctld", self.on("nodeA", ["slurmctld", "-D", "-i"], self.conf))
+        self.start("slurmctld", self.on_node("nodeA", ["slurmctld", "-D", "-i"], self.conf))
         for node in NODES:
-            self.start(f"slurmd {node}", self.on(node, ["slurmd", "-D", "-N", node],
-                                                 self.base / node / "conf" / "slurm.conf"))
+            self.start(f"slurmd {node}", self.on_node(node, ["slurmd", "-D", "-N", node],
+                                                      self.base / node / "conf" / "slurm.conf"))
         self.wait(lambda: self.client("sinfo", "-h", "-o", "%t").stdout.split() == ["idle"],
                   30, "both nodes idle in sinfo")
         return self
@@ -129,36 +107,10 @@ class SlurmCluster:
             (self.base / node / "pmix").mkdir()
             (conf / "mpi.conf").write_text(f"PMIxCliTmpDirBase={self.base / node / 'pmix'}\n")
 
-    def on(self, node, cmd, conf):
+    def on_node(self, node, cmd, conf):
         """``cmd`` as run on ``node``: its network namespace (nsenter, which keeps /sys as it
         is), its host name, its configuration."""
-        return ["nsenter", f"--net=/run/netns/{self.ns[node]}", "unshare", "--uts", "env",
-                f"SLURM_CONF={conf}", "sh", "-c", 'hostname "$0" && exec "$@"', node, *cmd]
-
-    def start(self, name, cmd):
-        log = open(self.base / f"{name.replace(' ', '-')}.out", "w")
-        self.daemons.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                     stdin=subprocess.DEVNULL,
-                                                     start_new_session=True)))
-        log.close()
-
-    def wait(self, predicate, timeout, what):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            dead = [n for n, p in self.daemons if p.poll() is not None]
-            if dead:
-                break
-            time.sleep(0.1)
-        logs = "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}"
-                         for f in sorted(self.base.glob("**/*")) if f.is_file()
-                         and (f.name == "log" or f.suffix == ".out"))
-        pytest.fail(f"SLURM cluster: no {what} within {timeout}s\n{logs}")
-
-    def check(self, *cmd):
-        p = sh(*cmd)
-        assert p.returncode == 0, f"{' '.join(cmd)}: {p.stderr}"
+        return self.on(node, cmd, nsenter=True, env=[f"SLURM_CONF={conf}"])
 
     # --- using it -------------------------------------------------------------------------
     def env(self, env):
@@ -179,51 +131,3 @@ class SlurmCluster:
         """``scontrol show job`` as a dict (JobState, ExitCode, Reason, Restarts, ...)."""
         out = self.client("scontrol", "show", "job", "-o", str(job_id)).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
-
-    def rx_bytes(self, node):
-        import json
-        stats = json.loads(sh("ip", "-n", self.ns[node], "-s", "-j", "link", "show",
-                              IFACE).stdout)
-        return stats[0]["stats64"]["rx"]["bytes"]
-
-    # --- removing it ----------------------------------------------------------------------
-    def destroy(self):
-        for ns in self.made:
-            # Anything running in a namespace the test made (slurmctld, slurmd, slurmstepd,
-            # a job's processes) is the test's own.
-            for pid in sh("ip", "netns", "pids", ns).stdout.split():
-                try:
-                    os.kill(int(pid), 9)
-                except ProcessLookupError:
-                    pass
-        for _, proc in reversed(self.daemons):
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
-        for ns in self.made:
-            sh("ip", "netns", "del", ns)  # takes the veth end inside with it
-        left = self.leftovers()
-        assert not left, f"the SLURM cluster left behind: {left}"
-
-    def leftovers(self):
-        """Processes, namespaces and mounts of this cluster still there (none, after destroy)."""
-        left = [ns for ns in self.ns.values() if ns in sh("ip", "netns", "list").stdout]
-        with open("/proc/mounts") as f:
-            left += [line.strip() for line in f
-                     if str(self.base) in line or any(ns in line for ns in self.ns.values())]
-        marker = str(self.base).encode()
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        continue  # a zombie holds nothing; its parent reaps it
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmdline = f.read()
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    environ = f.read()
-            except OSError:
-                continue
-            if marker in cmdline or marker in environ:
-                args = cmdline.replace(b"\0", b" ").decode(errors="replace")
-                left.append(f"pid {pid}: {args}")
-        return left

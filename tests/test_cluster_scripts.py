@@ -32,6 +32,7 @@ def slurm_env(tmp_path, **extra):
     return clean_env(tmp_path / "home", **dict(allocation, **extra))
 
 
+@pytest.mark.quick
 def test_slurm_srun_command(tmp_path):
     env = slurm_env(tmp_path, DRY_RUN="1", IFACE="ib0", SLURM_JOB_ID="4242",
                     SLURM_JOB_NAME="exp1", SLURM_SUBMIT_DIR=str(tmp_path))
@@ -44,6 +45,7 @@ def test_slurm_srun_command(tmp_path):
                                 str(tmp_path / "runs" / "exp1-mnist"), "--epochs", "5"]
 
 
+@pytest.mark.quick
 def test_slurm_run_dir_from_the_flags(tmp_path):
     """A --run-dir among the flags is the one used (and the only one passed)."""
     for flags in (["--run-dir", "/data/r1"], ["--run-dir=/data/r1"]):
@@ -54,6 +56,7 @@ def test_slurm_run_dir_from_the_flags(tmp_path):
         assert p.stdout.count("--run-dir") == 1
 
 
+@pytest.mark.quick
 def test_slurm_default_run_dir_of_a_task_spec(tmp_path):
     env = slurm_env(tmp_path, DRY_RUN="1", SLURM_JOB_ID="5", SLURM_SUBMIT_DIR=str(tmp_path))
     p = run(["bash", SLURM_JOB, "pkg.mod:MyTask"], env, timeout=30)
@@ -61,6 +64,7 @@ def test_slurm_default_run_dir_of_a_task_spec(tmp_path):
     assert f"--run-dir {tmp_path}/runs/hvdtrain-pkg.mod_MyTask" in p.stdout
 
 
+@pytest.mark.quick
 def test_slurm_mpirun_command_and_hostfile(tmp_path):
     path = fake(tmp_path, "scontrol", 'test "$1 $2" = "show hostnames" && printf "gpu01\\ngpu02\\n"\n')
     env = slurm_env(tmp_path, DRY_RUN="1", LAUNCHER="mpirun", SLURM_NTASKS="8",
@@ -76,6 +80,7 @@ def test_slurm_mpirun_command_and_hostfile(tmp_path):
     assert not list(tmp_path.glob("hvdtrain-hosts.*"))  # removed on exit
 
 
+@pytest.mark.quick
 def test_slurm_rejects_an_unknown_launcher(tmp_path):
     p = run(["bash", SLURM_JOB], slurm_env(tmp_path, LAUNCHER="pbs"), timeout=30)
     assert p.returncode == 2 and "LAUNCHER=pbs" in p.stderr

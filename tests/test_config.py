@@ -10,6 +10,9 @@ from hvdtrain.config import Config, ConfigError, build_parser, parse_args, value
 from hvdtrain.linear import LinearSettings, LinearTask
 from hvdtrain.mnist import MnistSettings, MnistTask
 
+# Settings, flags and their errors: in this process or a short one; the inner loop runs them.
+pytestmark = pytest.mark.quick
+
 
 def test_presets_hold_the_seed_numbers():
     lin = LinearTask()

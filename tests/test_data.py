@@ -9,6 +9,9 @@ import pytest
 from hvdtrain import data as D
 from hvdtrain.distributed import World
 
+# Data files and plans, in this process: the inner loop runs them.
+pytestmark = pytest.mark.quick
+
 
 def write_idx(path, array, compress=True):
     header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(">" + "I" * array.ndim,

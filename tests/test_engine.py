@@ -6,7 +6,8 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT, HOROVODRUN, clean_env, module_cmd, result, run
+import usercode
+from conftest import HOROVODRUN, module_cmd, result, run
 from hvdtrain import checkpoint as C
 
 # One small classification problem, trained by a Task (python -m hvdtrain run) and by a fit
@@ -74,15 +75,10 @@ FIT = textwrap.dedent("""
 
 @pytest.fixture
 def code(tmp_path):
-    folder = tmp_path / "code"
-    folder.mkdir()
-    for name, text in (("common", COMMON), ("small_task", TASK), ("small_fit", FIT)):
-        (folder / f"{name}.py").write_text(text)
-    return folder
+    return usercode.write(tmp_path, {"common": COMMON, "small_task": TASK, "small_fit": FIT})
 
 
-def env_with(code, tmp_path):
-    return clean_env(tmp_path / "home", PYTHONPATH=f"{code}{os.pathsep}{ROOT}")
+env_with = usercode.env_with
 
 
 def keys(path):
@@ -160,6 +156,7 @@ def test_elastic_without_horovod_is_one_line(no_horovod, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.quick
 def test_run_elastic_of_a_world_without_horovod_is_a_launch_error():
     from hvdtrain.distributed import World
     from hvdtrain.errors import LaunchError

@@ -35,6 +35,7 @@ def fit(env, np_, run_dir, *args, timeout=150):
 
 
 @pytest.mark.keras2
+@pytest.mark.quick
 def test_example_two_ranks_and_one_identical_weights_and_run_dir(env, tmp_path):
     """(a) np=2 and np=1 both train; the two ranks end with the same weights (digests)."""
     for np_ in (2, 1):

@@ -12,7 +12,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import HOROVODRUN, KERAS2, ROOT, clean_env, result, run
+import usercode
+from conftest import KERAS2, result, run
 from hvdtrain.fit import STOP_CHECK_EVERY
 
 EPOCHS, STEPS = 3, 16  # 512 examples, 16 per rank: 16 steps an epoch
@@ -108,16 +109,11 @@ FIT = textwrap.dedent("""
 
 @pytest.fixture
 def code(tmp_path):
-    folder = tmp_path / "code"
-    folder.mkdir()
-    for name, text in (("common", COMMON), ("mp_task", TASK), ("mp_fit", FIT)):
-        (folder / f"{name}.py").write_text(text)
-    return folder
+    return usercode.write(tmp_path, {"common": COMMON, "mp_task": TASK, "mp_fit": FIT})
 
 
 def two_ranks(code, tmp_path, *cmd, ok=True, **env):
-    env = clean_env(tmp_path / "home", PYTHONPATH=f"{code}{os.pathsep}{ROOT}", **env)
-    p = run([HOROVODRUN, "-np", "2", "--gloo", "python", *map(str, cmd)], env, timeout=240)
+    p = run(usercode.two_ranks(*cmd), usercode.env_with(code, tmp_path, **env), timeout=240)
     if ok:
         assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -236,7 +232,7 @@ def test_fit_float16_overflow_skipped_on_every_rank(code, tmp_path, order):
 
 @pytest.mark.keras2
 def test_a_bad_precision_is_one_line(code, tmp_path):
-    env = clean_env(tmp_path / "home", PYTHONPATH=f"{code}{os.pathsep}{ROOT}")
+    env = usercode.env_with(code, tmp_path)
     p = run([*map(str, ["python", "-m", "hvdtrain", "run", "mp_task:MP",
                         "--mixed-precision", "float8", "--run-dir", tmp_path / "bad"])], env)
     assert p.returncode == 2

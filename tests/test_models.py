@@ -10,48 +10,13 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import HOROVODRUN, ROOT, clean_env, result, run
+import usercode
+from conftest import result, run
 from hvdtrain import checkpoint as C
 
-# The data and the model, shared by the Task and the fit script.
-COMMON = textwrap.dedent("""
-    import numpy as np
-    from hvdtrain.compat import keras
-
-    def data():
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(800, 8)).astype("float32") * 2.0 + 1.0
-        y = (x[:, 0] - x[:, 1] + 0.5 * x[:, 2] > 1.0).astype("int64")
-        return x[:512], y[:512], x[512:], y[512:]
-
-    def model():
-        k = keras()
-        k.utils.set_random_seed(1)
-        return k.Sequential([k.Input((8,)), k.layers.Dense(16), k.layers.BatchNormalization(),
-                             k.layers.Activation("relu"), k.layers.Dense(2, activation="softmax")])
-""")
-TASK = textwrap.dedent("""
-    import hvdtrain
-    from hvdtrain.compat import keras
-    from hvdtrain.data import Data
-    import common
-
-    class BN(hvdtrain.Task):
-        name = "bn"
-        defaults = dict(learning_rate=0.05, batch_size=16, epochs=2, checkpoint_every=5)
-
-        def load_data(self, config, world):
-            return Data(*common.data())
-
-        def build_model(self, config):
-            return common.model()
-
-        def loss(self, y, pred):
-            return keras().losses.sparse_categorical_crossentropy(y, pred)
-
-        def metrics(self):
-            return {"accuracy": lambda y, p: keras().metrics.sparse_categorical_accuracy(y, p)}
-""")
+# The data, the model and the Task (tests/usercode.py), shared with the SyncBN tests.
+COMMON = usercode.bn_common()
+TASK = usercode.bn_task("bn", learning_rate=0.05, batch_size=16, epochs=2, checkpoint_every=5)
 # argv: run_dir [steps_per_execution [checkpoint_every [mode]]]; mode "term": rank 1 sends
 # itself SIGTERM when the first compiled call ends; "backup": a BackupAndRestore;
 # "callbacks": Keras' file-writing callbacks, ReduceLROnPlateau, EarlyStopping, Record.
@@ -114,19 +79,14 @@ FIT = textwrap.dedent("""
 
 @pytest.fixture
 def code(tmp_path):
-    folder = tmp_path / "code"
-    folder.mkdir()
-    for name, text in (("common", COMMON), ("bn_task", TASK), ("bn_fit", FIT)):
-        (folder / f"{name}.py").write_text(text)
-    return folder
+    return usercode.write(tmp_path, {"common": COMMON, "bn_task": TASK, "bn_fit": FIT})
 
 
-def env_with(code, tmp_path):
-    return clean_env(tmp_path / "home", PYTHONPATH=f"{code}{os.pathsep}{ROOT}")
+env_with = usercode.env_with
 
 
 def two_ranks(cmd):
-    return [HOROVODRUN, "-np", "2", "--gloo", "python", *map(str, cmd)]
+    return usercode.two_ranks(*cmd)
 
 
 def metrics(run_dir):

@@ -17,21 +17,23 @@ The weights must equal the one-host two-process run's within 1e-5 (2 epochs, not
 converged), the traffic must have crossed the veth, and rank 1 must have reached rank 0's
 watchdog (no "watchdog unreachable" warning).
 """
-import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import HOROVODRUN, ROOT, clean_env, launch, module_cmd, result, run
+from conftest import HOROVODRUN, ROOT, clean_env, module_cmd, result, run
+from netns import Hosts
+
+# The first test's bound also covers the module's fixtures: daemons started (the hosts, their
+# sshd or SLURM's), and the reference runs. Twice pytest.ini's.
+pytestmark = pytest.mark.timeout(600)
 
 ARGS = ["--epochs", "2", "--learning-rate", "0.1"]
 HOSTS = {"hostA": "10.77.0.1", "hostB": "10.77.0.2"}
 IFACE = "hvdt0"  # the veth's name in both namespaces
-NETNS_ETC = "/etc/netns"
 
 AGENT = """#!/bin/sh
 # Open MPI launch agent: "AGENT [options] HOST COMMAND..." runs COMMAND on HOST, as ssh
@@ -46,18 +48,6 @@ exec ip netns exec "$ns" unshare --uts env -i PATH=/usr/local/bin:/usr/bin:/bin 
     sh -c "hostname $host && $*"
 """
 
-SSHD_CONFIG = """ListenAddress {address}
-Port 22
-HostKey {dir}/host_key
-PidFile none
-AuthorizedKeysFile {dir}/authorized_keys
-PermitRootLogin prohibit-password
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-StrictModes no
-"""
-
 SSH_CONFIG = """Host {hosts}
   IdentityFile {dir}/user_key
   UserKnownHostsFile {dir}/known_hosts
@@ -66,60 +56,16 @@ SSH_CONFIG = """Host {hosts}
 """
 
 
-def sh(*cmd):
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-
-
-def on(host, ns, cmd):
-    """``cmd`` as run on ``host``: in its network namespace, under its own host name."""
-    return ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-            'hostname "$0" && exec "$@"', host, *cmd]
-
-
-def rx_bytes(ns):
-    stats = json.loads(sh("ip", "-n", ns, "-s", "-j", "link", "show", IFACE).stdout)
-    return stats[0]["stats64"]["rx"]["bytes"]
-
-
-class Cluster:
+class Cluster(Hosts):
     def __init__(self, base):
-        self.base = base
-        tag = f"hvdt{os.getpid()}"
-        self.ns = {"hostA": f"{tag}a", "hostB": f"{tag}b"}
+        super().__init__(base, HOSTS, tag="hvdt", iface=IFACE, etc_hosts=True)
         self.agent = base / "agent.sh"
         self.agent_log = base / "agent.log"
-        self.sshd_log = base / "sshd.log"
         self.bin = base / "bin"  # the ssh wrapper
-        self.sshd = None
-        self.made = []  # cleanup actions, newest last
+        self.sshd_log = None
 
-    # --- making it ------------------------------------------------------------------------
     def create(self):
-        a, b = self.ns["hostA"], self.ns["hostB"]
-        for ns in (a, b):
-            p = sh("ip", "netns", "add", ns)
-            if p.returncode != 0:
-                pytest.skip(f"cannot make network namespaces here (needs root with "
-                            f"CAP_SYS_ADMIN): ip netns add: {p.stderr.strip()}")
-            self.made.append(("netns", ns))
-        if sh("unshare", "--uts", "true").returncode != 0:
-            pytest.skip("cannot make UTS namespaces here (unshare --uts needs CAP_SYS_ADMIN)")
-        # The veth pair goes straight from one namespace to the other: the root namespace
-        # (and the machine's real interfaces) are never touched.
-        self.check("ip", "-n", a, "link", "add", IFACE, "type", "veth", "peer", "name", IFACE,
-                   "netns", b)
-        for host, ns in self.ns.items():
-            self.check("ip", "-n", ns, "addr", "add", f"{HOSTS[host]}/24", "dev", IFACE)
-            self.check("ip", "-n", ns, "link", "set", "lo", "up")
-            self.check("ip", "-n", ns, "link", "set", IFACE, "up")
-            if not os.path.isdir(NETNS_ETC):
-                os.mkdir(NETNS_ETC)
-                self.made.append(("rmdir", NETNS_ETC))
-            os.mkdir(os.path.join(NETNS_ETC, ns))
-            self.made.append(("rmtree", os.path.join(NETNS_ETC, ns)))
-            with open(os.path.join(NETNS_ETC, ns, "hosts"), "w") as f:
-                f.write("127.0.0.1 localhost\n"
-                        + "".join(f"{ip} {name}\n" for name, ip in HOSTS.items()))
+        super().create()
         cases = " ".join(f"{h}|{HOSTS[h]}) ns={ns} ;;" for h, ns in self.ns.items())
         self.agent.write_text(AGENT.format(log=self.agent_log, cases=cases))
         self.agent.chmod(0o755)
@@ -127,62 +73,14 @@ class Cluster:
 
     def start_sshd(self, host="hostB"):
         """A real sshd on ``host``, with keys made here, and the client settings for it."""
-        sshd = shutil.which("sshd") or "/usr/sbin/sshd"
-        if not os.access(sshd, os.X_OK):
-            pytest.fail("sshd missing: apt-get install openssh-server (scripts/setup.sh "
-                        "installs it)")
         d = self.base
-        for key in ("host_key", "user_key"):
-            self.check("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key))
+        self.check("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "user_key"))
         shutil.copy(d / "user_key.pub", d / "authorized_keys")
-        (d / "sshd_config").write_text(SSHD_CONFIG.format(address=HOSTS[host], dir=d))
         (d / "ssh_config").write_text(SSH_CONFIG.format(hosts=" ".join(HOSTS), dir=d))
         self.bin.mkdir()
         (self.bin / "ssh").write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {d}/ssh_config "$@"\n')
         (self.bin / "ssh").chmod(0o755)
-        if not os.path.isdir("/run/sshd"):  # sshd's privilege separation directory
-            os.mkdir("/run/sshd", 0o755)
-            self.made.append(("rmdir", "/run/sshd"))
-        with open(self.sshd_log, "w") as log:
-            self.sshd = subprocess.Popen(
-                on(host, self.ns[host], [sshd, "-D", "-e", "-f", str(d / "sshd_config")]),
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        for _ in range(100):  # up to 10 s for "Server listening"
-            if "Server listening" in self.sshd_log.read_text() or self.sshd.poll() is not None:
-                break
-            subprocess.run(["sleep", "0.1"])
-        assert "Server listening" in self.sshd_log.read_text(), self.sshd_log.read_text()
-
-    def check(self, *cmd):
-        p = sh(*cmd)
-        assert p.returncode == 0, f"{' '.join(cmd)}: {p.stderr}"
-
-    # --- removing it ----------------------------------------------------------------------
-    def destroy(self):
-        if self.sshd is not None:
-            try:
-                os.killpg(self.sshd.pid, 9)
-            except ProcessLookupError:
-                pass
-            self.sshd.wait(timeout=10)
-        for kind, what in reversed(self.made):
-            if kind == "netns":
-                # Anything still running in a namespace the test made is the test's own.
-                for pid in sh("ip", "netns", "pids", what).stdout.split():
-                    try:
-                        os.kill(int(pid), 9)
-                    except ProcessLookupError:
-                        pass
-                sh("ip", "netns", "del", what)  # takes the veth end inside with it
-            elif kind == "rmtree":
-                shutil.rmtree(what, ignore_errors=True)
-            elif kind == "rmdir":
-                try:
-                    os.rmdir(what)
-                except OSError:
-                    pass
-        left = sh("ip", "netns", "list").stdout
-        assert not any(ns in left for ns in self.ns.values()), left
+        self.sshd_log = super().start_sshd(host, d)
 
 
 @pytest.fixture(scope="module")
@@ -195,12 +93,10 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The one-host two-process run the two-host runs must reproduce."""
-    d = tmp_path_factory.mktemp("reference")
-    p = run(launch("gloo", 2, "linear", "--run-dir", str(d / "r"), *ARGS), clean_env(d / "home"))
-    assert p.returncode == 0, p.stderr
-    r = result(d / "r")
+def reference(references):
+    """The one-host two-process run the two-host runs must reproduce (the session's shared
+    reference: the SLURM tests and the parity test compare against the same run)."""
+    r = references.run("gloo", 2, "linear", *ARGS)
     assert r["world_size"] == 2 and abs(r["weights"][2] - 0.3) > 0.05  # not yet converged
     return r
 
@@ -213,7 +109,7 @@ def check_two_host_run(p, run_dir, reference, cluster, rx_before):
     np.testing.assert_allclose(r["weights"], reference["weights"], atol=1e-5)
     assert abs(r["bias"] - reference["bias"]) < 1e-5
     # The ranks talked over the veth (Horovod's negotiation and allreduce, the watchdog).
-    assert rx_bytes(cluster.ns["hostB"]) - rx_before > 10_000
+    assert cluster.rx_bytes("hostB") - rx_before > 10_000
     return r
 
 
@@ -224,7 +120,7 @@ def mpi_env(cluster, tmp_path):
 
 def test_mpirun_across_two_hosts(cluster, reference, tmp_path):
     env = mpi_env(cluster, tmp_path)
-    rx = rx_bytes(cluster.ns["hostB"])
+    rx = cluster.rx_bytes("hostB")
     cmd = ["mpirun", "-np", "2", "-H", "hostA,hostB", "--allow-run-as-root",
            "--bind-to", "none", "--map-by", "slot", "--mca", "plm_rsh_agent", str(cluster.agent),
            "--mca", "pml", "ob1", "--mca", "btl", "^openib",
@@ -232,7 +128,7 @@ def test_mpirun_across_two_hosts(cluster, reference, tmp_path):
            "-x", "PATH", "-x", "PYTHONPATH", "-x", "HOME", "-x", "TF_CPP_MIN_LOG_LEVEL",
            "-x", "PYTHONUNBUFFERED",
            *module_cmd("linear", "--run-dir", str(tmp_path / "r"), *ARGS)]
-    p = run(on("hostA", cluster.ns["hostA"], cmd), env)
+    p = run(cluster.on("hostA", cmd), env)
     check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
     assert "Horovod over mpi" in p.stdout
     launched = cluster.agent_log.read_text().splitlines()
@@ -243,10 +139,10 @@ def test_launch_cluster_script_across_two_hosts(cluster, reference, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("hostA slots=1\nhostB slots=1\n")
     env = dict(mpi_env(cluster, tmp_path), IFACE=IFACE, PYTHON=sys.executable)
-    rx = rx_bytes(cluster.ns["hostB"])
+    rx = cluster.rx_bytes("hostB")
     cmd = ["bash", os.path.join(ROOT, "scripts", "launch_cluster.sh"), str(hostfile), "linear",
            "--run-dir", str(tmp_path / "r"), *ARGS]
-    p = run(on("hostA", cluster.ns["hostA"], cmd), env)
+    p = run(cluster.on("hostA", cmd), env)
     check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
 
 
@@ -254,11 +150,11 @@ def test_horovodrun_gloo_across_two_hosts_over_ssh(cluster, reference, tmp_path)
     cluster.start_sshd("hostB")
     env = clean_env(tmp_path / "home")
     env["PATH"] = f"{cluster.bin}{os.pathsep}{env['PATH']}"  # the ssh wrapper first
-    rx = rx_bytes(cluster.ns["hostB"])
+    rx = cluster.rx_bytes("hostB")
     cmd = [HOROVODRUN, "--gloo", "-np", "2", "-H", "hostA:1,hostB:1",
            "--network-interface", IFACE,
            *module_cmd("linear", "--run-dir", str(tmp_path / "r"), *ARGS)]
-    p = run(on("hostA", cluster.ns["hostA"], cmd), env)
+    p = run(cluster.on("hostA", cmd), env)
     check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
     assert "Horovod over gloo" in p.stdout
     # horovodrun checked ssh, then started its task service and rank 1 on hostB over it.

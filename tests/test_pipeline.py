@@ -47,6 +47,7 @@ def fit(env, run_dir, data_dir, *args, np_=2, timeout=240):
     return proc
 
 
+@pytest.mark.quick
 def test_sharding_by_file_and_by_element_covers_every_example_once(records):
     """In one process, the two ranks' shards as TensorFlow's rewrite makes them: disjoint,
     together every example; by file for 7 files, by element for one file."""
@@ -86,6 +87,7 @@ def test_sharding_by_file_and_by_element_covers_every_example_once(records):
 
 
 @pytest.mark.keras2
+@pytest.mark.quick
 def test_uneven_files_two_ranks_equal_steps_every_example_counted(env, tmp_path, records):
     """7 files of uneven sizes over 2 ranks: interleave + seeded shuffle + batch + prefetch,
     unchanged; no hang, identical ranks, every example trained or in the remainder."""

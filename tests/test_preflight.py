@@ -51,6 +51,7 @@ class FakeWorld(World):
         return [obj] + self.others
 
 
+@pytest.mark.quick
 def test_check_names_every_rank_group():
     mine = {"setting.seed": 1, "version.tensorflow": "2.18.1"}
     preflight.check(FakeWorld([dict(mine), dict(mine)]), mine)  # all agree: no error

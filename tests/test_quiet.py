@@ -60,6 +60,7 @@ def test_setup_horovod_check_passes_on_this_venv():
     assert (rc, out, err) == (0, "", "")
 
 
+@pytest.mark.quick
 def test_setup_rejects_an_unknown_argument():
     rc, out, err = raw(["bash", SETUP, "--chek-horovod"], dict(os.environ), timeout=30)
     assert rc == 1 and out == ""
@@ -90,6 +91,7 @@ OTHER = ("W0000 00:00:1796089941.7 11136 some_op.cc:12] a warning of TensorFlow'
          "/x.py:3: DeprecationWarning: a Python warning\n")
 
 
+@pytest.mark.quick
 def test_only_the_known_start_up_lines_are_held_back():
     assert tflogs.kept_lines(NO_GPU_START) == ""
     assert tflogs.kept_lines(NO_GPU_START + OTHER) == OTHER
@@ -104,6 +106,7 @@ def test_only_the_known_start_up_lines_are_held_back():
     ({}, False),  # hvdtrain sets 2 before it asks; unset means TensorFlow's 0
     ({"TF_CPP_MIN_LOG_LEVEL": "2", "HVDTRAIN_TF_LOGS": "1"}, False),
     ({"TF_CPP_MIN_LOG_LEVEL": "2", "HVDTRAIN_TF_LOGS": "0"}, True)])
+@pytest.mark.quick
 def test_which_environment_holds_them_back(environ, held):
     assert tflogs.wanted(environ) is held
 

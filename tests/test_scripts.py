@@ -13,6 +13,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.sh"))) + [os.path.jo
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+@pytest.mark.quick
 def test_bash_syntax_and_shellcheck(script):
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     if shutil.which("shellcheck") is None:

@@ -21,6 +21,10 @@ from conftest import HOROVODRUN, ROOT, clean_env, launch, result, run
 from hvdtrain import checkpoint as C
 from slurm_cluster import IFACE, SlurmCluster
 
+# The first test's bound also covers the module's fixtures: daemons started (the hosts, their
+# sshd or SLURM's), and the reference runs. Twice pytest.ini's.
+pytestmark = pytest.mark.timeout(600)
+
 SLURM_JOB = os.path.join(ROOT, "scripts", "slurm_job.sh")
 EXAMPLES = os.path.join(ROOT, "examples")
 # Two epochs of one full-batch step: not converged, so equal weights mean equal trajectories.
@@ -44,14 +48,19 @@ def slurm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The same settings on this machine, without SLURM: horovodrun --gloo or mpirun, 2 ranks."""
+def reference(tmp_path_factory, references):
+    """The same settings on this machine, without SLURM: horovodrun --gloo or mpirun, 2 ranks.
+    The linear runs are the session's shared references (the multi-host tests and the fault
+    tests compare against the same two; "long"'s checkpoints are the fault tests' every 100
+    steps: where a run saves does not change its weights)."""
+    from test_faults import LINEAR as FAULTS_LINEAR
     base = tmp_path_factory.mktemp("reference")
     env = clean_env(base / "home", PYTHONPATH=os.pathsep.join([ROOT, EXAMPLES]))
     out = {}
+    for name, args in (("linear", LINEAR), ("long", FAULTS_LINEAR)):
+        out[name] = references.run("gloo", 2, "linear", *args)
+        out[name]["dir"] = references.run_dir("gloo", 2, "linear", *args)
     for name, cmd in (
-            ("linear", launch("gloo", 2, "linear", *LINEAR)),
-            ("long", launch("gloo", 2, "linear", *LONG)),
             ("mnist", launch("mpirun", 2, "mnist", *MNIST)),
             ("conv", [HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvdtrain",
                       "conv_task:ConvTask", *CONV])):

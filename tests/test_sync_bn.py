@@ -14,7 +14,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import HOROVODRUN, KERAS2, ROOT, clean_env, result, run, script_cmd
+import usercode
+from conftest import KERAS2, result, run, script_cmd
 
 # argv: out_prefix. Rank r takes its rows of a fixed global batch (5 and 11 on 2 ranks, all 16
 # alone) through a SyncBatchNormalization model; beside it, locally (no collective), a
@@ -146,45 +147,9 @@ with open(f"{sys.argv[1]}{world.rank}.json", "w") as f:
     json.dump(out, f)
 ''')
 
-COMMON = textwrap.dedent("""
-    import numpy as np
-    import hvdtrain
-    from hvdtrain.compat import keras
-
-    def data():
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(800, 8)).astype("float32") * 2.0 + 1.0
-        y = (x[:, 0] - x[:, 1] + 0.5 * x[:, 2] > 1.0).astype("int64")
-        return x[:512], y[:512], x[512:], y[512:]
-
-    def model():
-        k = keras()
-        k.utils.set_random_seed(1)
-        return k.Sequential([k.Input((8,)), k.layers.Dense(16), hvdtrain.SyncBatchNormalization(),
-                             k.layers.Activation("relu"), k.layers.Dense(2, activation="softmax")])
-""")
-TASK = textwrap.dedent("""
-    import hvdtrain
-    from hvdtrain.compat import keras
-    from hvdtrain.data import Data
-    import common
-
-    class BN(hvdtrain.Task):
-        name = "syncbn"
-        defaults = dict(learning_rate=0.05, batch_size=16, epochs=1, checkpoint_every=10)
-
-        def load_data(self, config, world):
-            return Data(*common.data())
-
-        def build_model(self, config):
-            return common.model()
-
-        def loss(self, y, pred):
-            return keras().losses.sparse_categorical_crossentropy(y, pred)
-
-        def metrics(self):
-            return {"accuracy": lambda y, p: keras().metrics.sparse_categorical_accuracy(y, p)}
-""")
+# The BN tests' data, model and Task (tests/usercode.py), with SyncBatchNormalization.
+COMMON = usercode.bn_common("hvdtrain.SyncBatchNormalization()")
+TASK = usercode.bn_task("syncbn", learning_rate=0.05, batch_size=16, epochs=1, checkpoint_every=10)
 # argv: run_dir batch_size (per rank)
 FIT = textwrap.dedent("""
     import sys
@@ -208,20 +173,11 @@ FIT = textwrap.dedent("""
 
 @pytest.fixture
 def code(tmp_path):
-    folder = tmp_path / "code"
-    folder.mkdir()
-    for name, text in (("exact", EXACT), ("common", COMMON), ("bn_task", TASK),
-                       ("bn_fit", FIT)):
-        (folder / f"{name}.py").write_text(text)
-    return folder
+    return usercode.write(tmp_path, {"exact": EXACT, "common": COMMON, "bn_task": TASK,
+                                     "bn_fit": FIT})
 
 
-def env_with(code, tmp_path):
-    return clean_env(tmp_path / "home", PYTHONPATH=f"{code}{os.pathsep}{ROOT}")
-
-
-def two_ranks(*cmd):
-    return [HOROVODRUN, "-np", "2", "--gloo", "python", *map(str, cmd)]
+env_with, two_ranks = usercode.env_with, usercode.two_ranks
 
 
 def exact(code, tmp_path, np_):
