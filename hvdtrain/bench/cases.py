@@ -45,6 +45,9 @@ def _load(path):
 # glibc.malloc.hugetlb=1 gives every series the same huge-page memory (glibc >= 2.35; older
 # glibc ignores it), so the series differ only in the library under test.
 ALLREDUCE_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+# The data of the fit, keras_speed and pipeline cases (the others take it from their spec):
+# the full Fashion-MNIST, or the bundled 4,000-digit sample for --smoke (python -m hvdtrain.bench).
+DATASET = "fashion_mnist"
 
 
 def allreduce(out: str, sizes, scale: float = 1.0) -> dict:
@@ -112,7 +115,8 @@ def _hvdtrain_flags(spec, batch, run_dir, epochs, np_):
     return ["--dataset", spec["dataset"], "--model", spec["model"], "--hidden-units",
             spec["hidden_units"], "--learning-rate", spec["lr"], "--batch-size", batch,
             "--epochs", epochs, "--num-workers", np_, "--checkpoint-every", 0,
-            "--keep-checkpoints", 1000, "--verbose", 0, "--run-dir", run_dir]
+            "--keep-checkpoints", 1000, "--verbose", 0, "--run-dir", run_dir,
+            *(["--no-download"] if spec["dataset"] == "mnist" else [])]  # the bundled sample
 
 
 def _steady(epochs):
@@ -345,7 +349,7 @@ FIT_VARIANTS = {  # name: (label, worker --impl, Keras 2?)
 
 def fit(out, batch, epochs, repeats, hidden_units=256, lr=0.05) -> dict:
     """Best-of-``repeats`` steady samples/s of model.fit on 2 processes, round-robin, on the
-    full Fashion-MNIST."""
+    full Fashion-MNIST (``DATASET``)."""
     runs = collections.defaultdict(list)
     for _ in range(repeats):
         for name, (label, impl, keras2) in FIT_VARIANTS.items():
@@ -355,8 +359,8 @@ def fit(out, batch, epochs, repeats, hidden_units=256, lr=0.05) -> dict:
                 env.pop("TF_USE_LEGACY_KERAS", None)
             bench.run(bench.horovodrun(NP, CONTROLLER, bench.python(
                 WORKERS, "fit", "--impl", impl, "--model", "mlp", "--out", path, "--batch",
-                batch, "--epochs",
-                epochs, "--hidden-units", hidden_units, "--lr", lr)), env)
+                batch, "--epochs", epochs, "--hidden-units", hidden_units, "--lr", lr,
+                "--dataset", DATASET)), env)
             runs[name].append(_steady(_load(path)["epochs"]))
     best = {v: max(r) for v, r in runs.items()}
     ratios = {"hk_k3/hvd_k2": best["hk_k3"] / best["hvd_k2"],
@@ -401,13 +405,14 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
       (hvdtrain's way, the sync's own seconds timed) or not (the bench's knob).
     """
     softmax = {"label": "softmax", "model": "softmax", "hidden_units": 256, "lr": 0.5,
-               "dataset": "fashion_mnist"}
+               "dataset": DATASET}
     per_rank = global_batch // NP
     launches = {}  # name: (group, command for an output path or None: the Task path, Keras 2?)
 
     def worker(impl, batch, *flags):
         return lambda path: bench.python(WORKERS, "fit", "--impl", impl, "--out", path,
-                                         "--batch", batch, "--epochs", epochs, *flags)
+                                         "--batch", batch, "--epochs", epochs,
+                                         "--dataset", DATASET, *flags)
 
     soft = ("--model", "softmax", "--lr", softmax["lr"])
     for spe in spes:
@@ -484,12 +489,13 @@ def pipeline(out, batch, epochs, repeats, files=8, hidden_units=256, lr=0.05) ->
     pipeline at the global batch (auto-sharded by file). The files are written once into
     ``out``. All three under tf_keras: Keras 3's fit under MultiWorkerMirroredStrategy
     fails here (its distributed batches reach the model as PerReplica values)."""
-    data_dir = os.path.join(out, f"tfrecord-fashion_mnist-{files}")
+    data_dir = os.path.join(out, f"tfrecord-{DATASET}-{files}")
     if not os.path.isdir(data_dir):
-        bench.run(bench.python(WORKERS, "tfrecords", "--files", files, "--out",
-                               data_dir + ".tmp"), bench.env())
+        bench.run(bench.python(WORKERS, "tfrecords", "--files", files, "--dataset", DATASET,
+                               "--out", data_dir + ".tmp"), bench.env())
         os.replace(data_dir + ".tmp", data_dir)
-    common = ("--model", "mlp", "--epochs", epochs, "--hidden-units", hidden_units, "--lr", lr)
+    common = ("--model", "mlp", "--epochs", epochs, "--hidden-units", hidden_units, "--lr", lr,
+              "--dataset", DATASET)
     env = _keras_env(True)
     runs = collections.defaultdict(list)
     for _ in range(repeats):
