@@ -128,7 +128,12 @@ class TrainStep:
             return tf.while_loop(go_on, body, (tf.constant(0), tf.zeros([2], dtype)),
                                  parallel_iterations=1)
 
-        self._run = tf.function(run)
+        # Traced as written, without AutoGraph, as Keras 3's fit traces its steps: every loop
+        # and branch here is TensorFlow's own (tf.while_loop), and AutoGraph's conversion of
+        # this code, Horovod's and the optimizer wrapper's took 2-3 s of each process's first
+        # call. A task's preprocess, loss and metrics are traced as written too (README,
+        # "Your own task").
+        self._run = tf.function(run, autograph=False)
 
     def run(self, batches, n: int, stop: bool):
         """Up to ``n`` updates from ``batches``; (updates done, (stop, diverged)) on every rank."""

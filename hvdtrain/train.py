@@ -214,7 +214,7 @@ class _TaskRun:
         """Loss and metrics over the whole test set: each rank scores its part, sums combine."""
         import tensorflow as tf
 
-        @tf.function(reduce_retracing=True)
+        @tf.function(reduce_retracing=True, autograph=False)  # as TrainStep's (step.py)
         def eval_step(x, y):
             x, y = self.task.preprocess(x, y)
             return self.step.scores(y, self.model(x, training=False))[1]
