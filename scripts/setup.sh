@@ -43,6 +43,26 @@ with open(os.path.join(here, "hvdtrain_patches.txt")) as f:
     assert f.read().strip() == sys.argv[3].strip(), "built with other patches"
 # A GPU build carries its record (compiler, flags, NCCL) for the doctor.
 assert sys.argv[2] != "1" or os.path.exists(os.path.join(here, "hvdtrain_build.txt"))
+# What the loaded build answered, for horovodrun (the launch-without-tensorflow patch): it
+# then starts ranks without importing TensorFlow itself. Valid while the op library and
+# TensorFlow are the ones recorded.
+import json
+from importlib import metadata
+from horovod.common.util import get_extension_full_path
+lib = os.stat(get_extension_full_path(os.path.join(here, "tensorflow", "__init__.py"), "mpi_lib"))
+record = {"library": [lib.st_size, lib.st_mtime_ns], "tensorflow": metadata.version("tensorflow"),
+          "mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()),
+          "nccl": bool(hvd.nccl_built())}
+path = os.path.join(here, "hvdtrain_built.json")
+try:
+    with open(path) as f:
+        same = json.load(f) == record
+except (OSError, ValueError):
+    same = False
+if not same:
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
 PY
 }
 patch_sums() { (cd "$root/scripts/patches" && sha1sum horovod-"$horovod_version"-*.patch); }
@@ -158,30 +178,76 @@ gpu_build_env() {
         echo "nccl=$(awk '/^#define NCCL_(MAJOR|MINOR|PATCH) /{v = v (v ? "." : "") $3} END {print v}' "$nccl/include/nccl.h")"
     } >>"$build/hvdtrain_build.txt"
 }
+# The build cache: the wheel of each build, keyed by everything the build depends on (the
+# sdist's version, the patches, this venv's Python and TensorFlow, Open MPI's headers, the GPU
+# build's compiler, NCCL and settings, any HOROVOD_* variable), so that a new venv (a fresh
+# clone, the GPU test's venv) installs the same build again instead of compiling it. A wheel
+# cached by pip is never used: pip's key is the sdist alone, and a wheel built against
+# another TensorFlow would import and then crash. HVDTRAIN_BUILD_CACHE=0 turns it off.
+cache_root=${HVDTRAIN_BUILD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}
+build_key() {
+    {
+        echo "horovod $horovod_version gpu=$gpu"
+        patch_sums
+        "$venv/bin/python" -c 'import sys; from importlib.metadata import version as v; print(sys.version); print("tensorflow", v("tensorflow"))
+try: print("nccl", v("nvidia-nccl-cu12"))
+except Exception: pass'
+        dpkg-query -W -f='${Package} ${Version}\n' libopenmpi-dev 2>/dev/null || true
+        env | grep '^HOROVOD_' | sort || true
+        if [[ "$gpu" == 1 ]]; then
+            echo "cuda=${HVDTRAIN_CUDA_HOME:-pypi ${cuda_wheels[*]}} cc=${HOROVOD_BUILD_CUDA_CC_LIST:-}"
+            echo "cudaflags=${CUDAFLAGS:-}"
+        fi
+    } | sha1sum | cut -c1-16
+}
+built=0
 if ! horovod_ok; then
-    log "compiling horovod $horovod_version against TensorFlow (a few minutes on 2 cores)"
-    export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
-    export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
-    MAKEFLAGS="-j$(nproc)"
-    export MAKEFLAGS
-    # PyPI's sdist, patched: 0.28.1 does not compile against TensorFlow 2.19+ as released
-    # (each patch says why in its header). No fork and no vendored copy: the patches are all.
-    build=$(mktemp -d)
-    trap 'rm -rf "$build"' EXIT
-    pip download --no-deps --no-binary :all: --no-cache-dir -d "$build" "horovod==$horovod_version"
-    tar -xzf "$build/horovod-$horovod_version.tar.gz" -C "$build"
-    src="$build/horovod-$horovod_version"
-    if [[ "$gpu" == 1 ]]; then gpu_build_env "$build" "$src"; fi
-    for p in "$root"/scripts/patches/horovod-"$horovod_version"-*.patch; do
-        log "applying ${p#"$root"/}"
-        (cd "$src" && git apply -p1 "$p") || die "$p does not apply to horovod $horovod_version"
-    done
-    # --no-build-isolation: Horovod must compile against the TensorFlow in this venv.
-    # --no-cache-dir: a wheel cached from another TensorFlow would import and then crash.
+    built=1
     # An installed horovod that failed the check (another TensorFlow, no MPI) would satisfy
     # the pin and never be rebuilt: remove it first.
     pip uninstall -y horovod >/dev/null 2>&1 || true
-    pip install --no-build-isolation --no-cache-dir "$src"
+    entry=""
+    if [[ "$cache_root" != 0 ]]; then entry="$cache_root/horovod-$horovod_version-$(build_key)"; fi
+    if [[ -n "$entry" && -f "$entry/complete" ]]; then
+        log "installing horovod $horovod_version from the build cache ($entry: built from the same sdist, patches, Python, TensorFlow, MPI and settings)"
+        pip install "$entry"/horovod-*.whl
+        record="$entry"
+    else
+        log "compiling horovod $horovod_version against TensorFlow (a few minutes on 2 cores)"
+        export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
+        export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+        MAKEFLAGS="-j$(nproc)"
+        export MAKEFLAGS
+        # PyPI's sdist, patched: 0.28.1 does not compile against TensorFlow 2.19+ as released
+        # (each patch says why in its header). No fork and no vendored copy: the patches are all.
+        build=$(mktemp -d)
+        trap 'rm -rf "$build"' EXIT
+        pip download --no-deps --no-binary :all: --no-cache-dir -d "$build" "horovod==$horovod_version"
+        tar -xzf "$build/horovod-$horovod_version.tar.gz" -C "$build"
+        src="$build/horovod-$horovod_version"
+        if [[ "$gpu" == 1 ]]; then gpu_build_env "$build" "$src"; fi
+        for p in "$root"/scripts/patches/horovod-"$horovod_version"-*.patch; do
+            log "applying ${p#"$root"/}"
+            (cd "$src" && git apply -p1 "$p") || die "$p does not apply to horovod $horovod_version"
+        done
+        # --no-build-isolation: Horovod must compile against the TensorFlow in this venv.
+        # --no-cache-dir: a wheel cached from another TensorFlow would import and then crash.
+        pip wheel --no-deps --no-build-isolation --no-cache-dir -w "$build/wheel" "$src"
+        pip install "$build"/wheel/horovod-*.whl
+        # The build directory's NCCL, which the op library's RUNPATH names (rewritten below).
+        if [[ "$gpu" == 1 ]]; then echo "$HOROVOD_NCCL_HOME" >"$build/nccl_home"; fi
+        record="$build"
+        if [[ -n "$entry" ]] && mkdir -p "$cache_root" 2>/dev/null; then
+            tmp=$(mktemp -d "$cache_root/.new-XXXXXX")
+            cp "$build"/wheel/horovod-*.whl "$tmp/"
+            for f in hvdtrain_build.txt nccl_home; do
+                if [[ -f "$build/$f" ]]; then cp "$build/$f" "$tmp/"; fi
+            done
+            touch "$tmp/complete"
+            rm -rf "$entry"
+            mv "$tmp" "$entry" || rm -rf "$tmp"
+        fi
+    fi
     # Mark the build as hvdtrain's patched one: the doctor reports which patches it carries.
     hvd_dir=$("$venv/bin/python" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("horovod").origin))')
     patch_sums >"$hvd_dir/hvdtrain_patches.txt"
@@ -190,22 +256,29 @@ if ! horovod_ok; then
         # below (CMake put that in its RUNPATH): no LD_LIBRARY_PATH needed.
         # shellcheck disable=SC2016  # $ORIGIN is for ld.so, not the shell
         nccl_run='$ORIGIN/../../nvidia/nccl/lib'
+        nccl_home=$(cat "$record/nccl_home")
         for lib in "$hvd_dir"/tensorflow/mpi_lib*.so; do
             rpath=$(patchelf --print-rpath "$lib")
-            patchelf --set-rpath "${rpath//"$HOROVOD_NCCL_HOME/lib"/$nccl_run}" "$lib"
+            patchelf --set-rpath "${rpath//"$nccl_home/lib"/$nccl_run}" "$lib"
         done
         # ... and what it was compiled with: the doctor reports it (no compiler is left).
-        cp "$build/hvdtrain_build.txt" "$hvd_dir/hvdtrain_build.txt"
+        cp "$record/hvdtrain_build.txt" "$hvd_dir/hvdtrain_build.txt"
     fi
 fi
 
 # --- verify -------------------------------------------------------------------------
-check=$(PATH="$venv/bin:$PATH" "$venv/bin/horovodrun" --check-build 2>&1) || true
-wanted=("\[X\] TensorFlow" "\[X\] MPI" "\[X\] Gloo")
-if [[ "$gpu" == 1 ]]; then wanted+=("\[X\] NCCL"); fi
-for want_line in "${wanted[@]}"; do
-    grep -q "$want_line" <<<"$check" || { printf '%s\n' "$check" >&2; die "horovodrun --check-build lacks ${want_line//\\/}"; }
-done
+# After a build: horovodrun's own check (each of its lines imports TensorFlow in a child, half a
+# minute), then horovod_ok, which also records the answers for horovodrun. On a ready machine,
+# horovod_ok above has asked the loaded build the same, in one process.
+if [[ $built == 1 ]]; then
+    check=$(PATH="$venv/bin:$PATH" "$venv/bin/horovodrun" --check-build 2>&1) || true
+    wanted=("\[X\] TensorFlow" "\[X\] MPI" "\[X\] Gloo")
+    if [[ "$gpu" == 1 ]]; then wanted+=("\[X\] NCCL"); fi
+    for want_line in "${wanted[@]}"; do
+        grep -q "$want_line" <<<"$check" || { printf '%s\n' "$check" >&2; die "horovodrun --check-build lacks ${want_line//\\/}"; }
+    done
+    horovod_ok || die "the new horovod build does not load with this TensorFlow (python -c 'import horovod.tensorflow')"
+fi
 "$venv/bin/python" -c "import hvdtrain" || die "hvdtrain does not import from $venv"
-log "ready: $("$venv/bin/python" -c 'import tensorflow as tf, horovod; print("tensorflow", tf.__version__, "horovod", horovod.__version__)' 2>/dev/null)"
+log "ready: $("$venv/bin/python" -c 'from importlib.metadata import version as v; print("tensorflow", v("tensorflow"), "horovod", v("horovod"))')"
 log "activate with: source ${venv#"$root"/}/bin/activate"

@@ -1,33 +1,61 @@
 #!/usr/bin/env bash
-# Set up the environment (idempotent) and run every test, in two passes:
-#   1. the whole suite under Keras 3 (the default);
-#   2. the tests marked keras2 (parity, exact resume, fallback, the Task API) again under
-#      Keras 2, with TF_USE_LEGACY_KERAS=1 (HVDTRAIN_KERAS2=0 skips this pass);
-#   3. scripts/test_gpu_build.sh: the GPU build with no CUDA toolkit visible, in its own venv
-#      (.venv-gpu), trained with on CPU ranks (HVDTRAIN_GPU_TEST=0 skips it; 14 minutes measured
-#      with a new venv on a loaded 2-core machine, 2.7 when it is ready).
+# Set up the environment (idempotent) and run the tests.
 #
-#   scripts/test.sh                 # the whole suite
-#   scripts/test.sh -k multiprocess # pytest arguments pass through (to both passes)
+#   scripts/test.sh                 # everything, as CI runs it (.ci/run), in three passes:
+#     1. the whole suite under Keras 3 (the default);
+#     2. the tests marked keras2 (what Keras 2 changes: parity, exact resume, the fit path, the
+#        Task API, mixed precision, accumulation) again under Keras 2, with
+#        TF_USE_LEGACY_KERAS=1 (HVDTRAIN_KERAS2=0 skips this pass);
+#     3. scripts/test_gpu_build.sh: the GPU build with no CUDA toolkit visible, in its own venv
+#        (.venv-gpu), trained with on CPU ranks (HVDTRAIN_GPU_TEST=0 skips it).
+#   scripts/test.sh --quick         # the inner loop: the tests marked quick (unit-level tests and
+#                                   # one 2-rank run of each path: Task, fit, tf.data), Keras 3
+#                                   # only, no GPU build; a few minutes
+#   scripts/test.sh -k multiprocess # pytest arguments pass through (to both pytest passes)
+#
+# Each pass's time and the total are printed at the end. HVDTRAIN_TEST_TIME_SCALE=N multiplies
+# every test's time bound (a slower or busier machine than these 2 cores).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+quick=0
+if [[ "${1:-}" == --quick ]]; then quick=1; shift; fi
+start=$SECONDS
+times=()
+timed() {  # timed NAME START: one line of the closing summary
+    times+=("$(printf '%-14s %4d s (%d min %02d s)' "$1" $((SECONDS - $2)) $(((SECONDS - $2) / 60)) $(((SECONDS - $2) % 60)))")
+}
 "$root/scripts/setup.sh"
+timed setup "$start"
 venv=${HVDTRAIN_VENV:-$root/.venv}
 cd "$root"
 # mpirun refuses root unless told; CI and containers run as root.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 unset TF_USE_LEGACY_KERAS
 status=0
-"$venv/bin/python" -m pytest "$@" || status=$?
-if [[ "${HVDTRAIN_KERAS2:-1}" == 1 ]]; then
-    echo "=== Keras 2 pass: TF_USE_LEGACY_KERAS=1 pytest -m keras2 ==="
-    keras2=0
-    TF_USE_LEGACY_KERAS=1 "$venv/bin/python" -m pytest -m keras2 "$@" || keras2=$?
-    # 5: the arguments selected no keras2 test; not a failure of this pass.
-    if [[ $keras2 != 0 && $keras2 != 5 ]]; then status=$keras2; fi
+t=$SECONDS
+if [[ $quick == 1 ]]; then
+    "$venv/bin/python" -m pytest -m quick "$@" || status=$?
+    timed "quick pass" "$t"
+else
+    "$venv/bin/python" -m pytest "$@" || status=$?
+    timed "Keras 3 pass" "$t"
+    if [[ "${HVDTRAIN_KERAS2:-1}" == 1 ]]; then
+        echo "=== Keras 2 pass: TF_USE_LEGACY_KERAS=1 pytest -m keras2 ==="
+        keras2=0
+        t=$SECONDS
+        TF_USE_LEGACY_KERAS=1 "$venv/bin/python" -m pytest -m keras2 "$@" || keras2=$?
+        timed "Keras 2 pass" "$t"
+        # 5: the arguments selected no keras2 test; not a failure of this pass.
+        if [[ $keras2 != 0 && $keras2 != 5 ]]; then status=$keras2; fi
+    fi
+    if [[ "${HVDTRAIN_GPU_TEST:-1}" == 1 ]]; then
+        echo "=== GPU build: scripts/test_gpu_build.sh ==="
+        t=$SECONDS
+        "$root/scripts/test_gpu_build.sh" || status=1
+        timed "GPU build" "$t"
+    fi
 fi
-if [[ "${HVDTRAIN_GPU_TEST:-1}" == 1 ]]; then
-    echo "=== GPU build: scripts/test_gpu_build.sh ==="
-    "$root/scripts/test_gpu_build.sh" || status=1
-fi
+timed total "$start"
+echo "=== scripts/test.sh: times ==="
+printf '%s\n' "${times[@]}"
 exit "$status"
