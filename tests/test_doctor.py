@@ -91,6 +91,7 @@ def test_text_report(env):
     assert any(l.split()[:2] == ["tensorflow", "2.21.0"] for l in out)
     assert any(l.split()[:2] == ["keras", "keras"] and l.split()[2].startswith("3.") for l in out)
     assert any("hvdtrain patches: horovod-0.28.1-gpu-stream-handle.patch, "
+               "horovod-0.28.1-launch-without-tensorflow.patch, "
                "horovod-0.28.1-no-xla-ops.patch" in l for l in out)
     assert any("controllers MPI, Gloo" in l for l in out)
     assert any(l.split()[:2] == ["horovod", "0.28.1:"] and "frameworks tensorflow (PyTorch not "
