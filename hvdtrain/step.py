@@ -31,6 +31,15 @@ def in_memory(array) -> bool:
             and array.nbytes <= IN_MEMORY_BYTES)
 
 
+def _converted(fn):
+    """``fn`` as AutoGraph converts the code a converted function calls (what Keras 2 does for
+    a layer's ``call``): a task's own functions keep AutoGraph's semantics inside a step that
+    is traced without it."""
+    import tensorflow as tf
+
+    return tf.__internal__.autograph.tf_convert(fn, tf.__internal__.autograph.control_status_ctx())
+
+
 class TrainStep:
     """``run(batches, n, stop)`` runs up to ``n`` synchronous updates in one compiled call and
     returns (updates done, [stop, non-finite loss] flags reduced over ranks);
@@ -45,7 +54,11 @@ class TrainStep:
     def __init__(self, task, model, optimizer, world, data, sums, metric_fns, accumulate=1):
         import tensorflow as tf
 
-        self.task, self.model, self.metric_fns = task, model, metric_fns
+        self.task, self.model = task, model
+        # The task's own code, as AutoGraph converts it (its Python if/for on tensors work, as
+        # they did inside a converted step); the step around it is traced as written.
+        self.preprocess, self.loss = (_converted(task.preprocess), _converted(task.loss))
+        self.metric_fns = {name: _converted(fn) for name, fn in metric_fns.items()}
         self.accumulate = accumulate  # micro-batches per update (--accumulate-steps)
         self.x, self.y = data.x_train, data.y_train  # or a tf.data pipeline: see batches()
         self.sample = None  # (x, y): a pipeline's first batch, for check()
@@ -57,7 +70,7 @@ class TrainStep:
 
         def gradients(x, y):
             """One micro-batch: its gradients, whether its loss is not finite, its sums."""
-            x, y = task.preprocess(x, y)
+            x, y = self.preprocess(x, y)
             with tf.GradientTape() as tape:
                 pred = model(x, training=True)
                 per_example, step_sums = self.scores(y, pred)
@@ -128,11 +141,10 @@ class TrainStep:
             return tf.while_loop(go_on, body, (tf.constant(0), tf.zeros([2], dtype)),
                                  parallel_iterations=1)
 
-        # Traced as written, without AutoGraph, as Keras 3's fit traces its steps: every loop
-        # and branch here is TensorFlow's own (tf.while_loop), and AutoGraph's conversion of
-        # this code, Horovod's and the optimizer wrapper's took 2-3 s of each process's first
-        # call. A task's preprocess, loss and metrics are traced as written too (README,
-        # "Your own task").
+        # Traced as written, without AutoGraph: every loop and branch here is TensorFlow's own
+        # (tf.while_loop), and AutoGraph's conversion of this code, Horovod's and the optimizer
+        # wrapper's took 2-3 s of each process's first call. The task's code is converted
+        # (self.preprocess, self.loss, self.metric_fns).
         self._run = tf.function(run, autograph=False)
 
     def run(self, batches, n: int, stop: bool):
@@ -149,7 +161,7 @@ class TrainStep:
         import tensorflow as tf
 
         pred = to_float32(pred)
-        per_example = self.task.loss(y, pred)
+        per_example = self.loss(y, pred)
         parts = [per_example, tf.ones_like(per_example)]
         parts += [tf.cast(fn(y, pred), per_example.dtype) for fn in self.metric_fns.values()]
         return per_example, tf.stack([tf.reduce_sum(tf.cast(p, tf.float64)) for p in parts])

@@ -214,9 +214,10 @@ class _TaskRun:
         """Loss and metrics over the whole test set: each rank scores its part, sums combine."""
         import tensorflow as tf
 
-        @tf.function(reduce_retracing=True, autograph=False)  # as TrainStep's (step.py)
+        @tf.function(reduce_retracing=True, autograph=False)  # as TrainStep's (step.py): the
+        # task's code in it is converted
         def eval_step(x, y):
-            x, y = self.task.preprocess(x, y)
+            x, y = self.step.preprocess(x, y)
             return self.step.scores(y, self.model(x, training=False))[1]
 
         data, world = self.data, self.world

@@ -106,6 +106,45 @@ def test_users_own_task(world, tmp_path):
     assert result["keras"].split()[0] == keras_flavour()
 
 
+class BranchyXor(Xor):
+    """Xor whose preprocess, loss and metric branch on tensors with Python's ``if``: AutoGraph
+    turns them into graph conditionals, as it did when the whole step was converted."""
+
+    name = "branchy_xor"
+
+    def preprocess(self, x, y):
+        import tensorflow as tf
+        if tf.reduce_max(x) > 1.0:  # never: the data are 0/1
+            x = x / tf.reduce_max(x)
+        return x, y
+
+    def loss(self, y, pred):
+        per_example = super().loss(y, pred)
+        if per_example.dtype == "float64":  # a Python condition, as before
+            per_example = per_example * 1.0
+        for _ in range(1):  # and a Python loop
+            if tf_mean(per_example) < 0.0:  # never: a loss is >= 0
+                per_example = -per_example
+        return per_example
+
+
+def tf_mean(t):
+    import tensorflow as tf
+    return tf.reduce_mean(t)
+
+
+@pytest.mark.keras2
+def test_a_tasks_python_control_flow_on_tensors_is_converted(world, tmp_path):
+    config = dict(learning_rate=0.5, momentum=0.9, epochs=5, batch_size=16, verbose=0,
+                  num_workers=1)
+    branchy = hvdtrain.train(BranchyXor(), hvdtrain.Config(run_dir=str(tmp_path / "b"), **config),
+                             world)
+    plain = hvdtrain.train(Xor(), hvdtrain.Config(run_dir=str(tmp_path / "p"), **config), world)
+    assert branchy["global_step"] == plain["global_step"] == 5 * 16
+    assert branchy["final_loss"] == pytest.approx(plain["final_loss"], abs=1e-6)
+    assert branchy["test_loss"] == pytest.approx(plain["test_loss"], abs=1e-6)
+
+
 def test_batch_larger_than_data_is_a_config_error(world, tmp_path):
     config = hvdtrain.preset("linear", batch_size=5000, run_dir=str(tmp_path / "r"), verbose=0)
     with pytest.raises(hvdtrain.ConfigError, match="--batch-size=5000: a global batch"):
