@@ -69,6 +69,7 @@ class Network:
         self.hosts = {}   # name -> (namespace, address)
         self.made = []    # namespaces made
         self.inodes = set()  # their net namespace inodes: a process in one is ours
+        self.paths = []   # directories the pods' mounts come from (JobRun's): none may stay mounted
         self.next_ip = 10
 
     def _add_ns(self, ns):
@@ -144,9 +145,13 @@ class Network:
         assert not left, f"the emulated cluster left behind: {left}"
 
     def leftovers(self) -> list:
-        """Namespaces of ours still listed, and processes still in one of them."""
+        """Namespaces of ours still listed, their mounts or the pods' still in this mount
+        namespace, and processes still in one of our network namespaces (sshd, mpirun, ranks)."""
         listed = sh("ip", "netns", "list").stdout
         left = [ns for ns in self.made if ns in listed.split()]
+        with open("/proc/self/mountinfo") as f:
+            left += [line.strip() for line in f if any(ns in line for ns in self.made)
+                     or any(str(p) in line for p in self.paths)]
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 if os.stat(f"/proc/{pid}/ns/net").st_ino not in self.inodes:
@@ -343,6 +348,7 @@ class JobRun:
         self.image = Image()
         self.pods = {}
         base.mkdir(parents=True)
+        net.paths.append(base)
 
     @property
     def launcher(self) -> Pod:
