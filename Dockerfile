@@ -14,6 +14,11 @@
 #   docker build -t hvdtrain:gpu --build-arg HVDTRAIN_GPU=1 .
 #   docker run --rm --gpus all hvdtrain:gpu scripts/gpu_check.sh
 # Not yet run on a GPU by this project (no GPU machine with a container runtime here).
+#
+# Kubernetes (deploy/kubernetes/, an MPIJob of the Kubeflow MPI Operator): the same images.
+# The workers run Debian's sshd (scripts/k8s_worker.sh), which the launcher's mpirun reaches
+# as root with the key pair the operator mounts at /root/.ssh; the two ssh settings files
+# below are what that needs (docs/CLUSTER.md, "Kubernetes").
 ARG BASE_IMAGE=debian:12
 ARG RUNTIME_IMAGE=debian:12
 ARG HVDTRAIN_GPU=0
@@ -34,13 +39,19 @@ FROM ${RUNTIME_IMAGE}
 ARG HVDTRAIN_GPU
 ENV DEBIAN_FRONTEND=noninteractive
 # Run time: the interpreter the venv was made with, Open MPI (libmpi for Horovod's MPI
-# controller, mpirun), ssh (horovodrun -H), ps (horovodrun), Fashion-MNIST (optional data).
+# controller, mpirun), ssh (horovodrun -H), sshd (an MPIJob's workers), ps and pgrep
+# (horovodrun, k8s_worker.sh), Fashion-MNIST (optional data).
 RUN apt-get update -q && apt-get install -y -q --no-install-recommends python3 openmpi-bin \
-        openssh-client procps ca-certificates \
+        openssh-client openssh-server procps ca-certificates \
     && (apt-get install -y -q --no-install-recommends dataset-fashion-mnist || true) \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/hvdtrain
 COPY --from=build /opt/hvdtrain /opt/hvdtrain
+# sshd and ssh for an MPIJob: StrictModes off for the operator's mounted keys, no PAM, no
+# known_hosts (Debian's configs include these directories first).
+COPY deploy/kubernetes/ssh/sshd_hvdtrain.conf /etc/ssh/sshd_config.d/hvdtrain.conf
+COPY deploy/kubernetes/ssh/ssh_hvdtrain.conf /etc/ssh/ssh_config.d/hvdtrain.conf
+RUN mkdir -p /run/sshd && /usr/sbin/sshd -t
 # NVIDIA_*: what the NVIDIA Container Toolkit gives the container (every GPU, the CUDA
 # driver and nvidia-smi); without that toolkit they do nothing.
 ENV PATH=/opt/hvdtrain/.venv/bin:${PATH} \

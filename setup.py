@@ -49,7 +49,10 @@ setup(
         "horovod": ["horovod==0.28.1"],
         # hvd.init(comm=MPI.COMM_WORLD) and the allreduce benchmark's reference.
         "mpi": ["mpi4py==4.1.2"],
-        "test": ["pytest>=7,<9", "pytest-timeout>=2.2"],
+        # kubernetes-validate: the Kubernetes API schemas for deploy/kubernetes/'s objects;
+        # jsonschema: the MPIJob CRD's own schema (tests/test_k8s.py).
+        "test": ["pytest>=7,<9", "pytest-timeout>=2.2", "kubernetes-validate>=1.29,<2",
+                 "jsonschema>=4.18,<5", "PyYAML>=6"],
         "bench": ["matplotlib>=3.8"],  # python -m hvdtrain.bench's PNG plots
     },
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.__main__:main"]},

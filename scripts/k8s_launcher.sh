@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The main process of an hvdtrain MPIJob launcher pod (deploy/kubernetes/), in the hvdtrain
+# images: scripts/launch_cluster.sh (Open MPI's mpirun) over the hostfile the Kubeflow MPI
+# Operator mounts, one rank per slot. Tested pod by pod in network namespaces:
+# tests/test_k8s.py.
+#
+#   k8s_launcher.sh TASK [hvdtrain flags]     (--run-dir DIR on the job's claim: required)
+#
+# What it adds to mpirun:
+# - It waits (HVDTRAIN_WAIT_WORKERS seconds, default 300) until every host of the hostfile
+#   answers ssh: a retried launcher pod starts while a re-created worker may still be coming
+#   up, and ssh cannot retry a name the cluster DNS does not know yet.
+# - A SIGTERM to it (the launcher pod deleted or evicted) goes on to the ranks over ssh
+#   (scripts/k8s_worker.sh signal): every rank stops after the same step, rank 0 saves a
+#   checkpoint and all exit 75, which is this script's status. mpirun itself never gets it
+#   (a SIGTERM'd mpirun ends the job 1 or 143, without waiting for the checkpoint).
+# - Exit statuses, for the launcher Job's retries (runPolicy.backoffLimit): the MPI Operator
+#   retries every failed launcher pod alike (restart policy Never or OnFailure; it takes no
+#   exit-code rules). 75 and every other status are left for those retries, which resume from
+#   the newest checkpoint. But 1 and 2 (HVDTRAIN_PERMANENT_EXIT, default "1 2"), hvdtrain's own
+#   errors (a usage error, diverged weights, no valid checkpoint, a dead peer), would fail the
+#   same way again: the script writes DIR/k8s-launcher-failed with the arguments and the
+#   status, and a retry with the same arguments prints it and exits with that status at once,
+#   without starting mpirun, so the remaining retries end in seconds and the MPIJob fails.
+#   Changed arguments (a fixed flag, another --run-dir) run normally; so does deleting the
+#   file. A status while the pod is being stopped (after a SIGTERM) never writes it.
+#
+# Environment: the operator's OMPI_MCA_orte_default_hostfile (the hostfile: /etc/mpi/hostfile),
+# and what launch_cluster.sh takes (IFACE, PYTHON, DRY_RUN; NP defaults to the hostfile's
+# slots). The pod's variables reach the ranks only through launch_cluster.sh's -x list (they
+# run under the workers' sshd, not in the launcher's environment).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+task=${1:?usage: k8s_launcher.sh TASK [hvdtrain flags] (with --run-dir on the claim)}
+shift
+hostfile=${OMPI_MCA_orte_default_hostfile:-/etc/mpi/hostfile}
+[[ -r $hostfile ]] || { echo "k8s_launcher.sh: error: no hostfile $hostfile (not in an MPIJob launcher pod?)" >&2; exit 2; }
+
+run_dir=""
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case ${args[i]} in
+    --run-dir) run_dir=${args[i + 1]:-} ;;
+    --run-dir=*) run_dir=${args[i]#--run-dir=} ;;
+    esac
+done
+if [[ -z $run_dir ]]; then
+    echo "k8s_launcher.sh: error: give --run-dir on the job's claim: a restarted launcher resumes from its checkpoints" >&2
+    exit 2
+fi
+mkdir -p "$run_dir"
+marker=$run_dir/k8s-launcher-failed
+this_run=$(printf '%q ' "$task" "$@")
+if [[ -f $marker ]]; then
+    if [[ $(sed -n 1p "$marker") == "$this_run" ]]; then
+        status=$(sed -n 2p "$marker")
+        echo "k8s_launcher.sh: not run again: the same command ended with status $status before (hvdtrain's own error), see $marker; change the command or delete that file" >&2
+        sed -n '3,$p' "$marker" >&2
+        exit "$status"
+    fi
+    rm -f "$marker"  # another command's: this one runs
+fi
+
+mapfile -t hosts < <(awk 'NF && $1 !~ /^#/ {print $1}' "$hostfile")
+np=$(awk 'NF && $1 !~ /^#/ {n = 1; for (i = 2; i <= NF; i++) if ($i ~ /^slots=/) n = substr($i, 7); s += n} END {print s + 0}' "$hostfile")
+echo "k8s_launcher.sh: $task on $np processes, ${#hosts[@]} workers (${hosts[*]}); run dir $run_dir"
+
+# Every worker's sshd answers: ssh retries a refused connection (the operator's
+# OMPI_MCA_plm_rsh_args has ConnectionAttempts=10), not a name that does not resolve yet.
+deadline=$((SECONDS + ${HVDTRAIN_WAIT_WORKERS:-300}))
+for host in "${hosts[@]}"; do
+    until ssh -o BatchMode=yes -o ConnectTimeout=5 "$host" true 2>/dev/null; do
+        if ((SECONDS >= deadline)); then
+            echo "k8s_launcher.sh: error: $host does not answer ssh" >&2
+            exit 255  # not hvdtrain's: left to the Job's retries
+        fi
+        sleep 2
+    done
+done
+
+stopping=0
+# shellcheck disable=SC2317  # invoked by the trap below
+pass_term() {
+    stopping=1
+    echo "k8s_launcher.sh: SIGTERM: passing it to the ranks" >&2
+    local host
+    for host in "${hosts[@]}"; do  # in the background: the trap returns at once
+        ssh -o BatchMode=yes -o ConnectTimeout=5 "$host" "$root/scripts/k8s_worker.sh" signal TERM \
+            </dev/null >/dev/null 2>&1 &
+    done
+}
+
+NP=${NP:-$np} "$root/scripts/launch_cluster.sh" "$hostfile" "$task" "$@" &
+launched=$!
+trap pass_term TERM
+status=0
+wait "$launched" || status=$?
+while kill -0 "$launched" 2>/dev/null; do  # the trap ended the wait, not mpirun
+    status=0
+    wait "$launched" || status=$?
+done
+trap - TERM
+if ((!stopping)); then
+    for code in ${HVDTRAIN_PERMANENT_EXIT:-1 2}; do
+        if ((status == code)); then
+            { echo "$this_run"; echo "$status"; date -u "+ended %Y-%m-%dT%H:%M:%SZ in pod ${HOSTNAME:-?}"; } >"$marker"
+            echo "k8s_launcher.sh: status $status is hvdtrain's own error: retries of this command will not run it again ($marker)" >&2
+        fi
+    done
+fi
+exit "$status"

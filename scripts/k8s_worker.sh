@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The main process (PID 1) of an hvdtrain MPIJob worker pod (deploy/kubernetes/), in the
+# hvdtrain images: Debian's sshd, which the launcher's mpirun reaches to start its daemon
+# (orted) and this pod's ranks, and the SIGTERM that Kubernetes sends to a pod's PID 1 (pod
+# deletion, node drain, preemption, a suspended MPIJob) passed on to those ranks.
+# Tested pod by pod in network namespaces: tests/test_k8s.py.
+#
+#   k8s_worker.sh [sshd flags]     the container's command: sshd -De [flags]
+#   k8s_worker.sh signal [SIG]     send SIG (default TERM) to this pod's ranks (the launcher
+#                                  runs this over ssh when its own pod gets the SIGTERM)
+#
+# Only PID 1 gets the SIGTERM; when it exits, every other process of the pod is killed. sshd
+# alone (the operator's default command) would exit at once and take the ranks with it, before
+# any checkpoint. This script instead gives the ranks the SIGTERM (one rank's is enough: every
+# rank stops after the same step, rank 0 saves a checkpoint, all exit 75), waits for them and
+# then for orted (so that mpirun hears the 75s), and only then stops sshd. The pod's
+# terminationGracePeriodSeconds bounds it all: Kubernetes kills what is left after that.
+#
+# Environment: HVDTRAIN_ORTED_WAIT=15  seconds to wait for orted after the ranks have exited.
+set -uo pipefail
+
+# This pod's ranks: the processes Open MPI's orted started (they carry their rank in their
+# environment). Nothing else in the container has it.
+ranks() {
+    local environ pid
+    for environ in /proc/[0-9]*/environ; do
+        pid=${environ#/proc/}
+        pid=${pid%/environ}
+        if [[ $pid != "$$" ]] && grep -qz '^OMPI_COMM_WORLD_RANK=' "$environ" 2>/dev/null; then
+            echo "$pid"
+        fi
+    done
+}
+
+running() {  # any of the processes named on the command line still there (zombies aside)?
+    local pid state
+    for pid in "$@"; do
+        state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) || continue
+        [[ -n $state && $state != Z ]] && return 0
+    done
+    return 1
+}
+
+if [[ ${1:-} == signal ]]; then
+    pids=$(ranks)
+    [[ -z $pids ]] && exit 0
+    # shellcheck disable=SC2086  # one pid per word
+    exec kill -s "${2:-TERM}" $pids
+fi
+
+mkdir -p /run/sshd  # sshd's privilege separation directory (/run may be a fresh tmpfs)
+/usr/sbin/sshd -De "$@" &
+sshd=$!
+
+stopping=0
+# shellcheck disable=SC2317  # invoked by the trap below
+on_term() {
+    stopping=1
+    local pids
+    pids=$(ranks)
+    echo "k8s_worker.sh: SIGTERM: passing it to this pod's ranks (${pids:-none})" >&2
+    # shellcheck disable=SC2086
+    [[ -n $pids ]] && kill -TERM $pids 2>/dev/null
+}
+trap on_term TERM
+
+status=0
+while :; do
+    wait "$sshd"
+    status=$?
+    if ((stopping)) || ! running "$sshd"; then break; fi
+done
+if ! ((stopping)); then
+    exit "$status"  # sshd ended by itself: the restart policy (OnFailure) restarts the pod
+fi
+
+# The ranks save and exit; then orted reports their status to mpirun and exits when mpirun
+# tells it to. Kubernetes' grace period bounds the first wait.
+while pids=$(ranks) && [[ -n $pids ]]; do sleep 0.2; done
+for ((i = 0; i < ${HVDTRAIN_ORTED_WAIT:-15} * 5; i++)); do
+    orted=$(pgrep -x orted) || break
+    # shellcheck disable=SC2086  # one pid per word
+    running $orted || break
+    sleep 0.2
+done
+kill -TERM "$sshd" 2>/dev/null
+wait "$sshd" 2>/dev/null
+echo "k8s_worker.sh: this pod's ranks have exited; stopping" >&2
+exit 0

@@ -1,0 +1,461 @@
+"""An MPIJob's pods, emulated one by one on this machine, for tests/test_k8s.py.
+
+What the MPI Operator, the kubelet and the cluster network do for an MPIJob, the parts its
+launcher and workers can tell, is done here by hand from the rendered MPIJob:
+
+- **Network** (``Network``): every pod is a network namespace with its own ``eth0`` (a veth
+  whose other end is on a bridge in a "switch" namespace of its own: the root namespace's
+  network is never touched) and its own address; a new pod gets a new address.
+- **A pod** (``Pod``): also its own UTS namespace (host name = the operator's ``hostname``),
+  PID namespace (the container's command is PID 1, as in a container: it alone gets the
+  SIGTERM of a pod deletion, and when it exits everything else in the pod is killed) and mount
+  namespace: the image's file system for what hvdtrain uses of it (an overlay of /etc and
+  /root with the Dockerfile's COPYed files, /opt/hvdtrain from the Dockerfile's build stage:
+  this checkout and its venv; fresh /run, /tmp and /dev/shm) and the pod's volumes at their
+  mount paths: the claim (a directory shared by every pod), the job's key pair laid out as the
+  kubelet lays out a Secret volume (``..data`` symlinks, the operator's mode 0600, read-only),
+  the hostfile and discover_hosts.sh as a ConfigMap volume (modes 0444 and 0555). Its
+  environment is the Dockerfile's ``ENV``, the container's ``env`` and what the operator adds
+  (``operator_objects``); its working directory the image's ``WORKDIR``.
+- **Cluster DNS**: each pod's /etc/hosts has the kubelet's lines and then what the headless
+  Service's DNS would answer it: ``<pod>.<job>.<namespace>.svc[.cluster.local]`` for every pod
+  of the job, and the bare pod names where the operator's DNS search path makes them resolve
+  (on the workers only).
+- **The kubelet**: starts the containers, probes the workers' ``readinessProbe`` (TCP, from
+  the switch namespace, where the "node" is), and deletes a pod as Kubernetes does: SIGTERM to
+  PID 1, then SIGKILL after ``terminationGracePeriodSeconds`` (or the test's bound).
+- **The operator**: workers first, the launcher once they are ready
+  (``launcherCreationPolicy: WaitForWorkersReady``).
+
+The sshd in each worker is Debian's, run by the image's scripts/k8s_worker.sh; mpirun,
+ssh, Python and hvdtrain are this machine's (the same Debian 12 packages the image installs).
+Not emulated: the API server, the operator's controller loop and the Job controller's retries
+(the test starts the next launcher itself), the scheduler, cgroups and resource limits, DNS
+changes while a pod runs, a real container runtime and image.
+
+``Network`` has a small surface (create, add_host, on, remove_host, destroy, leftovers) so that
+it can later give way to a shared namespace module; ``destroy`` removes every namespace and
+process made here and checks, with ``leftovers``, that nothing is left.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from k8s_manifests import ROOT, operator_objects
+
+SUBNET = "10.79.0"  # the switch (the "node") is .1, pods from .10 on
+BRIDGE = "br0"
+DEBIAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+
+
+def sh(*cmd, timeout=30, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+class Network:
+    """Network namespaces on one bridge, which lives in a switch namespace of its own."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+        self.switch = f"{tag}sw"
+        self.hosts = {}   # name -> (namespace, address)
+        self.made = []    # namespaces made
+        self.inodes = set()  # their net namespace inodes: a process in one is ours
+        self.paths = []   # directories the pods' mounts come from (JobRun's): none may stay mounted
+        self.next_ip = 10
+
+    def _add_ns(self, ns):
+        p = sh("ip", "netns", "add", ns)
+        if p.returncode != 0:
+            pytest.skip(f"cannot make network namespaces here (needs root with CAP_SYS_ADMIN): "
+                        f"ip netns add: {p.stderr.strip()}")
+        self.made.append(ns)
+        self.inodes.add(os.stat(f"/run/netns/{ns}").st_ino)
+
+    def create(self):
+        for tool in ("ip", "nsenter", "unshare"):
+            if shutil.which(tool) is None:
+                pytest.fail(f"{tool} missing (iproute2, util-linux)")
+        if sh("unshare", "--uts", "--pid", "--fork", "--mount", "true").returncode != 0:
+            pytest.skip("cannot make UTS, PID and mount namespaces here (needs CAP_SYS_ADMIN)")
+        self._add_ns(self.switch)
+        self.check("ip", "-n", self.switch, "link", "add", BRIDGE, "type", "bridge")
+        self.check("ip", "-n", self.switch, "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
+        for dev in ("lo", BRIDGE):
+            self.check("ip", "-n", self.switch, "link", "set", dev, "up")
+        return self
+
+    def add_host(self, name: str) -> str:
+        """A new namespace for ``name``, its ``eth0`` on the bridge; its (new) address."""
+        ns, ip = f"{self.tag}h{self.next_ip}", f"{SUBNET}.{self.next_ip}"
+        port = f"p{self.next_ip}"
+        self.next_ip += 1
+        self._add_ns(ns)
+        self.check("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name",
+                   "eth0", "netns", ns)
+        self.check("ip", "-n", self.switch, "link", "set", port, "master", BRIDGE, "up")
+        self.check("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        for dev in ("lo", "eth0"):
+            self.check("ip", "-n", ns, "link", "set", dev, "up")
+        self.hosts[name] = (ns, ip)
+        return ip
+
+    def on(self, host: str, cmd: list) -> list:
+        """``cmd`` as run on ``host`` (its network namespace, its host name)."""
+        ns = self.switch if host is None else self.hosts[host][0]
+        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "sh", "-c",
+                'hostname "$0" && exec "$@"', host or "switch", *cmd]
+
+    def netns(self, host: str) -> str:
+        return f"/run/netns/{self.hosts[host][0]}"
+
+    def remove_host(self, name: str):
+        ns, _ = self.hosts.pop(name)
+        self._kill_in(ns)
+        sh("ip", "netns", "del", ns)  # takes its eth0, and the veth's other end, with it
+
+    def _kill_in(self, ns):
+        for pid in sh("ip", "netns", "pids", ns).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def check(self, *cmd):
+        p = sh(*cmd)
+        assert p.returncode == 0, f"{' '.join(cmd)}: {p.stderr}"
+
+    def destroy(self):
+        for ns in reversed(self.made):
+            self._kill_in(ns)
+        for ns in reversed(self.made):
+            sh("ip", "netns", "del", ns)
+        deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to go
+        while self.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = self.leftovers()
+        assert not left, f"the emulated cluster left behind: {left}"
+
+    def leftovers(self) -> list:
+        """Namespaces of ours still listed, their mounts or the pods' still in this mount
+        namespace, and processes still in one of our network namespaces (sshd, mpirun, ranks)."""
+        listed = sh("ip", "netns", "list").stdout
+        left = [ns for ns in self.made if ns in listed.split()]
+        with open("/proc/self/mountinfo") as f:
+            left += [line.strip() for line in f if any(ns in line for ns in self.made)
+                     or any(str(p) in line for p in self.paths)]
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.stat(f"/proc/{pid}/ns/net").st_ino not in self.inodes:
+                    continue
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    args = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            left.append(f"pid {pid}: {args}")
+        return left
+
+
+# --- the image ----------------------------------------------------------------------------------
+class Image:
+    """What the Dockerfile's final stage gives a container: ENV, WORKDIR, the COPYed files."""
+
+    def __init__(self, dockerfile=os.path.join(ROOT, "Dockerfile")):
+        lines, cont = [], ""
+        with open(dockerfile) as f:
+            for raw in f:
+                line = raw.rstrip("\n")
+                if not cont and line.lstrip().startswith("#"):
+                    continue
+                if line.endswith("\\"):
+                    cont += line[:-1] + " "
+                    continue
+                lines.append(cont + line)
+                cont = ""
+        last = max(i for i, l in enumerate(lines) if l.split()[:1] == ["FROM"])
+        self.env, self.workdir, self.copies, self.from_build = dict(DEBIAN_ENV), "/", [], []
+        for line in lines[last + 1:]:
+            word, _, rest = line.strip().partition(" ")
+            if word == "ENV":
+                for token in shlex.split(rest):
+                    key, _, value = token.partition("=")
+                    for k, v in self.env.items():
+                        value = value.replace("${%s}" % k, v).replace("$" + k, v)
+                    self.env[key] = value
+            elif word == "WORKDIR":
+                self.workdir = rest.strip()
+            elif word == "COPY":
+                parts = rest.split()
+                if parts[0].startswith("--from="):
+                    self.from_build.append((parts[1], parts[2]))
+                else:
+                    self.copies.append((os.path.join(ROOT, parts[0]), parts[1]))
+
+
+# --- volumes as the kubelet lays them out -------------------------------------------------------
+def atomic_volume(directory, files: dict, default_mode: int, dir_mode: int):
+    """A Secret or ConfigMap volume's directory: ``..<time>/`` holds the files, ``..data``
+    points at it, each file name is a symlink through ``..data`` (the kubelet's AtomicWriter)."""
+    os.makedirs(directory)
+    stamp = "..2026_01_01_00_00_00.000000001"
+    os.mkdir(os.path.join(directory, stamp))
+    for name, (content, mode) in files.items():
+        path = os.path.join(directory, stamp, name)
+        with open(path, "w") as f:
+            f.write(content)
+        os.chmod(path, default_mode if mode is None else mode)
+        os.symlink(os.path.join("..data", name), os.path.join(directory, name))
+    os.symlink(stamp, os.path.join(directory, "..data"))
+    os.chmod(directory, dir_mode)
+
+
+# --- pods ---------------------------------------------------------------------------------------
+class Pod:
+    """One pod's single container, started by ``start`` as PID 1 of its own namespaces."""
+
+    def __init__(self, net, spec: dict, name: str, base, image: Image, volumes: dict,
+                 hosts_file: str, venv: str):
+        self.net, self.spec, self.name, self.dir = net, spec, name, base / name
+        self.image, self.volumes, self.hosts_file, self.venv = image, volumes, hosts_file, venv
+        self.proc = None
+        self.dir.mkdir()
+
+    @property
+    def container(self):
+        return self.spec["containers"][0]
+
+    def _setup(self) -> str:
+        d, c = self.dir, self.container
+        q = shlex.quote
+        lines = ["set -eu", f"hostname {q(self.spec['hostname'])}"]
+        for top in ("etc", "root"):  # the image's /etc and /root, writable per container
+            for sub in ("up", "work"):
+                (d / top / sub).mkdir(parents=True)
+            lines.append(f"mount -t overlay overlay -o lowerdir=/{top},upperdir={d}/{top}/up,"
+                         f"workdir={d}/{top}/work /{top}")
+        # COPY --from=build /opt/hvdtrain: the build stage's checkout and its .venv.
+        (src, dst), = self.image.from_build
+        assert (src, dst) == ("/opt/hvdtrain", "/opt/hvdtrain"), self.image.from_build
+        lines += ["mount -t tmpfs -o mode=755 tmpfs /opt", f"mkdir {dst}"]
+        for entry in sorted(os.listdir(ROOT)):
+            if entry not in (".git", ".venv", "runs", ".pytest_cache"):
+                lines.append(f"ln -s {q(os.path.join(ROOT, entry))} {dst}/{entry}")
+        lines.append(f"ln -s {q(self.venv)} {dst}/.venv")
+        # The image's own files: Debian's ssh configuration directories hold only these.
+        cleared = set()
+        for src, dst in self.image.copies:
+            if os.path.dirname(dst) not in cleared:
+                cleared.add(os.path.dirname(dst))
+                lines.append(f"rm -f {q(os.path.dirname(dst))}/*")
+            lines.append(f"cp {q(src)} {q(dst)}")
+        lines.append(f"cp {q(self.hosts_file)} /etc/hosts")
+        mounted = set()
+        for m in c.get("volumeMounts", []):
+            source, read_only = self.volumes[m["name"]]
+            lines.append(f"mkdir -p {q(m['mountPath'])}")
+            if source is None:  # emptyDir
+                lines.append(f"mount -t tmpfs tmpfs {q(m['mountPath'])}")
+            else:
+                lines.append(f"mount --bind {q(str(source))} {q(m['mountPath'])}")
+                if read_only or m.get("readOnly"):
+                    lines.append(f"mount -o remount,bind,ro {q(m['mountPath'])}")
+            mounted.add(m["mountPath"])
+        for private in ("/run", "/dev/shm", "/tmp"):  # last: the sources above are in /tmp
+            if private not in mounted:
+                lines.append(f"mount -t tmpfs -o mode=1777 tmpfs {private}")
+        env = dict(self.image.env, HOSTNAME=self.spec["hostname"], HOME="/root")
+        for e in c.get("env", []):
+            env[e["name"]] = e.get("value", "")
+        lines.append(f"cd {q(c.get('workingDir', self.image.workdir))}")
+        lines.append("exec env -i " + " ".join(q(f"{k}={v}") for k, v in env.items()) + ' "$@"')
+        script = d / "setup.sh"
+        script.write_text("\n".join(lines) + "\n")
+        return str(script)
+
+    def start(self):
+        """The container: its command and args as PID 1, stdout and stderr to the pod's log."""
+        cmd = self.container.get("command", []) + self.container.get("args", [])
+        script = self._setup()
+        with open(self.dir / "log", "w") as log:
+            self.proc = subprocess.Popen(
+                ["nsenter", f"--net={self.net.netns(self.name)}", "unshare", "--uts", "--mount",
+                 "--pid", "--fork", "--kill-child", "--mount-proc", "sh", script, *cmd],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        return self
+
+    def pid1(self):
+        """The host's pid of the container's PID 1 (unshare's child), or None."""
+        try:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+                children = f.read().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None
+
+    def log(self) -> str:
+        return (self.dir / "log").read_text(errors="replace")
+
+    def wait(self, timeout):
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def sigterm(self):
+        """What a pod deletion sends: SIGTERM to the container's PID 1 only."""
+        pid = self.pid1()
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # unshare: --kill-child takes PID 1
+            self.proc.wait(timeout=10)
+
+    def ready(self) -> bool:
+        """The container's readinessProbe (tcpSocket), from the node; no probe: running."""
+        if self.proc.poll() is not None:
+            return False
+        probe = self.container.get("readinessProbe")
+        if not probe:
+            return self.pid1() is not None
+        port = probe["tcpSocket"]["port"]
+        ip = self.net.hosts[self.name][1]
+        p = sh(*self.net.on(None, ["bash", "-c", f"exec 3<>/dev/tcp/{ip}/{port}"]), timeout=10)
+        return p.returncode == 0
+
+
+class JobRun:
+    """One set of pods for an MPIJob: what the operator and the kubelets start for it."""
+
+    def __init__(self, net, base, job: dict, claims: dict, namespace="default",
+                 venv=sys.prefix):
+        self.net, self.base, self.job, self.claims = net, base, job, claims
+        self.namespace, self.venv = namespace, venv
+        self.objects = operator_objects(job, namespace)
+        self.image = Image()
+        self.pods = {}
+        base.mkdir(parents=True)
+        net.paths.append(base)
+
+    @property
+    def launcher(self) -> Pod:
+        return self.pods[self.objects["launcher"]["spec"]["template"]["spec"]["hostname"]]
+
+    @property
+    def workers(self) -> list:
+        return [self.pods[w["metadata"]["name"]] for w in self.objects["workers"]]
+
+    def _keys(self):
+        """The operator's key pair: ECDSA P-521, the private key in PEM ("EC PRIVATE KEY"), the
+        public one in authorized_keys format without a comment (newSSHAuthSecret)."""
+        key = self.base / "key"
+        p = sh("ssh-keygen", "-q", "-t", "ecdsa", "-b", "521", "-m", "PEM", "-N", "", "-C", "",
+               "-f", str(key))
+        assert p.returncode == 0, p.stderr
+        public = " ".join(key.with_suffix(".pub").read_text().split()[:2]) + "\n"
+        return {"ssh-privatekey": key.read_text(), "ssh-publickey": public}
+
+    def _volumes(self, pod_name, spec):
+        made = self.objects
+        out = {}
+        for v in spec.get("volumes", []):
+            where = self.base / "volumes" / pod_name / v["name"]
+            if "persistentVolumeClaim" in v:
+                out[v["name"]] = (self.claims[v["persistentVolumeClaim"]["claimName"]], False)
+            elif "emptyDir" in v:
+                out[v["name"]] = (None, False)
+            elif "secret" in v:
+                data = self.secret
+                mode = v["secret"].get("defaultMode", 0o644)
+                files = {i["path"]: (data[i["key"]], i.get("mode")) for i in v["secret"]["items"]}
+                atomic_volume(where, files, mode, 0o1777)
+                out[v["name"]] = (where, True)
+            elif "configMap" in v:
+                data = made["configmap"]["data"]
+                files = {i["path"]: (data[i["key"]], i.get("mode"))
+                         for i in v["configMap"]["items"]}
+                atomic_volume(where, files, v["configMap"].get("defaultMode", 0o644), 0o777)
+                out[v["name"]] = (where, True)
+            else:
+                raise NotImplementedError(f"volume {v}")
+        return out
+
+    def _hosts_file(self, pod_name, spec, addresses):
+        """The kubelet's /etc/hosts lines, then the cluster DNS's answers for this pod."""
+        job, ns = self.job["metadata"]["name"], self.namespace
+        fqdn = lambda n: f"{n}.{job}.{ns}.svc.cluster.local"  # noqa: E731
+        lines = ["# Kubernetes-managed hosts file (emulated).", "127.0.0.1\tlocalhost",
+                 "::1\tlocalhost ip6-localhost ip6-loopback",
+                 f"{addresses[pod_name]}\t{fqdn(spec['hostname'])}\t{spec['hostname']}",
+                 "# The cluster DNS's answers (headless Service %s):" % job]
+        searches = spec.get("dnsConfig", {}).get("searches", [])
+        for other, ip in addresses.items():
+            if other == pod_name:
+                continue
+            # "<pod>.<job>.<namespace>.svc" resolves through the search domain cluster.local.
+            names = [fqdn(other), f"{other}.{job}.{ns}.svc"]
+            if f"{job}.{ns}.svc.cluster.local" in searches:
+                names.append(other)
+            lines.append(f"{ip}\t" + "\t".join(names))
+        path = self.base / "hosts" / pod_name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        return str(path)
+
+    def start(self, ready_timeout=30):
+        """Workers, then (once every one is ready) the launcher."""
+        self.secret = self._keys()
+        launcher_spec = self.objects["launcher"]["spec"]["template"]["spec"]
+        specs = {w["metadata"]["name"]: w["spec"] for w in self.objects["workers"]}
+        specs[launcher_spec["hostname"]] = launcher_spec
+        addresses = {name: self.net.add_host(name) for name in specs}
+        for name, spec in specs.items():
+            self.pods[name] = Pod(self.net, spec, name, self.base, self.image,
+                                  self._volumes(name, spec),
+                                  self._hosts_file(name, spec, addresses), self.venv)
+        for w in self.workers:
+            w.start()
+        deadline = time.monotonic() + ready_timeout
+        while not all(w.ready() for w in self.workers):
+            dead = [w for w in self.workers if w.proc.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                pytest.fail("workers not ready:\n" + "\n".join(
+                    f"--- {w.name} (rc {w.proc.poll()})\n{w.log()}" for w in self.workers))
+            time.sleep(0.1)
+        self.launcher.start()
+        return self
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {name}\n{p.log()}" for name, p in self.pods.items())
+
+    def delete(self, grace: float) -> dict:
+        """Delete every pod as Kubernetes does: SIGTERM to each PID 1 at once, SIGKILL what is
+        left after ``grace`` s. {pod: its container's exit status (None: killed)}."""
+        for p in self.pods.values():
+            p.sigterm()
+        deadline = time.monotonic() + grace
+        statuses = {}
+        for name, p in self.pods.items():
+            statuses[name] = p.wait(max(0.0, deadline - time.monotonic()))
+        self.remove()
+        return statuses
+
+    def remove(self):
+        """Kill whatever is left and remove the pods' namespaces."""
+        for name, p in self.pods.items():
+            p.kill()
+            if name in self.net.hosts:
+                self.net.remove_host(name)
