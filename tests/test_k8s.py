@@ -46,11 +46,13 @@ def containers(job, role):
     return job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]["containers"]
 
 
+@pytest.mark.quick
 # --- offline ------------------------------------------------------------------------------------
 def test_k8s_every_kustomization_is_found():
     assert set(OVERLAYS) == {"base", "claim", "overlays/cpu", "overlays/gpu", "overlays/smoke"}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", sorted(OVERLAYS))
 def test_k8s_manifests_validate(name):
     docs = rendered(name)
@@ -61,6 +63,7 @@ def test_k8s_manifests_validate(name):
             "replicas"]
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 @pytest.mark.parametrize("name", sorted(OVERLAYS))
 def test_k8s_renderer_matches_kubectl_kustomize(name):
@@ -70,6 +73,7 @@ def test_k8s_renderer_matches_kubectl_kustomize(name):
     assert [d for d in yaml.safe_load_all(p.stdout) if d] == rendered(name)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["overlays/cpu", "overlays/gpu", "overlays/smoke"])
 def test_k8s_what_a_restartable_job_needs(name):
     job = K.mpijob(rendered(name))
@@ -113,6 +117,7 @@ def test_k8s_what_a_restartable_job_needs(name):
     else:
         assert (gpus, spec["slotsPerWorker"], tag) == (None, 1, "cpu")
 
+@pytest.mark.quick
 
 def test_k8s_the_image_has_what_the_pods_need():
     from k8s_cluster import Image
@@ -176,6 +181,7 @@ BREAKAGES = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
 def test_k8s_a_broken_copy_fails_the_same_check(tmp_path, breakage):
     """A copy of deploy/kubernetes/ with one file broken: its kustomization, rendered, fails
@@ -192,6 +198,7 @@ def test_k8s_a_broken_copy_fails_the_same_check(tmp_path, breakage):
     assert any(message in e for e in errors), errors
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("field, value, message", [
     ("accessModes", "ReadWriteMany", "spec.accessModes: 'ReadWriteMany' is not of type 'array'"),
     ("resources", None,
@@ -298,6 +305,7 @@ def uninterrupted(cluster, tmp_path_factory):
             "seconds": time.monotonic() - t, "run": run}
 
 
+@pytest.mark.timeout(600)  # its fixtures start the pods' daemons
 def test_k8s_emulated_mpijob_trains_with_identical_ranks(uninterrupted):
     u, run = uninterrupted, uninterrupted["run"]
     assert u["rc"] == 0, u["logs"]
@@ -317,6 +325,7 @@ def test_k8s_emulated_mpijob_trains_with_identical_ranks(uninterrupted):
     assert [u["statuses"][w.name] for w in run.workers] == [0, 0], u["logs"]
 
 
+@pytest.mark.timeout(600)  # its fixtures start the pods' daemons
 def test_k8s_emulated_pod_deletion_gives_75_then_new_pods_resume(cluster, uninterrupted,
                                                                   tmp_path):
     claim = tmp_path / "claim"
@@ -360,6 +369,7 @@ def test_k8s_emulated_pod_deletion_gives_75_then_new_pods_resume(cluster, uninte
     assert r["weights_sha256"] == uninterrupted["result"]["weights_sha256"]
 
 
+@pytest.mark.timeout(600)  # its fixtures start the pods' daemons
 def test_k8s_emulated_permanent_error_is_not_run_again(cluster, tmp_path):
     """hvdtrain's exit 2 (a flag it refuses): the launcher records it on the claim, and the next
     launcher pod with the same arguments exits 2 at once, without reaching a worker."""
