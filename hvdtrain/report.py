@@ -171,12 +171,12 @@ class Reporter:
 
     def print(self, message: str, level: int = 1) -> None:
         if self.verbose >= level:
-            print(message, flush=True)
+            _whole_line(sys.stdout, message)
 
     def notice(self, message: str) -> None:
         """A one-line notice on stderr (rank 0), shown even at verbose 0."""
         if self.enabled:
-            print(message, file=sys.stderr, flush=True)
+            _whole_line(sys.stderr, message)
 
     def start(self, config_dict: dict, completed_epochs: int = 0) -> None:
         """Create the run directory; keep only the metrics of epochs a resume starts after."""
@@ -225,3 +225,10 @@ class Reporter:
         write_json_atomic(os.path.join(self.run_dir, "result.json"), result)
         if self._tb is not None:
             self._tb.close()
+
+
+def _whole_line(stream, message: str) -> None:
+    """``message`` and its newline in one write: ``print`` writes them apart, and a launcher
+    that tags its ranks' output (mpirun's ``[1,0]<stdout>:``) then tags the newline alone."""
+    stream.write(message + "\n")
+    stream.flush()

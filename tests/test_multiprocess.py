@@ -25,6 +25,9 @@ def test_linear_two_workers_learn_the_seed_weights(launcher, env, tmp_path):
     # The seed's output, from rank 0 only.
     lines = [l for l in p.stdout.splitlines() if "Epoch:" in l]
     assert len(lines) == 10 and "Epoch: 10  Step: 10  Loss:" in lines[-1]
+    # Each line reached the launcher whole: no tag on a newline of its own (mpirun's
+    # "[1,0]<stdout>:" after a line's text).
+    assert not any(l.rstrip().endswith("<stdout>:") for l in p.stdout.splitlines()), p.stdout
 
 
 # Under Keras 2 the unconverged case, the stricter one.
