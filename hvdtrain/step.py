@@ -57,8 +57,10 @@ class TrainStep:
         self.task, self.model = task, model
         # The task's own code, as AutoGraph converts it (its Python if/for on tensors work, as
         # they did inside a converted step); the step around it is traced as written.
-        self.preprocess, self.loss = (_converted(task.preprocess), _converted(task.loss))
-        self.metric_fns = {name: _converted(fn) for name, fn in metric_fns.items()}
+        # (check() runs them as written, eagerly, so their own errors are theirs.)
+        self.metric_fns = metric_fns
+        self.preprocess, self._loss = (_converted(task.preprocess), _converted(task.loss))
+        self._metrics = {name: _converted(fn) for name, fn in metric_fns.items()}
         self.accumulate = accumulate  # micro-batches per update (--accumulate-steps)
         self.x, self.y = data.x_train, data.y_train  # or a tf.data pipeline: see batches()
         self.sample = None  # (x, y): a pipeline's first batch, for check()
@@ -144,7 +146,7 @@ class TrainStep:
         # Traced as written, without AutoGraph: every loop and branch here is TensorFlow's own
         # (tf.while_loop), and AutoGraph's conversion of this code, Horovod's and the optimizer
         # wrapper's took 2-3 s of each process's first call. The task's code is converted
-        # (self.preprocess, self.loss, self.metric_fns).
+        # (self.preprocess, self._loss, self._metrics).
         self._run = tf.function(run, autograph=False)
 
     def run(self, batches, n: int, stop: bool):
@@ -155,15 +157,19 @@ class TrainStep:
         stop, diverged = flags.numpy() > 0
         return int(done), bool(stop), bool(diverged)
 
-    def scores(self, y, pred):
+    def scores(self, y, pred, eager=False):
         """Per-example loss, and the sums [loss, count, metric...] over this batch; both
-        from the predictions in float32 (a mixed-precision model's are float16/bfloat16)."""
+        from the predictions in float32 (a mixed-precision model's are float16/bfloat16).
+        In a compiled step the task's functions as AutoGraph converts them; ``eager``: as
+        written."""
         import tensorflow as tf
 
+        loss, metrics = ((self.task.loss, self.metric_fns) if eager
+                         else (self._loss, self._metrics))
         pred = to_float32(pred)
-        per_example = self.loss(y, pred)
+        per_example = loss(y, pred)
         parts = [per_example, tf.ones_like(per_example)]
-        parts += [tf.cast(fn(y, pred), per_example.dtype) for fn in self.metric_fns.values()]
+        parts += [tf.cast(fn(y, pred), per_example.dtype) for fn in metrics.values()]
         return per_example, tf.stack([tf.reduce_sum(tf.cast(p, tf.float64)) for p in parts])
 
     def check(self) -> None:
@@ -178,7 +184,8 @@ class TrainStep:
         check_loss_shape(self.task, self.task.loss(y, pred), n)
         for name, fn in self.metric_fns.items():
             check_metric_shape(self.task, name, tf.convert_to_tensor(fn(y, pred)), n)
-        self.scores(y, pred)  # the sums' casts: a metric of a type they cannot take fails here
+        # The sums' casts: a metric of a type they cannot take fails here.
+        self.scores(y, pred, eager=True)
 
     def batches(self, plan: np.ndarray):
         """An iterator over the steps' inputs for ``plan`` (rows of example indices),

@@ -2,6 +2,7 @@
 what is wrong (the user's file and line for an error in their code), the documented exit
 status, and nothing written where nothing should be. Never exit 0 with a wrong result."""
 import os
+import sys
 import textwrap
 
 import pytest
@@ -131,13 +132,38 @@ def one_line(p, status, fragments):
     return lines[0]
 
 
+def cli_in_this_process(tmp_path, text, argv, capfd, monkeypatch):
+    """``python -m hvdtrain ARGV`` with usertask.py = ``text``, run by the command's own
+    ``main`` in this process (TensorFlow is imported once, not once per case): its exit status
+    and what it wrote to stdout and stderr, as a CompletedProcess. The command as a process is
+    tested by the tests below that run it (the good task, the traceback, two ranks)."""
+    import subprocess
+    from conftest import _quiet
+    from hvdtrain.__main__ import main
+
+    folder = tmp_path / "code"
+    folder.mkdir(exist_ok=True)
+    (folder / "usertask.py").write_text(text)
+    monkeypatch.syspath_prepend(str(folder))
+    sys.modules.pop("usertask", None)
+    capfd.readouterr()
+    try:
+        status = main(argv)
+    except SystemExit as e:
+        status = e.code
+    finally:
+        sys.modules.pop("usertask", None)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, status, out, _quiet(err))
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_task_mistake_is_one_line(case, tmp_path):
+def test_task_mistake_is_one_line(case, tmp_path, capfd, monkeypatch):
     change, flags, status, fragments = CASES[case]
-    env = task_env(tmp_path, GOOD + change)
     run_dir = tmp_path / "run"
-    p = run(["python", "-m", "hvdtrain", "run", "usertask:T", "--run-dir", str(run_dir),
-             *flags], env, timeout=120)
+    p = cli_in_this_process(tmp_path, GOOD + change,
+                            ["run", "usertask:T", "--run-dir", str(run_dir), *flags],
+                            capfd, monkeypatch)
     one_line(p, status, fragments)
     assert not run_dir.exists()  # nothing written before the check
 
