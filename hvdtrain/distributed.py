@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from hvdtrain import timings
 from hvdtrain.errors import LaunchError, RankError, error_line, first_line  # noqa: F401 (public)
 
 # Variables launchers set in every process they start: mpirun (Open MPI, MPICH/Hydra,
@@ -493,6 +494,11 @@ def init(backend: str = "auto", num_workers: Optional[int] = None,
     num_workers: the configured count; compared with the launcher's and warned about.
     elastic: the run needs Horovod's elastic driver (no fallback to one process).
     """
+    with timings.phase("horovod_init"):  # its first import of Horovod's module: imports
+        return _init(backend, num_workers, notice, elastic)
+
+
+def _init(backend, num_workers, notice, elastic) -> World:
     launched = launcher_size()
     if backend == "single":
         if launched > 1:
