@@ -2,13 +2,14 @@
 negative, adding up to ``wall``, ``other`` small, ``wall`` within the process's real elapsed
 time as measured here from outside; the ``verbose 2`` line. No assertion is on a speed.
 """
+import sys
 import textwrap
 import time
 
 import pytest
 
 import usercode
-from conftest import HOROVODRUN, launch, module_cmd, result, run
+from conftest import HOROVODRUN, clean_env, launch, module_cmd, result, run
 from hvdtrain import timings
 
 # A fit script with validation (evaluation) and mid-epoch checkpoints: 256 examples, 2 epochs.
@@ -119,3 +120,22 @@ def test_launchers_are_recognised():
     assert not timings.is_launcher(["/venv/bin/python", "-m", "pytest"])
     mine, start, since = timings.launch_start()
     assert start <= mine <= timings._now() and since in ("process", "launcher")
+
+
+# --- the cuts (docs/PERFORMANCE.md, "Where a short run's time goes") -------------------------
+
+def test_exit_now_ends_as_python_would(tmp_path):
+    """The command line's exit without the interpreter's teardown: the status, a non-daemon
+    thread finished, the atexit handlers run, buffered output flushed."""
+    script = textwrap.dedent("""
+        import atexit, sys, threading
+        from hvdtrain.cli import exit_now
+        atexit.register(lambda: print("atexit ran"))
+        threading.Thread(target=lambda: print("thread ran")).start()
+        print("buffered", end=" ")
+        sys.stderr.write("unflushed")
+        exit_now(3)
+    """)
+    p = run([sys.executable, "-c", script], clean_env(tmp_path / "home", PYTHONUNBUFFERED=""))
+    assert p.returncode == 3 and p.stderr == "unflushed", p.stderr
+    assert sorted(p.stdout.split()) == ["atexit", "buffered", "ran", "ran", "thread"], p.stdout
