@@ -163,6 +163,13 @@ class HorovodWorld(World):
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "?"
 
+    @property
+    def alone(self) -> bool:
+        """One rank that stays one (not elastic): each collective is the identity, and the
+        host ones below skip Horovod (TensorFlow ops and a background-thread round each: 0.2 s
+        of a one-process run's agreement on 2 cores, docs/PERFORMANCE.md)."""
+        return self.size == 1 and not self.elastic
+
     def run_elastic(self, variables, body, **progress):
         """Run ``body(state)`` under Horovod's elastic driver; ``state`` is the Progress.
 
@@ -211,7 +218,7 @@ class HorovodWorld(World):
         """
         import tensorflow as tf
 
-        if self.size == 1 and not self.elastic:
+        if self.alone:
             return list(grads)  # nothing to average; skip the background thread's cycle
         hvd = self.hvd
         op, compression = _reduction(op, compression, gradient_predivide_factor, hvd)
@@ -239,16 +246,19 @@ class HorovodWorld(World):
         # variables wrap the tf.Variables Horovod broadcasts.
         from hvdtrain.compat import tf_variables
 
-        self.hvd.broadcast_variables(tf_variables(variables), root_rank=0)
+        if not self.alone:
+            self.hvd.broadcast_variables(tf_variables(variables), root_rank=0)
 
     def allreduce_sum(self, values: Sequence[float]) -> np.ndarray:
         import tensorflow as tf
 
+        if self.alone:
+            return World.allreduce_sum(self, values)
         tensor = tf.constant(np.asarray(values, dtype=np.float64))
         return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.sum").numpy()
 
     def sum_in_graph(self, tensor):
-        if self.size == 1 and not self.elastic:
+        if self.alone:
             # A one-rank sum is the tensor: skip the round trip through Horovod's background
             # thread, which waits up to a cycle (HOROVOD_CYCLE_TIME).
             return tensor
@@ -265,10 +275,10 @@ class HorovodWorld(World):
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)
 
     def broadcast_object(self, obj):
-        return self.hvd.broadcast_object(obj, root_rank=0)
+        return obj if self.alone else self.hvd.broadcast_object(obj, root_rank=0)
 
     def allgather_object(self, obj) -> list:
-        return self.hvd.allgather_object(obj)
+        return [obj] if self.alone else self.hvd.allgather_object(obj)
 
     def barrier(self) -> None:
         # An allreduce returns only once every rank has entered it.

@@ -10,7 +10,7 @@ import pytest
 
 import usercode
 from conftest import HOROVODRUN, clean_env, launch, module_cmd, result, run
-from hvdtrain import timings
+from hvdtrain import distributed, timings
 
 # A fit script with validation (evaluation) and mid-epoch checkpoints: 256 examples, 2 epochs.
 FIT = textwrap.dedent("""
@@ -123,6 +123,25 @@ def test_launchers_are_recognised():
 
 
 # --- the cuts (docs/PERFORMANCE.md, "Where a short run's time goes") -------------------------
+
+@pytest.mark.quick
+def test_one_rank_skips_horovods_host_collectives():
+    """A Horovod world of one rank (not elastic) answers its host collectives itself."""
+    class Refuses:  # any call into Horovod fails the test
+        def __getattr__(self, name):
+            raise AssertionError(f"hvd.{name} called with one rank")
+
+    world = distributed.World()
+    world.__class__ = distributed.HorovodWorld
+    world.hvd, world.elastic = Refuses(), False
+    assert world.alone and world.broadcast_object({"a": 1}) == {"a": 1}
+    assert world.allgather_object(3) == [3] and world.agree(lambda: 5) == 5
+    assert list(world.allreduce_sum([1.0, 2.0])) == [1.0, 2.0]
+    world.broadcast_variables([])
+    world.barrier()
+    world.elastic = True
+    assert not world.alone
+
 
 def test_exit_now_ends_as_python_would(tmp_path):
     """The command line's exit without the interpreter's teardown: the status, a non-daemon
