@@ -125,6 +125,21 @@ def test_launchers_are_recognised():
 # --- the cuts (docs/PERFORMANCE.md, "Where a short run's time goes") -------------------------
 
 @pytest.mark.quick
+def test_horovodrun_transports_on_one_host_leave_libfabric_out():
+    """horovodrun --mpi's "-mca btl ^openib" reaches each rank as OMPI_MCA_btl: on one host
+    the ofi transport is left out too; across hosts, or a user's own value, is left alone."""
+    def chosen(**environ):
+        return distributed._horovod_defaults(environ).get("OMPI_MCA_btl")
+
+    one_host = dict(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_SIZE="2")
+    assert chosen(OMPI_MCA_btl="^openib", **one_host) == "^openib,ofi"
+    assert chosen(OMPI_MCA_btl="^openib", OMPI_COMM_WORLD_SIZE="4",
+                  OMPI_COMM_WORLD_LOCAL_SIZE="2") is None
+    assert chosen(OMPI_MCA_btl="self,vader,ofi", **one_host) is None
+    assert chosen(**one_host) is None
+
+
+@pytest.mark.quick
 def test_one_rank_skips_horovods_host_collectives():
     """A Horovod world of one rank (not elastic) answers its host collectives itself."""
     class Refuses:  # any call into Horovod fails the test
