@@ -64,6 +64,11 @@ LAUNCHERS = ("horovodrun", "mpirun", "mpiexec", "mpiexec.hydra", "orterun", "prt
              "orted", "prted", "hydra_pmi_proxy")
 GENERATIONS = 6  # horovodrun --gloo: rank, sh -c, its spawned helper, horovodrun
 IMPORTED = ("tensorflow", "keras", "tf_keras", "horovod.tensorflow")
+# What those imports import and a run never uses: Keras 3 imports matplotlib's pyplot (and
+# patches) for keras.visualization when matplotlib is installed (the bench's plots install
+# it): 0.4 s of each process's 3.4 s import here. Imported inside them, these modules load on
+# their first use instead (importlib.util.LazyLoader): the same modules, later or never.
+DEFERRED = ("matplotlib.pyplot", "matplotlib.patches")
 
 
 def _now() -> float:
@@ -177,20 +182,28 @@ class _TimedLoader(importlib.abc.Loader):
     def create_module(self, spec):
         return self.real.create_module(spec)
 
+    inside = 0  # how many of IMPORTED are executing now (DEFERRED is deferred inside them)
+
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.real  # as if never wrapped
-        with phase("imports"):
-            self.real.exec_module(module)
+        _TimedLoader.inside += 1
+        try:
+            with phase("imports"):
+                self.real.exec_module(module)
+        finally:
+            _TimedLoader.inside -= 1
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     """Wraps the loader of each of IMPORTED that the other finders find, to time its
-    execution (once: an imported module is not looked for again)."""
+    execution (once: an imported module is not looked for again); and of each of DEFERRED
+    imported while they execute, to load it on first use."""
 
     busy = False
 
     def find_spec(self, name, path=None, target=None):
-        if name not in IMPORTED or self.busy or name in sys.modules:
+        deferred = name in DEFERRED and _TimedLoader.inside > 0
+        if not (name in IMPORTED or deferred) or self.busy or name in sys.modules:
             return None
         self.busy = True  # importlib.util.find_spec asks this finder again
         try:
@@ -198,7 +211,8 @@ class _Finder(importlib.abc.MetaPathFinder):
         finally:
             self.busy = False
         if spec is not None and spec.loader is not None:
-            spec.loader = _TimedLoader(spec.loader)
+            spec.loader = (importlib.util.LazyLoader(spec.loader) if deferred else
+                           _TimedLoader(spec.loader))
         return spec
 
 
@@ -207,7 +221,7 @@ phase, enter, leave, report = CLOCK.phase, CLOCK.enter, CLOCK.leave, CLOCK.repor
 
 
 def install() -> None:
-    """Time the first imports of IMPORTED (once per process)."""
+    """Time the first imports of IMPORTED, defer DEFERRED inside them (once per process)."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 

@@ -173,3 +173,23 @@ def test_exit_now_ends_as_python_would(tmp_path):
     p = run([sys.executable, "-c", script], clean_env(tmp_path / "home", PYTHONUNBUFFERED=""))
     assert p.returncode == 3 and p.stderr == "unflushed", p.stderr
     assert sorted(p.stdout.split()) == ["atexit", "buffered", "ran", "ran", "thread"], p.stdout
+
+
+def test_keras_import_defers_matplotlib_until_used(tmp_path):
+    """Keras 3 imports matplotlib's pyplot at start-up when matplotlib is installed; under
+    hvdtrain it loads at its first use, and works then."""
+    pytest.importorskip("matplotlib")
+    script = textwrap.dedent("""
+        import sys
+        import hvdtrain
+        from hvdtrain.compat import keras
+        keras()
+        print(type(sys.modules.get("matplotlib.pyplot")).__name__)
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        print(type(plt.figure()).__name__)
+    """)
+    p = run([sys.executable, "-c", script], clean_env(tmp_path / "home"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["_LazyModule", "Figure"], p.stdout
