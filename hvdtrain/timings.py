@@ -21,7 +21,8 @@ and rank 0's ``horovod_init`` and ``agreement`` include its waits for slower ran
 Where /proc is missing (not Linux), the wall starts at hvdtrain's first code.
 
 The first imports of TensorFlow, Keras and Horovod's TensorFlow module are counted as
-``imports`` wherever they happen (a finder on ``sys.meta_path`` times their execution).
+``imports`` wherever they happen (a finder on ``sys.meta_path`` times their execution), and
+the same finder defers what they import that a run never uses (``DEFERRED``).
 """
 from __future__ import annotations
 
