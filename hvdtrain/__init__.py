@@ -10,21 +10,26 @@ same code runs on Keras 2 (tf_keras). Public API: ``Task``, ``train``, ``Config`
 (``hvdtrain.layers``), ``hvdtrain.cli.run``, and the
 Keras ``fit`` path in ``hvdtrain.keras`` (see README, "Your own model").
 """
-import os as _os
+# hvdtrain's first code: the clock of result.json's timings starts here (hvdtrain/timings.py).
+from hvdtrain import timings as _timings
 
-# TensorFlow's C++ INFO/WARNING start-up lines drown the training output; errors stay.
-_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# ... and its start-up lines on a machine without a GPU, which that level does not reach
-# (hvdtrain/tflogs.py; HVDTRAIN_TF_LOGS=1 shows them).
-from hvdtrain import tflogs as _tflogs  # noqa: E402
+with _timings.phase("imports"):
+    import os as _os
 
-_tflogs.install()
+    # TensorFlow's C++ INFO/WARNING start-up lines drown the training output; errors stay.
+    _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # ... and its start-up lines on a machine without a GPU, which that level does not reach
+    # (hvdtrain/tflogs.py; HVDTRAIN_TF_LOGS=1 shows them).
+    from hvdtrain import tflogs as _tflogs
 
-from hvdtrain._version import __version__  # noqa: E402
-from hvdtrain.config import Config, ConfigError, setting  # noqa: E402
-from hvdtrain.optimizer import DistributedOptimizer  # noqa: E402
-from hvdtrain.task import Task, TaskError, load_task  # noqa: E402
-from hvdtrain.train import train  # noqa: E402
+    _tflogs.install()
+    _timings.install()  # after tflogs: the first import of TensorFlow is timed, quiet or not
+
+    from hvdtrain._version import __version__
+    from hvdtrain.config import Config, ConfigError, setting
+    from hvdtrain.optimizer import DistributedOptimizer
+    from hvdtrain.task import Task, TaskError, load_task
+    from hvdtrain.train import train
 
 
 def preset(task: str, **overrides) -> Config:

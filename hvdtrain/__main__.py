@@ -48,4 +48,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from hvdtrain.cli import exit_now
+
+    exit_now(main())  # without the interpreter's teardown

@@ -9,8 +9,13 @@ rank, the launcher, Keras, a task that breaks the Task interface's rules); 2 a b
 line or setting; 75 preempted by SIGTERM after saving a checkpoint (run the same command
 again to resume). Nothing is written before the settings are validated. Each status is an
 error class's (``hvdtrain.errors``).
+
+``python -m hvdtrain...`` ends with ``exit_now``: Python's exit without its teardown.
 """
+import atexit
+import os
 import sys
+import threading
 
 from hvdtrain import distributed
 from hvdtrain.config import parse_args
@@ -26,6 +31,29 @@ def report(prog: str, e: Error) -> int:
         sys.stderr.write(f"{prog}: {label}{e}\n")
         sys.stderr.flush()
     return e.status
+
+
+def exit_now(status: int) -> None:
+    """End this process with ``status``: what Python does at exit for any program (wait for
+    its non-daemon threads, run the atexit handlers, Horovod's shutdown among them, flush
+    stdout and stderr), but not the interpreter's teardown of every module after it.
+
+    hvdtrain's own command line owns its process, and when ``run`` returns, everything the
+    run writes is written and closed. Tearing down TensorFlow's and Keras' thousands of
+    modules took 1.4-2.1 s of each process's exit on 2 cores: as long as the README's first
+    command trains (docs/PERFORMANCE.md, "Where a short run's time goes").
+    """
+    shutdown = getattr(threading, "_shutdown", None)  # what Python's own exit calls first
+    if shutdown is None:  # not CPython: its ordinary exit
+        raise SystemExit(status)
+    shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def run(task, argv=None, prog=None) -> int:

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from hvdtrain import timings
 from hvdtrain.errors import LaunchError, RankError, error_line, first_line  # noqa: F401 (public)
 
 # Variables launchers set in every process they start: mpirun (Open MPI, MPICH/Hydra,
@@ -162,6 +163,13 @@ class HorovodWorld(World):
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "?"
 
+    @property
+    def alone(self) -> bool:
+        """One rank that stays one (not elastic): each collective is the identity, and the
+        host ones below skip Horovod (TensorFlow ops and a background-thread round each: 0.2 s
+        of a one-process run's agreement on 2 cores, docs/PERFORMANCE.md)."""
+        return self.size == 1 and not self.elastic
+
     def run_elastic(self, variables, body, **progress):
         """Run ``body(state)`` under Horovod's elastic driver; ``state`` is the Progress.
 
@@ -210,7 +218,7 @@ class HorovodWorld(World):
         """
         import tensorflow as tf
 
-        if self.size == 1 and not self.elastic:
+        if self.alone:
             return list(grads)  # nothing to average; skip the background thread's cycle
         hvd = self.hvd
         op, compression = _reduction(op, compression, gradient_predivide_factor, hvd)
@@ -238,16 +246,19 @@ class HorovodWorld(World):
         # variables wrap the tf.Variables Horovod broadcasts.
         from hvdtrain.compat import tf_variables
 
-        self.hvd.broadcast_variables(tf_variables(variables), root_rank=0)
+        if not self.alone:
+            broadcast_variables(self.hvd, tf_variables(variables))
 
     def allreduce_sum(self, values: Sequence[float]) -> np.ndarray:
         import tensorflow as tf
 
+        if self.alone:
+            return World.allreduce_sum(self, values)
         tensor = tf.constant(np.asarray(values, dtype=np.float64))
         return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.sum").numpy()
 
     def sum_in_graph(self, tensor):
-        if self.size == 1 and not self.elastic:
+        if self.alone:
             # A one-rank sum is the tensor: skip the round trip through Horovod's background
             # thread, which waits up to a cycle (HOROVOD_CYCLE_TIME).
             return tensor
@@ -264,10 +275,10 @@ class HorovodWorld(World):
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)
 
     def broadcast_object(self, obj):
-        return self.hvd.broadcast_object(obj, root_rank=0)
+        return obj if self.alone else self.hvd.broadcast_object(obj, root_rank=0)
 
     def allgather_object(self, obj) -> list:
-        return self.hvd.allgather_object(obj)
+        return [obj] if self.alone else self.hvd.allgather_object(obj)
 
     def barrier(self) -> None:
         # An allreduce returns only once every rank has entered it.
@@ -342,7 +353,7 @@ def _elastic_state(hvd, variables, progress):
             super().restore()
 
         def sync(self):
-            hvd.broadcast_variables(self.variables, root_rank=0)
+            broadcast_variables(hvd, self.variables)
             self._save_variables()
             super().sync()
 
@@ -350,6 +361,20 @@ def _elastic_state(hvd, variables, progress):
             self._saved = [v.numpy() for v in self.variables]
 
     return VariablesState()
+
+
+def broadcast_variables(hvd, variables) -> None:
+    """Rank 0's values into ``variables`` on every rank: Horovod's ``broadcast_variables``
+    (one broadcast per variable, in one traced function), traced without AutoGraph. Horovod's
+    own traces a new tf.function with AutoGraph at every call, converting its own code: 0.38 s
+    of the README's first command's agreement on a quiet machine, for 5 variables."""
+    import tensorflow as tf
+
+    def group(variables):
+        for variable in variables:
+            variable.assign(hvd.broadcast(variable, root_rank=0))
+
+    tf.function(group, autograph=False)(list(variables))
 
 
 OPS = ("average", "sum", "adasum")
@@ -438,9 +463,11 @@ def _configure_devices(local_rank: int, local_size: int) -> None:
 
 
 # Horovod and Open MPI settings hvdtrain chooses when the user has not (measured on 2 cores,
-# 2 ranks, in docs/PERFORMANCE.md). Both are read once, at hvd.init().
+# 2 ranks, in docs/PERFORMANCE.md). All are read once, at hvd.init().
 HOROVOD_CYCLE_TIME_MS = "0.1"  # Horovod's default, 1 ms, is waited up to once per step
 STALL_SHUTDOWN_SECONDS = "600"  # Horovod's default, 0, waits forever on a stalled rank
+HOROVODRUN_BTL = "^openib"  # the transports horovodrun --mpi gives Open MPI (-mca btl)
+ONE_HOST_BTL = "^openib,ofi"  # ... and on one host, without libfabric's (see below)
 
 
 def _horovod_defaults(environ=os.environ) -> dict:
@@ -461,6 +488,11 @@ def _horovod_defaults(environ=os.environ) -> dict:
     inspector sees it. It warns after HOROVOD_STALL_CHECK_TIME_SECONDS (Horovod's 60 s) and,
     by Horovod's default, waits forever; hvdtrain ends such a job after 10 minutes, longer
     than any legitimate gap between two collectives (rank 0's checkpoint write, evaluation).
+    OMPI_MCA_btl: horovodrun --mpi runs mpirun with "-mca btl ^openib", which leaves Open
+    MPI's libfabric transport (the ofi BTL) in; when every rank is on one host, shared memory
+    carries all their traffic and that transport nothing, yet it took 0.5 s of each rank's
+    MPI_Init and 1.0 s of its MPI_Finalize (at Horovod's shutdown) here. So on one host,
+    and only for horovodrun's own value, it is left out too.
     """
     chosen = {}
     if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in environ:
@@ -472,6 +504,9 @@ def _horovod_defaults(environ=os.environ) -> dict:
     if (local.isdigit() and int(local) >= usable_cores()
             and "OMPI_MCA_mpi_yield_when_idle" not in environ):
         chosen["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    if environ.get("OMPI_MCA_btl") == HOROVODRUN_BTL and local and \
+            local == environ.get("OMPI_COMM_WORLD_SIZE"):
+        chosen["OMPI_MCA_btl"] = ONE_HOST_BTL
     environ.update(chosen)
     return chosen
 
@@ -493,6 +528,11 @@ def init(backend: str = "auto", num_workers: Optional[int] = None,
     num_workers: the configured count; compared with the launcher's and warned about.
     elastic: the run needs Horovod's elastic driver (no fallback to one process).
     """
+    with timings.phase("horovod_init"):  # its first import of Horovod's module: imports
+        return _init(backend, num_workers, notice, elastic)
+
+
+def _init(backend, num_workers, notice, elastic) -> World:
     launched = launcher_size()
     if backend == "single":
         if launched > 1:

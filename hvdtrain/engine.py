@@ -37,7 +37,7 @@ from typing import Optional
 
 import numpy as np
 
-from hvdtrain import checkpoint, compat, precision
+from hvdtrain import checkpoint, compat, precision, timings
 from hvdtrain.config import Config, values
 from hvdtrain.distributed import Progress, World
 from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, Preempted, RankError,
@@ -68,7 +68,8 @@ class Run:
         # Elastic runs: nothing before Horovod's driver may be a collective (a worker that
         # joins later runs the setup alone while the others wait inside the driver's sync).
         self.collective = not config.elastic
-        self.out = Reporter(world, config.run_dir, name, config.verbose)
+        with timings.phase("agreement"):  # the default run directory: rank 0's name for it
+            self.out = Reporter(world, config.run_dir, name, config.verbose)
         self.checkpoints = Checkpoints(world, config, self.out.run_dir + "/checkpoints",
                                        self.out.notice)
         self.ckpt_dir = self.checkpoints.directory
@@ -83,6 +84,7 @@ class Run:
         self._said_input_bound = False
 
     # --- the run's frame: watchdog, SIGTERM, errors ---------------------------------------------
+    @timings.timed("agreement")  # the watchdog's handshake
     def __enter__(self) -> "Run":
         # Elastic runs survive a lost worker by design: Horovod's driver, not the watchdog, acts.
         self.dog = Watchdog(self.world, 0 if self.config.elastic else
@@ -113,6 +115,7 @@ class Run:
         return self.agree(call, catch=(TaskError,) + tuple(catch), merge=TaskError)
 
     # --- before training ----------------------------------------------------------------------
+    @timings.timed("agreement")
     def check_run_dir(self) -> None:
         """A file in its place, no permission or a finished run in it: refused before anything
         is loaded (it would fail late, or be overwritten)."""
@@ -122,11 +125,13 @@ class Run:
         if problem:
             raise ConfigError("run_dir", self.out.run_dir, problem)
 
+    @timings.timed("agreement")
     def claim(self) -> None:
         """Everything is checked: rank 0 takes the run directory for this run (a second run
         on it is refused while this one lives)."""
         self.agree(self.out.claim, catch=(RunDirBusy, OSError))
 
+    @timings.timed("checkpoints")
     def restore(self, model, optimizer) -> Progress:
         """Rank 0 loads its newest valid checkpoint into ``model`` and ``optimizer`` (built);
         every rank gets the position to start from. From here on SIGTERM stops the run at a
@@ -144,6 +149,7 @@ class Run:
         self._sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         return Progress(**(fields or dict.fromkeys(PROGRESS_FIELDS)))
 
+    @timings.timed("agreement")
     def broadcast(self) -> None:
         # Horovod: every rank starts from rank 0's state, initial or restored.
         self.world.broadcast_variables(self.state)
@@ -154,6 +160,7 @@ class Run:
         return {"task": self.name, **values(self.config, defines_run=defines_run),
                 "settings": values(self.settings, defines_run=defines_run)}
 
+    @timings.timed("results")
     def start(self, completed_epochs: int) -> None:
         """config.json; metrics.jsonl keeps the epochs a resume starts after."""
         self.out.start({**self.record(), "world_size": self.world.size,
@@ -174,6 +181,7 @@ class Run:
         """All ranks: the model's moving statistics averaged over the ranks (once a step)."""
         self.moving.sync(self.global_step)
 
+    @timings.timed("checkpoints")
     def save(self, progress: Progress, partial_sums) -> None:
         """All ranks (the divergence check is everyone's decision); rank 0 writes the
         state, the position and ``partial_sums``: the epoch's metric sums so far over every
@@ -183,6 +191,7 @@ class Run:
         self.checkpoints.save(progress, partial_sums, self.state, self.global_batch,
                               self.global_step, self.record(), self.last_record)
 
+    @timings.timed("checkpoints")
     def commit(self, progress: Progress, partial_sums) -> None:
         """Elastic: remember this step in memory; may raise Horovod's hosts-updated interrupt."""
         self.sync_state()
@@ -214,6 +223,7 @@ class Run:
         raise Preempted(f"stopped by SIGTERM at step {global_step}; checkpoint saved in "
                         f"{self.ckpt_dir}; run the same command to resume")
 
+    @timings.timed("results")
     def epoch_end(self, record: dict) -> None:
         """All ranks. An epoch's record: metrics.jsonl and TensorBoard (rank 0); kept for
         checkpoints. With a tf.data input, the share of the epoch spent waiting for it."""
@@ -240,11 +250,16 @@ class Run:
         scale = precision.loss_scale(self.optimizer)
         if scale is not None:  # float16: the scale the run ended with (the same on every rank)
             out["loss_scale"] = scale
-        self.sync_state()  # the driver synced before evaluating; a no-op unless it did not
-        out.update(weights_agreement(self.world, model))
+        with timings.phase("results"):
+            self.sync_state()  # the driver synced before evaluating; a no-op unless it did not
+            out.update(weights_agreement(self.world, model))
         if self.config.save_model:
-            out["model"] = self.out.save_model(model)
-        self.out.result(out)
+            with timings.phase("model_save"):
+                out["model"] = self.out.save_model(model)
+        with timings.phase("results"):
+            out["timings"] = timings.report()  # rank 0's goes into the file
+            self.out.result(out)
+        self.out.print(timings.line(out["timings"]), level=2)
         return out
 
 

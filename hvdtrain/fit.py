@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from hvdtrain import compat, pipeline, precision
+from hvdtrain import compat, pipeline, precision, timings
 from hvdtrain.config import Config, setting
 from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
@@ -220,7 +220,8 @@ class _Fit:
 
     def __init__(self, model, train, validation_data, run: Run, sharded: bool = False):
         self.model, self.train, self.run_, self.world = model, train, run, run.world
-        self.validation_data = check_validation(validation_data, train, run.world, sharded)
+        with timings.phase("data"):
+            self.validation_data = check_validation(validation_data, train, run.world, sharded)
         self.out = run.out
         self.epochs = run.config.epochs
         # Keras' steps are micro-batches: backward_passes_per_step of them make an update,
@@ -233,9 +234,23 @@ class _Fit:
         if isinstance(train, pipeline.Batches):
             run.pipeline = train  # the engine records its input wait per epoch
         self.calls = _Calls(model)
+        self.first_call = 0  # the depth of the open first_call phase (timings), 0: none
+        self.evaluating = 0  # the same for evaluation
 
     # --- before model.fit: build, restore, broadcast ------------------------------------------
     def _prepare(self) -> Progress:
+        run = self.run_
+        self._build()
+        run.claim()
+        progress = run.restore(self.model, self.model.optimizer)
+        run.broadcast()
+        if progress.epoch is None:
+            progress.epoch, progress.offset = 0, 0
+        return progress
+
+    @timings.timed("model")
+    def _build(self) -> None:
+        """The model built on the first batch, checked; the optimizer's slots created."""
         model, run = self.model, self.run_
         if compat.is_keras3() and model.jit_compile:
             self.out.notice("hvdtrain: jit_compile turned off: Horovod's ops have no XLA kernels")
@@ -248,16 +263,10 @@ class _Fit:
         compat.check_model(model, "hk.fit", "was given")
         # Create the optimizer's slots now, so that one broadcast covers the whole state.
         model.optimizer.build(model.trainable_variables)
-        run.claim()
-        progress = run.restore(model, model.optimizer)
-        run.broadcast()
-        if progress.epoch is None:
-            progress.epoch, progress.offset = 0, 0
-        return progress
 
     # --- model.fit ----------------------------------------------------------------------------
     def fit(self, callbacks, validation_batch_size):
-        keras, world, train, run = compat.keras(), self.world, self.train, self.run_
+        keras, train, run = compat.keras(), self.train, self.run_
         run.check_run_dir()
         progress = self._prepare()
         start = progress.epoch
@@ -272,15 +281,7 @@ class _Fit:
             self.out.notice(f"hvdtrain: the model's optimizer is at step {self.global_step} "
                             "already; training on from there")
         run.start(start)
-        val = val_steps = None
-        if isinstance(self.validation_data, tuple) and len(self.validation_data) == 2 and \
-                pipeline.is_dataset(self.validation_data[0]):
-            # Batched by the user; its counted batches: Keras 3 warns when it runs dry.
-            (val, val_steps), validation_batch_size = self.validation_data, None
-        elif self.validation_data is not None:
-            x, y = self.validation_data
-            part = test_shard(len(x), world.rank, world.size)  # each example on one rank
-            val = (np.asarray(x)[part], np.asarray(y)[part])
+        val, val_steps, validation_batch_size = self._validation_shard(validation_batch_size)
         callback = _callback(keras, self)
         shown = self.out.verbose if self.out.interactive else 0  # rank 0, on a terminal
         histories = []
@@ -290,12 +291,17 @@ class _Fit:
             if e1 <= e0:
                 continue
             self.first_step = skip
-            histories.append(self.model.fit(
-                self.calls.input(train.batches(e0, e1, skip)), epochs=e1, initial_epoch=e0,
-                steps_per_epoch=train.steps - skip, validation_data=val,
-                validation_batch_size=validation_batch_size, validation_steps=val_steps,
-                callbacks=[callback] + callbacks,
-                shuffle=False, verbose=shown))  # the order is the Dataset's
+            with timings.phase("data"):
+                batches = self.calls.input(train.batches(e0, e1, skip))
+            with timings.phase("training"):
+                # Keras' setup and its first compiled call (tracing), until its first batch ends
+                self.first_call = timings.enter("first_call") if not histories else 0
+                histories.append(self.model.fit(
+                    batches, epochs=e1, initial_epoch=e0,
+                    steps_per_epoch=train.steps - skip, validation_data=val,
+                    validation_batch_size=validation_batch_size, validation_steps=val_steps,
+                    callbacks=[callback] + callbacks,
+                    shuffle=False, verbose=shown))  # the order is the Dataset's
         run.finish({"batch_size": train.batch_size, "global_batch_size": run.global_batch,
                     "learning_rate": run.config.learning_rate,
                     **train.info()}, self.model)
@@ -305,6 +311,20 @@ class _Fit:
             for k, v in h.history.items():
                 history.history[k] = v + history.history.get(k, [])
         return history
+
+    @timings.timed("data")
+    def _validation_shard(self, batch_size):
+        """(validation input, its steps or None, its batch size) for model.fit: this rank's
+        part of the arrays (each example on one rank), or the user's batched pipeline."""
+        if self.validation_data is None:
+            return None, None, batch_size
+        if isinstance(self.validation_data, tuple) and len(self.validation_data) == 2 and \
+                pipeline.is_dataset(self.validation_data[0]):
+            # Batched by the user; its counted batches: Keras 3 warns when it runs dry.
+            return (*self.validation_data, None)
+        x, y = self.validation_data
+        part = test_shard(len(x), self.world.rank, self.world.size)
+        return (np.asarray(x)[part], np.asarray(y)[part]), None, batch_size
 
     # --- the callback's work --------------------------------------------------------------------
     def epoch_begin(self, epoch):
@@ -316,6 +336,8 @@ class _Fit:
 
     def batch_end(self, batch, logs):
         world, run = self.world, self.run_
+        timings.leave(self.first_call)  # the first call is over (a no-op after it)
+        self.first_call = 0
         self.calls.end()
         if self.saved_sums is not None:  # first step after a mid-epoch resume: the saved part
             if world.is_chief:  # of the epoch's metric sums (already over all ranks)
@@ -356,12 +378,15 @@ class _Fit:
             run.save(self._position(), self.metrics.summed())
 
     def test_begin(self):
+        self.evaluating = timings.enter("evaluation")
         self.run_.sync_state()  # every rank scores its part with the same statistics
 
     def test_end(self, logs):
         self.val_logs = self.metrics.reduce()
         if logs is not None:
             logs.update(self.val_logs)
+        timings.leave(self.evaluating)
+        self.evaluating = 0
 
     def epoch_end(self, epoch, logs):
         run = self.run_

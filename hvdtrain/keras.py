@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain import distributed, pipeline
+from hvdtrain import distributed, pipeline, timings
 from hvdtrain.data import epoch_plan, steps_per_epoch
 from hvdtrain.engine import Run
 from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
@@ -103,6 +103,7 @@ def files(pattern: str) -> list:
     return pipeline.files(pattern, distributed.current())
 
 
+@timings.timed("data")
 def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True) -> Dataset:
     return Dataset(np.asarray(x), np.asarray(y), batch_size, seed, shuffle, distributed.current())
 
@@ -125,8 +126,16 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
     Raises an ``hvdtrain.errors.Error`` (one line; ``Preempted`` after a SIGTERM: rerun the
     same command to resume).
     """
+    with timings.phase("other"):  # the run: what no named phase inside claims
+        return _fit(model, train, epochs, validation_data, callbacks, validation_batch_size,
+                    steps_per_epoch, sharded, settings)
+
+
+def _fit(model, train, epochs, validation_data, callbacks, validation_batch_size,
+         steps_per_epoch, sharded, settings):
     if is_dataset(train):
-        train = Batches(train, distributed.current(), sharded, steps_per_epoch)
+        with timings.phase("data"):
+            train = Batches(train, distributed.current(), sharded, steps_per_epoch)
         source = "tf.data " + train.policy
     elif steps_per_epoch is not None or sharded:
         raise ConfigError("steps_per_epoch" if steps_per_epoch is not None else "sharded",

@@ -9,7 +9,7 @@ averaged, which equals the one-process gradient, so N workers end with the same 
 from dataclasses import dataclass
 from typing import Tuple
 
-from hvdtrain.cli import run
+from hvdtrain.cli import exit_now, run
 from hvdtrain.config import ConfigError, setting
 from hvdtrain.data import linear_data
 from hvdtrain.task import Task
@@ -79,4 +79,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())  # without the interpreter's teardown (hvdtrain.cli.exit_now)

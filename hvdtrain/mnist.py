@@ -10,7 +10,7 @@ with hvdtrain and says so.
 from dataclasses import dataclass
 from typing import Optional
 
-from hvdtrain.cli import run
+from hvdtrain.cli import exit_now, run
 from hvdtrain.config import ConfigError, setting
 from hvdtrain.data import DATASETS, load_mnist_format
 from hvdtrain.task import Task
@@ -97,4 +97,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())  # without the interpreter's teardown (hvdtrain.cli.exit_now)

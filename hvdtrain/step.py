@@ -64,6 +64,7 @@ class TrainStep:
         self.accumulate = accumulate  # micro-batches per update (--accumulate-steps)
         self.x, self.y = data.x_train, data.y_train  # or a tf.data pipeline: see batches()
         self.sample = None  # (x, y): a pipeline's first batch, for check()
+        self.first = True  # no call yet: the next one traces
         self.streamed = not (in_memory(self.x) and in_memory(self.y))
         variables = model.trainable_variables
         dtype = variables[0].dtype if variables else tf.float32
@@ -155,6 +156,7 @@ class TrainStep:
 
         done, flags = self._run(batches, tf.constant(n, tf.int32), tf.constant(float(stop)))
         stop, diverged = flags.numpy() > 0
+        self.first = False
         return int(done), bool(stop), bool(diverged)
 
     def scores(self, y, pred, eager=False):

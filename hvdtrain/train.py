@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from hvdtrain import compat, distributed, pipeline, precision, preflight
+from hvdtrain import compat, distributed, pipeline, precision, preflight, timings
 from hvdtrain.config import Config
 from hvdtrain.data import DataError, epoch_plan, steps_per_epoch, test_shard
 from hvdtrain.engine import PROGRESS_FIELDS, Run
@@ -37,13 +37,14 @@ def train(task: Task, config: Optional[Config] = None,
     Rank 0 prints and writes the run directory. Raises an ``hvdtrain.errors.Error``: one
     line, with its exit status (``Preempted`` after a SIGTERM: rerun to resume).
     """
-    compat.keras()  # fail early, with one line, if the Keras in use cannot train here
-    check_task(task)
-    config = (config or task.config()).validate()
-    world = world or distributed.init(config.backend, config.num_workers,
-                                      elastic=config.elastic)
-    with Run(world, config, task.name, task.settings) as run:
-        return _TaskRun(task, run).run()
+    with timings.phase("other"):  # the run: what no named phase inside claims
+        compat.keras()  # fail early, with one line, if the Keras in use cannot train here
+        check_task(task)
+        config = (config or task.config()).validate()
+        world = world or distributed.init(config.backend, config.num_workers,
+                                          elastic=config.elastic)
+        with Run(world, config, task.name, task.settings) as run:
+            return _TaskRun(task, run).run()
 
 
 def _op_error_line(message: str) -> str:
@@ -69,20 +70,41 @@ class _TaskRun:
     # --- setup ------------------------------------------------------------------------------
     def run(self) -> dict:
         """Build everything, then train: statically, or under Horovod's elastic driver."""
-        import tensorflow as tf
-
-        task, config, world, run = self.task, self.task_config, self.world, self.run_
-        keras, name = compat.keras(), type(task).__name__
+        run = self.run_
         run.check_run_dir()
+        self._load()
+        self._build()
+        run.claim()
+        progress = run.restore(self.model, self.optimizer)
+        if self.config.elastic:
+            # Horovod: the driver broadcasts rank 0's variables and progress at every
+            # (re)start, restores the last commit after a failure, and re-runs _train.
+            return self.world.run_elastic(run.state, self._train,
+                                          **{k: getattr(progress, k) for k in PROGRESS_FIELDS})
+        self._preflight()  # before the broadcast, which mismatched shapes would break
+        run.broadcast()
+        return self._train(progress)
+
+    @timings.timed("data")
+    def _load(self) -> None:
+        """The task's data, checked, sharded and counted."""
+        task, config, world, run = self.task, self.task_config, self.world, self.run_
         # The task's own code, checked where it is called: an error in it (or a broken rule
         # of the interface) stops every rank with one line, before anything is written.
-        self.data = run.user(f"{name}.load_data", task.load_data, config, world,
+        self.data = run.user(f"{type(task).__name__}.load_data", task.load_data, config, world,
                              catch=(DataError, OSError))
         check_data(task, self.data)
         self.pipe = self._pipeline() if pipeline.is_dataset(self.data.x_train) else None
         run.pipeline = self.pipe  # the engine records its input wait per epoch
         self._shape()
 
+    @timings.timed("model")
+    def _build(self) -> None:
+        """The model, the distributed optimizer with its slots, the metrics and the step."""
+        import tensorflow as tf
+
+        task, config, world, run = self.task, self.task_config, self.world, self.run_
+        keras, name = compat.keras(), type(task).__name__
         keras.utils.set_random_seed(config.seed)  # rank 0's init wins anyway (broadcast below)
         with precision.policy(config.mixed_precision):  # the layers keep it, the process not
             self.model = run.user(f"{name}.build_model", task.build_model, config)
@@ -102,17 +124,6 @@ class _TaskRun:
             self.step.sample = self.pipe.first  # what the checks below run on
         # The loss and metrics' shapes on two examples, before anything is written.
         run.user(f"{name}'s loss, metrics or preprocess", self.step.check)
-
-        run.claim()
-        progress = run.restore(self.model, self.optimizer)
-        if self.config.elastic:
-            # Horovod: the driver broadcasts rank 0's variables and progress at every
-            # (re)start, restores the last commit after a failure, and re-runs _train.
-            return world.run_elastic(run.state, self._train,
-                                     **{k: getattr(progress, k) for k in PROGRESS_FIELDS})
-        self._preflight()  # before the broadcast, which mismatched shapes would break
-        run.broadcast()
-        return self._train(progress)
 
     def _pipeline(self) -> pipeline.Batches:
         """load_data's tf.data pipeline of examples, batched, sharded and counted."""
@@ -159,6 +170,7 @@ class _TaskRun:
                               f"{size} workers needs more than the {n} training examples")
         self.run_.global_batch = self.update_batch * size
 
+    @timings.timed("agreement")
     def _preflight(self) -> None:
         """All ranks must agree on versions, settings, variables and step counts before the
         first step, or they would hang or train wrong."""
@@ -191,8 +203,9 @@ class _TaskRun:
             source = f" from {progress.path}" if progress.path else ""
             self.out.notice(f"hvdtrain: resumed{source} at epoch {progress.epoch + 1}, step {step}")
         epochs = _Epochs(self)
-        while progress.epoch < config.epochs:
-            epochs.train(progress)
+        with timings.phase("training"):
+            while progress.epoch < config.epochs:
+                epochs.train(progress)
         return self._finish()
 
     # --- after the loop -------------------------------------------------------------------------
@@ -202,10 +215,11 @@ class _TaskRun:
                     {"train_examples": len(data.x_train)})
         result = {"batch_size": self.batch, "global_batch_size": self.update_batch * world.size,
                   "learning_rate": self.lr, **examples, **data.info}
-        if data.x_test is not None:
-            self.run_.sync_state()  # every rank scores its part with the same statistics
-            result.update(self._evaluate())
-        result.update(self.task.summarize(self.model))
+        with timings.phase("evaluation"):
+            if data.x_test is not None:
+                self.run_.sync_state()  # every rank scores its part with the same statistics
+                result.update(self._evaluate())
+            result.update(self.task.summarize(self.model))
         result = self.run_.finish(result, self.model)
         self.out.print(self.task.format_result(result), level=1)
         return result
@@ -327,7 +341,8 @@ class _Epochs:
         n = self._steps_per_call(base_step + step, self.steps - step)
         started = time.perf_counter()
         try:
-            done, self.stopped, diverged = self.step.run(batches, n, self.run_.stop_requested)
+            with timings.phase("first_call" if self.step.first else "training"):
+                done, self.stopped, diverged = self.step.run(batches, n, self.run_.stop_requested)
         except tf.errors.InvalidArgumentError as e:
             # Bad input on this rank alone (e.g. a label the model has no class for): one
             # line; the watchdog stops the others. Horovod's own errors (a lost peer) are not

@@ -117,10 +117,47 @@ def test_fit_case_report():
            "samples_per_sec": {"hk_k3": 900.0, "hk_k2": 1100.0, "hvd_k2": 1000.0},
            "ratios": {"hk_k3/hvd_k2": 0.9, "hk_k2/hvd_k2": 1.1},
            "variants": {k: v[0] for k, v in cases.FIT_VARIANTS.items()}}
-    text = report.markdown({"machine": "m", "fit": fit}, "cmd")
+    text = report.markdown({"machine": "m", "fit": dict(fit, counts=cases.FIT_COUNTS)}, "cmd")
+    assert cases.FIT_COUNTS in text and "inside the timed epoch" in text
     assert "| hvdtrain.keras fit, Keras 3 | 900 |" in text
     assert "| Horovod's keras wrapper + broadcast callback, Keras 2 | 1,000 |" in text
     assert "| hk_k3/hvd_k2 | 0.9 |" in text
+
+
+def _tta(walls):
+    """A tta result: the four variants' process walls (b, c, d, k), 8 s of training each."""
+    rows = {v: {"label": label, "does": does, "seconds": 5.0, "epochs": 3, "wall": w,
+                "train_seconds": 8.0, "accuracy": {}}
+            for (v, (label, does)), w in zip(cases.TTA_VARIANTS.items(), walls)}
+    return {"target": 0.8, "global_batch": 512, "model": "softmax", "lr": 0.5,
+            "max_epochs": 4, "rows": rows,
+            "wall_ratios": {"c/d": rows["c"]["wall"] / rows["d"]["wall"],
+                            "b/k": rows["b"]["wall"] / rows["k"]["wall"]}}
+
+
+@pytest.mark.quick
+def test_tta_process_wall_rows_and_table():
+    """Issue 28's two process-wall targets, each either side of its threshold; the table
+    puts the wall beside the training seconds and says what each variant's process does."""
+    where = "softmax, 4 epochs and the test set"
+    checks = {c[0]: c for c in report.acceptance({"tta": _tta([12.0, 16.0, 20.0, 12.0])})}
+    assert checks["process wall: hvdtrain 2 processes / MWMS 2 workers"][1:] == (
+        where, 0.8, 0.8, True)
+    assert checks["process wall: hvdtrain 1 process / plain Keras 1 process"][2:] == (
+        1.0, 1.0, True)
+    worse = {c[0]: c[4] for c in report.acceptance({"tta": _tta([12.1, 16.1, 20.0, 12.0])})}
+    assert not worse["process wall: hvdtrain 2 processes / MWMS 2 workers"]
+    assert not worse["process wall: hvdtrain 1 process / plain Keras 1 process"]
+    text = report.markdown({"machine": "m", "tta": _tta([12.0, 16.0, 20.0, 10.0])}, "cmd")
+    assert "| hvdtrain, 2 processes | 5 | 3 | 8 | 16 | 2 |" in text  # wall / training 2
+    assert "| hvdtrain 1 process / plain Keras 1 process | 1.2 | <= 1 |" in text
+    assert "| process wall: hvdtrain 2 processes / MWMS 2 workers |" in text
+    assert "<= 0.8 | yes |" in text and "<= 1 | **no** |" in text
+    assert "- plain Keras, 1 process: model.fit" in text
+    # A results.json from before issue 28 (no walls' ratios) still reports.
+    old = _tta([1.0] * 4)
+    del old["wall_ratios"]
+    assert not [c for c in report.acceptance({"tta": old}) if c[0].startswith("process")]
 
 
 def _keras_speed(hk_k2=90.0, task=300.0, nosync=100.0, share=0.01):
