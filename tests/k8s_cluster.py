@@ -271,9 +271,18 @@ class Pod:
                 if read_only or m.get("readOnly"):
                     lines.append(f"mount -o remount,bind,ro {q(m['mountPath'])}")
             mounted.add(m["mountPath"])
-        for private in ("/run", "/dev/shm", "/tmp"):  # last: the sources above are in /tmp
-            if private not in mounted:
-                lines.append(f"mount -t tmpfs -o mode=1777 tmpfs {private}")
+        # The checkout and its venv stay at their own paths too (the symlinks above, the
+        # venv's scripts and its editable install name them): kept aside while /tmp and the
+        # others are made private, then put back, so a checkout under /tmp (a CI clone) works.
+        privates = [p for p in ("/run", "/dev/shm", "/tmp") if p not in mounted]
+        keep = sorted({os.path.realpath(p) for p in (ROOT, self.venv)
+                       if any(os.path.realpath(p).startswith(v + "/") for v in privates)})
+        for i, path in enumerate(keep):
+            lines += [f"mkdir -p /opt/.keep{i}", f"mount --bind {q(path)} /opt/.keep{i}"]
+        for private in privates:  # last: the sources above are in /tmp
+            lines.append(f"mount -t tmpfs -o mode=1777 tmpfs {private}")
+        for i, path in enumerate(keep):
+            lines += [f"mkdir -p {q(path)}", f"mount --bind /opt/.keep{i} {q(path)}"]
         env = dict(self.image.env, HOSTNAME=self.spec["hostname"], HOME="/root")
         for e in c.get("env", []):
             env[e["name"]] = e.get("value", "")

@@ -5,7 +5,6 @@ import pytest
 from conftest import keras_flavour, module_cmd, result, run
 
 
-@pytest.mark.keras2
 def test_linear_falls_back_to_one_process(no_horovod, tmp_path):
     p = run(module_cmd("linear", "--run-dir", str(tmp_path / "r")), no_horovod)
     assert p.returncode == 0, p.stderr
@@ -17,7 +16,7 @@ def test_linear_falls_back_to_one_process(no_horovod, tmp_path):
     np.testing.assert_allclose(r["weights"], [0.1, 0.2, 0.3], atol=1e-3)
 
 
-@pytest.mark.keras2
+@pytest.mark.keras2  # Keras 2's fallback: this one (the linear one is Keras 3's only)
 def test_mnist_falls_back_to_one_process(no_horovod, tmp_path):
     p = run(module_cmd("mnist", "--run-dir", str(tmp_path / "r"), "--epochs", "2",
                        "--learning-rate", "0.5", "--no-download"), no_horovod)
