@@ -31,7 +31,7 @@ die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 # has MPI and Gloo (and NCCL for HVDTRAIN_GPU=1), and is the build of today's patches (a
 # changed patch rebuilds). One Python process, quiet: a missing horovod is just "rebuild".
 horovod_ok() {
-    "$venv/bin/python" - "$horovod_version" "$gpu" "$(patch_sums)" <<'PY' >/dev/null 2>&1
+    "$venv/bin/python" - "$horovod_version" "$gpu" "$(all_patch_sums)" <<'PY' >/dev/null 2>&1
 import os, sys
 import horovod
 assert horovod.__version__ == sys.argv[1], horovod.__version__
@@ -65,7 +65,13 @@ if not same:
     os.replace(path + ".tmp", path)
 PY
 }
+# Two kinds of patch (each says why in its header): scripts/patches/*.patch are applied to the
+# sdist before it compiles (they are in the build cache's key); scripts/patches/python/*.patch
+# change Python files only and are applied to the installed package after each install, so a
+# change to one reinstalls the cached build instead of compiling it again.
 patch_sums() { (cd "$root/scripts/patches" && sha1sum horovod-"$horovod_version"-*.patch); }
+python_patch_sums() { (cd "$root/scripts/patches/python" && sha1sum horovod-"$horovod_version"-*.patch | sed 's#  #  python/#'); }
+all_patch_sums() { patch_sums; python_patch_sums; }
 
 # scripts/setup.sh --check-horovod: only that check, against $HVDTRAIN_VENV (tests use it).
 case "${1:-}" in
@@ -79,9 +85,10 @@ esac
 # Open MPI: Horovod's MPI controller and mpirun; build tools: Horovod compiles from source;
 # dataset-fashion-mnist: full Fashion-MNIST with no network; openssh: horovodrun reaches other
 # hosts over ssh (tests/test_multihost.py runs an sshd in a network namespace); patchelf: a GPU
-# build's op library is pointed at the venv's NCCL.
+# build's op library is pointed at the venv's NCCL; patch: scripts/patches/python/ on the
+# installed Horovod.
 apt_packages=(build-essential cmake git openmpi-bin libopenmpi-dev python3-venv python3-dev
-              procps iproute2 ca-certificates shellcheck openssh-client openssh-server patchelf
+              procps iproute2 ca-certificates shellcheck openssh-client openssh-server patchelf patch
               # SLURM 22.05 and munge: tests/test_slurm.py runs scripts/slurm_job.sh on a
               # two-node cluster of its own (the daemons run only while those tests do);
               # srun --mpi=pmix loads libpmix.so from libpmix-dev, which libopenmpi-dev brings
@@ -248,9 +255,15 @@ if ! horovod_ok; then
             mv "$tmp" "$entry" || rm -rf "$tmp"
         fi
     fi
-    # Mark the build as hvdtrain's patched one: the doctor reports which patches it carries.
     hvd_dir=$("$venv/bin/python" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("horovod").origin))')
-    patch_sums >"$hvd_dir/hvdtrain_patches.txt"
+    # The Python patches, on the files just installed (pristine: the wheel has none of them).
+    for p in "$root"/scripts/patches/python/horovod-"$horovod_version"-*.patch; do
+        log "applying ${p#"$root"/}"
+        patch -p1 -d "$(dirname "$hvd_dir")" --forward --batch --quiet -i "$p" \
+            || die "$p does not apply to the installed horovod $horovod_version"
+    done
+    # Mark the build as hvdtrain's patched one: the doctor reports which patches it carries.
+    all_patch_sums >"$hvd_dir/hvdtrain_patches.txt"
     if [[ "$gpu" == 1 ]]; then
         # The op library finds NCCL in the venv's wheel, not in the build directory deleted
         # below (CMake put that in its RUNPATH): no LD_LIBRARY_PATH needed.
