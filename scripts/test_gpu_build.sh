@@ -10,7 +10,8 @@
 #   - horovodrun --check-build lists NCCL, and horovod.tensorflow imports with nccl_built();
 #   - the build record says the compiler came from PyPI, and the doctor reports the build
 #     (CUDA runtime, NCCL, compiler, the cubins read from the library) and "no GPU" in one line;
-#   - horovodrun -np 2 python -m hvdtrain.linear on CPU ranks learns the seed's weights.
+#   - horovodrun -np 2 python -m hvdtrain.linear on CPU ranks learns the seed's weights;
+#   - Horovod's own API (tests/test_horovod_api.py) under Keras 3 and Keras 2, on CPU ranks.
 # Measured: 14 min with a new venv on a loaded 2-core machine (4.5 min of CPU; 4.2 GB of CUDA
 # wheels to fetch), 2.7 min with a ready one.
 set -euo pipefail
@@ -64,4 +65,11 @@ assert r["world_size"] == 2 and r["backend"] == "horovod" and r["ranks_identical
 assert all(abs(w - t) < 1e-3 for w, t in zip(r["weights"], (0.1, 0.2, 0.3))), r["weights"]
 assert abs(r["bias"] - 0.4) < 1e-3, r["bias"]
 PY
+# Horovod's own API on this build (tests/test_horovod_api.py: its tape, optimizer, callbacks,
+# SyncBatchNormalization, elastic state, and Horovod's two TF2 examples), Keras 3 then Keras 2.
+cd "$root"
+python -m pytest -q -p no:cacheprovider tests/test_horovod_api.py ||
+    fail "Horovod's API under Keras 3 (tests/test_horovod_api.py)"
+TF_USE_LEGACY_KERAS=1 python -m pytest -q -p no:cacheprovider -m keras2 tests/test_horovod_api.py ||
+    fail "Horovod's API under Keras 2 (TF_USE_LEGACY_KERAS=1 tests/test_horovod_api.py)"
 echo "== GPU build test passed in $((SECONDS - start)) s"

@@ -478,6 +478,43 @@ def refusals():
 
 
 @probe
+def loss_scaling():
+    """Keras 3, mixed_float16: DistributedOptimizer(LossScaleOptimizer(opt)) trains with the
+    ranks identical, and a non-finite gradient on one rank only makes every rank skip that
+    step; the compile-made order is refused in one line (Keras 2: not probed)."""
+    if keras.__name__.startswith("tf_keras"):
+        return {"keras2": True}
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        try:
+            hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1))
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        x, y = fit_data(20)
+        model = dense_model(92)
+        # (initial_scale 1: no overflow of its own, so the one skip below is rank 1's)
+        opt = hvdk.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1), initial_scale=1.0))
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        steps = int(model.optimizer.iterations.numpy())
+        scale = float(model.optimizer.dynamic_scale.numpy())
+        before = [v.numpy() for v in model.trainable_variables]
+        bad = x.copy()
+        if RANK == 1:
+            bad[0, 0] = np.inf  # this rank's gradient is not finite, rank 0's is
+        model.fit(bad[:4], y[:4], batch_size=4, epochs=1, verbose=0)
+        after = [v.numpy() for v in model.trainable_variables]
+        return {"refused": refused, "compile_kept": type(model.optimizer).__name__,
+                "steps": steps, "ranks_equal": max(float(np.ptp(gather(a), axis=0).max()) for a in after),
+                "skipped_moved": max(maxdiff(a, b) for a, b in zip(after, before)),
+                "scale_halved": float(model.optimizer.dynamic_scale.numpy()) / scale}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@probe
 def broadcast_global_variables():
     """hvdk.broadcast_global_variables in eager TensorFlow 2: Horovod's one-line refusal."""
     try:

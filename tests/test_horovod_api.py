@@ -1,0 +1,216 @@
+"""Horovod's own TensorFlow API on the stack hvdtrain ships, under Keras 3 and Keras 2.
+
+A user's unchanged Horovod script (``import horovod.tensorflow as hvd``,
+``horovod.tensorflow.keras``) runs on the Horovod that scripts/setup.sh builds and patches
+(scripts/patches/python/). One 2-rank launch of tests/horovod_api_probe.py exercises each API
+and records what Horovod returned next to what it should be (computed from every rank's
+inputs without the API); each test below asserts on its part. Then Horovod's two TF2 example
+scripts, in examples/, run with ``horovodrun -np 2``. The whole module runs in both passes of
+scripts/test.sh (``keras2``), and scripts/test_gpu_build.sh runs it on the GPU build's venv.
+"""
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from conftest import HOROVODRUN, KERAS2, ROOT, clean_env, launch_example, run
+
+pytestmark = [pytest.mark.keras2, pytest.mark.timeout(300)]
+PROBE = os.path.join(ROOT, "tests", "horovod_api_probe.py")
+EXACT = 1e-6  # float32 arithmetic done in another order than Horovod's
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    out = tmp_path_factory.mktemp("probe")
+    env = clean_env(out / "home")
+    p = run([HOROVODRUN, "-np", "2", "--gloo", sys.executable, PROBE, str(out)], env,
+            timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    with open(out / "probe.json") as f:
+        return json.load(f)
+
+
+def ok(probe, name):
+    """The probe's numbers; a probe that raised fails here with Horovod's traceback."""
+    r = probe[name]
+    assert "traceback" not in r, f"{name}: {r['error']}\n{r['traceback']}"
+    return r
+
+
+def test_the_probe_runs_the_keras_of_this_pass(probe):
+    assert probe["size"] == 2
+    assert probe["keras"].startswith("tf_keras" if KERAS2 else "keras")
+
+
+def test_the_probe_is_a_plain_horovod_script():
+    """Nothing of hvdtrain: what it measures is Horovod's API, not hvdtrain's wrappers."""
+    source = open(PROBE).read()
+    assert not re.search(r"^\s*(import|from)\s+hvdtrain", source, re.M)
+    assert "import horovod.tensorflow as hvd" in source
+
+
+@pytest.mark.quick
+def test_distributed_gradient_tape_averages(probe):
+    r = ok(probe, "gradient_tape")
+    assert r["ranks_differ"] > 0.1  # each rank's own gradient is another
+    assert r["err"] < EXACT
+
+
+def test_distributed_gradient_tape_in_a_tf_function_step(probe):
+    r = ok(probe, "gradient_tape_in_function")
+    assert r["err"] < EXACT and r["ranks_equal"] == 0.0
+
+
+def test_partial_distributed_gradient_tape(probe):
+    r = ok(probe, "partial_gradient_tape")
+    assert r["n_local"] == 2 and r["err"] < EXACT
+
+
+def test_local_source_keeps_its_own_gradient(probe):
+    r = ok(probe, "local_source")
+    assert r["err_global"] < EXACT and r["err_local"] < EXACT
+
+
+def test_sparse_as_dense(probe):
+    r = ok(probe, "sparse_as_dense")
+    assert r["dense"] is True and r["err"] < EXACT
+
+
+def test_broadcast_model_and_optimizer_variables(probe):
+    r = ok(probe, "broadcast_model_and_optimizer")
+    assert r["n_opt_vars"] >= 5  # iterations, (learning rate,) two slots per weight
+    assert r["max_spread"] == 0.0
+
+
+def test_allreduce_and_grouped_allreduce_of_keras_variables(probe):
+    r = ok(probe, "allreduce_variables")
+    assert r["value"] == 1.5 and r["err"] < EXACT  # ranks hold 1 and 2
+
+
+def test_sync_batch_normalization_uses_the_global_batch(probe):
+    r = ok(probe, "sync_batch_norm")
+    assert r["local_differs"] > 0.5  # the ranks' own means are far from the global one
+    assert r["err"] < 1e-5 and r["moving_mean_err"] < EXACT
+
+
+def test_elastic_state_restores_the_committed_weights(probe):
+    r = ok(probe, "elastic_keras_state")
+    assert r["moved"] > 1e-3  # training after the commit changed the weights
+    assert r["err"] == 0.0 and r["epoch"] == 3  # restore: the committed weights, exactly
+    assert r["plain"] == [1.0, 2.0]  # TensorFlowState likewise
+
+
+@pytest.mark.quick
+def test_keras_distributed_optimizer_in_fit(probe):
+    r = ok(probe, "keras_distributed_optimizer")
+    assert r["err"] < EXACT
+    assert r["class"] == "SGD"
+    if not KERAS2:  # saved as Keras' own SGD: a saved model loads without Horovod
+        assert r["module"].startswith("keras.")
+
+
+def test_keras_distributed_optimizer_compute_and_apply(probe):
+    assert ok(probe, "keras_optimizer_apply_gradients")["err"] < EXACT
+
+
+def test_backward_passes_per_step(probe):
+    r = ok(probe, "backward_passes")
+    assert r["first_moved"] == 0.0 and r["err"] < EXACT
+
+
+def test_partial_distributed_optimizer(probe):
+    r = ok(probe, "partial_distributed_optimizer")
+    assert r["err"] < EXACT and r["local_ranks_differ"] > 1e-3
+
+
+def test_load_model_restores_state_and_reduces(probe):
+    r = ok(probe, "load_model")
+    assert r["iterations"] == 1 and r["reduced"] is True
+    assert r["moved"] > 1e-3 and r["ranks_equal_after"] == 0.0
+    assert r["loads_without_horovod"] is (not KERAS2)
+
+
+def test_broadcast_metric_average_and_warmup_callbacks(probe):
+    r = ok(probe, "callbacks")
+    assert r["ranks_equal"] == 0.0  # other initial weights on each rank, broadcast
+    assert r["metric"] == [0.5] * 4  # the rank number, averaged over ranks 0 and 1
+    assert r["lr"] == pytest.approx(r["expected_lr"], rel=1e-6)
+    assert r["lr"][:3] == pytest.approx([0.02 * 2 / 3, 0.02 * 5 / 6, 0.02], rel=1e-6)
+    assert r["logged_lr"] == pytest.approx(r["lr"], rel=1e-6)
+
+
+def test_schedule_callback(probe):
+    assert ok(probe, "schedule_callback")["lr"] == pytest.approx([0.1, 0.1, 0.05], rel=1e-6)
+
+
+def test_best_model_checkpoint_keeps_the_best_epoch(probe):
+    r = ok(probe, "best_model_checkpoint")
+    assert r["err"] == 0.0 and r["best_epoch"] < 5
+
+
+def test_momentum_correction_says_why_it_is_not_applied(probe):
+    r = ok(probe, "momentum_correction")
+    assert len(r["warnings"]) == 1 and "momentum_correction" in r["warnings"][0]
+    assert "\n" not in r["warnings"][0]
+    assert r["lr"] == pytest.approx([0.075, 0.1], rel=1e-6)  # the warm-up still ran
+    assert r["momentum_after"] == 0.9
+
+
+def test_what_keras3_cannot_do_is_one_line(probe):
+    r = ok(probe, "refusals")
+    assert r["adasum"] == "ValueError: op == Adasum is not supported yet with Keras"
+    if not KERAS2:
+        assert r["load_model_legacy_opts"].startswith(
+            "ValueError: load_model(legacy_opts=True): Keras 3 has no legacy optimizers")
+        assert r["accumulation_twice"] == (
+            "ValueError: backward_passes_per_step=2, but the SGD optimizer accumulates "
+            "gradient_accumulation_steps=3 already: set one of them")
+    for line in r.values():
+        assert line is not None and "\n" not in line
+
+
+def test_loss_scaling_reduces_before_the_check(probe):
+    r = ok(probe, "loss_scaling")
+    if KERAS2:
+        pytest.skip("Keras 3's LossScaleOptimizer order (Keras 2's compile order is right)")
+    assert r["compile_kept"] == "LossScaleOptimizer" and r["steps"] == 4
+    # rank 1's gradient alone is not finite: both ranks skip the step, the scale halves
+    assert r["skipped_moved"] == 0.0 and r["scale_halved"] == 0.5 and r["ranks_equal"] == 0.0
+    assert r["refused"].startswith("DistributedOptimizer under a mixed_float16 policy: wrap the "
+                                   "loss-scale optimizer")
+
+
+def test_broadcast_global_variables_refused_in_eager_with_the_way_out(probe):
+    error = ok(probe, "broadcast_global_variables")["error"]
+    assert "does not support eager execution" in error and "broadcast_variables" in error
+
+
+def test_gradient_tape_example(tmp_path):
+    """examples/horovod_tf2_mnist.py, Horovod's GradientTape example, 2 ranks."""
+    env = clean_env(tmp_path / "home")
+    p = run(launch_example(2, "horovod_tf2_mnist.py", "--steps", "24",
+                           "--checkpoint-dir", tmp_path / "ckpt"), env, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    losses = [float(v) for v in re.findall(r"Step #\d+\tLoss: ([0-9.]+)", p.stdout)]
+    assert len(losses) == 2  # steps 0 and 10 of 12 per rank, printed by rank 0 only
+    assert losses[0] > 2.0 and losses[1] < losses[0] - 0.3
+    assert (tmp_path / "ckpt" / "ckpt-1.index").exists()
+
+
+def test_keras_fit_example_with_callbacks(tmp_path):
+    """examples/horovod_keras_mnist.py: DistributedOptimizer and Horovod's callbacks in fit."""
+    env = clean_env(tmp_path / "home")
+    p = run(launch_example(2, "horovod_keras_mnist.py", "--epochs", "4", "--steps-per-epoch",
+                           "8", "--checkpoint-dir", tmp_path), env, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # Warm-up to 0.001 * size over 3 epochs, as logged by the callback each epoch.
+    lrs = [float(v) for v in re.findall(r" - lr: ([0-9.e-]+)", p.stdout)]
+    assert lrs == pytest.approx([0.002 * 2 / 3, 0.002 * 5 / 6, 0.002, 0.002], abs=1e-4)
+    assert "Epoch 3: finished gradual learning rate warmup to 0.002." in p.stdout
+    accuracy = [float(v) for v in re.findall(r"accuracy: ([0-9.]+)", p.stdout)]
+    assert len(accuracy) == 4 and accuracy[-1] > accuracy[0] + 0.2
+    files = os.listdir(tmp_path)  # ModelCheckpoint on rank 0, every epoch
+    assert all(f"checkpoint-{e}.keras" in files for e in range(1, 5)), files
