@@ -1,6 +1,6 @@
 """Horovod's TF2 GradientTape example, as a Horovod user writes it, on hvdtrain's stack.
 
-    horovodrun -np 2 python examples/horovod_tf2_mnist.py --steps 40
+    horovodrun -np 2 python examples/horovod_tf2_mnist.py --steps 24
 
 Horovod's examples/tensorflow2/tensorflow2_mnist.py (v0.28.1) with two changes: the digits
 come from the sample bundled with hvdtrain (no download), and the step count is an argument.

@@ -327,11 +327,11 @@ class Reduction:
 def _elastic_state(hvd, variables, progress):
     """Horovod elastic state over a list of variables (model and optimizer) plus progress.
 
-    Horovod's TensorFlowKerasState fails under Keras 3 (it calls ``optimizer.variables()``,
-    a list there), and its TensorFlowState broadcasts only once, at construction, in eager
-    mode. This one does what TensorFlowKerasState does, over the tf.Variables behind either
-    Keras: broadcast rank 0's values at every sync, keep a copy at every commit, put it back
-    after a failure.
+    Horovod's TensorFlowKerasState (which works under Keras 3 with scripts/patches/python/)
+    holds one model and one optimizer, not a list of variables, and its TensorFlowState
+    broadcasts only once, at construction, in eager mode. This one does what
+    TensorFlowKerasState does, over the tf.Variables behind either Keras: broadcast rank 0's
+    values at every sync, keep a copy at every commit, put it back after a failure.
     """
     from horovod.common.elastic import ObjectState
 

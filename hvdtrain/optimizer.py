@@ -8,9 +8,12 @@ Before each update, the gradients are averaged over every rank by one grouped Ho
 ring-allreduce, so every rank applies the same update: what ``hvd.DistributedOptimizer``
 does, and what TF1's SyncReplicasOptimizer did in the seeds. Under Keras 2
 (``TF_USE_LEGACY_KERAS=1``) this *is* Horovod's ``horovod.tensorflow.keras``
-``DistributedOptimizer``; under Keras 3, whose variables that wrapper cannot handle, it is
-hvdtrain's, with the same arguments and meaning. In one process it returns the optimizer
-unchanged (but for ``backward_passes_per_step``).
+``DistributedOptimizer``; under Keras 3 it is hvdtrain's, with the same arguments and meaning.
+(Horovod's own works under Keras 3 too, with scripts/patches/python/, but it makes a new
+optimizer from the old one's config, and this one wraps in place, keeping the optimizer's
+state, carries the step's stop flags in the gradients' allreduce, and turns compile's
+``LossScaleOptimizer(DistributedOptimizer(opt))`` around.) In one process it returns the
+optimizer unchanged (but for ``backward_passes_per_step``).
 
 ``backward_passes_per_step=N`` accumulates: each update applies the mean of N calls'
 gradients (N micro-batches), reduced over the ranks once, at the N-th call. Under Keras 3 this
@@ -61,9 +64,9 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
     if reduction is None:  # one process: nothing to reduce
         return optimizer
     if compat.is_keras3():
-        # Horovod's wrapper fails under Keras 3 ("'Variable' object has no attribute 'ref'"):
-        # hvdtrain's reduces in apply() with Horovod's grouped allreduce instead. Around a
-        # LossScaleOptimizer, it reduces before the scaler checks the gradients.
+        # hvdtrain's reduces in apply() with Horovod's grouped allreduce, in place (see the
+        # module's docstring for why not Horovod's). Around a LossScaleOptimizer, it reduces
+        # before the scaler checks the gradients.
         optimizer = _reducing_subclass(optimizer, passes)
     elif precision.is_loss_scaled(optimizer):
         # Horovod: Keras 2's scaler must see the reduced gradients (one decision on every

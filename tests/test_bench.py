@@ -114,14 +114,16 @@ def test_tiny_allreduce_case_through_the_real_launchers(tmp_path):
 def test_fit_case_report():
     """The fit case's section: every variant's samples/s and the ratios, side by side."""
     fit = {"ranks": 2, "batch_per_rank": 64, "hidden_units": 256, "repeats": 1, "epochs": 3,
-           "samples_per_sec": {"hk_k3": 900.0, "hk_k2": 1100.0, "hvd_k2": 1000.0},
-           "ratios": {"hk_k3/hvd_k2": 0.9, "hk_k2/hvd_k2": 1.1},
+           "samples_per_sec": {"hk_k3": 900.0, "hk_k2": 1100.0, "hvd_k2": 1000.0,
+                               "hvd_k3": 800.0},
+           "ratios": {"hk_k3/hvd_k3": 1.125, "hk_k3/hvd_k2": 0.9, "hk_k2/hvd_k2": 1.1},
            "variants": {k: v[0] for k, v in cases.FIT_VARIANTS.items()}}
     text = report.markdown({"machine": "m", "fit": dict(fit, counts=cases.FIT_COUNTS)}, "cmd")
     assert cases.FIT_COUNTS in text and "inside the timed epoch" in text
     assert "| hvdtrain.keras fit, Keras 3 | 900 |" in text
     assert "| Horovod's keras wrapper + broadcast callback, Keras 2 | 1,000 |" in text
-    assert "| hk_k3/hvd_k2 | 0.9 |" in text
+    assert "| Horovod's keras wrapper + broadcast callback, Keras 3 | 800 |" in text
+    assert "| hk_k3/hvd_k2 | 0.9 |" in text and "| hk_k3/hvd_k3 | 1.12 |" in text
 
 
 def _tta(walls):

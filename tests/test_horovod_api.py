@@ -188,23 +188,35 @@ def test_broadcast_global_variables_refused_in_eager_with_the_way_out(probe):
     assert "does not support eager execution" in error and "broadcast_variables" in error
 
 
+def printed(script):
+    """The arguments of ``horovodrun -np 2 python examples/SCRIPT ...`` as its docstring
+    prints it (and the README, where it does)."""
+    pattern = rf"^\s*horovodrun -np 2 python examples/{re.escape(script)}(.*)$"
+    args = re.search(pattern, open(os.path.join(ROOT, "examples", script)).read(), re.M)
+    readme = re.search(pattern, open(os.path.join(ROOT, "README.md")).read(), re.M)
+    if readme:
+        assert readme.group(1) == args.group(1), "README and the docstring print other commands"
+    return args.group(1).split()
+
+
 def test_gradient_tape_example(tmp_path):
-    """examples/horovod_tf2_mnist.py, Horovod's GradientTape example, 2 ranks."""
+    """examples/horovod_tf2_mnist.py, Horovod's GradientTape example, as printed, 2 ranks."""
     env = clean_env(tmp_path / "home")
-    p = run(launch_example(2, "horovod_tf2_mnist.py", "--steps", "24",
-                           "--checkpoint-dir", tmp_path / "ckpt"), env, timeout=240)
+    p = run(launch_example(2, "horovod_tf2_mnist.py", *printed("horovod_tf2_mnist.py")), env,
+            timeout=240, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     losses = [float(v) for v in re.findall(r"Step #\d+\tLoss: ([0-9.]+)", p.stdout)]
     assert len(losses) == 2  # steps 0 and 10 of 12 per rank, printed by rank 0 only
     assert losses[0] > 2.0 and losses[1] < losses[0] - 0.3
-    assert (tmp_path / "ckpt" / "ckpt-1.index").exists()
+    assert (tmp_path / "checkpoints" / "ckpt-1.index").exists()  # rank 0's tf.train.Checkpoint
 
 
 def test_keras_fit_example_with_callbacks(tmp_path):
-    """examples/horovod_keras_mnist.py: DistributedOptimizer and Horovod's callbacks in fit."""
+    """examples/horovod_keras_mnist.py as the README prints it: DistributedOptimizer and
+    Horovod's callbacks in fit."""
     env = clean_env(tmp_path / "home")
-    p = run(launch_example(2, "horovod_keras_mnist.py", "--epochs", "4", "--steps-per-epoch",
-                           "8", "--checkpoint-dir", tmp_path), env, timeout=240)
+    p = run(launch_example(2, "horovod_keras_mnist.py", *printed("horovod_keras_mnist.py")),
+            env, timeout=240, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     # Warm-up to 0.001 * size over 3 epochs, as logged by the callback each epoch.
     lrs = [float(v) for v in re.findall(r" - lr: ([0-9.e-]+)", p.stdout)]

@@ -7,7 +7,7 @@
                                   (TF_CONFIG is set by the caller)
     fit --impl hk|hvd_keras|keras model.fit under horovodrun: hvdtrain.keras's fit, or
                                   Horovod's own horovod.tensorflow.keras wrapper and
-                                  callbacks (Keras 2 only: run it with TF_USE_LEGACY_KERAS=1);
+                                  callbacks (under either Keras: scripts/patches/python/);
                                   or plain Keras in one process, no Horovod (keras)
     fit --impl mwms --index I     model.fit under MultiWorkerMirroredStrategy, worker I
     fit --input tfrecord          (hk, mwms) from the TFRecord files in --data-dir through
@@ -372,8 +372,7 @@ def fit(args) -> None:
         model.compile(optimizer=hvd_keras.DistributedOptimizer(k.optimizers.SGD(args.lr)),
                       **compiled)
         callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), Timer()]
-        # (its MetricAverageCallback fails here: it calls keras.backend.constant, which
-        # Keras 3's backend lacks, even under TF_USE_LEGACY_KERAS=1)
+        # (no MetricAverageCallback: hk.fit's rows average no epoch metrics either)
         if args.input == "arrays":  # each rank its own shard, as arrays
             part = slice(world.rank * steps * args.batch, (world.rank + 1) * steps * args.batch)
             model.fit(x[part], y[part], batch_size=args.batch, epochs=args.epochs, verbose=0,
