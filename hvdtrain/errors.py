@@ -42,6 +42,12 @@ class ConfigError(Together, ValueError):
         super().__init__(f"{self.flag}={shown}: {reason}")
 
 
+class EnvError(Together, ValueError):
+    """A bad HVDTRAIN_* environment variable, found on every rank; ``str()`` names it."""
+
+    status = EXIT_USAGE
+
+
 class SpecError(Error, ValueError):
     """A task name that names no Task class."""
 

@@ -21,6 +21,13 @@ with a challenge-response in both directions (HMAC-SHA256 of fresh nonces): a co
 that cannot answer is closed and ignored, so a process that knows the port can neither stop
 the job nor pose as a rank or as rank 0; the handshake of each connection runs in its own
 thread with a time limit, so nor can it delay the ranks' own connections.
+
+Nor can an outsider grow rank 0's memory or flood its console: a handshake line is read with
+a byte bound (``LINE_BYTES``) and the whole handshake with one deadline (not one per
+receive); at most ``PENDING`` handshakes run at once (more connections are closed at once);
+refused connections are counted and said in at most one line a minute (``WARN_EVERY``), and
+once more at the end if any went unsaid. ``HVDTRAIN_WATCHDOG_PORT`` naming a port that
+another process holds is one line on every rank (exit 2), before training.
 """
 from __future__ import annotations
 
@@ -34,9 +41,15 @@ import threading
 import time
 from typing import Dict, Optional
 
+from hvdtrain.errors import EnvError
+
 EXIT_PEER_FAILED = 1
 INTERVAL = 1.0
-HANDSHAKE_SECONDS = 10.0
+HANDSHAKE_SECONDS = 10.0  # the whole handshake of one connection
+LINE_BYTES = 512  # a handshake line's bound (a HELLO is under 200 bytes)
+PEER_LINE_BYTES = 1 << 16  # a rank's line after the handshake (a FAIL carries an error line)
+PENDING = 16  # handshakes in flight at once; the job's own ranks connect once each
+WARN_EVERY = 60.0  # seconds between two lines about refused connections
 
 
 def _mac(secret: bytes, *parts) -> str:
@@ -62,8 +75,40 @@ def _addresses() -> list:
     return list(dict.fromkeys(found))
 
 
+class _Lines:
+    """Lines from a socket, each read with a byte bound and before a deadline: what a
+    ``makefile().readline()`` does, but a sender without newlines cannot grow it without
+    bound, nor a slow one stretch a time limit that each receive would restart."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buffer = sock, b""
+
+    def readline(self, limit: int, deadline: Optional[float] = None) -> Optional[str]:
+        """The next line (with its newline); "" at the end of the stream; None when it is
+        longer than ``limit`` bytes or the deadline passes first."""
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > limit:
+                return None
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(4096)
+            except socket.timeout:
+                return None
+            if not chunk:
+                return ""
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        if len(line) > limit:
+            return None
+        return line.decode(errors="replace") + "\n"
+
+
 class _Peer:
-    def __init__(self, sock: socket.socket, stream, rank: int, host: str, pid: str):
+    def __init__(self, sock: socket.socket, stream: _Lines, rank: int, host: str, pid: str):
         self.sock, self.stream, self.rank, self.host, self.pid = sock, stream, rank, host, pid
         self.last_seen, self.step, self.done = time.monotonic(), 0, False
         self.lock = threading.Lock()
@@ -88,24 +133,32 @@ def _listen(world):
     one_host = world.local_size == world.size
     bind = "127.0.0.1" if one_host else os.environ.get("HVDTRAIN_WATCHDOG_ADDR", "")
     port = int(os.environ.get("HVDTRAIN_WATCHDOG_PORT", "0") or 0)
-    server = socket.create_server((bind, port), backlog=world.size)
+    try:
+        server = socket.create_server((bind, port), backlog=max(world.size, PENDING))
+    except OSError as e:
+        # Said on every rank (the ranks wait for the address in the broadcast below).
+        return None, ("error", f"HVDTRAIN_WATCHDOG_PORT={port}: rank 0 cannot listen on "
+                      f"{bind or 'every interface'}:{port} "
+                      f"({os.strerror(e.errno) if e.errno else e}): another "
+                      "process holds it; free it, choose another port, or unset "
+                      "HVDTRAIN_WATCHDOG_PORT for a free one")
     return server, (["127.0.0.1"] if one_host else _addresses(), server.getsockname()[1],
                     socket.gethostname(), secrets.token_bytes(32))
 
 
 def _handshake_as_rank(sock, secret: bytes, rank: int) -> Optional[_Peer]:
     """A rank's side: answer rank 0's challenge, check its answer to ours."""
-    sock.settimeout(HANDSHAKE_SECONDS)
-    stream = sock.makefile("r")
+    deadline = time.monotonic() + HANDSHAKE_SECONDS
+    stream = _Lines(sock)
     try:
-        challenge = stream.readline().split()
+        challenge = (stream.readline(LINE_BYTES, deadline) or "").split()
         if len(challenge) != 2 or challenge[0] != "CHALLENGE":
             return None
         mine = secrets.token_hex(16)
         me = (rank, os.getpid(), socket.gethostname())
         sock.sendall((f"HELLO {me[0]} {me[1]} {me[2]} {mine} "
                       f"{_mac(secret, 'rank', challenge[1], *me, mine)}\n").encode())
-        reply = stream.readline().split()
+        reply = (stream.readline(LINE_BYTES, deadline) or "").split()
         if (len(reply) != 4 or reply[0] != "WELCOME" or not hmac.compare_digest(
                 reply[3], _mac(secret, "rank0", mine, reply[1], reply[2]))):
             return None
@@ -117,12 +170,13 @@ def _handshake_as_rank(sock, secret: bytes, rank: int) -> Optional[_Peer]:
 def _handshake_as_chief(sock, secret: bytes, size: int) -> Optional[_Peer]:
     """Rank 0's side: challenge the caller; welcome it (answering its challenge) only if it
     is a rank of this job. None for anything else."""
+    deadline = time.monotonic() + HANDSHAKE_SECONDS
     sock.settimeout(HANDSHAKE_SECONDS)
-    stream = sock.makefile("r")
+    stream = _Lines(sock)
     nonce = secrets.token_hex(16)
     try:
         sock.sendall(f"CHALLENGE {nonce}\n".encode())
-        hello = stream.readline().split()
+        hello = (stream.readline(LINE_BYTES, deadline) or "").split()
         if not (len(hello) == 6 and hello[0] == "HELLO" and hmac.compare_digest(
                 hello[5], _mac(secret, "rank", nonce, *hello[1:5]))):
             return None
@@ -147,6 +201,10 @@ class Watchdog:
         self._closing = threading.Event()
         self._failed = threading.Lock()
         self._server: Optional[socket.socket] = None
+        self._pending = threading.BoundedSemaphore(PENDING)  # handshakes in flight
+        self._refused: Dict[str, int] = {}  # source address: refusals not yet said
+        self._refusals_said = -WARN_EVERY  # when a line about them was last printed
+        self._refusals_lock = threading.Lock()
 
     # --- life cycle -----------------------------------------------------------------------
     def start(self) -> "Watchdog":
@@ -154,7 +212,10 @@ class Watchdog:
             return self
         server, where = _listen(self.world) if self.world.is_chief else (None, None)
         # Horovod: the per-job secret travels with the address, inside the job only.
-        addresses, port, host, self._secret = self.world.broadcast_object(where)
+        where = self.world.broadcast_object(where)
+        if where[0] == "error":  # rank 0 could not listen: every rank says it
+            raise EnvError(where[1])
+        addresses, port, host, self._secret = where
         if host == socket.gethostname() and "127.0.0.1" not in addresses:
             addresses = ["127.0.0.1"] + addresses  # the same machine: try loopback first
         if self.world.is_chief:
@@ -176,6 +237,7 @@ class Watchdog:
         self._stop_listening()
         for peer in list(self.peers.values()):
             peer.send("BYE")
+        self._say_refusals(final=True)
 
     def await_verdict(self, seconds: float) -> None:
         """Wait up to ``seconds`` for the watchdog to judge a failure (it then ends this
@@ -222,24 +284,50 @@ class Watchdog:
                 sock, source = server.accept()
             except OSError:
                 return  # closed by close() or _fail()
+            if not self._pending.acquire(blocking=False):  # a flood: no thread, no read
+                sock.close()
+                self._refuse(source[0])
+                continue
             threading.Thread(target=self._admit, args=(sock, source), daemon=True).start()
 
     def _admit(self, sock, source) -> None:
-        peer = _handshake_as_chief(sock, self._secret, self.world.size)
+        try:
+            peer = _handshake_as_chief(sock, self._secret, self.world.size)
+        finally:
+            self._pending.release()
         if peer is None or peer.rank in self.peers:
-            self._warn(f"watchdog: refused a connection from {source[0]}: not a rank of this "
-                       "job")
             sock.close()
+            self._refuse(source[0])
             return
         self.peers[peer.rank] = peer
         threading.Thread(target=self._read, args=(peer,), daemon=True).start()
+
+    def _refuse(self, source: str) -> None:
+        with self._refusals_lock:
+            self._refused[source] = self._refused.get(source, 0) + 1
+        self._say_refusals()
+
+    def _say_refusals(self, final: bool = False) -> None:
+        """At most one line a minute about refused connections (and the rest at the end)."""
+        with self._refusals_lock:
+            now = time.monotonic()
+            if not self._refused or (not final and now - self._refusals_said < WARN_EVERY):
+                return
+            refused, self._refused, self._refusals_said = self._refused, {}, now
+        n = sum(refused.values())
+        sources = ", ".join(f"{a} ({c})" if c > 1 and len(refused) > 1 else a
+                            for a, c in sorted(refused.items()))
+        self._warn(f"watchdog: refused {'a connection' if n == 1 else f'{n} connections'} "
+                   f"from {sources}: not a rank of this job" +
+                   ("" if final else f" (the next such line in {WARN_EVERY:.0f} s at the "
+                    "earliest)"))
 
     def _read(self, peer: _Peer) -> None:
         stream = peer.stream
         peer.sock.settimeout(None)
         while True:
             try:
-                line = stream.readline()
+                line = stream.readline(PEER_LINE_BYTES) or ""
             except OSError:
                 line = ""
             if not line:
@@ -259,6 +347,7 @@ class Watchdog:
 
     def _beat(self) -> None:
         while not self._closing.wait(INTERVAL):
+            self._say_refusals()  # what was refused since the last line, once a minute
             now = time.monotonic()
             for peer in list(self.peers.values()):
                 peer.send(f"HB {self.step}")
@@ -292,3 +381,4 @@ class Watchdog:
 
     def _warn(self, message: str) -> None:
         sys.stderr.write(f"hvdtrain: warning: {message}\n")
+        sys.stderr.flush()

@@ -280,6 +280,29 @@ def keras_optimizer_apply_gradients():
 
 
 @probe
+def legacy_optimizer():
+    """Keras 2's keras.optimizers.legacy optimizers (Keras 3 has none): one fit step applies
+    the ranks' mean gradient, and load_model(legacy_opts=True) brings one back distributed."""
+    if not keras.__name__.startswith("tf_keras"):
+        return {"keras3": True}
+    x, y = fit_data(21)
+    model = dense_model(93)
+    before = [v.numpy() for v in model.trainable_variables]
+    own = local_grads(model, x, y)
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1)),
+                  loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    after = [v.numpy() for v in model.trainable_variables]
+    expected = [b - 0.1 * gather(g).mean(axis=0) for b, g in zip(before, own)]
+    path = os.path.join(OUT, f"legacy-{RANK}.h5")
+    model.save(path)
+    loaded = hvdk.load_model(path, legacy_opts=True)
+    return {"err": max(maxdiff(a, e) for a, e in zip(after, expected)),
+            "loaded_legacy": isinstance(loaded.optimizer, keras.optimizers.legacy.Optimizer),
+            "loaded_reduces": hasattr(loaded.optimizer, "_allreduce_grads")}
+
+
+@probe
 def backward_passes():
     """backward_passes_per_step=2: no update after the first batch; after the second, lr times
     the sum of the two batches' gradients, averaged over the ranks."""

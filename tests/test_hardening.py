@@ -231,6 +231,120 @@ def test_the_watchdog_ignores_a_foreign_process_that_knows_its_port(env, tmp_pat
             finish(proc, 30)
     assert rc == 0, err[-3000:]
     assert challenged == len(forged)  # each attempt reached the handshake ...
-    assert err.count("refused a connection from 127.0.0.1") >= len(forged)  # ... and failed
+    # ... and failed: the first refusal in a line at once, the rest counted in one more line
+    # at the end (at most one line a minute); the silent one among them if its handshake's
+    # 10 s ran out before the job's end
+    refusals = [l for l in err.splitlines() if "watchdog: refused" in l]
+    assert ("hvdtrain: warning: watchdog: refused a connection from 127.0.0.1: not a rank of "
+            "this job (the next such line in 60 s at the earliest)") in refusals[0], refusals
+    counted = [int(m) for l in refusals for m in re.findall(r"refused (\d+) connections", l)]
+    assert len(refusals) <= 2 and 1 + sum(counted) in (len(forged), len(forged) + 1), refusals
     assert "forged" not in err, err[-3000:]
     assert json.load(open(run_dir / "result.json"))["ranks_identical"] is True
+
+
+def _rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) / 1024
+
+
+def test_the_watchdog_holds_against_a_flood_and_a_line_without_end(env, tmp_path):
+    """100 MB sent without a newline, then 500 connections: rank 0's memory does not grow by
+    what was sent, the job ends with its normal result, and a few lines say what happened."""
+    import socket as S
+    import threading
+    with S.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run_dir = tmp_path / "run"
+    proc = start(launch("gloo", 2, "linear", "--run-dir", str(run_dir), *LONG[:-2]),
+                 dict(env, HVDTRAIN_WATCHDOG_PORT=str(port)))
+    try:
+        assert wait_for(lambda: (run_dir / "config.json").exists(), 120), "job did not start"
+        pids = wait_for(lambda: rank_pids(str(run_dir)) if len(rank_pids(str(run_dir))) == 2
+                        else None, 30)
+        flood = []  # 500 connections that never speak, all at once, closed at once
+        for _ in range(500):
+            try:
+                flood.append(S.create_connection(("127.0.0.1", port), timeout=2))
+            except OSError:
+                pass  # the backlog is full: refused by the kernel, not by rank 0
+        for s in flood:
+            s.close()
+        before = _rss_mb(pids[0])
+        sent = [0]
+
+        def pour():  # 100 MB, no newline, as fast as rank 0 takes it
+            chunk = b"x" * (1 << 20)
+            try:
+                with S.create_connection(("127.0.0.1", port), timeout=20) as s:
+                    for _ in range(100):
+                        s.sendall(chunk)
+                        sent[0] += len(chunk)
+            except OSError:
+                pass  # rank 0 hung up: what it should do
+
+        pourer = threading.Thread(target=pour)
+        pourer.start()
+        pourer.join(60)
+        grown = _rss_mb(pids[0]) - before
+        assert proc.poll() is None, "the job ended before the attack did: make it longer"
+        rc, out, err = finish(proc, 240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            finish(proc, 30)
+    assert rc == 0, err[-3000:]
+    assert sent[0] < 100 << 20  # rank 0 closed the endless line ...
+    assert grown < 50, f"rank 0 grew by {grown:.0f} MB"  # ... without keeping it
+    assert len(flood) >= 100  # many more than the handshakes rank 0 runs at once (16)
+    refusals = [l for l in err.splitlines() if "watchdog: refused" in l]
+    assert 1 <= len(refusals) <= 3, refusals
+    assert json.load(open(run_dir / "result.json"))["ranks_identical"] is True
+
+
+FIT_ONE_EPOCH = """
+import sys
+import numpy as np
+import hvdtrain.keras as hk
+from hvdtrain.compat import keras
+hk.init()
+k = keras()
+x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+y = x.sum(axis=1, keepdims=True)
+model = k.Sequential([k.Input((3,)), k.layers.Dense(1)])
+model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(0.1)), loss="mse",
+              jit_compile=False)
+try:
+    hk.fit(model, hk.dataset(x, y, batch_size=8), epochs=1, run_dir=sys.argv[1])
+except hk.Error as e:
+    sys.exit(hk.report_error(e))
+"""
+
+
+@pytest.mark.parametrize("path", ["task", "fit"])
+def test_a_watchdog_port_in_use_is_one_line_and_nothing_written(path, env, tmp_path):
+    import socket as S
+    from usercode import env_with, two_ranks, write
+    holder = S.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    run_dir = tmp_path / "run"
+    try:
+        if path == "task":
+            p = run(launch("gloo", 2, "linear", "--run-dir", str(run_dir), "--epochs", "1"),
+                    dict(env, HVDTRAIN_WATCHDOG_PORT=str(port)))
+        else:
+            code = write(tmp_path, {"fit_one": FIT_ONE_EPOCH})
+            p = run(two_ranks(code / "fit_one.py", run_dir),
+                    env_with(code, tmp_path, HVDTRAIN_WATCHDOG_PORT=str(port)))
+    finally:
+        holder.close()
+    lines = [l for l in (p.stdout + p.stderr).splitlines() if "HVDTRAIN_WATCHDOG_PORT" in l]
+    assert p.returncode == 1, p.stderr[-3000:]  # horovodrun's status for a failed rank
+    assert "exit with status code 2" in p.stdout + p.stderr  # the ranks': a bad setting
+    assert len(lines) == 1, lines  # said once, by rank 0
+    assert (f"HVDTRAIN_WATCHDOG_PORT={port}: rank 0 cannot listen on 127.0.0.1:{port} "
+            "(Address already in use): another process holds it") in lines[0]
+    assert not run_dir.exists() or not any(run_dir.iterdir())

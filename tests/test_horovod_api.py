@@ -116,6 +116,13 @@ def test_keras_distributed_optimizer_compute_and_apply(probe):
     assert ok(probe, "keras_optimizer_apply_gradients")["err"] < EXACT
 
 
+def test_keras2_legacy_optimizer(probe):
+    r = ok(probe, "legacy_optimizer")
+    if not KERAS2:
+        pytest.skip("Keras 3 has no keras.optimizers.legacy (one line: see the refusals)")
+    assert r["err"] < EXACT and r["loaded_legacy"] is True and r["loaded_reduces"] is True
+
+
 def test_backward_passes_per_step(probe):
     r = ok(probe, "backward_passes")
     assert r["first_moved"] == 0.0 and r["err"] < EXACT
