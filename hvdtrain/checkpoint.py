@@ -9,7 +9,11 @@ training position and the settings that define the run. The trailing hash covers
 file, metadata included: one flipped bit in the epoch or the step is detected like one in
 the weights. A save goes to a temporary file that is flushed and fsynced, then renamed, so
 a crash leaves the previous checkpoint intact; on load, a file whose length or hash does not
-match is skipped with a warning in favour of the one before it.
+match is skipped with a warning in favour of the one before it, and so is one whose hash
+matches but whose contents do not (a file made by hand, or by a bug): the metadata (a step
+>= 0, each variable's name, shape and a numeric dtype) and every array's header and size in
+the payload are checked against each other before any array is allocated. A save first
+removes the temporary files of saves that were killed (``.ckpt-*.tmp``).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import json
 import os
 import re
 import struct
+import zipfile
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -47,10 +52,24 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
+def remove_leftovers(directory: str) -> List[str]:
+    """Delete the temporary files of saves that were killed before their rename (only rank
+    0 writes, one save at a time: any such file is a leftover). Returns their names."""
+    gone = []
+    for path in glob.glob(os.path.join(directory, ".ckpt-*.hvdt.*.tmp")):
+        try:
+            os.unlink(path)
+            gone.append(os.path.basename(path))
+        except FileNotFoundError:
+            pass
+    return gone
+
+
 def save(directory: str, arrays: Sequence[np.ndarray], names: Sequence[str], meta: dict,
          keep: int) -> str:
     """Write one checkpoint atomically, then delete all but the newest ``keep``."""
     os.makedirs(directory, exist_ok=True)
+    remove_leftovers(directory)
     buf = io.BytesIO()
     np.savez(buf, *arrays)
     payload = buf.getvalue()
@@ -101,9 +120,71 @@ def read(path: str) -> Tuple[dict, List[np.ndarray]]:
             raise ValueError
     except (ValueError, KeyError, TypeError):  # hashed as written, so a bug, not damage
         raise CheckpointError(f"{path}: inconsistent metadata") from None
-    with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
-        arrays = [npz[f"arr_{i}"] for i in range(len(meta["variables"]))]
+    problem = _check_contents(meta, payload)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
+    try:
+        with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
+            arrays = [npz[f"arr_{i}"] for i in range(len(meta["variables"]))]
+    except (ValueError, OSError, KeyError, zipfile.BadZipFile) as e:  # checked above: a bug
+        raise CheckpointError(f"{path}: unreadable arrays ({e})") from None
     return meta, arrays
+
+
+def _check_contents(meta, payload: bytes) -> Optional[str]:
+    """What is wrong with a checkpoint whose hash matches (made by hand, or by a bug), before
+    anything is allocated: None if the metadata and the payload's arrays agree."""
+    if not isinstance(meta, dict):
+        return "inconsistent metadata (not an object)"
+    step = meta.get("global_step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"inconsistent metadata (global_step {step!r}: not a count)"
+    variables = meta.get("variables")
+    if not isinstance(variables, list):
+        return "inconsistent metadata (no variables list)"
+    wanted = {}
+    for i, v in enumerate(variables):
+        try:
+            name, shape, dtype = v
+            shape = tuple(shape)
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                raise ValueError
+            dtype = np.dtype(dtype)
+        except (ValueError, TypeError):
+            return f"inconsistent metadata (variable {i}: {v!r})"
+        if dtype.kind not in "biufc":
+            return f"variable {i} ({name}): dtype {dtype} is not a number type"
+        wanted[f"arr_{i}.npy"] = (name, shape, dtype)
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(payload))
+        members = {m.filename: m for m in archive.infolist()}
+    except (zipfile.BadZipFile, ValueError) as e:
+        return f"payload is not an npz archive ({e})"
+    missing = sorted(set(wanted) - set(members), key=lambda m: int(m[4:-4]))
+    if missing:
+        return f"payload lacks {len(missing)} of the {len(wanted)} arrays ({missing[0]}, ...)"
+    for member, (name, shape, dtype) in wanted.items():
+        try:
+            with archive.open(members[member]) as f:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    header = np.lib.format.read_array_header_1_0(f)
+                else:
+                    header = np.lib.format.read_array_header_2_0(f)
+                offset = f.tell()
+        except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
+            return f"{member} ({name}): unreadable array header ({e})"
+        got_shape, _, got_dtype = header
+        if got_dtype.kind not in "biufc":
+            return f"{member} ({name}): dtype {got_dtype} is not a number type"
+        if tuple(got_shape) != shape or got_dtype != dtype:
+            return (f"{member} ({name}): array {got_dtype}{list(got_shape)} where the metadata "
+                    f"says {dtype}{list(shape)}")
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if members[member].file_size != offset + size:
+            return (f"{member} ({name}): {members[member].file_size - offset} bytes of data "
+                    f"for {size}")
+    return None
 
 
 def load_latest(directory: str, warn: Callable[[str], None]) -> Optional[Tuple[dict, list, str]]:

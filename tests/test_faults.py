@@ -232,3 +232,106 @@ def test_every_byte_of_a_checkpoint_is_covered(tmp_path, where):
     warnings = []
     got, _, used = C.load_latest(str(tmp_path), warnings.append)
     assert used == older and got["global_step"] == 5 and len(warnings) == 1
+
+
+def _forge(directory, step, meta, members):
+    """A checkpoint made by hand: its hash matches, its contents are whatever ``members``
+    (npz member name: raw .npy bytes) and ``meta`` say. Returns its path."""
+    import hashlib
+    import io
+    import struct
+    import zipfile
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, raw in members.items():
+            z.writestr(name, raw)
+    payload = buf.getvalue()
+    header = json.dumps(dict(meta, payload_bytes=len(payload)), sort_keys=True).encode()
+    body = C.MAGIC + bytes([C.VERSION]) + struct.pack(">Q", len(header)) + header + payload
+    path = C.path_for(str(directory), step)
+    with open(path, "wb") as f:
+        f.write(body + hashlib.sha256(body).digest())
+    return path
+
+
+def _npy(array=None, header=None, data=b""):
+    """The bytes of one .npy member: ``array`` saved, or a ``header`` (shape, dtype) with
+    ``data`` after it."""
+    import io
+    f = io.BytesIO()
+    if array is not None:
+        np.save(f, array, allow_pickle=True)
+        return f.getvalue()
+    np.lib.format.write_array_header_1_0(
+        f, {"descr": np.lib.format.dtype_to_descr(np.dtype(header[1])),
+            "fortran_order": False, "shape": header[0]})
+    return f.getvalue() + data
+
+
+W = np.arange(6, dtype=np.float32).reshape(2, 3)
+FORGED = {  # name: (what the line says, the newest checkpoint's metadata and members)
+    "4 TB array header": ("bytes of data for 4398046511104", {
+        "global_step": 9, "variables": [["w", [2 ** 40], "float32"]]},
+        {"arr_0.npy": _npy(header=((2 ** 40,), "float32"), data=b"\0" * 16)}),
+    "truncated array": ("8 bytes of data for 24", {
+        "global_step": 9, "variables": [["w", [2, 3], "float32"]]},
+        {"arr_0.npy": _npy(W)[:-16]}),
+    "missing array": ("payload lacks 1 of the 2 arrays (arr_1.npy", {
+        "global_step": 9, "variables": [["w", [2, 3], "float32"], ["b", [1], "float32"]]},
+        {"arr_0.npy": _npy(W)}),
+    "object array": ("dtype object is not a number type", {
+        "global_step": 9, "variables": [["w", [2], "object"]]},
+        {"arr_0.npy": _npy(np.array([{"a": 1}, None], dtype=object))}),
+    "array other than its metadata": ("array float64[2, 3] where the metadata says float32[2, 3]", {
+        "global_step": 9, "variables": [["w", [2, 3], "float32"]]},
+        {"arr_0.npy": _npy(W.astype(np.float64))}),
+    "negative step": ("global_step -5: not a count", {
+        "global_step": -5, "variables": [["w", [2, 3], "float32"]]},
+        {"arr_0.npy": _npy(W)}),
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("case", list(FORGED))
+def test_a_checkpoint_with_a_valid_hash_but_bad_contents_is_skipped(case, tmp_path):
+    """A hand-made (or buggy) checkpoint whose sha256 matches is checked against its own
+    metadata before anything is allocated, and skipped like a corrupt one."""
+    says, meta, members = FORGED[case]
+    older = C.save(str(tmp_path), [W], ["w"], {"global_step": 5, "epoch": 1}, keep=3)
+    forged = _forge(tmp_path, 9, meta, members)
+    with pytest.raises(C.CheckpointError) as e:
+        C.read(forged)
+    assert says in str(e.value) and "\n" not in str(e.value)
+    warnings = []
+    got, arrays, used = C.load_latest(str(tmp_path), warnings.append)
+    assert used == older and got["global_step"] == 5 and np.array_equal(arrays[0], W)
+    assert len(warnings) == 1 and says in warnings[0] and os.path.basename(older) in warnings[0]
+
+
+def test_a_forged_newest_checkpoint_resumes_from_the_valid_one_and_leftovers_go(env, tmp_path):
+    """End to end: a hand-made newest checkpoint (a 4 TB array header, a valid hash) and a
+    killed save's temporary file; the rerun warns once, resumes from the checkpoint before,
+    ends as a run that was never interrupted would, and removes the temporary file."""
+    args = ["--batch-size", "10", "--checkpoint-every", "20", "--verbose", "2"]
+    first = run(module_cmd("linear", "--run-dir", str(tmp_path / "run"), "--epochs", "2",
+                           *args), env)
+    assert first.returncode == 0, first.stderr
+    directory = tmp_path / "run" / "checkpoints"
+    assert [s for s, _ in checkpoints(tmp_path / "run")] == [200, 180, 160]
+    saved, _ = C.read(C.path_for(str(directory), 200))
+    says, meta, members = FORGED["4 TB array header"]
+    _forge(directory, 210, {**saved, **meta, "global_step": 210}, members)
+    leftover = directory / ".ckpt-000000220.hvdt.k1ll3d.tmp"  # a save killed before its rename
+    leftover.write_bytes(b"\0" * 1000)
+    again = run(module_cmd("linear", "--run-dir", str(tmp_path / "run"), "--epochs", "3",
+                           *args), env)
+    assert again.returncode == 0, again.stderr
+    warning = [l for l in again.stderr.splitlines() if "warning:" in l and says in l]
+    assert len(warning) == 1 and "ckpt-000000200.hvdt instead" in warning[0], again.stderr
+    assert "Traceback" not in again.stderr and not leftover.exists()
+    ref = run(module_cmd("linear", "--run-dir", str(tmp_path / "ref"), "--epochs", "3", *args),
+              env)
+    assert ref.returncode == 0, ref.stderr
+    r, uninterrupted = result(tmp_path / "run"), result(tmp_path / "ref")
+    assert r["global_step"] == uninterrupted["global_step"] == 300
+    assert r["weights_sha256"] == uninterrupted["weights_sha256"]
