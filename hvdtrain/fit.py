@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from hvdtrain import compat, pipeline, precision, timings
+from hvdtrain import compat, nest, pipeline, precision, timings
 from hvdtrain.config import Config, setting
 from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
@@ -148,23 +148,36 @@ def check_validation(validation_data, train, world, sharded=False):
         return None
     if pipeline.is_dataset(validation_data):
         return pipeline.validation(validation_data, world, sharded)
-    if not (isinstance(validation_data, (tuple, list)) and len(validation_data) == 2):
+    if not (isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3)):
         raise ConfigError("validation_data", type(validation_data).__name__,
-                          "give (x_val, y_val) arrays")
-    x, y = (np.asarray(a) for a in validation_data)
-    if len(x) != len(y):
-        raise ConfigError("validation_data", f"{len(x)} x, {len(y)} y",
+                          "give (x_val, y_val) or (x_val, y_val, sample_weight_val)")
+    parts = tuple(nest.arrays(a) for a in validation_data)
+    names = ("x", "y", "sample_weight")
+    counts = [len(a) for part in parts for _, a in nest.leaves(part) if np.ndim(a)]
+    if len(set(counts)) > 1:
+        shown = ", ".join(f"{len(nest.leaves(a)[0][1])} {n}" for n, a in zip(names, parts))
+        raise ConfigError("validation_data", shown,
                           "x and y must hold the same number of examples")
-    for name, a, b in (("x", x, train.sample), ("y", y, getattr(train, "y", None))):
-        if b is not None and hasattr(b, "shape") and a.shape[1:] != b.shape[1:]:
-            raise ConfigError("validation_data", f"{name} of shape {list(a.shape)}",
-                              f"examples must be shaped like the training {name}'s "
-                              f"{list(b.shape[1:])}")
-    if len(x) < world.size:
-        raise ConfigError("validation_data", f"{len(x)} example(s)",
+    trained = (train.sample, getattr(train, "y", None), getattr(train, "sample_weight", None))
+    for name, a, b in zip(names, parts, trained):
+        if b is None or not all(hasattr(leaf, "shape") for _, leaf in nest.leaves(b)):
+            continue
+        mine, theirs = nest.shapes(a), nest.shapes(b)
+        if set(mine) != set(theirs):
+            raise ConfigError("validation_data", f"{name} of {sorted(mine)}", "must be "
+                              f"structured like the training {name}'s {sorted(theirs)}")
+        for path, shape in mine.items():
+            if shape != theirs[path]:
+                rows = len(nest.leaves(a)[0][1])
+                raise ConfigError("validation_data", f"{name}{path} of shape "
+                                  f"{[rows, *shape]}", f"examples must be shaped like the "
+                                  f"training {name}{path}'s {list(theirs[path])}")
+    n = counts[0] if counts else 0
+    if n < world.size:
+        raise ConfigError("validation_data", f"{n} example(s)",
                           f"fewer than the {world.size} ranks: each rank scores its own part "
                           "of it, and none may be empty")
-    return x, y
+    return parts
 
 
 def _number(optimizer, name):
@@ -322,9 +335,9 @@ class _Fit:
                 pipeline.is_dataset(self.validation_data[0]):
             # Batched by the user; its counted batches: Keras 3 warns when it runs dry.
             return (*self.validation_data, None)
-        x, y = self.validation_data
-        part = test_shard(len(x), self.world.rank, self.world.size)
-        return (np.asarray(x)[part], np.asarray(y)[part]), None, batch_size
+        n = len(nest.leaves(self.validation_data[0])[0][1])
+        part = test_shard(n, self.world.rank, self.world.size)
+        return tuple(nest.take(a, part) for a in self.validation_data), None, batch_size
 
     # --- the callback's work --------------------------------------------------------------------
     def epoch_begin(self, epoch):

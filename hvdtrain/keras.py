@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain import distributed, pipeline, timings
+from hvdtrain import distributed, nest, pipeline, timings
 from hvdtrain.data import epoch_plan, steps_per_epoch
 from hvdtrain.engine import Run
 from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
@@ -64,22 +64,28 @@ def rank() -> int:
 class Dataset:
     """This rank's batches in hvdtrain's order (``data.epoch_plan``): one permutation of all
     examples per (seed, epoch); global step k takes the k-th block of ``batch_size * size``
-    examples, rank r its r-th slice. ``batch_size=None``: each rank's whole shard per step."""
+    examples, rank r its r-th slice. ``batch_size=None``: each rank's whole shard per step.
 
-    def __init__(self, x, y, batch_size, seed, shuffle, world):
+    ``x``, ``y`` and ``sample_weight`` are arrays or what ``model.fit`` takes besides: dicts
+    (by input or output name), tuples and lists of arrays, nested; every array holds the same
+    examples along its first axis (``nest.py``)."""
+
+    def __init__(self, x, y, batch_size, seed, shuffle, world, sample_weight=None):
         self.x, self.y, self.seed, self.shuffle, self.world = x, y, seed, shuffle, world
-        if len(x) != len(y):
-            raise DataError(f"hk.dataset: x has {len(x)} examples but y has {len(y)}")
+        self.sample_weight = sample_weight
+        parts = (("x", x), ("y", y)) + ((("sample_weight", sample_weight),)
+                                        if sample_weight is not None else ())
+        n = nest.examples("hk.dataset", parts)
         if batch_size is not None and batch_size < 0:
             raise ConfigError("batch_size", batch_size, "must be 0 or None (each rank's whole "
                               "shard per step) or more")
-        self.batch_size = batch_size or len(x) // world.size
-        self.steps = steps_per_epoch(len(x), self.batch_size, world.size)
+        self.batch_size = batch_size or n // world.size
+        self.steps = steps_per_epoch(n, self.batch_size, world.size)
         if self.steps < 1:
             raise ConfigError("batch_size", self.batch_size, f"a global batch of "
                               f"{self.batch_size} x {world.size} ranks needs more than the "
-                              f"{len(x)} examples")
-        self.examples, self.sample = len(x), x[:1]
+                              f"{n} examples")
+        self.examples, self.sample = n, nest.take(x, slice(0, 1))
 
     def info(self) -> dict:
         return {"train_examples": self.examples}
@@ -89,12 +95,15 @@ class Dataset:
         import tensorflow as tf
 
         w = self.world
-        idx = np.concatenate([epoch_plan(len(self.x), self.batch_size, w.rank, w.size, self.seed,
-                                         e, self.shuffle)[first_step if e == first_epoch else 0:]
+        idx = np.concatenate([epoch_plan(self.examples, self.batch_size, w.rank, w.size,
+                                         self.seed, e, self.shuffle)
+                              [first_step if e == first_epoch else 0:]
                               for e in range(first_epoch, end_epoch)])
-        x, y = tf.constant(self.x), tf.constant(self.y)
+        parts = tuple(nest.map(tf.constant, p) for p in (self.x, self.y, self.sample_weight)
+                      if p is not None)
         return (tf.data.Dataset.from_tensor_slices(idx)
-                .map(lambda i: (tf.gather(x, i), tf.gather(y, i))).prefetch(2))
+                .map(lambda i: tuple(nest.map(lambda a: tf.gather(a, i), p) for p in parts))
+                .prefetch(2))
 
 
 def files(pattern: str) -> list:
@@ -104,8 +113,13 @@ def files(pattern: str) -> list:
 
 
 @timings.timed("data")
-def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True) -> Dataset:
-    return Dataset(np.asarray(x), np.asarray(y), batch_size, seed, shuffle, distributed.current())
+def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True,
+            sample_weight=None) -> Dataset:
+    """This rank's batches of (x, y) or (x, y, sample_weight): arrays, or dicts, tuples and
+    lists of them as ``model.fit`` takes them (see ``Dataset``)."""
+    return Dataset(nest.arrays(x), nest.arrays(y), batch_size, seed, shuffle,
+                   distributed.current(),
+                   None if sample_weight is None else nest.arrays(sample_weight))
 
 
 def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
