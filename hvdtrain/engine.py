@@ -137,9 +137,10 @@ class Run:
         every rank gets the position to start from. From here on SIGTERM stops the run at a
         step boundary instead of killing the process."""
         self.model, self.optimizer = model, optimizer
-        self.state = (list(model.variables) + list(optimizer.variables)
+        self.state = (compat.variables(model.variables) + list(optimizer.variables)
                       + precision.scaler_state(optimizer))
-        self.moving = MovingStatistics(self.world, model.non_trainable_weights)
+        self.moving = MovingStatistics(self.world,
+                                       compat.variables(model.non_trainable_weights))
         find = lambda: self.checkpoints.find(self.record(defines_run=True))  # noqa: E731
         found = self.agree(find, catch=(CheckpointError,))
         load = lambda: self.checkpoints.load(found, self.state)  # noqa: E731

@@ -98,9 +98,21 @@ class Preempted(Together, RuntimeError):
     status = EXIT_PREEMPTED
 
 
+# TensorFlow's op errors begin with a header and a trace of where the op was defined; the
+# kernel's own message (Horovod's "Mismatched BROADCAST tensor shapes: ... [11, 4] ... [10, 4]")
+# comes after them.
+TF_HEADER = "Graph execution error"
+TF_TRACE = (TF_HEADER, "Detected at node", "File ", "[[", "Traceback")
+
+
 def first_line(message) -> str:
-    """The first non-blank line of an error message: what a one-line report shows."""
+    """The first non-blank line of an error message: what a one-line report shows; for a
+    TensorFlow op error, its cause (the kernel's message), not the "Graph execution error:"
+    header or the trace."""
     lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    if lines and lines[0].startswith(TF_HEADER):
+        causes = [line for line in lines if not line.startswith(TF_TRACE)]
+        return causes[0] if causes else lines[0]
     return lines[0] if lines else "unknown error"
 
 

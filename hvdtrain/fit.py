@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from hvdtrain import compat, nest, pipeline, precision, timings
+from hvdtrain import compat, nest, pipeline, precision, preflight, timings
 from hvdtrain.config import Config, setting
 from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
@@ -274,6 +274,8 @@ class _Fit:
         elif not model.built:
             model(self.train.sample)
         compat.check_model(model, "hk.fit", "was given")
+        with timings.phase("agreement"):  # the same model on every rank, before any write
+            preflight.check_model(self.world, model)
         # Create the optimizer's slots now, so that one broadcast covers the whole state.
         model.optimizer.build(model.trainable_variables)
 

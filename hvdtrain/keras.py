@@ -106,6 +106,54 @@ class Dataset:
                 .prefetch(2))
 
 
+def adapt(layer, data, **kwargs):
+    """``layer.adapt(data, **kwargs)`` on rank 0, and every rank given rank 0's state: its
+    vocabulary (TextVectorization, StringLookup, IntegerLookup: ``set_vocabulary``), its
+    adapted variables (Normalization's mean and variance) and the arrays, tensors and lists
+    of floats it keeps outside them (``preflight.state_attributes``: Normalization's mean
+    and variance tensors, Discretization's bin boundaries). Each rank adapting on its own
+    shard would give each rank another model; hk.fit refuses that before the first step.
+    All ranks; returns ``layer``."""
+    from hvdtrain.errors import TaskError, user_code
+    from hvdtrain.preflight import state_attributes
+
+    world = distributed.current()
+
+    def on_rank0():
+        if not world.is_chief:
+            return None
+        with user_code(f"hk.adapt: {type(layer).__name__}.adapt"):
+            layer.adapt(data, **kwargs)
+        vocabulary = getattr(layer, "get_vocabulary", None)
+        if vocabulary is not None:
+            return {"vocabulary": list(vocabulary())}
+        build = getattr(layer, "get_build_config", lambda: None)()
+        return {"build": build, "variables": [np.asarray(v.numpy()) for v in layer.variables],
+                "attributes": {k: (_kind(v), np.asarray(v))
+                               for k, v in state_attributes(layer).items()}}
+
+    state = world.broadcast_object(world.agree(on_rank0, catch=(TaskError,), merge=TaskError))
+    if world.is_chief:
+        return layer
+    if "vocabulary" in state:
+        layer.set_vocabulary(state["vocabulary"])
+        return layer
+    import tensorflow as tf
+
+    if not layer.built and state["build"]:
+        layer.build_from_config(state["build"])
+    for variable, value in zip(layer.variables, state["variables"]):
+        variable.assign(value)
+    for name, (kind, value) in state["attributes"].items():
+        setattr(layer, name, {"tensor": tf.constant, "list": list}.get(kind, np.asarray)(value))
+    return layer
+
+
+def _kind(value) -> str:
+    return ("tensor" if type(value).__name__ == "EagerTensor" else
+            "array" if isinstance(value, np.ndarray) else "list")
+
+
 def files(pattern: str) -> list:
     """The files matching ``pattern``, sorted: the same list on every rank, for a tf.data
     pipeline that hvdtrain shards by file. One line (every rank) when none matches."""
@@ -177,5 +225,5 @@ def report_error(e: Error, prog: str = None) -> int:
     return report(prog or os.path.basename(sys.argv[0]), e)
 
 
-__all__ = ["DistributedOptimizer", "Diverged", "EXIT_PREEMPTED", "Error", "Preempted",
+__all__ = ["DistributedOptimizer", "adapt", "Diverged", "EXIT_PREEMPTED", "Error", "Preempted",
            "STOP_CHECK_EVERY", "dataset", "files", "fit", "init", "rank", "report_error", "size"]

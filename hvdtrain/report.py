@@ -42,16 +42,24 @@ def weights_agreement(world, model) -> dict:
 
     import numpy as np
 
+    from hvdtrain.compat import variables
+    from hvdtrain.preflight import layer_state
+
     digest = hashlib.sha256()
-    for v in model.weights:
+    for v in variables(model.weights):
         digest.update(np.ascontiguousarray(v.numpy()).tobytes())
-    digests = world.allgather_object(digest.hexdigest())
-    agree = len(set(digests)) == 1
+    # The state outside the weights (vocabularies, Normalization's tensors) is compared too:
+    # ranks with other vocabularies are other models even with the same weights.
+    state = layer_state(model)
+    digests = world.allgather_object((digest.hexdigest(), state))
+    weights_digests = [d for d, _ in digests]
+    agree = len(set(weights_digests)) == 1 and all(s == digests[0][1] for _, s in digests)
     if not agree and world.is_chief:
-        differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        print(f"hvdtrain: warning: the weights of rank(s) {differ} differ from rank 0's after "
-              "training; result.json holds rank 0's", file=sys.stderr, flush=True)
-    return {"weights_sha256": digests[0], "ranks_identical": agree}
+        differ = [r for r, (d, s) in enumerate(digests) if (d, s) != digests[0]]
+        print(f"hvdtrain: warning: the weights or the layers' state of rank(s) {differ} differ "
+              "from rank 0's after training; result.json holds rank 0's", file=sys.stderr,
+              flush=True)
+    return {"weights_sha256": weights_digests[0], "ranks_identical": agree}
 
 
 def run_dir_problem(path: str):
