@@ -24,7 +24,7 @@ from hvdtrain import compat, nest, pipeline, precision, preflight, timings
 from hvdtrain.config import Config, setting
 from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
-from hvdtrain.engine import Run
+from hvdtrain.engine import BOOKKEEPING, Run
 from hvdtrain.errors import ConfigError, TaskError
 from hvdtrain.optimizer import accumulation, reduce_before_loss_scaling
 
@@ -32,6 +32,10 @@ from hvdtrain.optimizer import accumulation, reduce_before_loss_scaling
 # halved fit's throughput against Horovod's own Keras wrapper; every 10 steps costs about
 # nothing and delays a stop by at most 9 steps.
 STOP_CHECK_EVERY = 10
+
+# The run directories this process's hk.fit calls finished: given again, a second phase of
+# training (transfer learning) would be taken for a rerun of the first.
+FINISHED_HERE = set()
 
 # Config fields that the model, the optimizer or the dataset already decide in a fit script.
 NOT_FIT_SETTINGS = {
@@ -181,8 +185,12 @@ def check_validation(validation_data, train, world, sharded=False):
 
 
 def _number(optimizer, name):
+    """The optimizer's setting as the user wrote it: 0.1, not the 0.10000000149011612 that
+    its float32 variable reads back as."""
     try:
-        return float(np.asarray(getattr(optimizer, name)))
+        value = np.asarray(getattr(optimizer, name))
+        return float(str(value.astype(np.float32))) if value.dtype == np.float32 else \
+            float(value)
     except (AttributeError, TypeError, ValueError):
         return None
 
@@ -283,6 +291,8 @@ class _Fit:
     def fit(self, callbacks, validation_batch_size):
         keras, train, run = compat.keras(), self.train, self.run_
         run.check_run_dir()
+        if run.finished is not None:
+            return self._finished(keras)
         progress = self._prepare()
         start = progress.epoch
         first = min(-(-progress.offset // self.global_batch), train.steps)
@@ -320,11 +330,35 @@ class _Fit:
         run.finish({"batch_size": train.batch_size, "global_batch_size": run.global_batch,
                     "learning_rate": run.config.learning_rate,
                     **train.info()}, self.model)
+        FINISHED_HERE.add(run.out.run_dir)
         history = histories[-1] if histories else keras.callbacks.History()
         for h in histories[:-1]:  # one History for the whole run
             history.epoch = h.epoch + history.epoch
             for k, v in h.history.items():
                 history.history[k] = v + history.history.get(k, [])
+        return history
+
+    def _finished(self, keras):
+        """``run_dir`` holds a finished run. Run again as the same command (a new process):
+        nothing trains, nothing is overwritten, and the model gets the run's final state
+        from its newest checkpoint, so that the script's next lines (evaluate, a second
+        phase) see the trained model; the History is the run's, from metrics.jsonl. Given to
+        a second hk.fit of this process (a second phase of training): refused, each phase
+        needs its own run_dir."""
+        run = self.run_
+        if run.out.run_dir in FINISHED_HERE:
+            raise ConfigError("run_dir", run.out.run_dir, "holds this script's earlier hk.fit, "
+                              "finished: give each phase of training its own run_dir (e.g. "
+                              "run_dir=RUN_DIR + '/phase2'), or more epochs to train on in it")
+        self._prepare()  # the newest checkpoint restored on rank 0 and broadcast
+        self.out.notice(run.unchanged())
+        history = keras.callbacks.History()
+        records = run.world.broadcast_object(self.out.records() if self.world.is_chief else None)
+        history.epoch = [r["epoch"] - 1 for r in records]
+        for r in records:
+            for k, v in r.items():
+                if k not in BOOKKEEPING and k != "input_wait":
+                    history.history.setdefault(k, []).append(v)
         return history
 
     @timings.timed("data")

@@ -165,9 +165,12 @@ def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True,
             sample_weight=None) -> Dataset:
     """This rank's batches of (x, y) or (x, y, sample_weight): arrays, or dicts, tuples and
     lists of them as ``model.fit`` takes them (see ``Dataset``)."""
-    return Dataset(nest.arrays(x), nest.arrays(y), batch_size, seed, shuffle,
-                   distributed.current(),
-                   None if sample_weight is None else nest.arrays(sample_weight))
+    try:
+        return Dataset(nest.arrays(x), nest.arrays(y), batch_size, seed, shuffle,
+                       distributed.current(),
+                       None if sample_weight is None else nest.arrays(sample_weight))
+    except ConfigError as e:
+        raise e.in_call("hk.dataset") from None
 
 
 def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
@@ -189,8 +192,11 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
     same command to resume).
     """
     with timings.phase("other"):  # the run: what no named phase inside claims
-        return _fit(model, train, epochs, validation_data, callbacks, validation_batch_size,
-                    steps_per_epoch, sharded, settings)
+        try:
+            return _fit(model, train, epochs, validation_data, callbacks,
+                        validation_batch_size, steps_per_epoch, sharded, settings)
+        except ConfigError as e:  # named as the script wrote it: hk.fit(epochs=0)
+            raise e.in_call("hk.fit") from None
 
 
 def _fit(model, train, epochs, validation_data, callbacks, validation_batch_size,

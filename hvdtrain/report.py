@@ -83,7 +83,7 @@ def run_dir_problem(path: str):
     if os.path.exists(os.path.join(path, "result.json")) and not (
             os.path.isdir(checkpoints) and any(n.endswith(".hvdt") for n in os.listdir(checkpoints))):
         return ("holds a finished run (result.json) and no checkpoint to continue from: "
-                "choose a new --run-dir rather than overwrite it")
+                "choose a new one rather than overwrite it")
     return None
 
 
@@ -151,6 +151,25 @@ class Reporter:
         """Rank 0: why the run directory cannot be used (None if it can); creates nothing."""
         return run_dir_problem(self.run_dir) if self.enabled else None
 
+    def finished(self, epochs: int, defining: dict):
+        """Rank 0: the result.json of a finished run in the run directory that trained at
+        least ``epochs`` epochs (early stopping included) with the settings ``defining``
+        (``Run.record(defines_run=True)``; config.json has them), else None: the same command
+        again must not train it again and overwrite its result; more epochs train on, and
+        other settings are refused by the checkpoints' comparison."""
+        if not self.enabled:
+            return None
+        try:
+            with open(os.path.join(self.run_dir, "result.json")) as f:
+                done = json.load(f)
+            with open(os.path.join(self.run_dir, "config.json")) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            return None  # none, or unreadable: the checkpoints decide, as before
+        same = all(saved.get(k) == v for k, v in defining.items() if k != "settings") and all(
+            saved.get("settings", {}).get(k) == v for k, v in defining["settings"].items())
+        return done if same and done.get("epochs", 0) >= epochs else None
+
     def claim(self) -> None:
         """Rank 0: create the run directory and hold it for this run (RunDirBusy if taken)."""
         if self.enabled and self._lock is None:
@@ -203,6 +222,14 @@ class Reporter:
 
         if self._tb is None:
             self._tb = tf.summary.create_file_writer(os.path.join(self.run_dir, "tensorboard"))
+
+    def records(self) -> list:
+        """Rank 0: metrics.jsonl's records, in order ([] if none)."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
 
     def epoch(self, record: dict) -> None:
         if not self.enabled:

@@ -71,6 +71,9 @@ class _TaskRun:
         """Build everything, then train: statically, or under Horovod's elastic driver."""
         run = self.run_
         run.check_run_dir()
+        if run.finished is not None:  # the same command again: its result stands
+            self.out.notice(run.unchanged())
+            return run.finished
         self._load()
         self._build()
         if not self.config.elastic:

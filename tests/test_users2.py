@@ -5,10 +5,14 @@ own hk.fit or Task run, its outcome written per rank as JSON), shared by the tes
 one-process references run in this interpreter. Scenarios:
 - ``dicts``: a two-input two-output functional model fed dicts (x, y, sample_weight, and
   validation data), which must train as one process at the global batch;
-- ``vocab_per_rank``, ``norm_per_rank``, ``task_vocab_per_rank``: each rank adapts a
+- ``vocab_per_rank``, ``norm_per_rank``, ``task_norm_per_rank``: each rank adapts a
   StringLookup or a Normalization on its own shard: refused before step 0, on both paths,
   naming the layer and what differs, nothing written;
-- ``vocab_adapt``: ``hk.adapt`` gives every rank rank 0's vocabulary, and it trains.
+- ``vocab_adapt``: ``hk.adapt`` gives every rank rank 0's vocabulary, and it trains;
+- ``two_phase`` (transfer learning, two hk.fit calls), ``early`` (EarlyStopping), ``grown``,
+  ``lr_changed``: run, then run again by a second launch as the same command (``again``):
+  a finished run trains nothing and rewrites nothing, more epochs train on, other settings
+  are refused naming the script's own arguments with the values as written.
 """
 import json
 import os
@@ -122,21 +126,96 @@ SCENARIOS = textwrap.dedent("""
         hvdtrain.train(NormTask(), hvdtrain.Config(run_dir=run_dir, epochs=1, batch_size=8,
                                                    verbose=0), hvdtrain.world())
 
+    def tl_data():
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(256, 8)).astype("float32")
+        return x, (x[:, 0] * x[:, 1] > 0).astype("int64")
+
+    def digest(model):
+        import hashlib
+        return hashlib.sha256(b"".join(np.asarray(w).tobytes()
+                                       for w in model.get_weights())).hexdigest()
+
+    def moved(before, after):
+        return max(float(np.abs(a - b).max()) for a, b in zip(before, after))
+
+    def two_phase(run_dir, again=False):
+        '''Transfer learning: the head on a frozen base, then the whole model, each phase
+        its own run_dir under run_dir.'''
+        x, y = tl_data()
+        k.utils.set_random_seed(2)
+        base = k.Sequential([k.Input((8,)), k.layers.Dense(16, activation="relu"),
+                             k.layers.Dense(8, activation="relu")], name="base")
+        model = k.Sequential([base, k.layers.Dense(2, activation="softmax")])
+        train = hk.dataset(x, y, batch_size=16, seed=0)
+        base.trainable = False
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.Adam(1e-2)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        start = base.get_weights()
+        head = hk.fit(model, train, epochs=2, run_dir=run_dir + "/head", verbose=0)
+        after_head = base.get_weights()
+        base.trainable = True
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(0.05)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        whole = hk.fit(model, train, epochs=2, run_dir=run_dir + "/finetune", verbose=0)
+        out = {"base_moved": [moved(start, after_head), moved(after_head, base.get_weights())],
+               "epochs": [head.epoch, whole.epoch], "loss": [head.history["loss"],
+                                                             whole.history["loss"]],
+               "digest": digest(model)}
+        try:  # a third phase in the second phase's run_dir: refused, it is finished
+            hk.fit(model, train, epochs=2, run_dir=run_dir + "/finetune", verbose=0)
+        except hk.Error as e:
+            out["same_run_dir"] = [str(e), e.status]
+        return out
+
+    def small(lr=0.1):
+        x, y = tl_data()
+        k.utils.set_random_seed(3)
+        model = k.Sequential([k.Input((8,)), k.layers.Dense(2, activation="softmax")])
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(lr)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model, hk.dataset(x, y, batch_size=16, seed=0), (x[:32], y[:32])
+
+    def early(run_dir, again=False):
+        '''EarlyStopping ends 4 epochs after 2; the same command again trains nothing.'''
+        model, train, val = small()
+        stop = k.callbacks.EarlyStopping("val_loss", min_delta=10, patience=1)
+        history = hk.fit(model, train, epochs=4, validation_data=val, run_dir=run_dir,
+                         callbacks=[stop], verbose=0)
+        return {"epochs": history.epoch, "digest": digest(model),
+                "step": int(model.optimizer.iterations.numpy())}
+
+    def grown(run_dir, again=False):
+        '''1 epoch, then the same command with 2: it trains on.'''
+        model, train, _ = small()
+        history = hk.fit(model, train, epochs=2 if again else 1, run_dir=run_dir, verbose=0)
+        return {"epochs": history.epoch, "step": int(model.optimizer.iterations.numpy())}
+
+    def lr_changed(run_dir, again=False):
+        '''1 epoch at 0.1, then 2 at 0.01 in the same run_dir: refused as the user wrote it.'''
+        model, train, _ = small(0.01 if again else 0.1)
+        hk.fit(model, train, epochs=2 if again else 1, run_dir=run_dir, verbose=0)
+
     def main(out, names):
         hk.init()
-        for name in names:
+        again = names[0] == "again"  # the same scenarios run a second time, as a new command
+        for name in names[again:]:
             run_dir = os.path.join(out, name)
             try:
-                outcome = {"result": globals()[name](run_dir)}
+                outcome = {"result": globals()[name](run_dir, again) if again else
+                           globals()[name](run_dir)}
             except hk.Error as e:
                 outcome = {"error": str(e), "status": e.status, "type": type(e).__name__}
-            with open(os.path.join(out, f"{name}.rank{hk.rank()}.json"), "w") as f:
+            suffix = ".again" if again else ""
+            with open(os.path.join(out, f"{name}{suffix}.rank{hk.rank()}.json"), "w") as f:
                 json.dump(outcome, f)
 
     if __name__ == "__main__":
         main(sys.argv[1], sys.argv[2:])
 """)
-NAMES = ("dicts", "vocab_per_rank", "vocab_adapt", "norm_per_rank", "task_norm_per_rank")
+NAMES = ("dicts", "vocab_per_rank", "vocab_adapt", "norm_per_rank", "task_norm_per_rank",
+         "two_phase", "early", "grown", "lr_changed")
+AGAIN = ("two_phase", "early", "grown", "lr_changed")  # run again, as the same command
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +237,22 @@ def two(code):
     for name in NAMES:
         outcomes[name] = [json.load(open(out / f"{name}.rank{r}.json")) for r in (0, 1)]
     return outcomes, out, p
+
+
+@pytest.fixture(scope="module")
+def again(code, two):
+    """The scenarios of AGAIN run a second time on 2 ranks, as the same command run again:
+    (outcomes, result.json's bytes before it, the launch)."""
+    folder, base = code
+    _, out, _ = two
+    before = {name: {str(f): f.read_bytes() for f in out.glob(f"{name}/**/result.json")}
+              for name in AGAIN}
+    p = run(usercode.two_ranks(folder / "users2.py", out, "again", *AGAIN),
+            usercode.env_with(folder, base), timeout=180)
+    assert p.returncode == 0, p.stderr[-4000:]
+    outcomes = {name: [json.load(open(out / f"{name}.again.rank{r}.json")) for r in (0, 1)]
+                for name in AGAIN}
+    return outcomes, before, p
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +360,72 @@ another rank sent a tensor of shape [11, 4].
     assert error_line(FailedPreconditionError(message)).startswith(
         "FailedPreconditionError: Mismatched BROADCAST tensor shapes:")
     assert first_line("File not found: x\nmore") == "File not found: x"  # no header: as before
+
+
+def test_two_phases_of_transfer_learning_each_train_in_their_own_run_dir(two, again):
+    outcomes, out, _ = two
+    first = [o["result"] for o in outcomes["two_phase"]]
+    assert first[0]["digest"] == first[1]["digest"]  # ranks identical after both phases
+    frozen, unfrozen = first[0]["base_moved"]
+    assert frozen == 0 and unfrozen > 1e-3  # the frozen base moved in phase 2 only
+    assert first[0]["epochs"] == [[0, 1], [0, 1]]
+    for phase in ("head", "finetune"):
+        res = result(out / "two_phase" / phase)
+        assert res["ranks_identical"] is True and res["global_step"] == 2 * 256 // 32
+    assert result(out / "two_phase" / "finetune")["learning_rate"] == 0.05  # as written
+    said, status = first[0]["same_run_dir"]  # a third phase in a finished phase's run_dir
+    assert status == 2 and said.startswith("hk.fit(run_dir=") and "its own run_dir" in said
+    # The whole script again: both phases finished, nothing trains, nothing is rewritten,
+    # and the model ends with the trained weights (each phase's newest checkpoint).
+    outcomes, before, p = again
+    rerun = [o["result"] for o in outcomes["two_phase"]]
+    assert rerun[0]["digest"] == rerun[1]["digest"] == first[0]["digest"]
+    assert rerun[0]["loss"] == first[0]["loss"]  # the History from metrics.jsonl
+    assert {f: open(f, "rb").read() for f in before["two_phase"]} == before["two_phase"]
+    assert p.stderr.count("holds a finished run (2 epochs, step 16): nothing to train") >= 2
+
+
+def test_a_rerun_of_a_finished_early_stopped_run_does_not_train(two, again):
+    outcomes, out, _ = two
+    first = outcomes["early"][0]["result"]
+    assert first["epochs"] == [0, 1] and first["step"] == 16  # stopped after 2 of 4 epochs
+    outcomes, before, p = again
+    rerun = [o["result"] for o in outcomes["early"]]
+    assert rerun[0] == rerun[1] == first  # restored to where it stopped, not trained on
+    assert {f: open(f, "rb").read() for f in before["early"]} == before["early"]
+    assert f"{out / 'early'} holds a finished run (4 epochs, step 16)" in p.stderr
+
+
+def test_more_epochs_train_on_and_changed_settings_are_named_as_written(two, again):
+    outcomes, out, _ = two
+    assert outcomes["grown"][0]["result"] == {"epochs": [0], "step": 8}
+    assert result(out / "lr_changed")["learning_rate"] == 0.1
+    outcomes, _, _ = again
+    assert outcomes["grown"][0]["result"] == {"epochs": [1], "step": 16}
+    assert result(out / "grown")["global_step"] == 16
+    for o in outcomes["lr_changed"]:
+        assert o["status"] == 1 and o["type"] == "RankError", o  # rank 0 found it
+        assert "was made with other settings (the optimizer's learning_rate 0.1 -> 0.01)" \
+            in o["error"], o
+        assert o["error"].endswith("or choose a new run_dir")
+
+
+def test_the_same_task_command_again_trains_nothing(scenarios, tmp_path, capfd):
+    """The Task path (in this process): a finished run's command again is a no-op that says
+    so and returns the run's result; more epochs train on."""
+    import hvdtrain
+    from hvdtrain.linear import LinearTask
+
+    def train(epochs):
+        config = hvdtrain.preset("linear", run_dir=str(tmp_path), verbose=0, num_workers=1,
+                                 epochs=epochs)
+        return hvdtrain.train(LinearTask(), config, hvdtrain.world())
+
+    first = train(2)
+    before = (tmp_path / "result.json").read_bytes()
+    capfd.readouterr()
+    assert train(2) == json.loads(before) == json.loads(json.dumps(first))
+    assert (tmp_path / "result.json").read_bytes() == before
+    assert f"{tmp_path} holds a finished run (2 epochs, step 2): nothing to train" in \
+        capfd.readouterr().err
+    assert train(3)["global_step"] == 3  # the full batch: one step an epoch
