@@ -149,13 +149,15 @@ class Run:
         self.agree(self.out.claim, catch=(RunDirBusy, OSError))
 
     @timings.timed("checkpoints")
-    def restore(self, model, optimizer) -> Progress:
-        """Rank 0 loads its newest valid checkpoint into ``model`` and ``optimizer`` (built);
-        every rank gets the position to start from. From here on SIGTERM stops the run at a
-        step boundary instead of killing the process."""
+    def restore(self, model, optimizer, others=()) -> Progress:
+        """Rank 0 loads its newest valid checkpoint into ``model`` and ``optimizer`` (built)
+        and any ``others`` the model applies (a GAN's); every rank gets the position to start
+        from. From here on SIGTERM stops the run at a step boundary instead of killing the
+        process."""
         self.model, self.optimizer = model, optimizer
         self.state = (compat.variables(model.variables) + list(optimizer.variables)
-                      + precision.scaler_state(optimizer))
+                      + precision.scaler_state(optimizer)
+                      + [v for o in others for v in o.variables])
         self.moving = MovingStatistics(self.world,
                                        compat.variables(model.non_trainable_weights))
         find = lambda: self.checkpoints.find(self.record(defines_run=True))  # noqa: E731
@@ -298,7 +300,7 @@ def _stop_watching(dog: Watchdog, world: World, e: Optional[BaseException]) -> N
         raise RankError(f"rank {world.rank}: a collective failed (a peer is gone?): "
                         f"{first_line(str(e))}") from None
     else:
-        dog.abort(f"{type(e).__name__}: {e}")  # this rank alone: stop the others too
+        dog.abort(error_line(e))  # this rank alone: stop the others too
 
 
 class MovingStatistics:

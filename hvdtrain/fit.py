@@ -99,7 +99,8 @@ def fit_config(model, train, epochs: int, world, **settings) -> Config:
     config = Config(epochs=epochs, batch_size=train.batch_size, seed=train.seed,
                     backend=world.backend, **settings).validate()
     check_compiled(model, world)
-    passes = accumulation(model.optimizer)
+    optimizer = applied_optimizers(model)[0][1]  # the GAN pattern: the first it applies
+    passes = accumulation(optimizer)
     if train.steps % passes:
         # Every epoch ends on an update, so that its end (a checkpoint) holds no
         # half-accumulated gradients and the next epoch's first update is whole.
@@ -108,8 +109,8 @@ def fit_config(model, train, epochs: int, world, **settings) -> Config:
                           f"{train.batch_size} x {world.size} ranks): choose a batch_size "
                           "that makes it so")
     # What the compiled optimizer really uses (None for a schedule): recorded, not checked.
-    return dataclasses.replace(config, learning_rate=_number(model.optimizer, "learning_rate"),
-                               momentum=_number(model.optimizer, "momentum"),
+    return dataclasses.replace(config, learning_rate=_number(optimizer, "learning_rate"),
+                               momentum=_number(optimizer, "momentum"),
                                steps_per_execution=steps_per_execution(model),
                                accumulate_steps=passes,
                                mixed_precision=precision.model_precision(model))
@@ -126,23 +127,38 @@ def steps_per_execution(model) -> int:
         return 1
 
 
+def applied_optimizers(model) -> list:
+    """[(name, optimizer)]: the optimizers the model applies. ``model.optimizer``, and the
+    optimizers it keeps as attributes of its own: the GAN pattern (Keras' guide) compiles with
+    ``compile(d_optimizer=..., g_optimizer=...)`` and ``super().compile()``, which gives
+    ``model.optimizer`` a default Keras never applies when the model's own ``train_step``
+    applies the others; then those are the ones that count."""
+    keras = compat.keras()
+    base = keras.optimizers.Optimizer
+    own = getattr(model, "optimizer", None)
+    others = [(name, v) for name, v in vars(model).items()
+              if isinstance(v, base) and v is not own and not name.startswith("_")]
+    custom = type(model).train_step is not keras.Model.train_step
+    return others if others and custom else [("optimizer", own)] + others
+
+
 def check_compiled(model, world) -> None:
-    """The model is compiled, and on several ranks with a distributed optimizer (a plain one
-    would train one independent model per rank)."""
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None:
+    """The model is compiled, and on several ranks each optimizer it applies is distributed
+    (a plain one would train one independent model per rank)."""
+    if getattr(model, "optimizer", None) is None:
         raise TaskError("hk.fit: the model is not compiled: call model.compile(optimizer="
                         "hk.DistributedOptimizer(...), loss=..., metrics=...) first")
-    # Keras 3 under mixed_float16: compile put the loss scaler outside; reduce first.
-    optimizer = reduce_before_loss_scaling(optimizer)
-    # Keras 2 under mixed_float16: the scaler outside Horovod's wrapper is the right order.
-    inner = getattr(optimizer, "inner_optimizer", None)
-    distributed = any(getattr(o, "_hvdtrain_reduction", None) is not None
-                      or type(o).__module__.startswith("horovod") for o in (optimizer, inner))
-    if world.size > 1 and not distributed:
-        raise TaskError(f"hk.fit: the model's optimizer ({type(optimizer).__name__}) is not "
-                        f"distributed: the {world.size} ranks would train {world.size} "
-                        "independent models; compile with hk.DistributedOptimizer(optimizer)")
+    for name, optimizer in applied_optimizers(model):
+        # Keras 3 under mixed_float16: compile put the loss scaler outside; reduce first.
+        optimizer = reduce_before_loss_scaling(optimizer)
+        # Keras 2 under mixed_float16: the scaler outside Horovod's wrapper is the right order.
+        inner = getattr(optimizer, "inner_optimizer", None)
+        distributed = any(getattr(o, "_hvdtrain_reduction", None) is not None
+                          or type(o).__module__.startswith("horovod") for o in (optimizer, inner))
+        if world.size > 1 and not distributed:
+            raise TaskError(f"hk.fit: the model's {name} ({type(optimizer).__name__}) is not "
+                            f"distributed: the {world.size} ranks would train {world.size} "
+                            f"independent models; compile with hk.DistributedOptimizer(optimizer)")
 
 
 def check_validation(validation_data, train, world, sharded=False):
@@ -263,7 +279,10 @@ class _Fit:
         run = self.run_
         self._build()
         run.claim()
-        progress = run.restore(self.model, self.model.optimizer)
+        # Several optimizers (a GAN): the run's step is the first's; every one's variables
+        # are in the broadcast and the checkpoints (those that exist before the first step).
+        (_, first), *others = applied_optimizers(self.model)
+        progress = run.restore(self.model, first, [o for _, o in others])
         run.broadcast()
         if progress.epoch is None:
             progress.epoch, progress.offset = 0, 0
@@ -285,7 +304,8 @@ class _Fit:
         with timings.phase("agreement"):  # the same model on every rank, before any write
             preflight.check_model(self.world, model)
         # Create the optimizer's slots now, so that one broadcast covers the whole state.
-        model.optimizer.build(model.trainable_variables)
+        if any(o is model.optimizer for _, o in applied_optimizers(model)):
+            model.optimizer.build(model.trainable_variables)
 
     # --- model.fit ----------------------------------------------------------------------------
     def fit(self, callbacks, validation_batch_size):

@@ -250,9 +250,22 @@ class Reporter:
         if not self.enabled:
             return None
         path = os.path.join(self.run_dir, "model.keras")
-        with replacing(path, suffix=".keras") as tmp:  # Keras saves only to *.keras
-            model.save(tmp)
-        return path
+        try:
+            with replacing(path, suffix=".keras") as tmp:  # Keras saves only to *.keras
+                model.save(tmp)
+            return path
+        except Exception as e:  # noqa: BLE001 (a model Keras cannot save whole)
+            # A subclassed model without get_config, say: the training must not be lost
+            # with it. Its weights alone load into the same model built in code.
+            # Keras' reason, its first sentence, on one line (it breaks it over lines).
+            why = " ".join(str(e).split()).split(". ")[0] or "no reason given"
+            weights = os.path.join(self.run_dir, "model.weights.h5")
+            with replacing(weights, suffix=".weights.h5") as tmp:  # Keras' required suffix
+                model.save_weights(tmp)
+            self.notice(f"hvdtrain: warning: model.keras not saved: Keras cannot save this "
+                        f"{type(model).__name__} whole ({type(e).__name__}: {why}); its weights are in "
+                        f"{weights} (model.load_weights opens them in the model built in code)")
+            return weights
 
     def result(self, result: dict) -> None:
         if not self.enabled:

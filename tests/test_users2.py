@@ -12,7 +12,9 @@ one-process references run in this interpreter. Scenarios:
 - ``two_phase`` (transfer learning, two hk.fit calls), ``early`` (EarlyStopping), ``grown``,
   ``lr_changed``: run, then run again by a second launch as the same command (``again``):
   a finished run trains nothing and rewrites nothing, more epochs train on, other settings
-  are refused naming the script's own arguments with the values as written.
+  are refused naming the script's own arguments with the values as written;
+- ``gan``, ``gan_plain_d``: Keras' GAN pattern (two optimizers, its own train_step, a model
+  Keras cannot save whole): trains when both are distributed, refused naming the other.
 """
 import json
 import os
@@ -196,6 +198,68 @@ SCENARIOS = textwrap.dedent("""
         model, train, _ = small(0.01 if again else 0.1)
         hk.fit(model, train, epochs=2 if again else 1, run_dir=run_dir, verbose=0)
 
+    import tensorflow as tf
+
+    class GAN(k.Model):
+        '''Keras' GAN guide's pattern on 2-D points: two optimizers, its own train_step.'''
+
+        def __init__(self, discriminator, generator, latent_dim):  # no get_config: as the
+            super().__init__()                                       # guide's, unsaveable
+            self.discriminator, self.generator = discriminator, generator
+            self.latent_dim = latent_dim
+
+        def compile(self, d_optimizer, g_optimizer):
+            super().compile()
+            self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+            self.loss_fn = k.losses.BinaryCrossentropy(from_logits=True)
+            self.d_loss, self.g_loss = k.metrics.Mean(name="d_loss"), k.metrics.Mean(name="g_loss")
+
+        @property
+        def metrics(self):
+            return [self.d_loss, self.g_loss]
+
+        def call(self, x):
+            return self.discriminator(x)
+
+        def train_step(self, data):
+            real = data[0]
+            n = tf.shape(real)[0]
+            fake = self.generator(tf.random.normal((n, self.latent_dim), seed=1))
+            labels = tf.concat([tf.ones((n, 1)), tf.zeros((n, 1))], 0)
+            with tf.GradientTape() as tape:
+                d = self.loss_fn(labels, self.discriminator(tf.concat([fake, real], 0)))
+            weights = self.discriminator.trainable_weights
+            self.d_optimizer.apply_gradients(zip(tape.gradient(d, weights), weights))
+            with tf.GradientTape() as tape:
+                fake = self.generator(tf.random.normal((n, self.latent_dim), seed=2))
+                g = self.loss_fn(tf.zeros((n, 1)), self.discriminator(fake))
+            weights = self.generator.trainable_weights
+            self.g_optimizer.apply_gradients(zip(tape.gradient(g, weights), weights))
+            self.d_loss.update_state(d)
+            self.g_loss.update_state(g)
+            return {"d_loss": self.d_loss.result(), "g_loss": self.g_loss.result()}
+
+    def gan(run_dir, distribute_d=True):
+        x = (np.random.default_rng(5).normal(size=(128, 2)) + [2.0, -1.0]).astype("float32")
+        k.utils.set_random_seed(4)
+        model = GAN(k.Sequential([k.Input((2,)), k.layers.Dense(8, activation="relu"),
+                                  k.layers.Dense(1)]),
+                    k.Sequential([k.Input((4,)), k.layers.Dense(8, activation="relu"),
+                                  k.layers.Dense(2)]), 4)
+        d = k.optimizers.Adam(1e-2)
+        model.compile(d_optimizer=hk.DistributedOptimizer(d) if distribute_d else d,
+                      g_optimizer=hk.DistributedOptimizer(k.optimizers.Adam(1e-2)))
+        start = model.generator.get_weights()
+        history = hk.fit(model, hk.dataset(x, np.zeros(len(x)), batch_size=16), epochs=2,
+                         run_dir=run_dir, verbose=0)
+        return {"history": history.history, "digest": digest(model),
+                "moved": [moved(start, model.generator.get_weights())],
+                "steps": [int(model.d_optimizer.iterations.numpy()),
+                          int(model.g_optimizer.iterations.numpy())]}
+
+    def gan_plain_d(run_dir):
+        gan(run_dir, distribute_d=False)
+
     def main(out, names):
         hk.init()
         again = names[0] == "again"  # the same scenarios run a second time, as a new command
@@ -206,6 +270,8 @@ SCENARIOS = textwrap.dedent("""
                            globals()[name](run_dir)}
             except hk.Error as e:
                 outcome = {"error": str(e), "status": e.status, "type": type(e).__name__}
+            except Exception as e:  # a test that asks for this scenario fails on it
+                outcome = {"crash": f"{type(e).__name__}: {e}"}
             suffix = ".again" if again else ""
             with open(os.path.join(out, f"{name}{suffix}.rank{hk.rank()}.json"), "w") as f:
                 json.dump(outcome, f)
@@ -214,7 +280,7 @@ SCENARIOS = textwrap.dedent("""
         main(sys.argv[1], sys.argv[2:])
 """)
 NAMES = ("dicts", "vocab_per_rank", "vocab_adapt", "norm_per_rank", "task_norm_per_rank",
-         "two_phase", "early", "grown", "lr_changed")
+         "two_phase", "early", "grown", "lr_changed", "gan", "gan_plain_d")
 AGAIN = ("two_phase", "early", "grown", "lr_changed")  # run again, as the same command
 
 
@@ -429,3 +495,33 @@ def test_the_same_task_command_again_trains_nothing(scenarios, tmp_path, capfd):
     assert f"{tmp_path} holds a finished run (2 epochs, step 2): nothing to train" in \
         capfd.readouterr().err
     assert train(3)["global_step"] == 3  # the full batch: one step an epoch
+
+
+def test_a_gan_with_two_distributed_optimizers_trains_and_keeps_its_weights(two):
+    """The Keras guide's GAN pattern: compile(d_optimizer=..., g_optimizer=...) over
+    super().compile(): both distributed, it trains with ranks identical; Keras cannot save
+    the subclassed model whole, so its weights are saved instead, with one warning."""
+    import h5py
+
+    outcomes, out, p = two
+    mine = [o.get("result", o) for o in outcomes["gan"]]
+    assert "history" in mine[0], mine[0]
+    assert mine[0]["digest"] == mine[1]["digest"] and mine[0]["moved"][0] > 1e-3
+    assert mine[0]["steps"] == [8, 8]  # each optimizer applied once per step
+    res = result(out / "gan")
+    assert res["ranks_identical"] is True and res["global_step"] == 8
+    assert res["model"].endswith("model.weights.h5") and not (out / "gan" / "model.keras").exists()
+    warned = [l for l in p.stderr.splitlines() if "model.keras not saved" in l]
+    assert len(warned) == 1 and "Keras cannot save this GAN whole" in warned[0], p.stderr[-3000:]
+    with h5py.File(out / "gan" / "model.weights.h5") as f:  # the weights, as Keras wrote them
+        assert len(f.keys()) > 0
+
+
+def test_a_gan_with_an_undistributed_optimizer_is_refused_naming_it(two):
+    outcomes, out, _ = two
+    for o in outcomes["gan_plain_d"]:
+        assert o.get("status") == 1, o
+        assert o["error"] == ("hk.fit: the model's d_optimizer (Adam) is not distributed: the 2 "
+                              "ranks would train 2 independent models; compile with "
+                              "hk.DistributedOptimizer(optimizer)")
+    assert not (out / "gan_plain_d").exists()
