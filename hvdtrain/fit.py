@@ -70,7 +70,13 @@ def user_callbacks(callbacks, world) -> list:
             if isinstance(cb, getattr(keras.callbacks, name)):
                 raise ConfigError("callbacks", name, f"not for hk.fit: {why}")
     rank0 = tuple(getattr(keras.callbacks, name) for name in RANK0_CALLBACKS)
-    return [cb for cb in callbacks if world.is_chief or not isinstance(cb, rank0)]
+    kept = [cb for cb in callbacks if world.is_chief or not isinstance(cb, rank0)]
+    if not world.is_chief:  # Keras' own lines (EarlyStopping's "early stopping", ...): once
+        for cb in kept:
+            if isinstance(cb, keras.callbacks.Callback) and isinstance(
+                    getattr(cb, "verbose", None), int):
+                cb.verbose = 0
+    return kept
 
 
 @dataclasses.dataclass
@@ -273,6 +279,7 @@ class _Fit:
         self.calls = _Calls(model)
         self.first_call = 0  # the depth of the open first_call phase (timings), 0: none
         self.evaluating = 0  # the same for evaluation
+        self.records, self.epochs_done = {}, 0  # this process's epochs' records, by epoch
 
     # --- before model.fit: build, restore, broadcast ------------------------------------------
     def _prepare(self) -> Progress:
@@ -347,8 +354,9 @@ class _Fit:
                     validation_batch_size=validation_batch_size, validation_steps=val_steps,
                     callbacks=[callback] + callbacks,
                     shuffle=False, verbose=shown))  # the order is the Dataset's
+        best = self._restored_best(callbacks)
         run.finish({"batch_size": train.batch_size, "global_batch_size": run.global_batch,
-                    "learning_rate": run.config.learning_rate,
+                    "learning_rate": run.config.learning_rate, **best,
                     **train.info()}, self.model)
         FINISHED_HERE.add(run.out.run_dir)
         history = histories[-1] if histories else keras.callbacks.History()
@@ -357,6 +365,29 @@ class _Fit:
             for k, v in h.history.items():
                 history.history[k] = v + history.history.get(k, [])
         return history
+
+    def _restored_best(self, callbacks) -> dict:
+        """EarlyStopping(restore_best_weights=True) put its best epoch's weights back at the
+        end: result.json's final_* are then that epoch's (``restored_best_epoch``), and a
+        checkpoint holds them (a rerun restores what model.keras holds). Every rank decides
+        the same: the callback saw the same global metrics on each."""
+        keras = compat.keras()
+        for cb in callbacks:
+            best = getattr(cb, "best_weights", None)
+            if not (isinstance(cb, keras.callbacks.EarlyStopping) and best is not None
+                    and getattr(cb, "restore_best_weights", False)):
+                continue
+            epoch = int(getattr(cb, "best_epoch", -1))
+            record = self.records.get(epoch + 1)
+            now = self.model.get_weights()
+            if record is None or record is self.run_.last_record or len(now) != len(best) \
+                    or not all(np.array_equal(a, b) for a, b in zip(now, best)):
+                continue  # not restored, or the last epoch was the best
+            self.run_.last_record = record
+            self.run_.save(Progress(epoch=self.epochs_done, offset=0),
+                           np.zeros_like(self.metrics.flat()))
+            return {"restored_best_epoch": epoch + 1}
+        return {}
 
     def _finished(self, keras):
         """``run_dir`` holds a finished run. Run again as the same command (a new process):
@@ -472,6 +503,7 @@ class _Fit:
             # The loss is reduced over every rank: every rank decides the same here.
             raise run.diverged(f"the loss became NaN or infinite in epoch {epoch + 1}")
         run.epoch_end(record)
+        self.records[epoch + 1], self.epochs_done = record, epoch + 1
         run.save(Progress(epoch=epoch + 1, offset=0), np.zeros_like(self.metrics.flat()))
         self.save_pending = False
         if not self.out.interactive:

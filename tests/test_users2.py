@@ -179,9 +179,11 @@ SCENARIOS = textwrap.dedent("""
         return model, hk.dataset(x, y, batch_size=16, seed=0), (x[:32], y[:32])
 
     def early(run_dir, again=False):
-        '''EarlyStopping ends 4 epochs after 2; the same command again trains nothing.'''
+        '''EarlyStopping ends 4 epochs after 2, restoring epoch 1's weights; the same command
+        again trains nothing.'''
         model, train, val = small()
-        stop = k.callbacks.EarlyStopping("val_loss", min_delta=10, patience=1)
+        stop = k.callbacks.EarlyStopping("val_loss", min_delta=10, patience=1, verbose=1,
+                                         restore_best_weights=True)
         history = hk.fit(model, train, epochs=4, validation_data=val, run_dir=run_dir,
                          callbacks=[stop], verbose=0)
         return {"epochs": history.epoch, "digest": digest(model),
@@ -452,9 +454,19 @@ def test_two_phases_of_transfer_learning_each_train_in_their_own_run_dir(two, ag
 
 
 def test_a_rerun_of_a_finished_early_stopped_run_does_not_train(two, again):
-    outcomes, out, _ = two
+    """Also: restore_best_weights is what result.json reports, and Keras' own line from
+    the callback (verbose=1) comes once, from rank 0."""
+    outcomes, out, p = two
     first = outcomes["early"][0]["result"]
     assert first["epochs"] == [0, 1] and first["step"] == 16  # stopped after 2 of 4 epochs
+    res, records = result(out / "early"), [json.loads(line) for line in
+                                            open(out / "early" / "metrics.jsonl")]
+    assert res["restored_best_epoch"] == 1 and len(records) == 2
+    assert res["final_val_loss"] == records[0]["val_loss"] != records[1]["val_loss"]
+    import hashlib  # model.keras holds the restored weights, the ones the script ends with
+    saved = hashlib.sha256(b"".join(w.tobytes() for w in weights(out / "early"))).hexdigest()
+    assert saved == first["digest"] == outcomes["early"][1]["result"]["digest"]
+    assert p.stdout.count("Epoch 2: early stopping") == 1, p.stdout[-3000:]
     outcomes, before, p = again
     rerun = [o["result"] for o in outcomes["early"]]
     assert rerun[0] == rerun[1] == first  # restored to where it stopped, not trained on
