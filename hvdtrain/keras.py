@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain import distributed, nest, pipeline, timings
+from hvdtrain import datasets, distributed, nest, pipeline, timings  # noqa: F401 (datasets: public)
 from hvdtrain.data import epoch_plan, steps_per_epoch
 from hvdtrain.engine import Run
 from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
@@ -231,5 +231,5 @@ def report_error(e: Error, prog: str = None) -> int:
     return report(prog or os.path.basename(sys.argv[0]), e)
 
 
-__all__ = ["DistributedOptimizer", "adapt", "Diverged", "EXIT_PREEMPTED", "Error", "Preempted",
+__all__ = ["DistributedOptimizer", "adapt", "datasets", "Diverged", "EXIT_PREEMPTED", "Error", "Preempted",
            "STOP_CHECK_EVERY", "dataset", "files", "fit", "init", "rank", "report_error", "size"]

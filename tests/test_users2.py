@@ -537,3 +537,19 @@ def test_a_gan_with_an_undistributed_optimizer_is_refused_naming_it(two):
                               "ranks would train 2 independent models; compile with "
                               "hk.DistributedOptimizer(optimizer)")
     assert not (out / "gan_plain_d").exists()
+
+
+@pytest.mark.quick
+def test_nested_inputs_are_counted_and_named_leaf_by_leaf():
+    from hvdtrain import nest
+    from hvdtrain.errors import DataError
+
+    x = {"a": np.zeros((6, 2)), "b": [np.zeros((6, 1)), np.zeros((6, 3))]}
+    assert nest.examples("hk.dataset", [("x", x), ("y", np.zeros(6))]) == 6
+    assert nest.shapes(x) == {"['a']": (2,), "['b'][0]": (1,), "['b'][1]": (3,)}
+    picked = nest.take(x, np.array([4, 1]))
+    assert picked["b"][1].shape == (2, 3) and isinstance(picked["b"], list)
+    assert nest.arrays([[0, 1], [1, 0]]).shape == (2, 2)  # a list of numbers is one array
+    with pytest.raises(DataError, match=r"hk.dataset: x\['a'\] has 6 examples but "
+                                        r"y\['cls'\] has 5"):
+        nest.examples("hk.dataset", [("x", {"a": np.zeros(6)}), ("y", {"cls": np.zeros(5)})])
