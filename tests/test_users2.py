@@ -553,3 +553,28 @@ def test_nested_inputs_are_counted_and_named_leaf_by_leaf():
     with pytest.raises(DataError, match=r"hk.dataset: x\['a'\] has 6 examples but "
                                         r"y\['cls'\] has 5"):
         nest.examples("hk.dataset", [("x", {"a": np.zeros(6)}), ("y", {"cls": np.zeros(5)})])
+
+
+def test_ranks_identical_compares_the_state_outside_the_weights(capfd):
+    """The same weights with another Normalization mean on rank 1 (a layer adapted again in
+    training, say): not identical, and said."""
+    from hvdtrain.compat import keras
+    from hvdtrain.report import weights_agreement
+    from test_preflight import FakeWorld
+
+    k = keras()
+    norm = k.layers.Normalization()
+    norm.adapt(np.arange(8, dtype="float32").reshape(4, 2))
+    model = k.Sequential([k.Input((2,)), norm, k.layers.Dense(1)])
+
+    class Peer(FakeWorld):  # rank 1 answers with its own (digest, state)
+        def allgather_object(self, obj):
+            return [obj] + [self.others(obj)]
+
+    same = weights_agreement(Peer(lambda mine: mine), model)
+    assert same["ranks_identical"] is True
+    other = weights_agreement(Peer(lambda mine: (mine[0], {**mine[1], "layer 'normalization' "
+                                                           "mean": "[1, 2] float32, sha256 x"})),
+                              model)
+    assert other["ranks_identical"] is False and other["weights_sha256"] == same["weights_sha256"]
+    assert "the weights or the layers' state of rank(s) [1] differ" in capfd.readouterr().err
