@@ -184,7 +184,13 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
     size), which hvdtrain shards (by file, else by batch; ``sharded=True``: the user did)
     and counts (every rank takes the fewest steps any rank has, or ``steps_per_epoch``,
     required for a dataset that repeats forever): ``hvdtrain.pipeline``. ``validation_data``:
-    (x, y) arrays or a ``tf.data.Dataset`` of batches, each example scored by one rank.
+    (x, y) or (x, y, sample_weight) of arrays (or dicts, tuples, lists of them, as the
+    training data), or a ``tf.data.Dataset`` of batches, each example scored by one rank.
+
+    A ``run_dir`` holding a finished run of at least ``epochs`` epochs with the same settings
+    (the same script run again) trains nothing and rewrites nothing: the model gets the run's
+    final state, and the History is the run's. Each hk.fit of one script (two phases of
+    transfer learning) needs its own ``run_dir``.
 
     ``settings``: ``hvdtrain.Config``'s fields, by the same names and with the same defaults
     (``run_dir=None`` is ``runs/fit-<time>``; ``checkpoint_every=100``; ``peer_timeout=30``).
