@@ -12,7 +12,6 @@ import sys
 
 import hvdtrain.keras as hk
 from hvdtrain.compat import keras
-from hvdtrain.data import load_mnist_format
 
 
 def main(argv=None):
@@ -29,12 +28,12 @@ def main(argv=None):
     k = keras()
 
     # Horovod: initialize Horovod, pin one GPU (or a share of the cores) per process.
-    world = hk.init()
+    hk.init()
 
-    data = load_mnist_format("mnist", None, False, world, lambda m: None)
-    x_train, x_test = data.x_train[..., None] / 255.0, data.x_test[..., None] / 255.0
+    (x_train, y_train), (x_test, y_test) = hk.datasets.mnist()
+    x_train, x_test = x_train[..., None] / 255.0, x_test[..., None] / 255.0
     # Horovod: this rank's batches in a global order that a resume can continue exactly.
-    train = hk.dataset(x_train.astype("float32"), data.y_train, args.batch_size or None, seed=0)
+    train = hk.dataset(x_train.astype("float32"), y_train, args.batch_size or None, seed=0)
 
     k.utils.set_random_seed(0)
     if args.model == "cnn":
@@ -63,7 +62,7 @@ def main(argv=None):
 
     # Horovod: broadcast, global metrics, rank-0 checkpoints and logs, SIGTERM, watchdog.
     try:
-        hk.fit(model, train, epochs=args.epochs, validation_data=(x_test, data.y_test),
+        hk.fit(model, train, epochs=args.epochs, validation_data=(x_test, y_test),
                run_dir=args.run_dir, checkpoint_every=args.checkpoint_every)
     except hk.Error as e:  # one line; exit 75 after SIGTERM: run the same command to resume
         return hk.report_error(e)

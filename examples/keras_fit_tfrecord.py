@@ -18,20 +18,19 @@ import hvdtrain.keras as hk  # first: hvdtrain quiets TensorFlow's start-up line
 import numpy as np
 import tensorflow as tf
 from hvdtrain.compat import keras
-from hvdtrain.data import load_mnist_format
 
 
 def write_tfrecords(data_dir, files, world):
     """The bundled sample as TFRecords: ``files`` training shards of uneven sizes, one test."""
     if os.path.exists(os.path.join(data_dir, "test.tfrecord")):
         return
-    data = load_mnist_format("mnist", None, False, world, lambda m: None)
+    (x_train, y_train), (x_test, y_test) = hk.datasets.mnist()
     weights = 2 + np.arange(files) * 5 % 3  # uneven: 2, 4, 3, 2, 4, 3, 2, ... parts
-    cuts = np.cumsum(weights)[:-1] * len(data.x_train) // weights.sum()
-    parts = np.split(np.arange(len(data.x_train)), cuts)
+    cuts = np.cumsum(weights)[:-1] * len(x_train) // weights.sum()
+    parts = np.split(np.arange(len(x_train)), cuts)
     os.makedirs(data_dir, exist_ok=True)
-    for name, x, y in [(f"train-{i:02d}-of-{files:02d}", data.x_train[p], data.y_train[p])
-                       for i, p in enumerate(parts)] + [("test", data.x_test, data.y_test)]:
+    for name, x, y in [(f"train-{i:02d}-of-{files:02d}", x_train[p], y_train[p])
+                       for i, p in enumerate(parts)] + [("test", x_test, y_test)]:
         with tf.io.TFRecordWriter(os.path.join(data_dir, name + ".tfrecord.tmp")) as w:
             for image, label in zip(x, y):
                 w.write(tf.train.Example(features=tf.train.Features(feature={

@@ -6,9 +6,8 @@ import argparse
 import os
 import sys
 
+from hvdtrain import datasets
 from hvdtrain.compat import keras
-from hvdtrain.data import load_mnist_format
-from hvdtrain.distributed import World
 
 
 def main(argv=None):
@@ -22,8 +21,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     k = keras()
 
-    data = load_mnist_format("mnist", None, False, World(), lambda m: None)
-    x_train, x_test = data.x_train[..., None] / 255.0, data.x_test[..., None] / 255.0
+    (x_train, y_train), (x_test, y_test) = datasets.mnist()
+    x_train, x_test = x_train[..., None] / 255.0, x_test[..., None] / 255.0
 
     k.utils.set_random_seed(0)
     if args.model == "cnn":
@@ -47,8 +46,8 @@ def main(argv=None):
                   optimizer=opt, metrics=["accuracy"])
 
     os.makedirs(args.run_dir, exist_ok=True)
-    model.fit(x_train.astype("float32"), data.y_train, batch_size=args.batch_size or None,
-              epochs=args.epochs, validation_data=(x_test, data.y_test),
+    model.fit(x_train.astype("float32"), y_train, batch_size=args.batch_size or None,
+              epochs=args.epochs, validation_data=(x_test, y_test),
               callbacks=[k.callbacks.ModelCheckpoint(args.run_dir + "/checkpoint.keras")])
     model.save(args.run_dir + "/model.keras")
     return 0

@@ -89,6 +89,12 @@ def tf_variables(variables) -> list:
     return [v if isinstance(v, tf.Variable) else v.value for v in variables]
 
 
+def variables(found) -> list:
+    """The variables among a model's ``variables`` or ``weights``: Keras 2 lists a lookup
+    layer's vocabulary handler there too (it saves the table, it holds no tensor)."""
+    return [v for v in found if hasattr(v, "assign") and hasattr(v, "shape")]
+
+
 def variable_name(v) -> str:
     """A variable's unique name: Keras 3's path ("dense/kernel"), or Keras 2's name."""
     return getattr(v, "path", None) or v.name

@@ -41,7 +41,8 @@ from hvdtrain import checkpoint, compat, precision, timings
 from hvdtrain.config import Config, values
 from hvdtrain.distributed import Progress, World
 from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, Preempted, RankError,
-                             RunDirBusy, TaskError, error_line, first_line, user_code)
+                             RunDirBusy, TaskError, argument, error_line, first_line, shown,
+                             user_code)
 from hvdtrain.optimizer import updates
 from hvdtrain.report import Reporter, weights_agreement
 from hvdtrain.watchdog import Watchdog
@@ -65,13 +66,15 @@ class Run:
 
     def __init__(self, world: World, config: Config, name: str, settings=None):
         self.world, self.config, self.name, self.settings = world, config, name, settings
+        self.fit = name == "fit"  # a fit script: its refusals name hk.fit's arguments
         # Elastic runs: nothing before Horovod's driver may be a collective (a worker that
         # joins later runs the setup alone while the others wait inside the driver's sync).
         self.collective = not config.elastic
         with timings.phase("agreement"):  # the default run directory: rank 0's name for it
             self.out = Reporter(world, config.run_dir, name, config.verbose)
         self.checkpoints = Checkpoints(world, config, self.out.run_dir + "/checkpoints",
-                                       self.out.notice)
+                                       self.out.notice, self.fit)
+        self.finished: Optional[dict] = None  # a finished run's result.json (check_run_dir)
         self.ckpt_dir = self.checkpoints.directory
         self.stop_requested = False
         self.last_record: Optional[dict] = None  # the newest finished epoch's (kept in checkpoints)
@@ -119,11 +122,25 @@ class Run:
     def check_run_dir(self) -> None:
         """A file in its place, no permission or a finished run in it: refused before anything
         is loaded (it would fail late, or be overwritten)."""
-        problem = self.out.problem()
+        # A finished run is every rank's decision (rank 0 reads it): not in elastic runs,
+        # which take no collective here, and resume from their checkpoints as before.
+        # --no-resume is refused by the checkpoints as before.
+        finished = self.collective and self.config.resume is not False
+        problem = (self.out.problem(), self.out.finished(
+            self.config.epochs, self.record(defines_run=True)) if finished else None)
         if self.collective:
             problem = self.world.broadcast_object(problem)
+        problem, self.finished = problem
         if problem:
             raise ConfigError("run_dir", self.out.run_dir, problem)
+
+    def unchanged(self) -> str:
+        """A rerun of a finished run (``finished``): what the driver says instead of training."""
+        done = self.finished
+        return (f"hvdtrain: {self.out.run_dir} holds a finished run ({done.get('epochs')} "
+                f"epochs, step {done.get('global_step')}): nothing to train, nothing "
+                f"overwritten; a new {argument('run_dir', self.fit)} trains again, more "
+                f"{argument('epochs', self.fit)} train on")
 
     @timings.timed("agreement")
     def claim(self) -> None:
@@ -132,14 +149,17 @@ class Run:
         self.agree(self.out.claim, catch=(RunDirBusy, OSError))
 
     @timings.timed("checkpoints")
-    def restore(self, model, optimizer) -> Progress:
-        """Rank 0 loads its newest valid checkpoint into ``model`` and ``optimizer`` (built);
-        every rank gets the position to start from. From here on SIGTERM stops the run at a
-        step boundary instead of killing the process."""
+    def restore(self, model, optimizer, others=()) -> Progress:
+        """Rank 0 loads its newest valid checkpoint into ``model`` and ``optimizer`` (built)
+        and any ``others`` the model applies (a GAN's); every rank gets the position to start
+        from. From here on SIGTERM stops the run at a step boundary instead of killing the
+        process."""
         self.model, self.optimizer = model, optimizer
-        self.state = (list(model.variables) + list(optimizer.variables)
-                      + precision.scaler_state(optimizer))
-        self.moving = MovingStatistics(self.world, model.non_trainable_weights)
+        self.state = (compat.variables(model.variables) + list(optimizer.variables)
+                      + precision.scaler_state(optimizer)
+                      + [v for o in others for v in o.variables])
+        self.moving = MovingStatistics(self.world,
+                                       compat.variables(model.non_trainable_weights))
         find = lambda: self.checkpoints.find(self.record(defines_run=True))  # noqa: E731
         found = self.agree(find, catch=(CheckpointError,))
         load = lambda: self.checkpoints.load(found, self.state)  # noqa: E731
@@ -209,6 +229,10 @@ class Run:
         newest = self.checkpoints.steps()
         kept = (f"the newest checkpoint, from before it, is step {newest[0]} in "
                 f"{self.ckpt_dir}" if newest else "no checkpoint was saved before it")
+        if self.fit:
+            return Diverged(f"{what}: training stopped ({kept}); try a lower learning rate on "
+                            "the optimizer in a new run_dir, or stop_on_divergence=False to "
+                            "train on")
         return Diverged(f"{what}: training stopped ({kept}); try a lower --learning-rate in a "
                         "new --run-dir, or --no-stop-on-divergence to train on")
 
@@ -276,7 +300,7 @@ def _stop_watching(dog: Watchdog, world: World, e: Optional[BaseException]) -> N
         raise RankError(f"rank {world.rank}: a collective failed (a peer is gone?): "
                         f"{first_line(str(e))}") from None
     else:
-        dog.abort(f"{type(e).__name__}: {e}")  # this rank alone: stop the others too
+        dog.abort(error_line(e))  # this rank alone: stop the others too
 
 
 class MovingStatistics:
@@ -310,8 +334,9 @@ class Checkpoints:
     """A run's checkpoints: rank 0 finds, checks, loads and writes them (``checkpoint.py``
     is the file format); the other ranks get what rank 0 read through the ``Run``."""
 
-    def __init__(self, world: World, config: Config, directory: str, notice):
+    def __init__(self, world: World, config: Config, directory: str, notice, fit=False):
         self.world, self.config, self.directory, self.notice = world, config, directory, notice
+        self.fit = fit  # refusals name hk.fit's arguments, not the command line's flags
 
     def steps(self) -> list:
         """The global steps of the checkpoints on disk, newest first."""
@@ -323,24 +348,28 @@ class Checkpoints:
         if not self.world.is_chief:
             return None
         found = checkpoint.list_checkpoints(self.directory)
+        run_dir, no_resume, resume = (("run_dir", "resume=False", "resume=True") if self.fit
+                                      else ("--run-dir", "--no-resume", "--resume"))
         if self.config.resume is False and found:
             raise CheckpointError(
-                f"{self.directory} holds {len(found)} checkpoint(s) and --no-resume was given: "
-                "choose a new --run-dir, or drop --no-resume to continue")
+                f"{self.directory} holds {len(found)} checkpoint(s) and {no_resume} was given: "
+                f"choose a new {run_dir}, or drop {no_resume} to continue")
         state = checkpoint.load_latest(self.directory, self.notice) if found else None
         if state is None and self.config.resume:
-            raise CheckpointError(f"--resume: no checkpoint in {self.directory}")
+            raise CheckpointError(f"{resume}: no checkpoint in {self.directory}")
         if state is not None:
             saved, now = dict(state[0]["run"]), dict(defining)
             saved.update(saved.pop("settings", {}))  # the driver's settings, flattened
             now.update(now.pop("settings"))
-            changed = [f"--{k.replace('_', '-')} {saved.get(k)} -> {v}" if k != "task" else
-                       f"task {saved.get(k)} -> {v}" for k, v in now.items()
+            # Named as the user sets them (a fit script: the optimizer's learning_rate),
+            # with the values as written (a float32 variable's 0.1, not 0.10000000149...).
+            changed = [f"{argument(k, self.fit) if k != 'task' else 'task'} "
+                       f"{shown(saved.get(k))} -> {shown(v)}" for k, v in now.items()
                        if k in saved and saved[k] != v]
             if changed:
                 raise CheckpointError(
                     f"{state[2]} was made with other settings ({'; '.join(changed)}): resume "
-                    "with the same settings, or choose a new --run-dir")
+                    f"with the same settings, or choose a new {run_dir}")
         return state
 
     def load(self, found, state: list) -> Optional[dict]:

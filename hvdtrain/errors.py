@@ -32,14 +32,47 @@ class Together(Error):
 # --- bad input: exit 2 -------------------------------------------------------------------------
 
 class ConfigError(Together, ValueError):
-    """A bad setting. ``str()`` is ``--flag=value: reason``."""
+    """A bad setting. ``str()`` is ``--flag=value: reason`` (the command line's flag), or,
+    raised through a fit script's call, ``hk.fit(name=value): reason`` (``in_call``)."""
 
     status = EXIT_USAGE
 
-    def __init__(self, name: str, value, reason: str):
+    def __init__(self, name: str, value, reason: str, call: str = None):
         self.flag = "--" + name.replace("_", "-")
+        self.name, self.value, self.reason, self.call = name, value, reason, call
         shown = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-        super().__init__(f"{self.flag}={shown}: {reason}")
+        super().__init__(f"{call}({name}={shown}): {reason}" if call else
+                         f"{self.flag}={shown}: {reason}")
+
+    def in_call(self, call: str) -> "ConfigError":
+        """The same refusal naming the argument of ``call`` (``hk.fit``, ``hk.dataset``) the
+        user wrote, not a command-line flag the script does not have."""
+        return self if self.call else ConfigError(self.name, self.value, self.reason, call)
+
+
+# How a fit script sets what a command line's flag sets (``argument``).
+FIT_ARGUMENTS = {"learning_rate": "the optimizer's learning_rate",
+                 "momentum": "the optimizer's momentum", "batch_size": "hk.dataset's batch_size",
+                 "seed": "hk.dataset's seed", "accumulate_steps": "backward_passes_per_step",
+                 "steps_per_execution": "compile's steps_per_execution",
+                 "mixed_precision": "Keras' dtype policy", "task": "the run"}
+
+
+def argument(name: str, fit: bool = False) -> str:
+    """A setting as the user names it: the command line's ``--flag``, or in a fit script
+    hk.fit's argument (``run_dir``) or where the script sets it (the optimizer's)."""
+    return FIT_ARGUMENTS.get(name, name) if fit else "--" + name.replace("_", "-")
+
+
+def shown(value) -> str:
+    """A setting's value as the user wrote it: a float read back from a float32 variable
+    (the optimizer's learning rate, 0.10000000149011612) shown as its float32 (0.1)."""
+    if isinstance(value, float):
+        import numpy as np
+
+        if float(np.float32(value)) == value:
+            return repr(float(str(np.float32(value))))
+    return str(value)
 
 
 class EnvError(Together, ValueError):
@@ -104,9 +137,21 @@ class Preempted(Together, RuntimeError):
     status = EXIT_PREEMPTED
 
 
+# TensorFlow's op errors begin with a header and a trace of where the op was defined; the
+# kernel's own message (Horovod's "Mismatched BROADCAST tensor shapes: ... [11, 4] ... [10, 4]")
+# comes after them.
+TF_HEADER = "Graph execution error"
+TF_TRACE = (TF_HEADER, "Detected at node", "File ", "[[", "Traceback")
+
+
 def first_line(message) -> str:
-    """The first non-blank line of an error message: what a one-line report shows."""
+    """The first non-blank line of an error message: what a one-line report shows; for a
+    TensorFlow op error, its cause (the kernel's message), not the "Graph execution error:"
+    header or the trace."""
     lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    if lines and lines[0].startswith(TF_HEADER):
+        causes = [line for line in lines if not line.startswith(TF_TRACE)]
+        return causes[0] if causes else lines[0]
     return lines[0] if lines else "unknown error"
 
 

@@ -20,11 +20,11 @@ import time
 
 import numpy as np
 
-from hvdtrain import compat, pipeline, precision, timings
+from hvdtrain import compat, nest, pipeline, precision, preflight, timings
 from hvdtrain.config import Config, setting
 from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
-from hvdtrain.engine import Run
+from hvdtrain.engine import BOOKKEEPING, Run
 from hvdtrain.errors import ConfigError, TaskError
 from hvdtrain.optimizer import accumulation, reduce_before_loss_scaling
 
@@ -32,6 +32,10 @@ from hvdtrain.optimizer import accumulation, reduce_before_loss_scaling
 # halved fit's throughput against Horovod's own Keras wrapper; every 10 steps costs about
 # nothing and delays a stop by at most 9 steps.
 STOP_CHECK_EVERY = 10
+
+# The run directories this process's hk.fit calls finished: given again, a second phase of
+# training (transfer learning) would be taken for a rerun of the first.
+FINISHED_HERE = set()
 
 # Config fields that the model, the optimizer or the dataset already decide in a fit script.
 NOT_FIT_SETTINGS = {
@@ -66,7 +70,13 @@ def user_callbacks(callbacks, world) -> list:
             if isinstance(cb, getattr(keras.callbacks, name)):
                 raise ConfigError("callbacks", name, f"not for hk.fit: {why}")
     rank0 = tuple(getattr(keras.callbacks, name) for name in RANK0_CALLBACKS)
-    return [cb for cb in callbacks if world.is_chief or not isinstance(cb, rank0)]
+    kept = [cb for cb in callbacks if world.is_chief or not isinstance(cb, rank0)]
+    if not world.is_chief:  # Keras' own lines (EarlyStopping's "early stopping", ...): once
+        for cb in kept:
+            if isinstance(cb, keras.callbacks.Callback) and isinstance(
+                    getattr(cb, "verbose", None), int):
+                cb.verbose = 0
+    return kept
 
 
 @dataclasses.dataclass
@@ -95,7 +105,8 @@ def fit_config(model, train, epochs: int, world, **settings) -> Config:
     config = Config(epochs=epochs, batch_size=train.batch_size, seed=train.seed,
                     backend=world.backend, **settings).validate()
     check_compiled(model, world)
-    passes = accumulation(model.optimizer)
+    optimizer = applied_optimizers(model)[0][1]  # the GAN pattern: the first it applies
+    passes = accumulation(optimizer)
     if train.steps % passes:
         # Every epoch ends on an update, so that its end (a checkpoint) holds no
         # half-accumulated gradients and the next epoch's first update is whole.
@@ -104,8 +115,8 @@ def fit_config(model, train, epochs: int, world, **settings) -> Config:
                           f"{train.batch_size} x {world.size} ranks): choose a batch_size "
                           "that makes it so")
     # What the compiled optimizer really uses (None for a schedule): recorded, not checked.
-    return dataclasses.replace(config, learning_rate=_number(model.optimizer, "learning_rate"),
-                               momentum=_number(model.optimizer, "momentum"),
+    return dataclasses.replace(config, learning_rate=_number(optimizer, "learning_rate"),
+                               momentum=_number(optimizer, "momentum"),
                                steps_per_execution=steps_per_execution(model),
                                accumulate_steps=passes,
                                mixed_precision=precision.model_precision(model))
@@ -122,23 +133,38 @@ def steps_per_execution(model) -> int:
         return 1
 
 
+def applied_optimizers(model) -> list:
+    """[(name, optimizer)]: the optimizers the model applies. ``model.optimizer``, and the
+    optimizers it keeps as attributes of its own: the GAN pattern (Keras' guide) compiles with
+    ``compile(d_optimizer=..., g_optimizer=...)`` and ``super().compile()``, which gives
+    ``model.optimizer`` a default Keras never applies when the model's own ``train_step``
+    applies the others; then those are the ones that count."""
+    keras = compat.keras()
+    base = keras.optimizers.Optimizer
+    own = getattr(model, "optimizer", None)
+    others = [(name, v) for name, v in vars(model).items()
+              if isinstance(v, base) and v is not own and not name.startswith("_")]
+    custom = type(model).train_step is not keras.Model.train_step
+    return others if others and custom else [("optimizer", own)] + others
+
+
 def check_compiled(model, world) -> None:
-    """The model is compiled, and on several ranks with a distributed optimizer (a plain one
-    would train one independent model per rank)."""
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None:
+    """The model is compiled, and on several ranks each optimizer it applies is distributed
+    (a plain one would train one independent model per rank)."""
+    if getattr(model, "optimizer", None) is None:
         raise TaskError("hk.fit: the model is not compiled: call model.compile(optimizer="
                         "hk.DistributedOptimizer(...), loss=..., metrics=...) first")
-    # Keras 3 under mixed_float16: compile put the loss scaler outside; reduce first.
-    optimizer = reduce_before_loss_scaling(optimizer)
-    # Keras 2 under mixed_float16: the scaler outside Horovod's wrapper is the right order.
-    inner = getattr(optimizer, "inner_optimizer", None)
-    distributed = any(getattr(o, "_hvdtrain_reduction", None) is not None
-                      or type(o).__module__.startswith("horovod") for o in (optimizer, inner))
-    if world.size > 1 and not distributed:
-        raise TaskError(f"hk.fit: the model's optimizer ({type(optimizer).__name__}) is not "
-                        f"distributed: the {world.size} ranks would train {world.size} "
-                        "independent models; compile with hk.DistributedOptimizer(optimizer)")
+    for name, optimizer in applied_optimizers(model):
+        # Keras 3 under mixed_float16: compile put the loss scaler outside; reduce first.
+        optimizer = reduce_before_loss_scaling(optimizer)
+        # Keras 2 under mixed_float16: the scaler outside Horovod's wrapper is the right order.
+        inner = getattr(optimizer, "inner_optimizer", None)
+        distributed = any(getattr(o, "_hvdtrain_reduction", None) is not None
+                          or type(o).__module__.startswith("horovod") for o in (optimizer, inner))
+        if world.size > 1 and not distributed:
+            raise TaskError(f"hk.fit: the model's {name} ({type(optimizer).__name__}) is not "
+                            f"distributed: the {world.size} ranks would train {world.size} "
+                            f"independent models; compile with hk.DistributedOptimizer(optimizer)")
 
 
 def check_validation(validation_data, train, world, sharded=False):
@@ -148,28 +174,45 @@ def check_validation(validation_data, train, world, sharded=False):
         return None
     if pipeline.is_dataset(validation_data):
         return pipeline.validation(validation_data, world, sharded)
-    if not (isinstance(validation_data, (tuple, list)) and len(validation_data) == 2):
+    if not (isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3)):
         raise ConfigError("validation_data", type(validation_data).__name__,
-                          "give (x_val, y_val) arrays")
-    x, y = (np.asarray(a) for a in validation_data)
-    if len(x) != len(y):
-        raise ConfigError("validation_data", f"{len(x)} x, {len(y)} y",
+                          "give (x_val, y_val) or (x_val, y_val, sample_weight_val)")
+    parts = tuple(nest.arrays(a) for a in validation_data)
+    names = ("x", "y", "sample_weight")
+    counts = [len(a) for part in parts for _, a in nest.leaves(part) if np.ndim(a)]
+    if len(set(counts)) > 1:
+        shown = ", ".join(f"{len(nest.leaves(a)[0][1])} {n}" for n, a in zip(names, parts))
+        raise ConfigError("validation_data", shown,
                           "x and y must hold the same number of examples")
-    for name, a, b in (("x", x, train.sample), ("y", y, getattr(train, "y", None))):
-        if b is not None and hasattr(b, "shape") and a.shape[1:] != b.shape[1:]:
-            raise ConfigError("validation_data", f"{name} of shape {list(a.shape)}",
-                              f"examples must be shaped like the training {name}'s "
-                              f"{list(b.shape[1:])}")
-    if len(x) < world.size:
-        raise ConfigError("validation_data", f"{len(x)} example(s)",
+    trained = (train.sample, getattr(train, "y", None), getattr(train, "sample_weight", None))
+    for name, a, b in zip(names, parts, trained):
+        if b is None or not all(hasattr(leaf, "shape") for _, leaf in nest.leaves(b)):
+            continue
+        mine, theirs = nest.shapes(a), nest.shapes(b)
+        if set(mine) != set(theirs):
+            raise ConfigError("validation_data", f"{name} of {sorted(mine)}", "must be "
+                              f"structured like the training {name}'s {sorted(theirs)}")
+        for path, shape in mine.items():
+            if shape != theirs[path]:
+                rows = len(nest.leaves(a)[0][1])
+                raise ConfigError("validation_data", f"{name}{path} of shape "
+                                  f"{[rows, *shape]}", f"examples must be shaped like the "
+                                  f"training {name}{path}'s {list(theirs[path])}")
+    n = counts[0] if counts else 0
+    if n < world.size:
+        raise ConfigError("validation_data", f"{n} example(s)",
                           f"fewer than the {world.size} ranks: each rank scores its own part "
                           "of it, and none may be empty")
-    return x, y
+    return parts
 
 
 def _number(optimizer, name):
+    """The optimizer's setting as the user wrote it: 0.1, not the 0.10000000149011612 that
+    its float32 variable reads back as."""
     try:
-        return float(np.asarray(getattr(optimizer, name)))
+        value = np.asarray(getattr(optimizer, name))
+        return float(str(value.astype(np.float32))) if value.dtype == np.float32 else \
+            float(value)
     except (AttributeError, TypeError, ValueError):
         return None
 
@@ -236,13 +279,17 @@ class _Fit:
         self.calls = _Calls(model)
         self.first_call = 0  # the depth of the open first_call phase (timings), 0: none
         self.evaluating = 0  # the same for evaluation
+        self.records, self.epochs_done = {}, 0  # this process's epochs' records, by epoch
 
     # --- before model.fit: build, restore, broadcast ------------------------------------------
     def _prepare(self) -> Progress:
         run = self.run_
         self._build()
         run.claim()
-        progress = run.restore(self.model, self.model.optimizer)
+        # Several optimizers (a GAN): the run's step is the first's; every one's variables
+        # are in the broadcast and the checkpoints (those that exist before the first step).
+        (_, first), *others = applied_optimizers(self.model)
+        progress = run.restore(self.model, first, [o for _, o in others])
         run.broadcast()
         if progress.epoch is None:
             progress.epoch, progress.offset = 0, 0
@@ -261,13 +308,18 @@ class _Fit:
         elif not model.built:
             model(self.train.sample)
         compat.check_model(model, "hk.fit", "was given")
+        with timings.phase("agreement"):  # the same model on every rank, before any write
+            preflight.check_model(self.world, model)
         # Create the optimizer's slots now, so that one broadcast covers the whole state.
-        model.optimizer.build(model.trainable_variables)
+        if any(o is model.optimizer for _, o in applied_optimizers(model)):
+            model.optimizer.build(model.trainable_variables)
 
     # --- model.fit ----------------------------------------------------------------------------
     def fit(self, callbacks, validation_batch_size):
         keras, train, run = compat.keras(), self.train, self.run_
         run.check_run_dir()
+        if run.finished is not None:
+            return self._finished(keras)
         progress = self._prepare()
         start = progress.epoch
         first = min(-(-progress.offset // self.global_batch), train.steps)
@@ -302,14 +354,62 @@ class _Fit:
                     validation_batch_size=validation_batch_size, validation_steps=val_steps,
                     callbacks=[callback] + callbacks,
                     shuffle=False, verbose=shown))  # the order is the Dataset's
+        best = self._restored_best(callbacks)
         run.finish({"batch_size": train.batch_size, "global_batch_size": run.global_batch,
-                    "learning_rate": run.config.learning_rate,
+                    "learning_rate": run.config.learning_rate, **best,
                     **train.info()}, self.model)
+        FINISHED_HERE.add(run.out.run_dir)
         history = histories[-1] if histories else keras.callbacks.History()
         for h in histories[:-1]:  # one History for the whole run
             history.epoch = h.epoch + history.epoch
             for k, v in h.history.items():
                 history.history[k] = v + history.history.get(k, [])
+        return history
+
+    def _restored_best(self, callbacks) -> dict:
+        """EarlyStopping(restore_best_weights=True) put its best epoch's weights back at the
+        end: result.json's final_* are then that epoch's (``restored_best_epoch``), and a
+        checkpoint holds them (a rerun restores what model.keras holds). Every rank decides
+        the same: the callback saw the same global metrics on each."""
+        keras = compat.keras()
+        for cb in callbacks:
+            best = getattr(cb, "best_weights", None)
+            if not (isinstance(cb, keras.callbacks.EarlyStopping) and best is not None
+                    and getattr(cb, "restore_best_weights", False)):
+                continue
+            epoch = int(getattr(cb, "best_epoch", -1))
+            record = self.records.get(epoch + 1)
+            now = self.model.get_weights()
+            if record is None or record is self.run_.last_record or len(now) != len(best) \
+                    or not all(np.array_equal(a, b) for a, b in zip(now, best)):
+                continue  # not restored, or the last epoch was the best
+            self.run_.last_record = record
+            self.run_.save(Progress(epoch=self.epochs_done, offset=0),
+                           np.zeros_like(self.metrics.flat()))
+            return {"restored_best_epoch": epoch + 1}
+        return {}
+
+    def _finished(self, keras):
+        """``run_dir`` holds a finished run. Run again as the same command (a new process):
+        nothing trains, nothing is overwritten, and the model gets the run's final state
+        from its newest checkpoint, so that the script's next lines (evaluate, a second
+        phase) see the trained model; the History is the run's, from metrics.jsonl. Given to
+        a second hk.fit of this process (a second phase of training): refused, each phase
+        needs its own run_dir."""
+        run = self.run_
+        if run.out.run_dir in FINISHED_HERE:
+            raise ConfigError("run_dir", run.out.run_dir, "holds this script's earlier hk.fit, "
+                              "finished: give each phase of training its own run_dir (e.g. "
+                              "run_dir=RUN_DIR + '/phase2'), or more epochs to train on in it")
+        self._prepare()  # the newest checkpoint restored on rank 0 and broadcast
+        self.out.notice(run.unchanged())
+        history = keras.callbacks.History()
+        records = run.world.broadcast_object(self.out.records() if self.world.is_chief else None)
+        history.epoch = [r["epoch"] - 1 for r in records]
+        for r in records:
+            for k, v in r.items():
+                if k not in BOOKKEEPING and k != "input_wait":
+                    history.history.setdefault(k, []).append(v)
         return history
 
     @timings.timed("data")
@@ -322,9 +422,9 @@ class _Fit:
                 pipeline.is_dataset(self.validation_data[0]):
             # Batched by the user; its counted batches: Keras 3 warns when it runs dry.
             return (*self.validation_data, None)
-        x, y = self.validation_data
-        part = test_shard(len(x), self.world.rank, self.world.size)
-        return (np.asarray(x)[part], np.asarray(y)[part]), None, batch_size
+        n = len(nest.leaves(self.validation_data[0])[0][1])
+        part = test_shard(n, self.world.rank, self.world.size)
+        return tuple(nest.take(a, part) for a in self.validation_data), None, batch_size
 
     # --- the callback's work --------------------------------------------------------------------
     def epoch_begin(self, epoch):
@@ -403,6 +503,7 @@ class _Fit:
             # The loss is reduced over every rank: every rank decides the same here.
             raise run.diverged(f"the loss became NaN or infinite in epoch {epoch + 1}")
         run.epoch_end(record)
+        self.records[epoch + 1], self.epochs_done = record, epoch + 1
         run.save(Progress(epoch=epoch + 1, offset=0), np.zeros_like(self.metrics.flat()))
         self.save_pending = False
         if not self.out.interactive:

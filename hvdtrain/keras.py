@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain import distributed, pipeline, timings
+from hvdtrain import datasets, distributed, nest, pipeline, timings  # noqa: F401 (datasets: public)
 from hvdtrain.data import epoch_plan, steps_per_epoch
 from hvdtrain.engine import Run
 from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
@@ -64,22 +64,28 @@ def rank() -> int:
 class Dataset:
     """This rank's batches in hvdtrain's order (``data.epoch_plan``): one permutation of all
     examples per (seed, epoch); global step k takes the k-th block of ``batch_size * size``
-    examples, rank r its r-th slice. ``batch_size=None``: each rank's whole shard per step."""
+    examples, rank r its r-th slice. ``batch_size=None``: each rank's whole shard per step.
 
-    def __init__(self, x, y, batch_size, seed, shuffle, world):
+    ``x``, ``y`` and ``sample_weight`` are arrays or what ``model.fit`` takes besides: dicts
+    (by input or output name), tuples and lists of arrays, nested; every array holds the same
+    examples along its first axis (``nest.py``)."""
+
+    def __init__(self, x, y, batch_size, seed, shuffle, world, sample_weight=None):
         self.x, self.y, self.seed, self.shuffle, self.world = x, y, seed, shuffle, world
-        if len(x) != len(y):
-            raise DataError(f"hk.dataset: x has {len(x)} examples but y has {len(y)}")
+        self.sample_weight = sample_weight
+        parts = (("x", x), ("y", y)) + ((("sample_weight", sample_weight),)
+                                        if sample_weight is not None else ())
+        n = nest.examples("hk.dataset", parts)
         if batch_size is not None and batch_size < 0:
             raise ConfigError("batch_size", batch_size, "must be 0 or None (each rank's whole "
                               "shard per step) or more")
-        self.batch_size = batch_size or len(x) // world.size
-        self.steps = steps_per_epoch(len(x), self.batch_size, world.size)
+        self.batch_size = batch_size or n // world.size
+        self.steps = steps_per_epoch(n, self.batch_size, world.size)
         if self.steps < 1:
             raise ConfigError("batch_size", self.batch_size, f"a global batch of "
                               f"{self.batch_size} x {world.size} ranks needs more than the "
-                              f"{len(x)} examples")
-        self.examples, self.sample = len(x), x[:1]
+                              f"{n} examples")
+        self.examples, self.sample = n, nest.take(x, slice(0, 1))
 
     def info(self) -> dict:
         return {"train_examples": self.examples}
@@ -89,12 +95,63 @@ class Dataset:
         import tensorflow as tf
 
         w = self.world
-        idx = np.concatenate([epoch_plan(len(self.x), self.batch_size, w.rank, w.size, self.seed,
-                                         e, self.shuffle)[first_step if e == first_epoch else 0:]
+        idx = np.concatenate([epoch_plan(self.examples, self.batch_size, w.rank, w.size,
+                                         self.seed, e, self.shuffle)
+                              [first_step if e == first_epoch else 0:]
                               for e in range(first_epoch, end_epoch)])
-        x, y = tf.constant(self.x), tf.constant(self.y)
+        parts = tuple(nest.map(tf.constant, p) for p in (self.x, self.y, self.sample_weight)
+                      if p is not None)
         return (tf.data.Dataset.from_tensor_slices(idx)
-                .map(lambda i: (tf.gather(x, i), tf.gather(y, i))).prefetch(2))
+                .map(lambda i: tuple(nest.map(lambda a: tf.gather(a, i), p) for p in parts))
+                .prefetch(2))
+
+
+def adapt(layer, data, **kwargs):
+    """``layer.adapt(data, **kwargs)`` on rank 0, and every rank given rank 0's state: its
+    vocabulary (TextVectorization, StringLookup, IntegerLookup: ``set_vocabulary``), its
+    adapted variables (Normalization's mean and variance) and the arrays, tensors and lists
+    of floats it keeps outside them (``preflight.state_attributes``: Normalization's mean
+    and variance tensors, Discretization's bin boundaries). Each rank adapting on its own
+    shard would give each rank another model; hk.fit refuses that before the first step.
+    All ranks; returns ``layer``."""
+    from hvdtrain.errors import TaskError, user_code
+    from hvdtrain.preflight import state_attributes
+
+    world = distributed.current()
+
+    def on_rank0():
+        if not world.is_chief:
+            return None
+        with user_code(f"hk.adapt: {type(layer).__name__}.adapt"):
+            layer.adapt(data, **kwargs)
+        vocabulary = getattr(layer, "get_vocabulary", None)
+        if vocabulary is not None:
+            return {"vocabulary": list(vocabulary())}
+        build = getattr(layer, "get_build_config", lambda: None)()
+        return {"build": build, "variables": [np.asarray(v.numpy()) for v in layer.variables],
+                "attributes": {k: (_kind(v), np.asarray(v))
+                               for k, v in state_attributes(layer).items()}}
+
+    state = world.broadcast_object(world.agree(on_rank0, catch=(TaskError,), merge=TaskError))
+    if world.is_chief:
+        return layer
+    if "vocabulary" in state:
+        layer.set_vocabulary(state["vocabulary"])
+        return layer
+    import tensorflow as tf
+
+    if not layer.built and state["build"]:
+        layer.build_from_config(state["build"])
+    for variable, value in zip(layer.variables, state["variables"]):
+        variable.assign(value)
+    for name, (kind, value) in state["attributes"].items():
+        setattr(layer, name, {"tensor": tf.constant, "list": list}.get(kind, np.asarray)(value))
+    return layer
+
+
+def _kind(value) -> str:
+    return ("tensor" if type(value).__name__ == "EagerTensor" else
+            "array" if isinstance(value, np.ndarray) else "list")
 
 
 def files(pattern: str) -> list:
@@ -104,8 +161,16 @@ def files(pattern: str) -> list:
 
 
 @timings.timed("data")
-def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True) -> Dataset:
-    return Dataset(np.asarray(x), np.asarray(y), batch_size, seed, shuffle, distributed.current())
+def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True,
+            sample_weight=None) -> Dataset:
+    """This rank's batches of (x, y) or (x, y, sample_weight): arrays, or dicts, tuples and
+    lists of them as ``model.fit`` takes them (see ``Dataset``)."""
+    try:
+        return Dataset(nest.arrays(x), nest.arrays(y), batch_size, seed, shuffle,
+                       distributed.current(),
+                       None if sample_weight is None else nest.arrays(sample_weight))
+    except ConfigError as e:
+        raise e.in_call("hk.dataset") from None
 
 
 def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
@@ -119,7 +184,13 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
     size), which hvdtrain shards (by file, else by batch; ``sharded=True``: the user did)
     and counts (every rank takes the fewest steps any rank has, or ``steps_per_epoch``,
     required for a dataset that repeats forever): ``hvdtrain.pipeline``. ``validation_data``:
-    (x, y) arrays or a ``tf.data.Dataset`` of batches, each example scored by one rank.
+    (x, y) or (x, y, sample_weight) of arrays (or dicts, tuples, lists of them, as the
+    training data), or a ``tf.data.Dataset`` of batches, each example scored by one rank.
+
+    A ``run_dir`` holding a finished run of at least ``epochs`` epochs with the same settings
+    (the same script run again) trains nothing and rewrites nothing: the model gets the run's
+    final state, and the History is the run's. Each hk.fit of one script (two phases of
+    transfer learning) needs its own ``run_dir``.
 
     ``settings``: ``hvdtrain.Config``'s fields, by the same names and with the same defaults
     (``run_dir=None`` is ``runs/fit-<time>``; ``checkpoint_every=100``; ``peer_timeout=30``).
@@ -127,8 +198,11 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
     same command to resume).
     """
     with timings.phase("other"):  # the run: what no named phase inside claims
-        return _fit(model, train, epochs, validation_data, callbacks, validation_batch_size,
-                    steps_per_epoch, sharded, settings)
+        try:
+            return _fit(model, train, epochs, validation_data, callbacks,
+                        validation_batch_size, steps_per_epoch, sharded, settings)
+        except ConfigError as e:  # named as the script wrote it: hk.fit(epochs=0)
+            raise e.in_call("hk.fit") from None
 
 
 def _fit(model, train, epochs, validation_data, callbacks, validation_batch_size,
@@ -163,5 +237,5 @@ def report_error(e: Error, prog: str = None) -> int:
     return report(prog or os.path.basename(sys.argv[0]), e)
 
 
-__all__ = ["DistributedOptimizer", "Diverged", "EXIT_PREEMPTED", "Error", "Preempted",
+__all__ = ["DistributedOptimizer", "adapt", "datasets", "Diverged", "EXIT_PREEMPTED", "Error", "Preempted",
            "STOP_CHECK_EVERY", "dataset", "files", "fit", "init", "rank", "report_error", "size"]

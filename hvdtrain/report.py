@@ -42,16 +42,24 @@ def weights_agreement(world, model) -> dict:
 
     import numpy as np
 
+    from hvdtrain.compat import variables
+    from hvdtrain.preflight import layer_state
+
     digest = hashlib.sha256()
-    for v in model.weights:
+    for v in variables(model.weights):
         digest.update(np.ascontiguousarray(v.numpy()).tobytes())
-    digests = world.allgather_object(digest.hexdigest())
-    agree = len(set(digests)) == 1
+    # The state outside the weights (vocabularies, Normalization's tensors) is compared too:
+    # ranks with other vocabularies are other models even with the same weights.
+    state = layer_state(model)
+    digests = world.allgather_object((digest.hexdigest(), state))
+    weights_digests = [d for d, _ in digests]
+    agree = len(set(weights_digests)) == 1 and all(s == digests[0][1] for _, s in digests)
     if not agree and world.is_chief:
-        differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        print(f"hvdtrain: warning: the weights of rank(s) {differ} differ from rank 0's after "
-              "training; result.json holds rank 0's", file=sys.stderr, flush=True)
-    return {"weights_sha256": digests[0], "ranks_identical": agree}
+        differ = [r for r, (d, s) in enumerate(digests) if (d, s) != digests[0]]
+        print(f"hvdtrain: warning: the weights or the layers' state of rank(s) {differ} differ "
+              "from rank 0's after training; result.json holds rank 0's", file=sys.stderr,
+              flush=True)
+    return {"weights_sha256": weights_digests[0], "ranks_identical": agree}
 
 
 def run_dir_problem(path: str):
@@ -75,7 +83,7 @@ def run_dir_problem(path: str):
     if os.path.exists(os.path.join(path, "result.json")) and not (
             os.path.isdir(checkpoints) and any(n.endswith(".hvdt") for n in os.listdir(checkpoints))):
         return ("holds a finished run (result.json) and no checkpoint to continue from: "
-                "choose a new --run-dir rather than overwrite it")
+                "choose a new one rather than overwrite it")
     return None
 
 
@@ -143,6 +151,25 @@ class Reporter:
         """Rank 0: why the run directory cannot be used (None if it can); creates nothing."""
         return run_dir_problem(self.run_dir) if self.enabled else None
 
+    def finished(self, epochs: int, defining: dict):
+        """Rank 0: the result.json of a finished run in the run directory that trained at
+        least ``epochs`` epochs (early stopping included) with the settings ``defining``
+        (``Run.record(defines_run=True)``; config.json has them), else None: the same command
+        again must not train it again and overwrite its result; more epochs train on, and
+        other settings are refused by the checkpoints' comparison."""
+        if not self.enabled:
+            return None
+        try:
+            with open(os.path.join(self.run_dir, "result.json")) as f:
+                done = json.load(f)
+            with open(os.path.join(self.run_dir, "config.json")) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            return None  # none, or unreadable: the checkpoints decide, as before
+        same = all(saved.get(k) == v for k, v in defining.items() if k != "settings") and all(
+            saved.get("settings", {}).get(k) == v for k, v in defining["settings"].items())
+        return done if same and done.get("epochs", 0) >= epochs else None
+
     def claim(self) -> None:
         """Rank 0: create the run directory and hold it for this run (RunDirBusy if taken)."""
         if self.enabled and self._lock is None:
@@ -196,6 +223,14 @@ class Reporter:
         if self._tb is None:
             self._tb = tf.summary.create_file_writer(os.path.join(self.run_dir, "tensorboard"))
 
+    def records(self) -> list:
+        """Rank 0: metrics.jsonl's records, in order ([] if none)."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
     def epoch(self, record: dict) -> None:
         if not self.enabled:
             return
@@ -215,9 +250,22 @@ class Reporter:
         if not self.enabled:
             return None
         path = os.path.join(self.run_dir, "model.keras")
-        with replacing(path, suffix=".keras") as tmp:  # Keras saves only to *.keras
-            model.save(tmp)
-        return path
+        try:
+            with replacing(path, suffix=".keras") as tmp:  # Keras saves only to *.keras
+                model.save(tmp)
+            return path
+        except Exception as e:  # noqa: BLE001 (a model Keras cannot save whole)
+            # A subclassed model without get_config, say: the training must not be lost
+            # with it. Its weights alone load into the same model built in code.
+            # Keras' reason, its first sentence, on one line (it breaks it over lines).
+            why = " ".join(str(e).split()).split(". ")[0] or "no reason given"
+            weights = os.path.join(self.run_dir, "model.weights.h5")
+            with replacing(weights, suffix=".weights.h5") as tmp:  # Keras' required suffix
+                model.save_weights(tmp)
+            self.notice(f"hvdtrain: warning: model.keras not saved: Keras cannot save this "
+                        f"{type(model).__name__} whole ({type(e).__name__}: {why}); its weights are in "
+                        f"{weights} (model.load_weights opens them in the model built in code)")
+            return weights
 
     def result(self, result: dict) -> None:
         if not self.enabled:

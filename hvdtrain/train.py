@@ -18,7 +18,7 @@ from hvdtrain.config import Config
 from hvdtrain.data import DataError, epoch_plan, steps_per_epoch, test_shard
 from hvdtrain.engine import PROGRESS_FIELDS, Run
 from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, Diverged, Preempted,  # noqa: F401
-                             StepError, TaskError, first_line)
+                             StepError, TF_TRACE, TaskError, first_line)
 from hvdtrain.optimizer import DistributedOptimizer
 from hvdtrain.step import TrainStep
 from hvdtrain.task import Task, check_data, check_metrics, check_optimizer, check_task
@@ -50,9 +50,8 @@ def train(task: Task, config: Optional[Config] = None,
 def _op_error_line(message: str) -> str:
     """The cause in a TensorFlow op error: not the "Graph execution error:" header, the
     "Detected at node" trace or the node name, but the kernel's own message."""
-    skip = ("Graph execution error", "Detected at node", "File ", "[[", "Traceback")
     lines = [l.strip() for l in str(message).splitlines() if l.strip()]
-    causes = [l for l in lines if not l.startswith(skip)]
+    causes = [l for l in lines if not l.startswith(TF_TRACE)]
     return causes[0] if causes else first_line(message)
 
 
@@ -72,8 +71,15 @@ class _TaskRun:
         """Build everything, then train: statically, or under Horovod's elastic driver."""
         run = self.run_
         run.check_run_dir()
+        if run.finished is not None:  # the same command again: its result stands
+            self.out.notice(run.unchanged())
+            return run.finished
         self._load()
         self._build()
+        if not self.config.elastic:
+            # Before anything is written, and before the broadcast, which mismatched shapes
+            # would break (elastic runs: inside the driver, in _train).
+            self._preflight()
         run.claim()
         progress = run.restore(self.model, self.optimizer)
         if self.config.elastic:
@@ -81,7 +87,6 @@ class _TaskRun:
             # (re)start, restores the last commit after a failure, and re-runs _train.
             return self.world.run_elastic(run.state, self._train,
                                           **{k: getattr(progress, k) for k in PROGRESS_FIELDS})
-        self._preflight()  # before the broadcast, which mismatched shapes would break
         run.broadcast()
         return self._train(progress)
 

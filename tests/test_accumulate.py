@@ -230,7 +230,7 @@ def test_task_path_too_many_micro_batches_is_one_line(env, tmp_path):
 
 
 @pytest.mark.parametrize("batch, passes, why", [
-    (8, 7, "--backward-passes-per-step=7: must divide the 120 steps of an epoch"),
+    (8, 7, "hk.fit(backward_passes_per_step=7): must divide the 120 steps of an epoch"),
     (8, 0, "--backward-passes-per-step=0: must be an integer, at least 1"),
 ])
 def test_fit_path_bad_backward_passes_is_one_line(batch, passes, why, fit_script, tmp_path):

@@ -62,7 +62,7 @@ def test_a_finished_run_is_never_overwritten(np_, env, tmp_path):
     again = run(module_cmd("linear", *args) if np_ == 1 else launch("gloo", 2, "linear", *args),
                 env)
     assert again.returncode == (2 if np_ == 1 else 1)
-    one_error_line(again, "holds a finished run (result.json)", "choose a new --run-dir")
+    one_error_line(again, "holds a finished run (result.json)", "choose a new one")
     assert (tmp_path / "result.json").read_bytes() == before
 
 

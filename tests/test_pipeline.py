@@ -229,7 +229,7 @@ except hk.Error as e:
     ("nothing", 1, "none-*.tfrecord: matches no file"),
     ("empty", 1, "the training dataset: rank 1's shard is empty"),
     ("shape", 1, "the model on the training dataset's first batch raised ValueError"),
-    ("infinite", 2, "--steps-per-epoch=None: the training dataset repeats forever"),
+    ("infinite", 2, "hk.fit(steps_per_epoch=None): the training dataset repeats forever"),
 ])
 def test_bad_input_is_one_line_on_every_rank_no_hang(env, tmp_path, records, case, status,
                                                      line):

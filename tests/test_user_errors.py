@@ -254,22 +254,23 @@ FIT = textwrap.dedent("""
 
 FIT_CASES = {
     "not_compiled": ("compile = False", 1, ["hk.fit: the model is not compiled"]),
-    "epochs_zero": ("args['epochs'] = 0", 2, ["--epochs=0: must be a finite number greater"]),
-    "epochs_negative": ("args['epochs'] = -1", 2, ["--epochs=-1"]),
+    "epochs_zero": ("args['epochs'] = 0", 2, ["hk.fit(epochs=0): must be a finite number greater"]),
+    "epochs_negative": ("args['epochs'] = -1", 2, ["hk.fit(epochs=-1)"]),
     "keep_no_checkpoints": ("args['keep_checkpoints'] = 0", 2,
-                            ["--keep-checkpoints=0: must be at least 1"]),
+                            ["hk.fit(keep_checkpoints=0): must be at least 1"]),
     "negative_checkpoint_every": ("args['checkpoint_every'] = -5", 2,
-                                  ["--checkpoint-every=-5: must be 0 or more"]),
+                                  ["hk.fit(checkpoint_every=-5): must be 0 or more"]),
     "negative_peer_timeout": ("args['peer_timeout'] = -1", 2,
-                              ["--peer-timeout=-1: must be 0 or more"]),
+                              ["hk.fit(peer_timeout=-1): must be 0 or more"]),
     "class_weight": ("args['class_weight'] = {0: 1.0, 1: 2.0}", 2,
-                     ["--class-weight", "not supported by hk.fit"]),
+                     ["hk.fit(class_weight=", "not supported by hk.fit"]),
     "learning_rate_setting": ("args['learning_rate'] = 0.5", 2,
                               ["not an hk.fit setting: set it on the optimizer"]),
     "validation_shape": ("x_val = x_val[:, :2]", 2,
-                         ["--validation-data=x of shape [16, 2]", "shaped like the training"]),
-    "validation_length": ("y_val = y_val[:10]", 2, ["--validation-data=16 x, 10 y"]),
-    "negative_batch": ("batch = -4", 2, ["--batch-size=-4: must be 0 or None"]),
+                         ["hk.fit(validation_data=x of shape [16, 2])",
+                          "shaped like the training"]),
+    "validation_length": ("y_val = y_val[:10]", 2, ["hk.fit(validation_data=16 x, 10 y)"]),
+    "negative_batch": ("batch = -4", 2, ["hk.dataset(batch_size=-4): must be 0 or None"]),
     "labels_longer": ("y = np.concatenate([y, y[:3]])", 1,
                       ["hk.dataset: x has 64 examples but y has 67"]),
     "diverging_learning_rate": (  # a regression (no saturating softmax): it overflows
@@ -322,7 +323,7 @@ def test_fewer_validation_examples_than_ranks_is_refused(tmp_path):
     p = fit_run(tmp_path, "x_val, y_val = x_val[:1], y_val[:1]", tmp_path / "run", np_=2)
     errors = [l for l in p.stderr.splitlines() if "error:" in l]
     assert p.returncode != 0 and len(errors) == 1, p.stderr[-3000:]
-    assert "--validation-data=1 example(s): fewer than the 2 ranks" in errors[0]
+    assert "hk.fit(validation_data=1 example(s)): fewer than the 2 ranks" in errors[0]
     assert not (tmp_path / "run").exists()
 
 
@@ -356,4 +357,5 @@ def test_the_fit_example_reports_a_bad_run_dir_in_one_line(env, tmp_path):
     where.write_text("not a directory")
     p = run(launch_example(1, "keras_fit_mnist.py", "--model", "dense", "--epochs", "1",
                            "--run-dir", str(where)), env, timeout=120)
-    one_line(p, 2, [f"keras_fit_mnist.py: error: --run-dir={where}: is a file, not a directory"])
+    one_line(p, 2, [f"keras_fit_mnist.py: error: hk.fit(run_dir={where}): is a file, not a "
+                    "directory"])

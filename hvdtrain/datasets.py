@@ -1,0 +1,24 @@
+"""Datasets for a script, returned as ``keras.datasets`` returns them.
+
+    (x_train, y_train), (x_test, y_test) = hk.datasets.mnist()    # hvdtrain.keras as hk
+
+Found without the network where possible, as the MNIST task finds its data (README, "Data"):
+``~/.keras/datasets/mnist.npz`` (Keras' own cache), else with ``download=True`` one download
+per host, else the 5,000 digits bundled with hvdtrain (4,000 to train, 1,000 to test). The
+same arrays on every rank: ``hk.dataset`` shards them.
+"""
+from __future__ import annotations
+
+
+def mnist(download: bool = False, notice=None):
+    """MNIST as ``keras.datasets.mnist.load_data()`` returns it: ``(x_train, y_train),
+    (x_test, y_test)``, uint8 images of 28 x 28 and integer labels 0-9. ``notice``: called
+    with the line saying which data was found when it is not the full MNIST (default:
+    silent). ``download=True`` needs every rank (local rank 0 downloads, the others wait)."""
+    from hvdtrain import distributed
+    from hvdtrain.data import load_mnist_format
+
+    # Without a download no rank waits for another: no collective, no Horovod needed.
+    world = distributed.current() if download else distributed.World()
+    data = load_mnist_format("mnist", None, download, world, notice or (lambda message: None))
+    return (data.x_train, data.y_train), (data.x_test, data.y_test)

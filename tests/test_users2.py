@@ -1,0 +1,580 @@
+"""Users' own scripts, round 2 (issue 30): the inputs and the state Keras users bring.
+
+One 2-rank launch (horovodrun --gloo) runs every scenario of ``users2.py`` in turn (each its
+own hk.fit or Task run, its outcome written per rank as JSON), shared by the tests below; the
+one-process references run in this interpreter. Scenarios:
+- ``dicts``: a two-input two-output functional model fed dicts (x, y, sample_weight, and
+  validation data), which must train as one process at the global batch;
+- ``vocab_per_rank``, ``norm_per_rank``, ``task_norm_per_rank``: each rank adapts a
+  StringLookup or a Normalization on its own shard: refused before step 0, on both paths,
+  naming the layer and what differs, nothing written;
+- ``vocab_adapt``: ``hk.adapt`` gives every rank rank 0's vocabulary, and it trains;
+- ``two_phase`` (transfer learning, two hk.fit calls), ``early`` (EarlyStopping), ``grown``,
+  ``lr_changed``: run, then run again by a second launch as the same command (``again``):
+  a finished run trains nothing and rewrites nothing, more epochs train on, other settings
+  are refused naming the script's own arguments with the values as written;
+- ``gan``, ``gan_plain_d``: Keras' GAN pattern (two optimizers, its own train_step, a model
+  Keras cannot save whole): trains when both are distributed, refused naming the other.
+"""
+import json
+import os
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import usercode
+from conftest import result, run
+
+SCENARIOS = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import hvdtrain
+    import hvdtrain.keras as hk
+    from hvdtrain.compat import keras
+    from hvdtrain.data import Data
+
+    k = keras()
+
+    def dict_data():
+        rng = np.random.default_rng(0)
+        n = 256
+        xa = rng.normal(size=(n, 4)).astype("float32")
+        xb = rng.normal(size=(n, 3)).astype("float32")
+        y_cls = (xa[:, 0] + xb[:, 0] > 0).astype("int64")
+        y_reg = (xa[:, 1] - xb[:, 1]).astype("float32")[:, None]
+        weight = rng.uniform(0.5, 1.5, size=n).astype("float32")
+        return {"a": xa, "b": xb}, {"cls": y_cls, "reg": y_reg}, weight
+
+    def dicts(run_dir, batch_size=16):
+        x, y, weight = dict_data()
+        k.utils.set_random_seed(1)
+        a, b = k.Input((4,), name="a"), k.Input((3,), name="b")
+        h = k.layers.Dense(8, activation="tanh")(k.layers.Concatenate()([a, b]))
+        model = k.Model({"a": a, "b": b},
+                        {"cls": k.layers.Dense(2, activation="softmax", name="cls")(h),
+                         "reg": k.layers.Dense(1, name="reg")(h)})
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(0.1)),
+                      loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"})
+        val = ({name: v[:40] for name, v in x.items()}, {name: v[:40] for name, v in y.items()})
+        history = hk.fit(model, hk.dataset(x, y, batch_size=batch_size, seed=3,
+                                           sample_weight=weight),
+                         epochs=2, validation_data=val, run_dir=run_dir, verbose=0)
+        return {"history": history.history}
+
+    WORDS = np.array("the cat sat on a mat and the dog ran off".split())
+
+    def text_data():
+        rng = np.random.default_rng(0)
+        x = rng.choice(WORDS, size=(128, 1))
+        return x, (np.char.str_len(x[:, 0]) > 2).astype("int64")
+
+    def text_model(lookup):
+        k.utils.set_random_seed(1)
+        inp = k.Input((1,), dtype="string")
+        h = k.layers.Flatten()(k.layers.Embedding(16, 4)(lookup(inp)))
+        model = k.Model(inp, k.layers.Dense(2, activation="softmax")(h))
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(0.1)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+    def own_shard(x):  # what a user's per-rank data loading gives each rank
+        return x[hk.rank()::hk.size()]
+
+    def vocab_per_rank(run_dir):
+        x, y = text_data()
+        lookup = k.layers.StringLookup(name="words")
+        lookup.adapt(own_shard(x)[:5])  # rank 1's first five words leave some out
+        hk.fit(text_model(lookup), hk.dataset(x, y, batch_size=16), epochs=1, run_dir=run_dir)
+
+    def vocab_adapt(run_dir):
+        x, y = text_data()
+        lookup = k.layers.StringLookup(name="words")
+        hk.adapt(lookup, own_shard(x)[:5])  # rank 0's five words, on every rank
+        model = text_model(lookup)
+        hk.fit(model, hk.dataset(x, y, batch_size=16), epochs=1, run_dir=run_dir, verbose=0)
+        return {"vocabulary": [str(w) for w in lookup.get_vocabulary()],
+                "rank0": sorted({str(w) for w in x[0::hk.size()][:5, 0]})}
+
+    def norm_model():
+        x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+        norm = k.layers.Normalization(name="scale")
+        norm.adapt(own_shard(x))  # the same shapes on every rank: no broadcast would fail
+        k.utils.set_random_seed(1)
+        model = k.Sequential([k.Input((3,)), norm, k.layers.Dense(2, activation="softmax")])
+        return model, x, (x[:, 0] > 0).astype("int64")
+
+    def norm_per_rank(run_dir):
+        model, x, y = norm_model()
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(0.1)),
+                      loss="sparse_categorical_crossentropy")
+        hk.fit(model, hk.dataset(x, y, batch_size=8), epochs=1, run_dir=run_dir)
+
+    class NormTask(hvdtrain.Task):
+        name = "norm"
+
+        def load_data(self, config, world):
+            _, x, y = norm_model()
+            return Data(x, y, x[:8], y[:8])
+
+        def build_model(self, config):
+            return norm_model()[0]
+
+        def loss(self, y, pred):
+            return k.losses.sparse_categorical_crossentropy(y, pred)
+
+    def task_norm_per_rank(run_dir):
+        hvdtrain.train(NormTask(), hvdtrain.Config(run_dir=run_dir, epochs=1, batch_size=8,
+                                                   verbose=0), hvdtrain.world())
+
+    def tl_data():
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(256, 8)).astype("float32")
+        return x, (x[:, 0] * x[:, 1] > 0).astype("int64")
+
+    def digest(model):
+        import hashlib
+        return hashlib.sha256(b"".join(np.asarray(w).tobytes()
+                                       for w in model.get_weights())).hexdigest()
+
+    def moved(before, after):
+        return max(float(np.abs(a - b).max()) for a, b in zip(before, after))
+
+    def two_phase(run_dir, again=False):
+        '''Transfer learning: the head on a frozen base, then the whole model, each phase
+        its own run_dir under run_dir.'''
+        x, y = tl_data()
+        k.utils.set_random_seed(2)
+        base = k.Sequential([k.Input((8,)), k.layers.Dense(16, activation="relu"),
+                             k.layers.Dense(8, activation="relu")], name="base")
+        model = k.Sequential([base, k.layers.Dense(2, activation="softmax")])
+        train = hk.dataset(x, y, batch_size=16, seed=0)
+        base.trainable = False
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.Adam(1e-2)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        start = base.get_weights()
+        head = hk.fit(model, train, epochs=2, run_dir=run_dir + "/head", verbose=0)
+        after_head = base.get_weights()
+        base.trainable = True
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(0.05)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        whole = hk.fit(model, train, epochs=2, run_dir=run_dir + "/finetune", verbose=0)
+        out = {"base_moved": [moved(start, after_head), moved(after_head, base.get_weights())],
+               "epochs": [head.epoch, whole.epoch], "loss": [head.history["loss"],
+                                                             whole.history["loss"]],
+               "digest": digest(model)}
+        try:  # a third phase in the second phase's run_dir: refused, it is finished
+            hk.fit(model, train, epochs=2, run_dir=run_dir + "/finetune", verbose=0)
+        except hk.Error as e:
+            out["same_run_dir"] = [str(e), e.status]
+        return out
+
+    def small(lr=0.1):
+        x, y = tl_data()
+        k.utils.set_random_seed(3)
+        model = k.Sequential([k.Input((8,)), k.layers.Dense(2, activation="softmax")])
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(lr)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model, hk.dataset(x, y, batch_size=16, seed=0), (x[:32], y[:32])
+
+    def early(run_dir, again=False):
+        '''EarlyStopping ends 4 epochs after 2, restoring epoch 1's weights; the same command
+        again trains nothing.'''
+        model, train, val = small()
+        stop = k.callbacks.EarlyStopping("val_loss", min_delta=10, patience=1, verbose=1,
+                                         restore_best_weights=True)
+        history = hk.fit(model, train, epochs=4, validation_data=val, run_dir=run_dir,
+                         callbacks=[stop], verbose=0)
+        return {"epochs": history.epoch, "digest": digest(model),
+                "step": int(model.optimizer.iterations.numpy())}
+
+    def grown(run_dir, again=False):
+        '''1 epoch, then the same command with 2: it trains on.'''
+        model, train, _ = small()
+        history = hk.fit(model, train, epochs=2 if again else 1, run_dir=run_dir, verbose=0)
+        return {"epochs": history.epoch, "step": int(model.optimizer.iterations.numpy())}
+
+    def lr_changed(run_dir, again=False):
+        '''1 epoch at 0.1, then 2 at 0.01 in the same run_dir: refused as the user wrote it.'''
+        model, train, _ = small(0.01 if again else 0.1)
+        hk.fit(model, train, epochs=2 if again else 1, run_dir=run_dir, verbose=0)
+
+    import tensorflow as tf
+
+    class GAN(k.Model):
+        '''Keras' GAN guide's pattern on 2-D points: two optimizers, its own train_step.'''
+
+        def __init__(self, discriminator, generator, latent_dim):  # no get_config: as the
+            super().__init__()                                       # guide's, unsaveable
+            self.discriminator, self.generator = discriminator, generator
+            self.latent_dim = latent_dim
+
+        def compile(self, d_optimizer, g_optimizer):
+            super().compile()
+            self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+            self.loss_fn = k.losses.BinaryCrossentropy(from_logits=True)
+            self.d_loss, self.g_loss = k.metrics.Mean(name="d_loss"), k.metrics.Mean(name="g_loss")
+
+        @property
+        def metrics(self):
+            return [self.d_loss, self.g_loss]
+
+        def call(self, x):
+            return self.discriminator(x)
+
+        def train_step(self, data):
+            real = data[0]
+            n = tf.shape(real)[0]
+            fake = self.generator(tf.random.normal((n, self.latent_dim), seed=1))
+            labels = tf.concat([tf.ones((n, 1)), tf.zeros((n, 1))], 0)
+            with tf.GradientTape() as tape:
+                d = self.loss_fn(labels, self.discriminator(tf.concat([fake, real], 0)))
+            weights = self.discriminator.trainable_weights
+            self.d_optimizer.apply_gradients(zip(tape.gradient(d, weights), weights))
+            with tf.GradientTape() as tape:
+                fake = self.generator(tf.random.normal((n, self.latent_dim), seed=2))
+                g = self.loss_fn(tf.zeros((n, 1)), self.discriminator(fake))
+            weights = self.generator.trainable_weights
+            self.g_optimizer.apply_gradients(zip(tape.gradient(g, weights), weights))
+            self.d_loss.update_state(d)
+            self.g_loss.update_state(g)
+            return {"d_loss": self.d_loss.result(), "g_loss": self.g_loss.result()}
+
+    def gan(run_dir, distribute_d=True):
+        x = (np.random.default_rng(5).normal(size=(128, 2)) + [2.0, -1.0]).astype("float32")
+        k.utils.set_random_seed(4)
+        model = GAN(k.Sequential([k.Input((2,)), k.layers.Dense(8, activation="relu"),
+                                  k.layers.Dense(1)]),
+                    k.Sequential([k.Input((4,)), k.layers.Dense(8, activation="relu"),
+                                  k.layers.Dense(2)]), 4)
+        d = k.optimizers.Adam(1e-2)
+        model.compile(d_optimizer=hk.DistributedOptimizer(d) if distribute_d else d,
+                      g_optimizer=hk.DistributedOptimizer(k.optimizers.Adam(1e-2)))
+        start = model.generator.get_weights()
+        history = hk.fit(model, hk.dataset(x, np.zeros(len(x)), batch_size=16), epochs=2,
+                         run_dir=run_dir, verbose=0)
+        return {"history": history.history, "digest": digest(model),
+                "moved": [moved(start, model.generator.get_weights())],
+                "steps": [int(model.d_optimizer.iterations.numpy()),
+                          int(model.g_optimizer.iterations.numpy())]}
+
+    def gan_plain_d(run_dir):
+        gan(run_dir, distribute_d=False)
+
+    def main(out, names):
+        hk.init()
+        again = names[0] == "again"  # the same scenarios run a second time, as a new command
+        for name in names[again:]:
+            run_dir = os.path.join(out, name)
+            try:
+                outcome = {"result": globals()[name](run_dir, again) if again else
+                           globals()[name](run_dir)}
+            except hk.Error as e:
+                outcome = {"error": str(e), "status": e.status, "type": type(e).__name__}
+            except Exception as e:  # a test that asks for this scenario fails on it
+                outcome = {"crash": f"{type(e).__name__}: {e}"}
+            suffix = ".again" if again else ""
+            with open(os.path.join(out, f"{name}{suffix}.rank{hk.rank()}.json"), "w") as f:
+                json.dump(outcome, f)
+
+    if __name__ == "__main__":
+        main(sys.argv[1], sys.argv[2:])
+""")
+NAMES = ("dicts", "vocab_per_rank", "vocab_adapt", "norm_per_rank", "task_norm_per_rank",
+         "two_phase", "early", "grown", "lr_changed", "gan", "gan_plain_d")
+AGAIN = ("two_phase", "early", "grown", "lr_changed")  # run again, as the same command
+
+
+@pytest.fixture(scope="module")
+def code(tmp_path_factory):
+    base = tmp_path_factory.mktemp("users2")
+    return usercode.write(base, {"users2": SCENARIOS}), base
+
+
+@pytest.fixture(scope="module")
+def two(code):
+    """Every scenario on 2 ranks, in one launch: {name: [rank 0's outcome, rank 1's]}."""
+    folder, base = code
+    out = base / "two"
+    out.mkdir()
+    p = run(usercode.two_ranks(folder / "users2.py", out, *NAMES),
+            usercode.env_with(folder, base), timeout=240)
+    assert p.returncode == 0, p.stderr[-4000:]
+    outcomes = {}
+    for name in NAMES:
+        outcomes[name] = [json.load(open(out / f"{name}.rank{r}.json")) for r in (0, 1)]
+    return outcomes, out, p
+
+
+@pytest.fixture(scope="module")
+def again(code, two):
+    """The scenarios of AGAIN run a second time on 2 ranks, as the same command run again:
+    (outcomes, result.json's bytes before it, the launch)."""
+    folder, base = code
+    _, out, _ = two
+    before = {name: {str(f): f.read_bytes() for f in out.glob(f"{name}/**/result.json")}
+              for name in AGAIN}
+    p = run(usercode.two_ranks(folder / "users2.py", out, "again", *AGAIN),
+            usercode.env_with(folder, base), timeout=180)
+    assert p.returncode == 0, p.stderr[-4000:]
+    outcomes = {name: [json.load(open(out / f"{name}.again.rank{r}.json")) for r in (0, 1)]
+                for name in AGAIN}
+    return outcomes, before, p
+
+
+@pytest.fixture(scope="module")
+def scenarios(code):
+    """users2.py imported in this process (one process: Horovod of size 1)."""
+    folder, _ = code
+    sys.path.insert(0, str(folder))
+    try:
+        import users2
+        users2.hk.init()
+        yield users2
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("users2", None)
+
+
+def weights(run_dir):
+    from hvdtrain.compat import keras
+
+    model = keras().models.load_model(os.path.join(run_dir, "model.keras"), compile=False)
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def test_dict_inputs_train_like_one_process_at_the_global_batch(two, scenarios, tmp_path):
+    """Dicts of inputs and outputs, sample weights, validation dicts: 2 ranks of 16 are one
+    process of 32 (SGD), weights to 1e-6, and the same global metrics."""
+    outcomes, out, _ = two
+    assert all("error" not in o for o in outcomes["dicts"]), outcomes["dicts"]
+    one_dir = str(tmp_path / "one")
+    one = scenarios.dicts(one_dir, batch_size=32)
+    res = result(out / "dicts")
+    assert res["ranks_identical"] is True and res["global_step"] == 2 * (256 // 32)
+    assert res["global_batch_size"] == 32 == result(one_dir)["global_batch_size"]
+    a, b = weights(one_dir), weights(out / "dicts")
+    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) < 1e-6
+    assert max(float(np.abs(x).max()) for x in b) > 0.1  # it trained
+    two_history = outcomes["dicts"][0]["result"]["history"]
+    for key in ("loss", "cls_loss", "reg_loss", "val_loss"):
+        assert key in two_history
+        assert np.allclose(two_history[key], one["history"][key], atol=1e-5), key
+    assert two_history["loss"][1] < two_history["loss"][0]
+
+
+@pytest.mark.keras2  # Keras 2 keeps lookup tables and their handlers otherwise
+def test_per_rank_vocabularies_are_refused_naming_the_layer(two):
+    outcomes, out, _ = two
+    for o in outcomes["vocab_per_rank"]:  # every rank raised the same one line
+        assert o["status"] == 1 and o["type"] == "PreflightError", o
+        assert "\n" not in o["error"]
+        assert "layer 'words' vocabulary differs (rank 0: " in o["error"], o["error"]
+        assert " entries, sha256 " in o["error"] and "; rank 1: " in o["error"]
+        assert "hk.adapt(layer, data)" in o["error"]
+    assert outcomes["vocab_per_rank"][0] == outcomes["vocab_per_rank"][1]
+    assert not (out / "vocab_per_rank").exists()  # nothing written
+
+
+@pytest.mark.keras2
+def test_per_rank_normalization_is_refused_on_both_paths(two):
+    """The same shapes on every rank (the broadcast would succeed, the model would differ):
+    Normalization's mean and variance, not weights, are compared too."""
+    outcomes, out, _ = two
+    for name in ("norm_per_rank", "task_norm_per_rank"):
+        for o in outcomes[name]:
+            assert o["status"] == 1 and o["type"] == "PreflightError", (name, o)
+            assert "layer 'scale' mean differs (rank 0: [1, 3] float32" in o["error"], o
+            assert "layer 'scale' variance differs" in o["error"]
+        assert not (out / name).exists()
+
+
+@pytest.mark.keras2  # Keras 2 keeps lookup tables and their handlers otherwise
+def test_hk_adapt_gives_every_rank_rank_0s_vocabulary(two):
+    outcomes, out, _ = two
+    mine = [o["result"] for o in outcomes["vocab_adapt"]]
+    assert mine[0]["vocabulary"] == mine[1]["vocabulary"]
+    assert sorted(mine[0]["vocabulary"][1:]) == mine[0]["rank0"]  # [UNK], then rank 0's words
+    assert result(out / "vocab_adapt")["ranks_identical"] is True
+
+
+def test_a_failed_collectives_line_keeps_horovods_reason():
+    """TensorFlow's op error as a failed broadcast of mismatched shapes raises it on 2 ranks
+    (captured from one): the one line is Horovod's reason, not the "Graph execution error:"
+    header, on every path that says an error in one line (errors.first_line)."""
+    from hvdtrain.errors import error_line, first_line
+
+    message = textwrap.dedent("""\
+        Graph execution error:
+
+        Detected at node HorovodBroadcast_Variable_0 defined at (most recent call last):
+          File "/tmp/u2/exp3.py", line 7, in <module>
+
+          File "/work/wt-30/hvdtrain/distributed.py", line 250, in broadcast_variables
+
+          File "<string>", line 656, in horovod_broadcast
+
+        Mismatched BROADCAST tensor shapes: One rank sent a tensor of shape [10, 4], but \
+another rank sent a tensor of shape [11, 4].
+        \t [[{{node HorovodBroadcast_Variable_0}}]] [Op:__inference_group_8]""")
+    assert first_line(message) == ("Mismatched BROADCAST tensor shapes: One rank sent a tensor "
+                                   "of shape [10, 4], but another rank sent a tensor of shape "
+                                   "[11, 4].")
+
+    class FailedPreconditionError(Exception):
+        pass
+
+    assert error_line(FailedPreconditionError(message)).startswith(
+        "FailedPreconditionError: Mismatched BROADCAST tensor shapes:")
+    assert first_line("File not found: x\nmore") == "File not found: x"  # no header: as before
+
+
+def test_two_phases_of_transfer_learning_each_train_in_their_own_run_dir(two, again):
+    outcomes, out, _ = two
+    first = [o["result"] for o in outcomes["two_phase"]]
+    assert first[0]["digest"] == first[1]["digest"]  # ranks identical after both phases
+    frozen, unfrozen = first[0]["base_moved"]
+    assert frozen == 0 and unfrozen > 1e-3  # the frozen base moved in phase 2 only
+    assert first[0]["epochs"] == [[0, 1], [0, 1]]
+    for phase in ("head", "finetune"):
+        res = result(out / "two_phase" / phase)
+        assert res["ranks_identical"] is True and res["global_step"] == 2 * 256 // 32
+    assert result(out / "two_phase" / "finetune")["learning_rate"] == 0.05  # as written
+    said, status = first[0]["same_run_dir"]  # a third phase in a finished phase's run_dir
+    assert status == 2 and said.startswith("hk.fit(run_dir=") and "its own run_dir" in said
+    # The whole script again: both phases finished, nothing trains, nothing is rewritten,
+    # and the model ends with the trained weights (each phase's newest checkpoint).
+    outcomes, before, p = again
+    rerun = [o["result"] for o in outcomes["two_phase"]]
+    assert rerun[0]["digest"] == rerun[1]["digest"] == first[0]["digest"]
+    assert rerun[0]["loss"] == first[0]["loss"]  # the History from metrics.jsonl
+    assert {f: open(f, "rb").read() for f in before["two_phase"]} == before["two_phase"]
+    assert p.stderr.count("holds a finished run (2 epochs, step 16): nothing to train") >= 2
+
+
+def test_a_rerun_of_a_finished_early_stopped_run_does_not_train(two, again):
+    """Also: restore_best_weights is what result.json reports, and Keras' own line from
+    the callback (verbose=1) comes once, from rank 0."""
+    outcomes, out, p = two
+    first = outcomes["early"][0]["result"]
+    assert first["epochs"] == [0, 1] and first["step"] == 16  # stopped after 2 of 4 epochs
+    res, records = result(out / "early"), [json.loads(line) for line in
+                                            open(out / "early" / "metrics.jsonl")]
+    assert res["restored_best_epoch"] == 1 and len(records) == 2
+    assert res["final_val_loss"] == records[0]["val_loss"] != records[1]["val_loss"]
+    import hashlib  # model.keras holds the restored weights, the ones the script ends with
+    saved = hashlib.sha256(b"".join(w.tobytes() for w in weights(out / "early"))).hexdigest()
+    assert saved == first["digest"] == outcomes["early"][1]["result"]["digest"]
+    assert p.stdout.count("Epoch 2: early stopping") == 1, p.stdout[-3000:]
+    outcomes, before, p = again
+    rerun = [o["result"] for o in outcomes["early"]]
+    assert rerun[0] == rerun[1] == first  # restored to where it stopped, not trained on
+    assert {f: open(f, "rb").read() for f in before["early"]} == before["early"]
+    assert f"{out / 'early'} holds a finished run (4 epochs, step 16)" in p.stderr
+
+
+def test_more_epochs_train_on_and_changed_settings_are_named_as_written(two, again):
+    outcomes, out, _ = two
+    assert outcomes["grown"][0]["result"] == {"epochs": [0], "step": 8}
+    assert result(out / "lr_changed")["learning_rate"] == 0.1
+    outcomes, _, _ = again
+    assert outcomes["grown"][0]["result"] == {"epochs": [1], "step": 16}
+    assert result(out / "grown")["global_step"] == 16
+    for o in outcomes["lr_changed"]:
+        assert o["status"] == 1 and o["type"] == "RankError", o  # rank 0 found it
+        assert "was made with other settings (the optimizer's learning_rate 0.1 -> 0.01)" \
+            in o["error"], o
+        assert o["error"].endswith("or choose a new run_dir")
+
+
+def test_the_same_task_command_again_trains_nothing(scenarios, tmp_path, capfd):
+    """The Task path (in this process): a finished run's command again is a no-op that says
+    so and returns the run's result; more epochs train on."""
+    import hvdtrain
+    from hvdtrain.linear import LinearTask
+
+    def train(epochs):
+        config = hvdtrain.preset("linear", run_dir=str(tmp_path), verbose=0, num_workers=1,
+                                 epochs=epochs)
+        return hvdtrain.train(LinearTask(), config, hvdtrain.world())
+
+    first = train(2)
+    before = (tmp_path / "result.json").read_bytes()
+    capfd.readouterr()
+    assert train(2) == json.loads(before) == json.loads(json.dumps(first))
+    assert (tmp_path / "result.json").read_bytes() == before
+    assert f"{tmp_path} holds a finished run (2 epochs, step 2): nothing to train" in \
+        capfd.readouterr().err
+    assert train(3)["global_step"] == 3  # the full batch: one step an epoch
+
+
+def test_a_gan_with_two_distributed_optimizers_trains_and_keeps_its_weights(two):
+    """The Keras guide's GAN pattern: compile(d_optimizer=..., g_optimizer=...) over
+    super().compile(): both distributed, it trains with ranks identical; Keras cannot save
+    the subclassed model whole, so its weights are saved instead, with one warning."""
+    import h5py
+
+    outcomes, out, p = two
+    mine = [o.get("result", o) for o in outcomes["gan"]]
+    assert "history" in mine[0], mine[0]
+    assert mine[0]["digest"] == mine[1]["digest"] and mine[0]["moved"][0] > 1e-3
+    assert mine[0]["steps"] == [8, 8]  # each optimizer applied once per step
+    res = result(out / "gan")
+    assert res["ranks_identical"] is True and res["global_step"] == 8
+    assert res["model"].endswith("model.weights.h5") and not (out / "gan" / "model.keras").exists()
+    warned = [l for l in p.stderr.splitlines() if "model.keras not saved" in l]
+    assert len(warned) == 1 and "Keras cannot save this GAN whole" in warned[0], p.stderr[-3000:]
+    with h5py.File(out / "gan" / "model.weights.h5") as f:  # the weights, as Keras wrote them
+        assert len(f.keys()) > 0
+
+
+def test_a_gan_with_an_undistributed_optimizer_is_refused_naming_it(two):
+    outcomes, out, _ = two
+    for o in outcomes["gan_plain_d"]:
+        assert o.get("status") == 1, o
+        assert o["error"] == ("hk.fit: the model's d_optimizer (Adam) is not distributed: the 2 "
+                              "ranks would train 2 independent models; compile with "
+                              "hk.DistributedOptimizer(optimizer)")
+    assert not (out / "gan_plain_d").exists()
+
+
+@pytest.mark.quick
+def test_nested_inputs_are_counted_and_named_leaf_by_leaf():
+    from hvdtrain import nest
+    from hvdtrain.errors import DataError
+
+    x = {"a": np.zeros((6, 2)), "b": [np.zeros((6, 1)), np.zeros((6, 3))]}
+    assert nest.examples("hk.dataset", [("x", x), ("y", np.zeros(6))]) == 6
+    assert nest.shapes(x) == {"['a']": (2,), "['b'][0]": (1,), "['b'][1]": (3,)}
+    picked = nest.take(x, np.array([4, 1]))
+    assert picked["b"][1].shape == (2, 3) and isinstance(picked["b"], list)
+    assert nest.arrays([[0, 1], [1, 0]]).shape == (2, 2)  # a list of numbers is one array
+    with pytest.raises(DataError, match=r"hk.dataset: x\['a'\] has 6 examples but "
+                                        r"y\['cls'\] has 5"):
+        nest.examples("hk.dataset", [("x", {"a": np.zeros(6)}), ("y", {"cls": np.zeros(5)})])
+
+
+def test_ranks_identical_compares_the_state_outside_the_weights(capfd):
+    """The same weights with another Normalization mean on rank 1 (a layer adapted again in
+    training, say): not identical, and said."""
+    from hvdtrain.compat import keras
+    from hvdtrain.report import weights_agreement
+    from test_preflight import FakeWorld
+
+    k = keras()
+    norm = k.layers.Normalization()
+    norm.adapt(np.arange(8, dtype="float32").reshape(4, 2))
+    model = k.Sequential([k.Input((2,)), norm, k.layers.Dense(1)])
+
+    class Peer(FakeWorld):  # rank 1 answers with its own (digest, state)
+        def allgather_object(self, obj):
+            return [obj] + [self.others(obj)]
+
+    same = weights_agreement(Peer(lambda mine: mine), model)
+    assert same["ranks_identical"] is True
+    other = weights_agreement(Peer(lambda mine: (mine[0], {**mine[1], "layer 'normalization' "
+                                                           "mean": "[1, 2] float32, sha256 x"})),
+                              model)
+    assert other["ranks_identical"] is False and other["weights_sha256"] == same["weights_sha256"]
+    assert "the weights or the layers' state of rank(s) [1] differ" in capfd.readouterr().err
