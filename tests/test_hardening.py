@@ -257,20 +257,14 @@ def test_the_watchdog_holds_against_a_flood_and_a_line_without_end(env, tmp_path
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     run_dir = tmp_path / "run"
-    proc = start(launch("gloo", 2, "linear", "--run-dir", str(run_dir), *LONG[:-2]),
+    # Long enough for the attack (a few seconds) on a slow machine: 2.5 times LONG's epochs.
+    args = [*LONG[:LONG.index("--epochs") + 1], "100", *LONG[LONG.index("--epochs") + 2:-2]]
+    proc = start(launch("gloo", 2, "linear", "--run-dir", str(run_dir), *args),
                  dict(env, HVDTRAIN_WATCHDOG_PORT=str(port)))
     try:
         assert wait_for(lambda: (run_dir / "config.json").exists(), 120), "job did not start"
         pids = wait_for(lambda: rank_pids(str(run_dir)) if len(rank_pids(str(run_dir))) == 2
                         else None, 30)
-        flood = []  # 500 connections that never speak, all at once, closed at once
-        for _ in range(500):
-            try:
-                flood.append(S.create_connection(("127.0.0.1", port), timeout=2))
-            except OSError:
-                pass  # the backlog is full: refused by the kernel, not by rank 0
-        for s in flood:
-            s.close()
         before = _rss_mb(pids[0])
         sent = [0]
 
@@ -287,8 +281,25 @@ def test_the_watchdog_holds_against_a_flood_and_a_line_without_end(env, tmp_path
         pourer = threading.Thread(target=pour)
         pourer.start()
         pourer.join(60)
-        grown = _rss_mb(pids[0]) - before
         assert proc.poll() is None, "the job ended before the attack did: make it longer"
+        grown = _rss_mb(pids[0]) - before
+        flood = []  # 500 connections that never speak, from 10 threads, closed at once
+
+        def connect(n):
+            for _ in range(n):
+                try:
+                    flood.append(S.create_connection(("127.0.0.1", port), timeout=0.5))
+                except OSError:
+                    pass  # the backlog is full: dropped by the kernel, not by rank 0
+
+        threads = [threading.Thread(target=connect, args=(50,)) for _ in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for s in flood:
+            s.close()
+        assert proc.poll() is None, "the job ended before the flood did: make it longer"
         rc, out, err = finish(proc, 240)
     finally:
         if proc.poll() is None:
