@@ -17,7 +17,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from hvdtrain import timings
-from hvdtrain.errors import LaunchError, RankError, error_line, first_line  # noqa: F401 (public)
+from hvdtrain.errors import (ConfigError, LaunchError, RankError, error_line,  # noqa: F401
+                             first_line)  # (public)
 
 # Variables launchers set in every process they start: mpirun (Open MPI, MPICH/Hydra,
 # MVAPICH), horovodrun --gloo, and srun.
@@ -316,12 +317,36 @@ class Reduction:
 
     def keras2_optimizer(self, optimizer, backward_passes_per_step: int = 1):
         """Keras 2: Horovod's own wrapper (it averages in minimize/get_gradients; with
-        backward_passes_per_step, the mean of that many calls' gradients every that many)."""
-        return horovod_keras().DistributedOptimizer(
+        backward_passes_per_step, the mean of that many calls' gradients every that many).
+
+        Horovod's wrapper reduces in ``minimize`` (what Keras 2's own train_step calls) and
+        applies what ``apply_gradients`` is given: a model's own train_step that calls
+        ``apply_gradients`` itself (a GAN's) would apply each rank's own gradients, the ranks
+        drifting apart without a word. Here ``apply_gradients`` reduces them first unless
+        ``minimize`` just did (Horovod's ``_aggregated_gradients``, reset after each apply;
+        hvdtrain's own step, which reduces with its riders, marks them reduced)."""
+        opt = horovod_keras().DistributedOptimizer(
             optimizer, op=self.op, compression=self.compression,
             gradient_predivide_factor=self.gradient_predivide_factor,
             backward_passes_per_step=backward_passes_per_step,
             average_aggregated_gradients=True)
+        horovods = opt.apply_gradients  # bound: Horovod's class calls super(self.__class__)
+
+        def apply_gradients(grads_and_vars, *args, **kwargs):
+            if not opt._aggregated_gradients:
+                if opt._agg_helper is not None:
+                    raise ConfigError("backward_passes_per_step", backward_passes_per_step,
+                                      "under Keras 2 it accumulates in minimize(), and this "
+                                      "model's own train_step calls apply_gradients itself: "
+                                      "use Keras 3, or no accumulation")
+                pairs = [(g, v) for g, v in grads_and_vars]
+                reduced = opt._allreduce([g for g, _ in pairs], [v for _, v in pairs])
+                grads_and_vars = list(zip(reduced, [v for _, v in pairs]))
+            object.__setattr__(opt, "_aggregated_gradients", False)
+            return horovods(grads_and_vars, *args, **kwargs)
+
+        object.__setattr__(opt, "apply_gradients", apply_gradients)
+        return opt
 
 
 def _elastic_state(hvd, variables, progress):

@@ -209,6 +209,9 @@ def _apply_reduced(optimizer, grads, variables):
         return None
     if precision.is_loss_scaled(optimizer):
         grads = optimizer.get_unscaled_gradients(grads)
+    wrapper = getattr(optimizer, "inner_optimizer", optimizer)
+    if hasattr(wrapper, "_aggregated_gradients"):  # Horovod's: these are reduced already
+        object.__setattr__(wrapper, "_aggregated_gradients", True)
     return optimizer.apply_gradients(zip(grads, variables))
 
 
