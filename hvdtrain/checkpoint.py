@@ -52,17 +52,14 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def remove_leftovers(directory: str) -> List[str]:
+def remove_leftovers(directory: str) -> None:
     """Delete the temporary files of saves that were killed before their rename (only rank
-    0 writes, one save at a time: any such file is a leftover). Returns their names."""
-    gone = []
+    0 writes, one save at a time: any such file is a leftover)."""
     for path in glob.glob(os.path.join(directory, ".ckpt-*.hvdt.*.tmp")):
         try:
             os.unlink(path)
-            gone.append(os.path.basename(path))
         except FileNotFoundError:
             pass
-    return gone
 
 
 def save(directory: str, arrays: Sequence[np.ndarray], names: Sequence[str], meta: dict,

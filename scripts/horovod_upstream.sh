@@ -8,7 +8,7 @@
 # fetch them (tests/test_horovod_api.py checks the same APIs in the project's own code).
 # Prints each file's pytest summary and failed tests per Keras, then runs
 # examples/tensorflow2/tensorflow2_mnist.py and tensorflow2_keras_mnist.py with horovodrun
-# -np 2, changed only in: the digits come from hvdtrain's bundled sample instead of a download,
+# -np 2, changed only in: the digits come from hvdtrain.datasets.mnist() instead of a download,
 # the step counts are cut; and under Keras 3 the Keras 2-only code the README's "Your Horovod
 # scripts" lists is left out (`experimental_run_tf_function=False`, `opt.variables()`).
 # Needs pytest's `parameterized` and `mock` (pip install parameterized mock; Horovod's tests
@@ -23,11 +23,11 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 status=0
 python - "$work/mnist.npz" <<'PY'
-import gzip, importlib.resources, sys
+import sys
 import numpy as np
-with gzip.open(importlib.resources.files("hvdtrain") / "resources" / "mnist_5k.csv.gz") as f:
-    rows = np.loadtxt(f, delimiter=",", dtype=np.uint8)
-np.savez(sys.argv[1], x=rows[:, :784].reshape(-1, 28, 28), y=rows[:, 784])
+from hvdtrain.datasets import mnist
+(x, y), _ = mnist()  # Keras' cached MNIST, else the bundled sample: no download
+np.savez(sys.argv[1], x=x, y=y)
 PY
 for keras in 3 2; do
     if [[ $keras == 2 ]]; then export TF_USE_LEGACY_KERAS=1; else unset TF_USE_LEGACY_KERAS; fi
