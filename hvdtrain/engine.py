@@ -41,10 +41,10 @@ from hvdtrain import checkpoint, compat, precision, timings
 from hvdtrain.config import Config, values
 from hvdtrain.distributed import Progress, World
 from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, Preempted, RankError,
-                             RunDirBusy, TaskError, argument, error_line, first_line, shown,
-                             user_code)
+                             RanksDiffer, RunDirBusy, TaskError, argument, error_line,
+                             first_line, shown, user_code)
 from hvdtrain.optimizer import updates
-from hvdtrain.report import Reporter, weights_agreement
+from hvdtrain.report import Reporter, ranks_differ_line, weights_agreement
 from hvdtrain.watchdog import Watchdog
 
 # Where training stands, as a checkpoint or an elastic commit keeps it.
@@ -208,6 +208,7 @@ class Run:
         rank (zeros at an epoch's end)."""
         self.sync_state()
         self.check_weights()
+        self.check_agreement()
         self.checkpoints.save(progress, partial_sums, self.state, self.global_batch,
                               self.global_step, self.record(), self.last_record)
 
@@ -225,10 +226,25 @@ class Run:
                 np.isfinite(v.numpy()).all() for v in self.model.trainable_variables):
             raise self.diverged(f"the weights became NaN or infinite by step {self.global_step}")
 
-    def diverged(self, what: str) -> Diverged:
+    def check_agreement(self) -> None:
+        """All ranks, before each checkpoint: the ranks hold one model (weights and layers'
+        state). Synchronous updates keep them so; a variable a train_step or callback
+        updates by hand on each rank alone does not, and rank 0's checkpoint would then
+        speak for N different models."""
+        if self.world.size == 1:
+            return
+        differ = weights_agreement(self.world, self.model)["differ"]
+        if differ:
+            raise RanksDiffer(f"{ranks_differ_line(differ, self.global_step, self.fit)}; "
+                              f"training stopped ({self._kept()})")
+
+    def _kept(self) -> str:
         newest = self.checkpoints.steps()
-        kept = (f"the newest checkpoint, from before it, is step {newest[0]} in "
+        return (f"the newest checkpoint, from before it, is step {newest[0]} in "
                 f"{self.ckpt_dir}" if newest else "no checkpoint was saved before it")
+
+    def diverged(self, what: str) -> Diverged:
+        kept = self._kept()
         if self.fit:
             return Diverged(f"{what}: training stopped ({kept}); try a lower learning rate on "
                             "the optimizer in a new run_dir, or stop_on_divergence=False to "
@@ -276,7 +292,9 @@ class Run:
             out["loss_scale"] = scale
         with timings.phase("results"):
             self.sync_state()  # the driver synced before evaluating; a no-op unless it did not
-            out.update(weights_agreement(self.world, model))
+            agreed = weights_agreement(self.world, model)
+            differ = agreed.pop("differ")
+            out.update(agreed)
         if self.config.save_model:
             with timings.phase("model_save"):
                 out["model"] = self.out.save_model(model)
@@ -284,6 +302,10 @@ class Run:
             out["timings"] = timings.report()  # rank 0's goes into the file
             self.out.result(out)
         self.out.print(timings.line(out["timings"]), level=2)
+        if differ:  # the work is kept (result.json says so), and the run fails
+            raise RanksDiffer(f"{ranks_differ_line(differ, self.global_step, self.fit)}; "
+                              f"result.json and the model hold rank 0's "
+                              f"(ranks_identical: false)")
         return out
 
 

@@ -105,6 +105,10 @@ class Diverged(Together, RuntimeError):
     """The loss (or the weights) became NaN or infinite; every rank stopped at that step."""
 
 
+class RanksDiffer(Together, RuntimeError):
+    """The ranks' models differ after synchronous updates: something updated one rank's."""
+
+
 class DataError(Error, RuntimeError):
     """A data file is missing, corrupt or not what the task expects."""
 

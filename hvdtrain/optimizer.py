@@ -12,8 +12,14 @@ does, and what TF1's SyncReplicasOptimizer did in the seeds. Under Keras 2
 (Horovod's own works under Keras 3 too, with scripts/patches/python/, but it makes a new
 optimizer from the old one's config, and this one wraps in place, keeping the optimizer's
 state, carries the step's stop flags in the gradients' allreduce, and turns compile's
-``LossScaleOptimizer(DistributedOptimizer(opt))`` around.) In one process it returns the
-optimizer unchanged (but for ``backward_passes_per_step``).
+``LossScaleOptimizer(DistributedOptimizer(opt))`` around.) In one process Keras 2's is
+returned unchanged (but for ``backward_passes_per_step``), and Keras 3's is wrapped alike,
+with nothing to reduce.
+
+Sparse gradients (an Embedding's ``tf.IndexedSlices``) are applied dense at every world size
+on hvdtrain's own paths (the Task path's step; Keras 3's ``apply``), so Adam trains an
+Embedding alike on one process and on N ranks. Under Keras 2 the fit path is Horovod's
+wrapper, which gathers them sparse on N ranks, as one process keeps them sparse.
 
 ``backward_passes_per_step=N`` accumulates: each update applies the mean of N calls'
 gradients (N micro-batches), reduced over the ranks once, at the N-th call. Under Keras 3 this
@@ -62,7 +68,10 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
                                                            gradient_predivide_factor)
     passes = _backward_passes(optimizer, backward_passes_per_step, reduction)
     if reduction is None:  # one process: nothing to reduce
-        return optimizer
+        if not compat.is_keras3():
+            return optimizer
+        # Keras 3 still wraps it: sparse gradients are applied dense, as N ranks apply them.
+        reduction = _Alone()
     if compat.is_keras3():
         # hvdtrain's reduces in apply() with Horovod's grouped allreduce, in place (see the
         # module's docstring for why not Horovod's). Around a LossScaleOptimizer, it reduces
@@ -82,6 +91,30 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
     # object.__setattr__: Keras 3 would track an attribute set the usual way as state.
     object.__setattr__(optimizer, "_hvdtrain_reduction", reduction)
     return optimizer
+
+
+class _Alone:
+    """Keras 3, one process: nothing to reduce. The wrapper stays for ``_apply_reduced``,
+    which applies sparse gradients dense as on N ranks."""
+
+    carries_riders = True
+
+    def __call__(self, grads) -> list:
+        return list(grads)
+
+    def sum(self, tensor):
+        return tensor
+
+
+def _dense(grads) -> list:
+    """An Embedding's sparse gradient (``tf.IndexedSlices``) as a dense tensor. N ranks
+    reduce it dense (Horovod's ``sparse_as_dense``); Keras' Adam (any optimizer with slots)
+    updates a sparse gradient's moments otherwise than a dense one's (rows repeated in a
+    batch, rows not in it), so one process applies it dense too: a model trains alike at
+    any world size."""
+    import tensorflow as tf
+
+    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
 
 
 def _backward_passes(optimizer, n, reduction) -> int:
@@ -198,6 +231,7 @@ def _apply_reduced(optimizer, grads, variables):
     """
     import tensorflow as tf
 
+    grads = _dense(grads)
     if compat.is_keras3():
         cls = type(optimizer)
         own = super(cls, optimizer) if getattr(cls, "_hvdtrain_distributed", False) else optimizer

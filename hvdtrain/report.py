@@ -34,9 +34,9 @@ def default_run_dir(task: str, root: str = "runs") -> str:
 def weights_agreement(world, model) -> dict:
     """Every rank must end with the same weights (synchronous updates): compare digests.
 
-    Returns ``weights_sha256`` (rank 0's) and ``ranks_identical`` for result.json; a
-    difference would mean the ranks trained different models, and rank 0's file would
-    silently speak for one of them, so it is also said on stderr.
+    Returns ``weights_sha256`` (rank 0's), ``ranks_identical`` for result.json, and
+    ``differ``, the ranks whose weights or layers' state are not rank 0's (empty when
+    identical). One host allgather, on every rank.
     """
     import hashlib
 
@@ -52,14 +52,19 @@ def weights_agreement(world, model) -> dict:
     # ranks with other vocabularies are other models even with the same weights.
     state = layer_state(model)
     digests = world.allgather_object((digest.hexdigest(), state))
-    weights_digests = [d for d, _ in digests]
-    agree = len(set(weights_digests)) == 1 and all(s == digests[0][1] for _, s in digests)
-    if not agree and world.is_chief:
-        differ = [r for r, (d, s) in enumerate(digests) if (d, s) != digests[0]]
-        print(f"hvdtrain: warning: the weights or the layers' state of rank(s) {differ} differ "
-              "from rank 0's after training; result.json holds rank 0's", file=sys.stderr,
-              flush=True)
-    return {"weights_sha256": weights_digests[0], "ranks_identical": agree}
+    differ = [r for r, (d, s) in enumerate(digests)
+              if d != digests[0][0] or s != digests[0][1]]
+    return {"weights_sha256": digests[0][0], "ranks_identical": not differ, "differ": differ}
+
+
+def ranks_differ_line(differ, step: int, fit: bool) -> str:
+    """Why the ranks' models can differ after synchronous updates, and what to do."""
+    where = ("the model's own train_step, a callback" if fit else "the task's code")
+    return (f"the model of rank(s) {differ} differs from rank 0's at step {step} (weights or "
+            f"layers' state): something changed it outside the distributed optimizer on "
+            f"each rank alone ({where}: a variable's assign/assign_add/assign_sub, or an "
+            f"optimizer that is not hk.DistributedOptimizer); every update must go through "
+            f"the distributed optimizer, or be the same on every rank")
 
 
 def run_dir_problem(path: str):

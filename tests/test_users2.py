@@ -14,7 +14,11 @@ one-process references run in this interpreter. Scenarios:
   a finished run trains nothing and rewrites nothing, more epochs train on, other settings
   are refused naming the script's own arguments with the values as written;
 - ``gan``, ``gan_plain_d``: Keras' GAN pattern (two optimizers, its own train_step, a model
-  Keras cannot save whole): trains when both are distributed, refused naming the other.
+  Keras cannot save whole): trains when both are distributed, refused naming the other;
+- ``embed_adam``, ``task_embed_adam``: Adam and an Embedding (a sparse gradient) on both
+  paths, which must train as one process at the global batch;
+- ``drifting``: a train_step that moves a weight by hand on each rank: stopped at the first
+  checkpoint, naming the ranks.
 """
 import json
 import os
@@ -266,6 +270,68 @@ SCENARIOS = textwrap.dedent("""
     def gan_plain_d(run_dir):
         gan(run_dir, distribute_d=False)
 
+    def embed_data():
+        rng = np.random.default_rng(6)
+        x = rng.integers(0, 20, size=(256, 6)).astype("int32")  # rows repeat within a batch
+        return x, (x[:, 0] < 10).astype("int64")
+
+    def embed_model():
+        k.utils.set_random_seed(6)
+        return k.Sequential([k.Input((6,), dtype="int32"), k.layers.Embedding(20, 4),
+                             k.layers.GlobalAveragePooling1D(),
+                             k.layers.Dense(2, activation="softmax")])
+
+    def embed_adam(run_dir, batch_size=16):
+        '''Adam and an Embedding (a sparse gradient), fit path.'''
+        x, y = embed_data()
+        model = embed_model()
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.Adam(1e-2)),
+                      loss="sparse_categorical_crossentropy")
+        hk.fit(model, hk.dataset(x, y, batch_size=batch_size, seed=3), epochs=2,
+               run_dir=run_dir, verbose=0)
+        return {"digest": digest(model)}
+
+    class EmbedTask(hvdtrain.Task):
+        name = "embed"
+
+        def load_data(self, config, world):
+            x, y = embed_data()
+            return Data(x, y, x[:32], y[:32])
+
+        def build_model(self, config):
+            return embed_model()
+
+        def build_optimizer(self, config, learning_rate):
+            return k.optimizers.Adam(1e-2)
+
+        def loss(self, y, pred):
+            return k.losses.sparse_categorical_crossentropy(y, pred)
+
+    def task_embed_adam(run_dir, batch_size=16):
+        '''Adam and an Embedding, Task path.'''
+        hvdtrain.train(EmbedTask(), hvdtrain.Config(run_dir=run_dir, epochs=2,
+                                                    batch_size=batch_size, verbose=0),
+                       hvdtrain.world())
+
+    class Drifting(k.Sequential):
+        '''A train_step that also moves a bias by hand, by its own batch's mean: each rank
+        its own amount.'''
+
+        def train_step(self, data):
+            logs = super().train_step(data)
+            bias = self.layers[-1].bias
+            bias.assign_sub(tf.ones_like(bias) * 1e-3 * tf.reduce_mean(data[0]))
+            return logs
+
+    def drifting(run_dir):
+        x, y = tl_data()
+        k.utils.set_random_seed(3)
+        model = Drifting([k.Input((8,)), k.layers.Dense(2, activation="softmax")])
+        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(0.1)),
+                      loss="sparse_categorical_crossentropy")
+        hk.fit(model, hk.dataset(x, y, batch_size=16, seed=0), epochs=2, run_dir=run_dir,
+               verbose=0)
+
     def main(out, names):
         hk.init()
         again = names[0] == "again"  # the same scenarios run a second time, as a new command
@@ -286,7 +352,8 @@ SCENARIOS = textwrap.dedent("""
         main(sys.argv[1], sys.argv[2:])
 """)
 NAMES = ("dicts", "vocab_per_rank", "vocab_adapt", "norm_per_rank", "task_norm_per_rank",
-         "two_phase", "early", "grown", "lr_changed", "gan", "gan_plain_d")
+         "two_phase", "early", "grown", "lr_changed", "gan", "gan_plain_d", "embed_adam",
+         "task_embed_adam", "drifting")
 AGAIN = ("two_phase", "early", "grown", "lr_changed")  # run again, as the same command
 
 
@@ -559,11 +626,11 @@ def test_nested_inputs_are_counted_and_named_leaf_by_leaf():
         nest.examples("hk.dataset", [("x", {"a": np.zeros(6)}), ("y", {"cls": np.zeros(5)})])
 
 
-def test_ranks_identical_compares_the_state_outside_the_weights(capfd):
+def test_ranks_identical_compares_the_state_outside_the_weights():
     """The same weights with another Normalization mean on rank 1 (a layer adapted again in
-    training, say): not identical, and said."""
+    training, say): not identical, and rank 1 named."""
     from hvdtrain.compat import keras
-    from hvdtrain.report import weights_agreement
+    from hvdtrain.report import ranks_differ_line, weights_agreement
     from test_preflight import FakeWorld
 
     k = keras()
@@ -581,4 +648,40 @@ def test_ranks_identical_compares_the_state_outside_the_weights(capfd):
                                                            "mean": "[1, 2] float32, sha256 x"})),
                               model)
     assert other["ranks_identical"] is False and other["weights_sha256"] == same["weights_sha256"]
-    assert "the weights or the layers' state of rank(s) [1] differ" in capfd.readouterr().err
+    assert (same["differ"], other["differ"]) == ([], [1])
+    assert ranks_differ_line([1], 8, fit=True).startswith(
+        "the model of rank(s) [1] differs from rank 0's at step 8 (weights or layers' state)")
+
+
+def test_adam_and_an_embedding_train_like_one_process_on_both_paths(two, scenarios, tmp_path):
+    """An Embedding's gradient is sparse (IndexedSlices): N ranks reduce it dense, and one
+    process applies it dense too (Keras 3's Adam updates a sparse gradient's moments
+    otherwise: 0.25 apart before). 2 ranks of 16 train as one process of 32 with Adam, on the
+    fit path and the Task path."""
+    outcomes, out, _ = two
+    for name in ("embed_adam", "task_embed_adam"):
+        assert all("error" not in o and "crash" not in o for o in outcomes[name]), outcomes[name]
+        res = result(out / name)
+        assert res["ranks_identical"] is True and res["global_step"] == 2 * 256 // 32, res
+        one_dir = str(tmp_path / name)
+        getattr(scenarios, name)(one_dir, batch_size=32)
+        assert result(one_dir)["global_batch_size"] == res["global_batch_size"] == 32
+        apart = max(float(np.abs(a - b).max())
+                    for a, b in zip(weights(out / name), weights(one_dir)))
+        assert apart < 1e-5, (name, apart)
+
+
+def test_a_train_step_that_updates_a_weight_by_hand_stops_before_its_first_checkpoint(two):
+    """A model's own train_step moves a bias by hand, each rank by its own batch: the ranks'
+    models part, and the first checkpoint (epoch 1's end, step 8) finds it: one line naming
+    the ranks and the cause, exit 1, nothing saved for one model that is really two."""
+    outcomes, out, _ = two
+    for o in outcomes["drifting"]:
+        assert (o.get("type"), o.get("status")) == ("RanksDiffer", 1), o
+        assert o["error"].startswith("the model of rank(s) [1] differs from rank 0's at "
+                                     "step 8 (weights or layers' state): something changed "
+                                     "it outside the distributed optimizer"), o["error"]
+        assert o["error"].endswith("training stopped (no checkpoint was saved before it)")
+        assert "\n" not in o["error"]
+    assert not (out / "drifting" / "result.json").exists()
+    assert not list((out / "drifting").glob("checkpoints/ckpt-*"))
