@@ -177,7 +177,7 @@ gpu_build_env() {
     # Uncompressed fatbinaries (a few hundred KB): Horovod's kernels are registered through
     # TensorFlow's CUDA 12.9 runtime and loaded by the machine's driver, both older than
     # nvcc 13.0's compressed formats.
-    if "$cuda/bin/nvcc" --help | grep -q -- --compress-mode; then export CUDAFLAGS="${CUDAFLAGS:-} -compress-mode=none"; fi
+    if grep -q -- --compress-mode <<<"$("$cuda/bin/nvcc" --help)"; then export CUDAFLAGS="${CUDAFLAGS:-} -compress-mode=none"; fi
     {
         echo "compiler=$("$cuda/bin/nvcc" --version | grep -o 'release [0-9.]*, V[0-9.]*')"
         # The flags Horovod's CMake gives nvcc, computed the way it does.

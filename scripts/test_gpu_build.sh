@@ -37,7 +37,10 @@ HVDTRAIN_GPU=1 HVDTRAIN_VENV=$venv HVDTRAIN_SKIP_APT=1 "$root/scripts/setup.sh"
 echo "== setup.sh took $((SECONDS - start)) s"
 
 export PATH=$venv/bin:$PATH OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TF_CPP_MIN_LOG_LEVEL=3
-horovodrun --check-build | grep -qF "[X] NCCL" || fail "horovodrun --check-build lacks NCCL"
+# Read whole, then searched: grep -q leaving early would break horovodrun's pipe (an
+# unbuffered Python, PYTHONUNBUFFERED=1, dies of it), and pipefail would call that a failure.
+check=$(horovodrun --check-build) || fail "horovodrun --check-build failed"
+grep -qF "[X] NCCL" <<<"$check" || fail "horovodrun --check-build lacks NCCL"
 python -c "import horovod.tensorflow as hvd; assert hvd.nccl_built() and hvd.mpi_built()" ||
     fail "horovod.tensorflow does not import with NCCL"
 hvd_dir=$(python -c 'import horovod, os; print(os.path.dirname(horovod.__file__))')
