@@ -1,0 +1,183 @@
+"""A tf.data pipeline whose files or order differ between the ranks, or change under a running
+job: the ranks' agreement before step 0, the look at the files before each epoch and
+checkpoint, a shard that runs short mid-epoch; in one process (the agreement's logic on
+lists as the ranks' allgather gives them; a 2-rank view where every rank sees the same)."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+class Twin:
+    """Rank 0 of 2 ranks that see exactly what this process sees (allgather: two copies)."""
+
+    rank, size, is_chief = 0, 2, True
+
+    def allgather_object(self, obj):
+        return [obj, obj]
+
+    def agree(self, fn, catch=(Exception,), merge=None):
+        return fn()
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """4 small TFRecord files of 40 examples each: (x, id) with id = the example's number."""
+    import tensorflow as tf
+
+    data_dir = tmp_path_factory.mktemp("records")
+    for f in range(4):
+        with tf.io.TFRecordWriter(str(data_dir / f"part-{f}.tfrecord")) as w:
+            for i in range(40 * f, 40 * f + 40):
+                w.write(tf.io.serialize_tensor(tf.constant(i, tf.int64)).numpy())
+    return data_dir
+
+
+def parse(record):
+    import tensorflow as tf
+
+    i = tf.io.parse_tensor(record, tf.int64)
+    return tf.cast(tf.reshape(i, [1]), tf.float32), i
+
+
+def examples(files):
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices([str(f) for f in files]).interleave(
+        tf.data.TFRecordDataset, cycle_length=2).map(parse)
+
+
+@pytest.mark.quick
+def test_agreement_lines_name_the_rank_and_what_differs():
+    from hvdtrain import pipeline
+
+    a = [("/d/part-0", 100), ("/d/part-1", 90), ("/d/part-2", 80)]
+    same = pipeline.files_differ("the training dataset", [a, list(a)])
+    assert same is None
+    assert pipeline.files_differ("the training dataset", [a, a[:2]]) == (
+        "the training dataset: the ranks read different files: rank 1 lacks /d/part-2 (3 "
+        "files on rank 0, 2 on rank 1); every rank must list the same files (or shard them "
+        "by hand: sharded=True)")
+    assert "rank 1 lists them in another order (file 0: /d/part-1 where rank 0 has " \
+           "/d/part-0)" in pipeline.files_differ("x", [a, [a[1], a[0], a[2]]])
+    assert "/d/part-1 is 90 bytes on rank 0, 45 on rank 1" in pipeline.files_differ(
+        "x", [a, [a[0], ("/d/part-1", 45), a[2]]])
+    assert pipeline.order_differs("x", ["ab", "ab", "ab"]) is None
+    assert pipeline.order_differs("x", ["ab", "ab", "cd"]).startswith(
+        "x: rank 2 reads its batches in another order than rank 0")
+    assert pipeline.batch_sizes_differ("x", [32, 32], "user") is None
+    assert pipeline.batch_sizes_differ("x", [32, 16], "user") == (
+        "x: rank 1's batches hold 16 examples, rank 0's 32: every rank's batches must be the "
+        "per-rank batch size (batch every rank's shard alike)")
+    # The run-defining description: names (not the directory) and sizes.
+    moved = [("/e/part-0", 100), ("/e/part-1", 90), ("/e/part-2", 80)]
+    assert pipeline.describe_files(a) == pipeline.describe_files(moved)
+    assert pipeline.describe_files(a).startswith("3 files, 270 bytes, sha256 ")
+    assert pipeline.describe_files(a) != pipeline.describe_files(a + [("/d/part-3", 1)])
+    assert pipeline.describe_files([a, a[:1]]).startswith("4 files over 2 ranks, 370 bytes")
+    assert pipeline.describe_files([]) == "none"
+
+
+@pytest.mark.quick
+def test_by_batch_order_digest_catches_a_shuffle_seeded_by_rank(records):
+    """Sharded by batch, every rank counts the whole pipeline and digests its batches: the
+    same seed on every rank gives the same digest, another seed (seed=rank) another; the
+    rank's own sizes from the whole count are those of its shard."""
+    import tensorflow as tf
+
+    from hvdtrain import pipeline
+
+    def sharded(seed, batch=None):
+        ds = examples(sorted(records.glob("part-*")))
+        ds = ds.shuffle(160, seed=seed)
+        return pipeline._sharded_sizes(ds if batch else ds.batch(16), Twin(), False, "x",
+                                       batch=batch)
+
+    ds0, sizes, policy, digest = sharded(0)
+    assert (policy, sizes) == ("file", [16] * 5) and digest is None  # by file: no digest
+
+    class Rank1(Twin):
+        rank = 1
+
+    whole = tf.data.Dataset.range(50).map(lambda i: (tf.cast([i], tf.float32), i))
+    digests = []
+    for seed in (0, 0, 1):
+        ds = whole.shuffle(50, seed=seed).batch(8)
+        _, sizes, policy, d = pipeline._sharded_sizes(ds, Twin(), False, "x")
+        assert (policy, sizes) == ("data", [8, 8, 8, 2])  # batches 0, 2, 4, 6 of 7
+        digests.append(d)
+    assert digests[0] == digests[1] != digests[2]
+    # Examples, batched per rank after sharding (the Task path): rank 1's sizes from the
+    # whole count equal its shard's own.
+    for rank in (Twin(), Rank1()):
+        mine, sizes, _, _ = pipeline._sharded_sizes(whole, rank, False, "x", batch=8)
+        assert sizes == [int(tf.shape(x)[0]) for x, _ in mine] == [8, 8, 8, 1]
+
+
+@pytest.mark.quick
+def test_enumerate_over_files_is_sharded_by_batch(records):
+    """A TFRecord pipeline with .enumerate(): TensorFlow's file rewrite cannot shard its
+    range source (a 57-line protobuf dump); sharded by batch instead, every example once."""
+    from hvdtrain import pipeline
+
+    class Rank1(Twin):
+        rank = 1
+
+    ids = []
+    for rank in (Twin(), Rank1()):
+        ds = examples(sorted(records.glob("part-*"))).enumerate().map(
+            lambda k, xy: (xy[0], xy[1])).batch(10)
+        train = pipeline.Batches(ds, rank)
+        assert train.policy == "data" and train.steps == 8
+        ids.append(np.concatenate([y.numpy() for _, y in train.ds]))
+    assert sorted(np.concatenate(ids).tolist()) == list(range(160))
+
+
+def test_input_changed_under_the_run_is_one_line(records, tmp_path):
+    """A file cut short, rewritten or deleted after the start: the look before an epoch
+    names it; a shard that runs short inside an epoch raises at the epoch's end instead of
+    taking the next epoch's batches, said in one line naming the file."""
+    import shutil
+
+    import tensorflow as tf
+
+    from hvdtrain import pipeline
+    from hvdtrain.distributed import World
+    from hvdtrain.errors import DataError, InputError
+
+    data = tmp_path / "data"
+    shutil.copytree(records, data)
+    files = sorted(data.glob("part-*"))
+    train = pipeline.Batches(examples(files).batch(16), World())
+    assert (train.steps, train.policy, train.examples) == (10, "none", 160)
+    assert train.identity()["train_files"].startswith("4 files, ")
+    train.check_unchanged("before epoch 1")  # nothing changed
+    stream = iter(train.batches(0, 2))
+    for _ in range(10):
+        next(stream)
+    size = os.path.getsize(files[3])
+    raw = open(files[3], "rb").read()
+    open(files[3], "wb").write(raw[:size // 2 - (size // 2) % (size // 40)])  # whole records
+    with pytest.raises(InputError) as e:
+        train.check_unchanged("before epoch 2")
+    assert str(e.value).startswith(f"{files[3]}: cut short under the running job ({size:,} -> ")
+    assert " bytes) before epoch 2: training stopped, nothing saved after it; " in str(e.value)
+    with pytest.raises(tf.errors.FailedPreconditionError) as short:
+        for _ in range(10):
+            next(stream)  # epoch 2: 9 batches, then the end instead of epoch 3's first
+    line = str(train.failure(short.value, 1))
+    assert line.startswith(f"{files[3]}: cut short under the running job") and \
+        "in epoch 2 (rank 0): training stopped" in line
+    train.snapshot = pipeline._stat(train.snapshot)  # as if it had been so from the start
+    assert str(train.failure(short.value, 1)).startswith(
+        "the training dataset: rank 0's shard ended after 9 of its 10 batches in epoch 2 "
+        "(rank 0): its input changed under the running job")
+    os.remove(files[1])
+    assert train.changed() == f"{files[1]}: deleted under the running job"
+    with pytest.raises(DataError, match="deleted under the running job before epoch 3"):
+        train.check_unchanged("before epoch 3")
