@@ -181,3 +181,192 @@ def test_input_changed_under_the_run_is_one_line(records, tmp_path):
     assert train.changed() == f"{files[1]}: deleted under the running job"
     with pytest.raises(DataError, match="deleted under the running job before epoch 3"):
         train.check_unchanged("before epoch 3")
+
+
+# --- real 2-rank launches --------------------------------------------------------------------
+
+FIT = """
+import os, shutil, sys
+sys.path.insert(0, {examples!r})
+import hvdtrain.keras as hk
+import tensorflow as tf
+from hvdtrain.compat import keras
+from keras_fit_tfrecord import parse
+
+case, data_dir, run_dir, epochs = sys.argv[1:5]
+hk.init()
+k = keras()
+CUT = os.path.join(data_dir, "train-03-of-07.tfrecord")  # rank 1's (files 1, 3, 5)
+size = os.path.getsize(CUT)
+
+
+class Cut(k.callbacks.Callback):  # every rank, after epoch 1's end (the same cut twice)
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0 and case == "cut":
+            os.truncate(CUT, size // 2)
+
+
+def fit(case, run_dir, data_dir=data_dir):
+    k.utils.set_random_seed(0)
+    model = k.Sequential([k.Input((28, 28, 1)), k.layers.Flatten(),
+                          k.layers.Dense(10, activation="softmax")])
+    model.compile(loss="sparse_categorical_crossentropy", jit_compile=False,
+                  optimizer=hk.DistributedOptimizer(k.optimizers.SGD(0.1)))
+    files = hk.files(os.path.join(data_dir, "train-*.tfrecord"))
+    if case == "fewer_files" and hk.rank() == 1:
+        files = files[:-1]
+    ds = tf.data.Dataset.from_tensor_slices(files).interleave(tf.data.TFRecordDataset,
+                                                             cycle_length=4).map(parse)
+    settings = {{}}
+    if case == "seed_by_rank":  # one file: sharded by batch
+        ds = tf.data.TFRecordDataset(os.path.join(data_dir, "test.tfrecord")).map(parse)
+    if case == "batch_by_rank":  # by hand, 32 on rank 0 and 16 on rank 1
+        ds, settings = ds.shard(hk.size(), hk.rank()), dict(sharded=True)
+    ds = ds.shuffle(1000, seed=hk.rank() if case == "seed_by_rank" else 0)
+    ds = ds.batch(16 if case == "batch_by_rank" and hk.rank() == 1 else 32)
+    hk.fit(model, ds, epochs=int(epochs), run_dir=run_dir, callbacks=[Cut()], **settings)
+
+
+if case == "reference":  # the uninterrupted run, then four refusals before step 0
+    fit("plain", run_dir + "/whole")
+    if hk.rank() == 0:
+        shutil.copytree(run_dir + "/whole", run_dir + "/added")
+    for sub in ("fewer_files", "seed_by_rank", "batch_by_rank", "added"):
+        try:
+            fit(sub, run_dir + "/" + sub, data_dir + "-added" if sub == "added" else data_dir)
+        except hk.Error as e:
+            status = hk.report_error(e)
+            if hk.rank() == 0:
+                print(f"{{sub}}: exit {{status}}", flush=True)
+    sys.exit(0)
+try:
+    fit(case, run_dir)
+except hk.Error as e:
+    sys.exit(hk.report_error(e))
+"""
+
+
+def ranks_lines(stderr, text):
+    return [l for l in stderr.splitlines() if "<stderr>:" in l and text in l]
+
+
+@pytest.fixture(scope="module")
+def fit_runs(tmp_path_factory):
+    """The example's TFRecord files, the script, and one launch: the uninterrupted 2-epoch
+    run, then the four refusals of the next test (one process, one start-up)."""
+    import shutil
+
+    import keras_fit_tfrecord as ex
+    from conftest import clean_env, result, run, script_cmd
+    from hvdtrain.distributed import World
+
+    base = tmp_path_factory.mktemp("fit")
+    data_dir = str(base / "data")
+    ex.write_tfrecords(data_dir, 7, World())
+    shutil.copytree(data_dir, data_dir + "-added")  # an 8th file, empty: the same examples
+    open(os.path.join(data_dir + "-added", "train-07-extra.tfrecord"), "wb").close()
+    script = base / "fit.py"
+    script.write_text(FIT.format(examples=os.path.join(ROOT, "examples")))
+    env = clean_env(base / "home")
+
+    def launch(case, data, run_dir, epochs=2, timeout=180):
+        return run(script_cmd(2, script, case, data, run_dir, epochs), env, timeout)
+
+    runs = str(base / "runs")
+    p = launch("reference", data_dir, runs, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return dict(base=base, data=data_dir, launch=launch, runs=runs, proc=p,
+                result=result(runs + "/whole"))
+
+
+def test_ranks_that_disagree_on_the_input_are_refused_before_step_0(fit_runs):
+    """Four refusals (in the fixture's launch, after its uninterrupted run), each one line
+    said once, exit 1, nothing written: rank 1 lacks the last file; a shuffle seeded by rank
+    before sharding by batch; sharded by hand with batches of 32 and 16; a resume after a
+    file was added (an empty one: the examples per epoch the same)."""
+    p, data, runs = fit_runs["proc"], fit_runs["data"], fit_runs["runs"]
+    for sub in ("fewer_files", "seed_by_rank", "batch_by_rank", "added"):
+        assert f"{sub}: exit 1" in p.stdout, (sub, p.stdout[-2000:], p.stderr[-3000:])
+    assert sorted(os.listdir(runs)) == ["added", "whole"]  # the refused wrote nothing
+    lines = {
+        "fewer_files": "the training dataset: the ranks read different files: rank 1 lacks "
+                       f"{data}/train-06-of-07.tfrecord (7 files on rank 0, 6 on rank 1)",
+        "seed_by_rank": "the training dataset: rank 1 reads its batches in another order "
+                        "than rank 0 (sharded by batch",
+        "batch_by_rank": "the training dataset: rank 1's batches hold 16 examples, rank 0's "
+                         "32: every rank's batches must be the per-rank batch size",
+        "added": "was made with other settings (the training files 7 files, ",
+    }
+    for sub, line in lines.items():
+        assert len(ranks_lines(p.stderr, line)) == 1, (sub, p.stderr[-3000:])
+    added, = ranks_lines(p.stderr, lines["added"])
+    assert " -> 8 files, " in added and "examples per epoch" not in added, added
+    assert "Traceback" not in p.stderr
+    with open(os.path.join(runs, "added", "metrics.jsonl")) as f:
+        assert len(f.readlines()) == 2  # the copied run's, untouched
+
+
+def test_file_cut_between_epochs_stops_every_rank_then_resumes_exactly(fit_runs):
+    """hk.fit, rank 1's file cut in half after epoch 1 (the script's callback): every rank
+    stops before epoch 2 with one line naming the file (it took the next epoch's batches,
+    then hung); put back, the same command resumes to the uninterrupted weights."""
+    import shutil
+
+    from conftest import result
+
+    base, launch = fit_runs["base"], fit_runs["launch"]
+    data, run_dir = str(base / "cut-data"), str(base / "cut")
+    shutil.copytree(fit_runs["data"], data)
+    path = os.path.join(data, "train-03-of-07.tfrecord")
+    size = os.path.getsize(path)
+    p = launch("cut", data, run_dir)
+    assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
+    line = (f"{path}: cut short under the running job ({size:,} -> {size // 2:,} bytes) "
+            "before epoch 2: training stopped, nothing saved after it")
+    assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
+    assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
+    assert not os.path.exists(os.path.join(run_dir, "result.json"))
+    shutil.copy(os.path.join(fit_runs["data"], "train-03-of-07.tfrecord"), path)
+    again = launch("plain", data, run_dir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr
+    assert result(run_dir)["weights_sha256"] == fit_runs["result"]["weights_sha256"]
+
+
+def test_task_path_file_deleted_between_epochs_is_one_line(fit_runs, tmp_path):
+    """The Task path: a training file deleted after epoch 1 (the task's format_epoch, every
+    rank): every rank stops before epoch 2, one line naming it, exit 1."""
+    import shutil
+
+    from conftest import HOROVODRUN, clean_env, run
+    from test_pipeline import TASK
+
+    data = str(tmp_path / "data")
+    shutil.copytree(fit_runs["data"], data)
+    gone = os.path.join(data, "train-02-of-07.tfrecord")
+    (tmp_path / "records_task.py").write_text(TASK.format(examples=os.path.join(
+        ROOT, "examples")) + DELETING)
+    env = clean_env(tmp_path / "home", RECORDS=data, GONE=gone)
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    p = run([HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvdtrain", "run",
+             "records_task:Deleting", "--run-dir", str(tmp_path / "run"), "--verbose", "0"],
+            env, 180, cwd=str(tmp_path))
+    assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
+    line = (f"{gone}: deleted under the running job before epoch 2: training stopped, "
+            "nothing saved after it")
+    assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
+    assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
+    assert not (tmp_path / "run" / "result.json").exists()
+
+
+DELETING = """
+
+class Deleting(Records):
+    def format_epoch(self, record):  # every rank, after the epoch's checkpoint
+        if record["epoch"] == 1 and os.path.exists(os.environ["GONE"]):
+            try:
+                os.remove(os.environ["GONE"])
+            except FileNotFoundError:  # the other rank was first
+                pass
+        return super().format_epoch(record)
+"""
