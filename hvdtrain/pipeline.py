@@ -428,11 +428,10 @@ class Batches:
                              f"of its {short.group(1)} batches {where}: its input changed "
                              f"under the running job; {STOPPED}")
         if isinstance(e, tf.errors.DataLossError):
-            found = _corrupt_file(self.ds)
-            return DataError(f"{found[0]}: {found[1]} {where}" if found else
-                             f"{self.what}: {_cause(e)} {where}")
+            found = _corrupt_file(self.ds)  # None: not a training file (validation's)
+            return DataError(f"{found[0]}: {found[1]} {where}") if found else None
         if isinstance(e, (tf.errors.NotFoundError, tf.errors.PermissionDeniedError)) \
-                and "Horovod" not in str(e):
+                and any(path in str(e) for path in self.snapshot):
             return DataError(f"{self.what}: {_cause(e)} {where}")
         return None
 

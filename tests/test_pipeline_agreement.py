@@ -200,10 +200,14 @@ CUT = os.path.join(data_dir, "train-03-of-07.tfrecord")  # rank 1's (files 1, 3,
 size = os.path.getsize(CUT)
 
 
-class Cut(k.callbacks.Callback):  # every rank, after epoch 1's end (the same cut twice)
-    def on_epoch_end(self, epoch, logs=None):
+class Cut(k.callbacks.Callback):  # every rank (the same cut twice)
+    def on_epoch_end(self, epoch, logs=None):  # after epoch 1's end
         if epoch == 0 and case == "cut":
             os.truncate(CUT, size // 2)
+
+    def on_epoch_begin(self, epoch, logs=None):  # after hk.fit's look before epoch 2
+        if epoch == 1 and case == "cut_inside":  # whole records kept
+            os.truncate(CUT, size // 4 - size // 4 % 838)
 
 
 def fit(case, run_dir, data_dir=data_dir):
@@ -224,6 +228,8 @@ def fit(case, run_dir, data_dir=data_dir):
         ds, settings = ds.shard(hk.size(), hk.rank()), dict(sharded=True)
     ds = ds.shuffle(1000, seed=hk.rank() if case == "seed_by_rank" else 0)
     ds = ds.batch(16 if case == "batch_by_rank" and hk.rank() == 1 else 32)
+    if case == "cut_inside":  # epoch ends only: the shard runs short before any look
+        settings["checkpoint_every"] = 0
     hk.fit(model, ds, epochs=int(epochs), run_dir=run_dir, callbacks=[Cut()], **settings)
 
 
@@ -370,3 +376,31 @@ class Deleting(Records):
                 pass
         return super().format_epoch(record)
 """
+
+
+def test_file_cut_inside_an_epoch_stops_every_rank_with_one_line_each(fit_runs):
+    """Rank 1's file cut to a quarter at epoch 2's start, after hk.fit looked at it (the
+    script's callback, at a record boundary; checkpoints at epoch ends only): rank 1's shard
+    runs short inside the epoch, and rank 1 says so naming the file instead of taking epoch
+    3's batches (a hang, before); the watchdog stops rank 0 with the same line. No
+    checkpoint after the cut."""
+    import shutil
+
+    from conftest import checkpoints
+
+    base, launch = fit_runs["base"], fit_runs["launch"]
+    data, run_dir = str(base / "inside-data"), str(base / "inside")
+    shutil.copytree(fit_runs["data"], data)
+    path = os.path.join(data, "train-03-of-07.tfrecord")
+    size = os.path.getsize(path)
+    p = launch("cut_inside", data, run_dir)
+    assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
+    line = (f"{path}: cut short under the running job ({size:,} -> {size // 4 - size // 4 % 838:,}"
+            " bytes) in epoch 2 (rank 1): training stopped, nothing saved after it")
+    said = ranks_lines(p.stderr, line)  # once per rank (rank 0: the watchdog's relay)
+    assert sorted(l.split("]")[0] for l in said) == ["[0", "[1"], p.stderr[-3000:]
+    assert [l for l in said if l.startswith("[0]")][0].startswith(
+        "[0]<stderr>:hvdtrain: error: rank 1 failed: DataError: "), said
+    assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
+    steps = fit_runs["result"]["global_step"] // 2
+    assert [step for step, _ in checkpoints(run_dir)] == [steps]  # epoch 1's alone
