@@ -406,3 +406,31 @@ def test_file_cut_inside_an_epoch_stops_every_rank_with_one_line_each(fit_runs):
     assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
     steps = fit_runs["result"]["global_step"] // 2
     assert [step for step, _ in checkpoints(run_dir)] == [steps]  # epoch 1's alone
+
+
+def test_resume_on_another_input_names_it_on_the_task_path(tmp_path):
+    """The Task path's record holds the pipeline's files and examples per epoch at its top
+    level (engine.Run.input): a checkpoint made on other files is refused naming both, as
+    the task's flags are named (hk.fit's launch above: the same comparison)."""
+    from hvdtrain import checkpoint
+    from hvdtrain.config import Config
+    from hvdtrain.distributed import World
+    from hvdtrain.engine import Checkpoints
+    from hvdtrain.errors import CheckpointError
+
+    def record(files, examples):
+        return {"task": "records", "seed": 0, "settings": {},
+                "train_files": files, "train_examples": examples}
+
+    saved = record("7 files, 3,352,000 bytes, sha256 201788394cca", 3624)
+    checkpoint.save(str(tmp_path), [np.zeros(2)], ["w"], {
+        "epoch": 1, "offset": 0, "global_step": 57, "run": saved}, keep=2)
+    found = Checkpoints(World(), Config(), str(tmp_path), print)
+    assert found.find(saved)[0]["global_step"] == 57  # the same input: resumed
+    with pytest.raises(CheckpointError) as e:
+        found.find(record("8 files, 3,687,200 bytes, sha256 0a1b2c3d4e5f", 4024))
+    assert str(e.value) == (
+        f"{tmp_path}/ckpt-000000057.hvdt was made with other settings (the training files "
+        "7 files, 3,352,000 bytes, sha256 201788394cca -> 8 files, 3,687,200 bytes, sha256 "
+        "0a1b2c3d4e5f; the training examples per epoch 3624 -> 4024): resume with the same "
+        "settings, or choose a new --run-dir")
