@@ -115,20 +115,14 @@ def file_facts(paths) -> list:
     return found
 
 
-def describe_files(everyone: list) -> str:
-    """The files every rank reads (``everyone``: a [(path, size)] list per rank, or one
-    list for all) as a run-defining value: how many, their bytes, a digest of their names
-    (without their directory: a moved data directory is the same input) and sizes."""
-    lists = everyone if everyone and isinstance(everyone[0], list) else [everyone]
-    if all(lst == lists[0] for lst in lists):
-        lists = lists[:1]
-    flat = [f for lst in lists for f in lst]
-    digest = hashlib.sha256("\n".join(f"{i} {os.path.basename(p)} {n}" for i, lst in
-                                       enumerate(lists) for p, n in lst).encode())
-    if not flat:
+def describe_files(files: list) -> str:
+    """The files of the input ([(path, size)]) as a run-defining value: how many, their
+    bytes, a digest of their names (without their directory: a moved data directory is the
+    same input) and sizes."""
+    if not files:
         return "none"
-    ranks = f" over {len(lists)} ranks" if len(lists) > 1 else ""
-    return (f"{len(flat)} files{ranks}, {sum(n for _, n in flat):,} bytes, sha256 "
+    digest = hashlib.sha256("\n".join(f"{os.path.basename(p)} {n}" for p, n in files).encode())
+    return (f"{len(files)} files, {sum(n for _, n in files):,} bytes, sha256 "
             f"{digest.hexdigest()[:12]}")
 
 
@@ -368,7 +362,9 @@ class Batches:
         self.batch_size = max(max(s) for s in everyone)
         self.examples = sum(sum(s[:self.steps]) for s in everyone)  # trained per epoch
         self.left_out = 0 if infinite else sum(sum(s) for s in everyone) - self.examples
-        self.train_files = describe_files(everyone_files if sharded else everyone_files[0])
+        # Sharded by hand: every rank's files together (the same on another world size).
+        self.train_files = describe_files(sorted({f for files in everyone_files for f in files})
+                                          if sharded else everyone_files[0])
         self.first = self._first()
         self.sample = self.first[0] if isinstance(self.first, (tuple, list)) else self.first
         self.waited = tf.Variable(0.0, dtype=tf.float64, trainable=False)  # seconds
