@@ -84,6 +84,7 @@ class Run:
         self.moving = MovingStatistics(world, [])
         self._sigterm = None
         self.pipeline = None  # the driver's pipeline.Batches, for a tf.data input
+        self.input: dict = {}  # what defines the input besides the settings (its files)
         self._said_input_bound = False
 
     # --- the run's frame: watchdog, SIGTERM, errors ---------------------------------------------
@@ -178,7 +179,7 @@ class Run:
         """The run's name and settings (all, or only those that define the run): what
         config.json shows, what a checkpoint keeps, what a resume compares."""
         return {"task": self.name, **values(self.config, defines_run=defines_run),
-                "settings": values(self.settings, defines_run=defines_run)}
+                "settings": values(self.settings, defines_run=defines_run), **self.input}
 
     @timings.timed("results")
     def start(self, completed_epochs: int) -> None:
@@ -205,7 +206,9 @@ class Run:
     def save(self, progress: Progress, partial_sums) -> None:
         """All ranks (the divergence check is everyone's decision); rank 0 writes the
         state, the position and ``partial_sums``: the epoch's metric sums so far over every
-        rank (zeros at an epoch's end)."""
+        rank (zeros at an epoch's end). Never after the input changed under the run."""
+        if self.pipeline is not None:
+            self.pipeline.check_unchanged(f"by step {self.global_step}")
         self.sync_state()
         self.check_weights()
         self.check_agreement()

@@ -58,9 +58,16 @@ FIT_ARGUMENTS = {"learning_rate": "the optimizer's learning_rate",
                  "mixed_precision": "Keras' dtype policy", "task": "the run"}
 
 
+# What defines a run that no flag or argument sets: a tf.data pipeline's input.
+INPUT_FACTS = {"train_files": "the training files",
+               "train_examples": "the training examples per epoch"}
+
+
 def argument(name: str, fit: bool = False) -> str:
     """A setting as the user names it: the command line's ``--flag``, or in a fit script
     hk.fit's argument (``run_dir``) or where the script sets it (the optimizer's)."""
+    if name in INPUT_FACTS:
+        return INPUT_FACTS[name]
     return FIT_ARGUMENTS.get(name, name) if fit else "--" + name.replace("_", "-")
 
 

@@ -276,6 +276,7 @@ class _Fit:
         self.metrics = _GlobalMetrics(model, self.world)
         if isinstance(train, pipeline.Batches):
             run.pipeline = train  # the engine records its input wait per epoch
+            run.input = {"train_files": train.train_files}  # the examples: FitSettings'
         self.calls = _Calls(model)
         self.first_call = 0  # the depth of the open first_call phase (timings), 0: none
         self.evaluating = 0  # the same for evaluation
@@ -348,7 +349,7 @@ class _Fit:
             with timings.phase("training"):
                 # Keras' setup and its first compiled call (tracing), until its first batch ends
                 self.first_call = timings.enter("first_call") if not histories else 0
-                histories.append(self.model.fit(
+                histories.append(self._model_fit(
                     batches, epochs=e1, initial_epoch=e0,
                     steps_per_epoch=train.steps - skip, validation_data=val,
                     validation_batch_size=validation_batch_size, validation_steps=val_steps,
@@ -365,6 +366,21 @@ class _Fit:
             for k, v in h.history.items():
                 history.history[k] = v + history.history.get(k, [])
         return history
+
+    def _model_fit(self, batches, **kwargs):
+        """model.fit; a tf.data input that fails on this rank (a file changed or cut under
+        the run) is one line naming it (the watchdog stops the other ranks)."""
+        import tensorflow as tf
+
+        try:
+            return self.model.fit(batches, **kwargs)
+        except tf.errors.OpError as e:
+            if not isinstance(self.train, pipeline.Batches):
+                raise
+            error = self.train.failure(e, getattr(self, "epoch", 0))
+            if error is None:
+                raise
+            raise error from None
 
     def _restored_best(self, callbacks) -> dict:
         """EarlyStopping(restore_best_weights=True) put its best epoch's weights back at the
@@ -428,6 +444,8 @@ class _Fit:
 
     # --- the callback's work --------------------------------------------------------------------
     def epoch_begin(self, epoch):
+        if isinstance(self.train, pipeline.Batches):  # all ranks: no input changed since
+            self.train.check_unchanged(f"before epoch {epoch + 1}")
         self.epoch, self.step, self.started = epoch, self.first_step, self.first_step
         self.first_step, self.tick = 0, time.perf_counter()
 

@@ -101,6 +101,7 @@ class _TaskRun:
         check_data(task, self.data)
         self.pipe = self._pipeline() if pipeline.is_dataset(self.data.x_train) else None
         run.pipeline = self.pipe  # the engine records its input wait per epoch
+        run.input = self.pipe.identity() if self.pipe is not None else {}
         self._shape()
 
     @timings.timed("model")
@@ -278,6 +279,9 @@ class _Epochs:
         # After a resume or reset with another world size, continue after the same
         # examples, rounded up to a whole global batch of the new size.
         first = min(-(-progress.offset // global_batch), self.steps)
+        if self.pipe is not None:  # all ranks: no input changed since the last look
+            self.pipe.check_unchanged(f"before epoch {epoch + 1}")
+        self.epoch = epoch
         plan = (self.pipe.batches(epoch, epoch + 1, first) if self.pipe is not None else
                 epoch_plan(self.examples, self.batch, world.rank, world.size,
                            config.seed, epoch)[first:])
@@ -348,7 +352,14 @@ class _Epochs:
         try:
             with timings.phase("first_call" if self.step.first else "training"):
                 done, self.stopped, diverged = self.step.run(batches, n, self.run_.stop_requested)
-        except tf.errors.InvalidArgumentError as e:
+        except tf.errors.OpError as e:
+            # A tf.data input that changed under the run (a file cut short or deleted) on
+            # this rank: one line naming it; the watchdog stops the others.
+            error = self.pipe.failure(e, self.epoch) if self.pipe is not None else None
+            if error is not None:
+                raise error from None
+            if not isinstance(e, tf.errors.InvalidArgumentError):
+                raise
             # Bad input on this rank alone (e.g. a label the model has no class for): one
             # line; the watchdog stops the others. Horovod's own errors (a lost peer) are not
             # this class and pass through: elastic runs recover from them.

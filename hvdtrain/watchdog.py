@@ -200,6 +200,7 @@ class Watchdog:
         self.peers: Dict[int, _Peer] = {}
         self._closing = threading.Event()
         self._failed = threading.Lock()
+        self._own_failure: Optional[str] = None  # this rank's line, when it failed alone
         self._server: Optional[socket.socket] = None
         self._pending = threading.BoundedSemaphore(PENDING)  # handshakes in flight
         self._refused: Dict[str, int] = {}  # source address: refusals not yet said
@@ -254,7 +255,8 @@ class Watchdog:
         if self.world.is_chief:
             self._fail(message, exit_now=False, show=False)
         elif 0 in self.peers:
-            self.peers[0].send(f"FAIL rank {self.world.rank} failed: {message}")
+            self._own_failure = f"rank {self.world.rank} failed: {message}"
+            self.peers[0].send(f"FAIL {self._own_failure}")
             self._closing.set()
 
     # --- threads --------------------------------------------------------------------------
@@ -364,6 +366,13 @@ class Watchdog:
     def _fail(self, message: str, relay: bool = True, exit_now: bool = True,
               show: bool = True) -> None:
         if not self._failed.acquire(blocking=False):
+            return
+        if message == self._own_failure:
+            # Rank 0's verdict on this rank's own failure: this rank says it itself on its
+            # way out (one line); should that way hang, it ends here a little later.
+            timer = threading.Timer(5.0, os._exit, (EXIT_PEER_FAILED,))
+            timer.daemon = True
+            timer.start()
             return
         self._closing.set()
         self._stop_listening()
