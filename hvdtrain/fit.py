@@ -25,7 +25,7 @@ from hvdtrain.config import Config, setting
 from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
 from hvdtrain.engine import BOOKKEEPING, Run
-from hvdtrain.errors import ConfigError, TaskError
+from hvdtrain.errors import ConfigError, TaskError, step_failed
 from hvdtrain.optimizer import accumulation, reduce_before_loss_scaling
 
 # Steps between two checks for a SIGTERM on any rank. Every step (a host allreduce per step)
@@ -348,7 +348,7 @@ class _Fit:
             with timings.phase("training"):
                 # Keras' setup and its first compiled call (tracing), until its first batch ends
                 self.first_call = timings.enter("first_call") if not histories else 0
-                histories.append(self.model.fit(
+                histories.append(self._model_fit(
                     batches, epochs=e1, initial_epoch=e0,
                     steps_per_epoch=train.steps - skip, validation_data=val,
                     validation_batch_size=validation_batch_size, validation_steps=val_steps,
@@ -365,6 +365,25 @@ class _Fit:
             for k, v in h.history.items():
                 history.history[k] = v + history.history.get(k, [])
         return history
+
+    def _model_fit(self, batches, **kwargs):
+        """Keras' ``model.fit``; a TensorFlow op error of one rank's step (a label outside
+        the model's classes, a tf.data map that raised) as one line with its cause and step
+        (the updates done, as the optimizer counted them, plus one), which the watchdog takes
+        to rank 0; Horovod's own errors pass through."""
+        import tensorflow as tf
+
+        try:
+            return self.model.fit(batches, **kwargs)
+        except tf.errors.OpError as e:
+            # The step: after the last call that ended (batch_end counted its steps), within
+            # the next call's (Keras' steps are micro-batches when accumulating).
+            first, last = (self.micro // self.passes + 1,
+                           (self.micro + steps_per_execution(self.model) - 1) // self.passes + 1)
+            where = (f"validation after training step {self.global_step}" if self.evaluating
+                     else f"training step {first}" if first == last else
+                     f"one of training steps {first}-{last}")
+            raise step_failed(e, where, self.world.rank) or e
 
     def _restored_best(self, callbacks) -> dict:
         """EarlyStopping(restore_best_weights=True) put its best epoch's weights back at the
