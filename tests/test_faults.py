@@ -97,7 +97,9 @@ def test_sigint_is_a_preemption_like_sigterm(to, reference, env, tmp_path):
     75, and the rerun ends as the uninterrupted run; SIGINT to mpirun itself (a terminal's
     Ctrl-C reaches mpirun alone: the ranks have process groups of their own) is forwarded
     as SIGTERM, the ranks do the same, and mpirun exits 1, its own status when interrupted."""
-    cmd = launch("mpirun", 2, "linear", "--run-dir", str(tmp_path), *LINEAR)
+    # mpirun takes about 2 s to pass its SIGINT on: a job that lasts longer than that.
+    args = LINEAR if to == "rank 0" else [*LINEAR[:2], "--epochs", "40", *LINEAR[4:]]
+    cmd = launch("mpirun", 2, "linear", "--run-dir", str(tmp_path), *args)
     proc = start(cmd, env)
     try:
         pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(tmp_path))),
