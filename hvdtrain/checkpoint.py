@@ -30,7 +30,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from hvdtrain.errors import CheckpointError
-from hvdtrain.files import atomic_open
+from hvdtrain.files import atomic_open, make_dirs, writing
 
 MAGIC = b"HVDTCKPT"
 VERSION = 2  # 1 (hvdtrain 0.1) hashed the payload only
@@ -64,22 +64,26 @@ def remove_leftovers(directory: str) -> None:
 
 def save(directory: str, arrays: Sequence[np.ndarray], names: Sequence[str], meta: dict,
          keep: int) -> str:
-    """Write one checkpoint atomically, then delete all but the newest ``keep``."""
-    os.makedirs(directory, exist_ok=True)
-    remove_leftovers(directory)
+    """Write one checkpoint atomically, then delete all but the newest ``keep``. An OSError
+    (disk full, read-only, a file named like the directory) is ``StorageError`` naming the
+    checkpoint; the checkpoints before it stay as they were."""
+    target = path_for(directory, meta["global_step"])
+    with writing(target):
+        make_dirs(directory)
+        remove_leftovers(directory)
     buf = io.BytesIO()
     np.savez(buf, *arrays)
     payload = buf.getvalue()
     meta = dict(meta, payload_bytes=len(payload),
                 variables=[[n, list(a.shape), str(a.dtype)] for n, a in zip(names, arrays)])
     header = json.dumps(meta, sort_keys=True).encode()
-    target = path_for(directory, meta["global_step"])
     body = MAGIC + bytes([VERSION]) + struct.pack(">Q", len(header)) + header + payload
     with atomic_open(target, "wb") as f:  # a crash leaves the previous checkpoint intact
         f.write(body)
         f.write(hashlib.sha256(body).digest())
     for _, old in list_checkpoints(directory)[keep:]:
-        os.unlink(old)
+        with writing(old):
+            os.unlink(old)
     return target
 
 

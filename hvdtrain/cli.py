@@ -25,7 +25,10 @@ from hvdtrain.train import train
 
 def report(prog: str, e: Error) -> int:
     """Say ``e`` in one line on stderr and return its exit status. An error raised on every
-    rank together is said once, by rank 0."""
+    rank together is said once, by rank 0; so is one rank's error that the watchdog took to
+    rank 0 (``said``)."""
+    if getattr(e, "said", False):
+        return e.status
     if not e.together or distributed.launcher_rank() == 0:
         label = "" if isinstance(e, Preempted) else "error: "
         sys.stderr.write(f"{prog}: {label}{e}\n")
@@ -65,4 +68,8 @@ def run(task, argv=None, prog=None) -> int:
         train(task, config)
     except Error as e:
         return report(prog, e)
+    except KeyboardInterrupt:  # Ctrl-C before training started (after: a preemption, 75)
+        sys.stderr.write(f"{prog}: interrupted (SIGINT) before training started: "
+                         "nothing saved\n")
+        return 130
     return 0

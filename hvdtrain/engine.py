@@ -18,8 +18,9 @@ Both drivers use it: ``train.py`` (the Task path's compiled loop) and ``fit.py``
   match), restored on rank 0, broadcast; saved by rank 0 with the data position (``epoch``,
   ``offset`` in examples) and the epoch's metric sums so far over every rank; committed in
   memory for elastic runs;
-- SIGTERM: a flag every rank's driver reduces, so every rank stops after the same step; then
-  a checkpoint and ``Preempted`` (exit 75);
+- SIGTERM and SIGINT: a flag every rank's driver reduces, so every rank stops after the same
+  step; then a checkpoint and ``Preempted`` (exit 75);
+- storage: rank 0's failed write (``StorageError``) is every rank's, at the write;
 - divergence: NaN or infinite weights are never checkpointed (``Diverged``, exit 1);
 - the result: every rank's weights compared, the model saved, result.json written last;
 - errors: an error raised on every rank together (``errors.Together``) ends the run quietly;
@@ -40,9 +41,9 @@ import numpy as np
 from hvdtrain import checkpoint, compat, precision, timings
 from hvdtrain.config import Config, values
 from hvdtrain.distributed import Progress, World
-from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, Preempted, RankError,
-                             RanksDiffer, RunDirBusy, TaskError, argument, error_line,
-                             first_line, shown, user_code)
+from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, Error, Preempted,
+                             RankError, RanksDiffer, RunDirBusy, StorageError, TaskError,
+                             argument, error_line, first_line, shown, user_code)
 from hvdtrain.optimizer import updates
 from hvdtrain.report import Reporter, ranks_differ_line, weights_agreement
 from hvdtrain.watchdog import Watchdog
@@ -52,6 +53,8 @@ PROGRESS_FIELDS = ("epoch", "offset", "sums", "last_record", "path")
 # Keys of an epoch's record that are bookkeeping, not a metric (result.json's final_* skip them).
 BOOKKEEPING = ("epoch", "epochs", "global_step", "samples_per_sec", "seconds", "world_size",
                "input_wait")
+# The signals that preempt a run: a checkpoint at a step every rank agrees on, exit 75.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # An epoch whose steps waited for input this share of its time (slowest rank) is input-bound.
 INPUT_BOUND = 0.5
 
@@ -82,7 +85,8 @@ class Run:
         self.model = self.optimizer = None
         self.state: list = []  # model and optimizer variables: what a checkpoint holds
         self.moving = MovingStatistics(world, [])
-        self._sigterm = None
+        self._handlers: dict = {}  # the signal handlers the run replaced while it trains
+        self.stop_signal = None  # the name of the one that stopped it
         self.pipeline = None  # the driver's pipeline.Batches, for a tf.data input
         self.input: dict = {}  # what defines the input besides the settings (its files)
         self._said_input_bound = False
@@ -96,14 +100,32 @@ class Run:
         return self
 
     def __exit__(self, kind, e, tb) -> bool:
-        if self._sigterm is not None:
-            signal.signal(signal.SIGTERM, self._sigterm)
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+        self._handlers = {}
         self.out.release()
         _stop_watching(self.dog, self.world, e)
         return False
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
+        if not self.stop_requested:
+            self.stop_signal = signal.Signals(signum).name
         self.stop_requested = True
+
+    def rank0_writes(self, fn, *args):
+        """Rank 0's ``fn(*args)`` (the run directory's files); its ``StorageError`` (disk
+        full, read-only, ...) raised on every rank at once, so all stop together with one
+        line (one broadcast: the others wait for the write)."""
+        value, error = None, None
+        try:
+            value = fn(*args)
+        except StorageError as e:
+            error = str(e)
+        if self.collective:
+            error = self.world.broadcast_object(error)
+        if error is not None:
+            raise StorageError(error)
+        return value
 
     def agree(self, fn, catch, merge=None):
         """``fn()`` on every rank, failing on all if it failed on one (``World.agree``); alone
@@ -147,14 +169,24 @@ class Run:
     def claim(self) -> None:
         """Everything is checked: rank 0 takes the run directory for this run (a second run
         on it is refused while this one lives)."""
-        self.agree(self.out.claim, catch=(RunDirBusy, OSError))
+        def take():  # rank 0's StorageError (the lock file) said as the others' saves are
+            try:
+                self.out.claim()
+            except StorageError as e:
+                return str(e)
+            return None
+        error = self.agree(take, catch=(RunDirBusy, OSError))
+        if self.collective:
+            error = self.world.broadcast_object(error)
+        if error is not None:
+            raise StorageError(error)
 
     @timings.timed("checkpoints")
     def restore(self, model, optimizer, others=()) -> Progress:
         """Rank 0 loads its newest valid checkpoint into ``model`` and ``optimizer`` (built)
         and any ``others`` the model applies (a GAN's); every rank gets the position to start
-        from. From here on SIGTERM stops the run at a step boundary instead of killing the
-        process."""
+        from. From here on SIGTERM and SIGINT stop the run at a step boundary instead of
+        killing (interrupting) the process."""
         self.model, self.optimizer = model, optimizer
         self.state = (compat.variables(model.variables) + list(optimizer.variables)
                       + precision.scaler_state(optimizer)
@@ -167,7 +199,8 @@ class Run:
         fields = self.agree(load, catch=(CheckpointError,))
         if self.collective:
             fields = self.world.broadcast_object(fields)
-        self._sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        for signum in STOP_SIGNALS:
+            self._handlers.setdefault(signum, signal.signal(signum, self._on_signal))
         return Progress(**(fields or dict.fromkeys(PROGRESS_FIELDS)))
 
     @timings.timed("agreement")
@@ -184,9 +217,10 @@ class Run:
     @timings.timed("results")
     def start(self, completed_epochs: int) -> None:
         """config.json; metrics.jsonl keeps the epochs a resume starts after."""
-        self.out.start({**self.record(), "world_size": self.world.size,
-                        "backend": self.world.backend, "keras": compat.describe()},
-                       completed_epochs=completed_epochs or 0)
+        self.rank0_writes(self.out.start, {**self.record(), "world_size": self.world.size,
+                                           "backend": self.world.backend,
+                                           "keras": compat.describe()},
+                          completed_epochs or 0)
 
     # --- while training -----------------------------------------------------------------------
     @property
@@ -194,8 +228,8 @@ class Run:
         return updates(self.optimizer)  # optimizer updates, also when accumulating
 
     def should_stop(self) -> bool:
-        """All ranks: did SIGTERM reach any rank? (A host allreduce of its own: the Task loop
-        puts this flag in the step's gradient round instead.)"""
+        """All ranks: did SIGTERM or SIGINT reach any rank? (A host allreduce of its own: the
+        Task loop puts this flag in the step's gradient round instead.)"""
         return self.world.allreduce_sum([float(self.stop_requested)])[0] > 0
 
     def sync_state(self) -> None:
@@ -212,8 +246,8 @@ class Run:
         self.sync_state()
         self.check_weights()
         self.check_agreement()
-        self.checkpoints.save(progress, partial_sums, self.state, self.global_batch,
-                              self.global_step, self.record(), self.last_record)
+        self.rank0_writes(self.checkpoints.save, progress, partial_sums, self.state,
+                          self.global_batch, self.global_step, self.record(), self.last_record)
 
     @timings.timed("checkpoints")
     def commit(self, progress: Progress, partial_sums) -> None:
@@ -256,14 +290,17 @@ class Run:
                         "new --run-dir, or --no-stop-on-divergence to train on")
 
     def preempt(self, global_step: int) -> None:
-        """After the checkpoint of a SIGTERM'd step: every rank stops here."""
+        """After the checkpoint of a SIGTERM'd (SIGINT'd) step: every rank stops here."""
         # The process is ending with 75: a second SIGTERM (srun sends its own when the job
-        # is cancelled) must not turn that into a death by signal (143), now or on the way
-        # out, so it stays ignored.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self._sigterm = None
-        self.world.barrier()  # nobody exits (and gets the job killed) before the save
-        raise Preempted(f"stopped by SIGTERM at step {global_step}; checkpoint saved in "
+        # is cancelled) or Ctrl-C must not turn that into a death by signal (143) or an
+        # interrupt, now or on the way out, so they stay ignored.
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        self._handlers = {}
+        # Nobody exits (and gets the job killed) before the save; the signal the ranks saw.
+        seen = [s for s in self.world.allgather_object(
+            self.stop_signal if self.stop_requested else None) if s] or ["SIGTERM"]
+        raise Preempted(f"stopped by {seen[0]} at step {global_step}; checkpoint saved in "
                         f"{self.ckpt_dir}; run the same command to resume")
 
     @timings.timed("results")
@@ -278,7 +315,7 @@ class Run:
                                 f"for input {share:.0%} of its time (slowest rank); parallel "
                                 "map/interleave, prefetch or cache would speed it up")
         self.last_record = record
-        self.out.epoch(record)
+        self.rank0_writes(self.out.epoch, record)
 
     # --- after training -----------------------------------------------------------------------
     def finish(self, result: dict, model) -> dict:
@@ -300,10 +337,10 @@ class Run:
             out.update(agreed)
         if self.config.save_model:
             with timings.phase("model_save"):
-                out["model"] = self.out.save_model(model)
+                out["model"] = self.rank0_writes(self.out.save_model, model)
         with timings.phase("results"):
             out["timings"] = timings.report()  # rank 0's goes into the file
-            self.out.result(out)
+            self.rank0_writes(self.out.result, out)
         self.out.print(timings.line(out["timings"]), level=2)
         if differ:  # the work is kept (result.json says so), and the run fails
             raise RanksDiffer(f"{ranks_differ_line(differ, self.global_step, self.fit)}; "
@@ -325,7 +362,17 @@ def _stop_watching(dog: Watchdog, world: World, e: Optional[BaseException]) -> N
         raise RankError(f"rank {world.rank}: a collective failed (a peer is gone?): "
                         f"{first_line(str(e))}") from None
     else:
-        dog.abort(error_line(e))  # this rank alone: stop the others too
+        # This rank alone: stop the others too. Rank 0 says the line, once (for another
+        # rank's error, the verdict it relays; for its own, its report).
+        if dog.abort(one_rank_line(e, world.rank)) and isinstance(e, Error):
+            e.said = True
+
+
+def one_rank_line(e: BaseException, rank: int) -> str:
+    """The line that says one rank's error: its own text when it names the rank (a failed
+    step's), else ``rank R failed: ...``."""
+    text = str(e) if isinstance(e, Error) else error_line(e)
+    return text if f"on rank {rank}" in text else f"rank {rank} failed: {text}"
 
 
 class MovingStatistics:

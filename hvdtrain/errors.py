@@ -11,6 +11,8 @@ keeps a list of classes.
 """
 from __future__ import annotations
 
+import re
+
 EXIT_FAILED = 1      # a runtime failure: data, checkpoint, a lost rank, the launcher, Keras
 EXIT_USAGE = 2       # a bad flag, setting or task name
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after saving; rerun to resume
@@ -137,7 +139,14 @@ class RunDirBusy(Error, RuntimeError):
 
 
 class StepError(Error, RuntimeError):
-    """A training step failed on this rank (e.g. a label outside the model's classes)."""
+    """A training step failed on this rank (e.g. a label outside the model's classes); the
+    line names the step and the rank."""
+
+
+class StorageError(Together, RuntimeError):
+    """Rank 0 cannot write a file of the run (disk full, read-only, a file where a directory
+    belongs): ``cannot write PATH: [Errno 28] No space left on device``. Rank 0 tells every
+    rank at the write, so all stop together."""
 
 
 # --- not a failure: exit 75 -----------------------------------------------------------------------
@@ -149,21 +158,50 @@ class Preempted(Together, RuntimeError):
 
 
 # TensorFlow's op errors begin with a header and a trace of where the op was defined; the
-# kernel's own message (Horovod's "Mismatched BROADCAST tensor shapes: ... [11, 4] ... [10, 4]")
-# comes after them.
+# kernel's own message (Horovod's "Mismatched BROADCAST tensor shapes: ... [11, 4] ... [10, 4]",
+# a py_function's "ValueError: record 7 is unreadable") comes after them, then the node.
 TF_HEADER = "Graph execution error"
-TF_TRACE = (TF_HEADER, "Detected at node", "File ", "[[", "Traceback")
+TF_TRACE = (TF_HEADER, "Detected at node", "<stack traces unavailable>", "File ", "[[",
+            "Traceback")
 
 
 def first_line(message) -> str:
     """The first non-blank line of an error message: what a one-line report shows; for a
-    TensorFlow op error, its cause (the kernel's message), not the "Graph execution error:"
-    header or the trace."""
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    TensorFlow op error, its cause (the kernel's message, or the exception a py_function
+    raised), not the "Graph execution error:" header, the traces (indented) or the node."""
+    raw = [line for line in str(message).splitlines() if line.strip()]
+    lines = [line.strip() for line in raw]
     if lines and lines[0].startswith(TF_HEADER):
-        causes = [line for line in lines if not line.startswith(TF_TRACE)]
-        return causes[0] if causes else lines[0]
-    return lines[0] if lines else "unknown error"
+        causes = [line.strip() for line in raw
+                  if not line[0].isspace() and not line.strip().startswith(TF_TRACE)]
+        return _op_suffix(causes[0]) if causes else lines[0]
+    return _op_suffix(lines[0]) if lines else "unknown error"
+
+
+# tf.data's wrapping of an error raised in a user's map (filter, ...) function.
+TF_DATA_FN = re.compile(r"Error in user-defined function passed to (\w+?)(?:Dataset)?(?::\d+)? "
+                        r"transformation with iterator: \S+: (.+)")
+
+
+def _op_suffix(line: str) -> str:
+    """A line without TensorFlow's "{{function_node ...}}" prefix and "[Op:...]" suffix, and
+    tf.data's "Error in user-defined function passed to MapDataset:1 transformation with
+    iterator: Iterator::Root::...: " said as what it is."""
+    if line.startswith("{{function_node") and "}}" in line:
+        line = line.split("}}", 1)[1].strip()
+    line = line.split(" [Op:")[0].rstrip() or line
+    wrapped = TF_DATA_FN.match(line)
+    if wrapped:
+        line = f"{wrapped.group(2)} (in the function given to tf.data's {wrapped.group(1).lower()})"
+    return line
+
+
+def step_failed(e: BaseException, where: str, rank: int):
+    """A TensorFlow op error of ``where`` ("training step 44") on this rank as ``StepError``
+    (its cause, the step, the rank); None for Horovod's own (a lost peer: not the input's)."""
+    if "Horovod" in str(getattr(e, "message", e)):
+        return None
+    return StepError(f"{where} failed on rank {rank}: {first_line(e)}")
 
 
 def error_line(e: BaseException) -> str:

@@ -25,7 +25,7 @@ from hvdtrain.config import Config, setting
 from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
 from hvdtrain.engine import BOOKKEEPING, Run
-from hvdtrain.errors import ConfigError, TaskError
+from hvdtrain.errors import ConfigError, TaskError, step_failed
 from hvdtrain.optimizer import accumulation, reduce_before_loss_scaling
 
 # Steps between two checks for a SIGTERM on any rank. Every step (a host allreduce per step)
@@ -368,19 +368,28 @@ class _Fit:
         return history
 
     def _model_fit(self, batches, **kwargs):
-        """model.fit; a tf.data input that fails on this rank (a file changed or cut under
-        the run) is one line naming it (the watchdog stops the other ranks)."""
+        """Keras' ``model.fit``; a TensorFlow op error of one rank's step as one line: a
+        tf.data input that changed under the run (a file cut short or deleted) naming the
+        file, else (a label outside the model's classes, a tf.data map that raised) its cause
+        and step (the updates done, as the optimizer counted them, plus one). The watchdog
+        takes it to rank 0; Horovod's own errors pass through."""
         import tensorflow as tf
 
         try:
             return self.model.fit(batches, **kwargs)
         except tf.errors.OpError as e:
-            if not isinstance(self.train, pipeline.Batches):
-                raise
-            error = self.train.failure(e, getattr(self, "epoch", 0))
-            if error is None:
-                raise
-            raise error from None
+            if isinstance(self.train, pipeline.Batches):
+                error = self.train.failure(e, getattr(self, "epoch", 0))
+                if error is not None:
+                    raise error from None
+            # The step: after the last call that ended (batch_end counted its steps), within
+            # the next call's (Keras' steps are micro-batches when accumulating).
+            first, last = (self.micro // self.passes + 1,
+                           (self.micro + steps_per_execution(self.model) - 1) // self.passes + 1)
+            where = (f"validation after training step {self.global_step}" if self.evaluating
+                     else f"training step {first}" if first == last else
+                     f"one of training steps {first}-{last}")
+            raise step_failed(e, where, self.world.rank) or e
 
     def _restored_best(self, callbacks) -> dict:
         """EarlyStopping(restore_best_weights=True) put its best epoch's weights back at the

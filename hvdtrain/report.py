@@ -18,8 +18,11 @@ import socket
 import sys
 import time
 
-from hvdtrain.errors import RunDirBusy
-from hvdtrain.files import atomic_open, replacing
+from hvdtrain.errors import RunDirBusy, StorageError
+from hvdtrain.files import atomic_open, make_dirs, remove_leftovers, replacing, writing
+
+# What a run directory holds as folders: a file named like one would make every save fail.
+FOLDERS = ("checkpoints", "tensorboard")
 
 
 def default_run_dir(task: str, root: str = "runs") -> str:
@@ -84,6 +87,11 @@ def run_dir_problem(path: str):
         return f"is under {existing}, which is a file"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"cannot be written ({existing}: permission denied or read-only file system)"
+    for name in FOLDERS:
+        inside = os.path.join(path, name)
+        if os.path.exists(inside) and not os.path.isdir(inside):
+            return (f"holds a file {name} where its {name}/ folder belongs: move it away "
+                    f"(and put the {name} back, to resume)")
     checkpoints = os.path.join(path, "checkpoints")
     if os.path.exists(os.path.join(path, "result.json")) and not (
             os.path.isdir(checkpoints) and any(n.endswith(".hvdt") for n in os.listdir(checkpoints))):
@@ -101,9 +109,10 @@ class RunLock:
     """
 
     def __init__(self, run_dir: str):
-        os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, ".lock")
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        with writing(path):
+            make_dirs(run_dir)
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -111,9 +120,13 @@ class RunLock:
             os.close(self._fd)
             raise RunDirBusy(f"{run_dir} is in use by another run ({holder}): wait for it to "
                              "end, or choose another --run-dir") from None
+        with writing(path):
+            self._write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+
+    def _write(self, text: str) -> None:
         os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        os.pwrite(self._fd, text.encode(), 0)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -176,9 +189,14 @@ class Reporter:
         return done if same and done.get("epochs", 0) >= epochs else None
 
     def claim(self) -> None:
-        """Rank 0: create the run directory and hold it for this run (RunDirBusy if taken)."""
+        """Rank 0: create the run directory and hold it for this run (RunDirBusy if taken);
+        remove the temporary files of writes that a killed or failed run left."""
         if self.enabled and self._lock is None:
             self._lock = RunLock(self.run_dir)
+            from hvdtrain import checkpoint
+
+            remove_leftovers(self.run_dir)
+            checkpoint.remove_leftovers(os.path.join(self.run_dir, "checkpoints"))
 
     def release(self) -> None:
         if self._lock is not None:
@@ -214,19 +232,23 @@ class Reporter:
         """Create the run directory; keep only the metrics of epochs a resume starts after."""
         if not self.enabled:
             return
-        os.makedirs(self.run_dir, exist_ok=True)
+        with writing(self.run_dir):
+            make_dirs(self.run_dir)
         write_json_atomic(os.path.join(self.run_dir, "config.json"), config_dict)
         metrics = os.path.join(self.run_dir, "metrics.jsonl")
         if os.path.exists(metrics):
-            # Epochs after the checkpoint will be trained (and logged) again.
+            # Epochs after the checkpoint will be trained (and logged) again; a line cut short
+            # (its write killed, or the disk full) is an epoch after it.
             with open(metrics) as f:
-                kept = [l for l in f if l.strip() and json.loads(l)["epoch"] <= completed_epochs]
-            with open(metrics, "w") as f:
+                kept = [l for l in f if _epoch(l) is not None and _epoch(l) <= completed_epochs]
+            with atomic_open(metrics) as f:
                 f.writelines(kept)
         import tensorflow as tf
 
         if self._tb is None:
-            self._tb = tf.summary.create_file_writer(os.path.join(self.run_dir, "tensorboard"))
+            board = os.path.join(self.run_dir, "tensorboard")
+            with writing(board, also=(tf.errors.OpError,)):
+                self._tb = tf.summary.create_file_writer(board)
 
     def records(self) -> list:
         """Rank 0: metrics.jsonl's records, in order ([] if none)."""
@@ -239,15 +261,24 @@ class Reporter:
     def epoch(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(finite_json(record), sort_keys=True, allow_nan=False) + "\n")
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        line = json.dumps(finite_json(record), sort_keys=True, allow_nan=False) + "\n"
+        with writing(path), open(path, "a") as f:
+            size = f.tell()
+            try:
+                f.write(line)
+                f.flush()
+            except OSError:
+                f.truncate(size)  # no half line (the disk full): the file as it was
+                raise
         import tensorflow as tf
 
-        with self._tb.as_default(step=record["global_step"]):
-            for key, value in record.items():
-                if key not in ("epoch", "epochs", "global_step") and isinstance(value, float):
-                    tf.summary.scalar(key, value)
-        self._tb.flush()
+        with writing(os.path.join(self.run_dir, "tensorboard"), also=(tf.errors.OpError,)):
+            with self._tb.as_default(step=record["global_step"]):
+                for key, value in record.items():
+                    if key not in ("epoch", "epochs", "global_step") and isinstance(value, float):
+                        tf.summary.scalar(key, value)
+            self._tb.flush()
 
     def save_model(self, model):
         """Rank 0: the trained model as RUN_DIR/model.keras (keras.models.load_model opens it,
@@ -259,6 +290,8 @@ class Reporter:
             with replacing(path, suffix=".keras") as tmp:  # Keras saves only to *.keras
                 model.save(tmp)
             return path
+        except StorageError:
+            raise  # the disk, not the model: one line naming model.keras
         except Exception as e:  # noqa: BLE001 (a model Keras cannot save whole)
             # A subclassed model without get_config, say: the training must not be lost
             # with it. Its weights alone load into the same model built in code.
@@ -275,9 +308,20 @@ class Reporter:
     def result(self, result: dict) -> None:
         if not self.enabled:
             return
-        write_json_atomic(os.path.join(self.run_dir, "result.json"), result)
         if self._tb is not None:
-            self._tb.close()
+            import tensorflow as tf
+
+            with writing(os.path.join(self.run_dir, "tensorboard"), also=(tf.errors.OpError,)):
+                self._tb.close()
+        write_json_atomic(os.path.join(self.run_dir, "result.json"), result)
+
+
+def _epoch(line: str):
+    """A metrics.jsonl line's epoch; None for a blank line or one cut short."""
+    try:
+        return json.loads(line)["epoch"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _whole_line(stream, message: str) -> None:

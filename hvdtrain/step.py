@@ -65,6 +65,10 @@ class TrainStep:
         self.x, self.y = data.x_train, data.y_train  # or a tf.data pipeline: see batches()
         self.sample = None  # (x, y): a pipeline's first batch, for check()
         self.first = True  # no call yet: the next one traces
+        # Updates this rank finished, counted after each one's reduction: where a failed call
+        # failed (the optimizer's own count may take the failed update's increment, which
+        # nothing orders after its failing op).
+        self.finished = tf.Variable(0, dtype=tf.int64, trainable=False)
         self.streamed = not (in_memory(self.x) and in_memory(self.y))
         variables = model.trainable_variables
         dtype = variables[0].dtype if variables else tf.float32
@@ -128,7 +132,8 @@ class TrainStep:
             # however many micro-batches it accumulated.
             flags, = apply_gradients(optimizer, grads, variables, [flags])
             with tf.control_dependencies([sums.assign_add(step_sums)]):
-                return tf.identity(flags)
+                with tf.control_dependencies([self.finished.assign_add(1)]):
+                    return tf.identity(flags)
 
         def run(batches, n, stop):
             stop = tf.cast(stop, dtype)

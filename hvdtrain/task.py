@@ -189,8 +189,9 @@ def check_data(task: Task, data) -> None:
         problem = _array_problem(xn, x) or _array_problem(yn, y)
         if problem is None and len(x) != len(y):
             problem = f"{xn} has {len(x)} examples but {yn} has {len(y)}"
-        if problem is None and xn == "x_train" and len(x) == 0:
-            problem = "x_train has no examples"
+        if problem is None and len(x) == 0:  # found now, not after every epoch trained
+            problem = (f"{xn} has no examples" if xn == "x_train" else "x_test and y_test "
+                       "have no examples: give a test set, or None for none")
         if problem:
             raise TaskError(f"{where}: {problem}")
 

@@ -18,7 +18,7 @@ from hvdtrain.config import Config
 from hvdtrain.data import DataError, epoch_plan, steps_per_epoch, test_shard
 from hvdtrain.engine import PROGRESS_FIELDS, Run
 from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, Diverged, Preempted,  # noqa: F401
-                             StepError, TF_TRACE, TaskError, first_line)
+                             StepError, TaskError, step_failed)
 from hvdtrain.optimizer import DistributedOptimizer
 from hvdtrain.step import TrainStep
 from hvdtrain.task import Task, check_data, check_metrics, check_optimizer, check_task
@@ -45,14 +45,6 @@ def train(task: Task, config: Optional[Config] = None,
                                           elastic=config.elastic)
         with Run(world, config, task.name, task.settings) as run:
             return _TaskRun(task, run).run()
-
-
-def _op_error_line(message: str) -> str:
-    """The cause in a TensorFlow op error: not the "Graph execution error:" header, the
-    "Detected at node" trace or the node name, but the kernel's own message."""
-    lines = [l.strip() for l in str(message).splitlines() if l.strip()]
-    causes = [l for l in lines if not l.startswith(TF_TRACE)]
-    return causes[0] if causes else first_line(message)
 
 
 class _TaskRun:
@@ -100,6 +92,10 @@ class _TaskRun:
                              catch=(DataError, OSError))
         check_data(task, self.data)
         self.pipe = self._pipeline() if pipeline.is_dataset(self.data.x_train) else None
+        # A test pipeline's shards, counted now: an empty one is said before training.
+        self.test = (pipeline.validation(self.data.x_test, world, batch=EVAL_BATCH,
+                                         what="x_test")[0]
+                     if pipeline.is_dataset(self.data.x_test) else None)
         run.pipeline = self.pipe  # the engine records its input wait per epoch
         run.input = self.pipe.identity() if self.pipe is not None else {}
         self._shape()
@@ -242,8 +238,8 @@ class _TaskRun:
 
         data, world = self.data, self.world
         local = np.zeros(2 + len(self.metric_fns))
-        if pipeline.is_dataset(data.x_test):  # each example scored by one rank
-            batches, _ = pipeline.validation(data.x_test, world, batch=EVAL_BATCH, what="x_test")
+        if self.test is not None:  # each example scored by one rank
+            batches = self.test
         else:
             idx = test_shard(len(data.x_test), world.rank, world.size)
             batches = ((tf.constant(data.x_test[part]), tf.constant(data.y_test[part]))
@@ -269,6 +265,7 @@ class _Epochs:
         self.examples = len(owner.data.x_train) if self.pipe is None else self.pipe.examples
         self.names = ["loss"] + list(owner.metric_fns)
         self.auto_steps = 1  # updates per compiled call, when tuned (the first call traces)
+        self.finished = int(self.step.finished.numpy())  # step.finished before the next call
 
     def train(self, progress) -> None:
         """Train the rest of ``progress.epoch`` (from ``progress.offset`` examples into it)."""
@@ -349,6 +346,7 @@ class _Epochs:
 
         n = self._steps_per_call(base_step + step, self.steps - step)
         started = time.perf_counter()
+        finished = self.finished  # updates done before this call
         try:
             with timings.phase("first_call" if self.step.first else "training"):
                 done, self.stopped, diverged = self.step.run(batches, n, self.run_.stop_requested)
@@ -358,16 +356,13 @@ class _Epochs:
             error = self.pipe.failure(e, self.epoch) if self.pipe is not None else None
             if error is not None:
                 raise error from None
-            if not isinstance(e, tf.errors.InvalidArgumentError):
-                raise
-            # Bad input on this rank alone (e.g. a label the model has no class for): one
-            # line; the watchdog stops the others. Horovod's own errors (a lost peer) are not
-            # this class and pass through: elastic runs recover from them.
-            where = base_step + step + 1
-            where = (f"training step {where}" if n == 1 else
-                     f"one of training steps {where}-{where + n - 1}")
-            raise StepError(f"{where} failed on rank {self.world.rank}: "
-                            f"{_op_error_line(e.message)}") from None
+            # Bad input on this rank alone (a label the model has no class for, a tf.data
+            # map that raised): one line with the step (after the updates this call
+            # finished); the watchdog stops the others.
+            # Horovod's own errors (a lost peer) pass through: elastic runs recover from them.
+            failed = base_step + step + int(self.step.finished.numpy()) - finished + 1
+            raise step_failed(e, f"training step {failed}", self.world.rank) or e
+        self.finished += done
         self._tune(time.perf_counter() - started, done)
         if diverged and self.config.stop_on_divergence:
             raise self.run_.diverged(f"the loss became NaN or infinite at step "

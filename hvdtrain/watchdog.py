@@ -7,8 +7,10 @@ sides send a heartbeat every second from a background thread:
 
 - a connection that closes without a goodbye: that rank died;
 - no heartbeat for ``timeout`` seconds: that rank is frozen or stalled;
-- rank 0 relays the verdict ("ABORT ...") to every rank; each prints the one line,
-  naming the rank, its host and pid, and exits with status 1 (EXIT_PEER_FAILED).
+- rank 0 prints the verdict, one line naming the rank, its host and pid (or a rank's own
+  error, which that rank sends it), relays it ("ABORT ...") to every rank, and every rank
+  exits with status 1 (EXIT_PEER_FAILED); the line is said once, by rank 0 (by a rank
+  that finds rank 0 itself gone).
 
 The heartbeat runs in its own thread, so a slow step (or a long checkpoint write) never
 looks like a failure; only a process that cannot run at all, or is gone, does.
@@ -113,12 +115,13 @@ class _Peer:
         self.last_seen, self.step, self.done = time.monotonic(), 0, False
         self.lock = threading.Lock()
 
-    def send(self, line: str) -> None:
+    def send(self, line: str) -> bool:
         try:
             with self.lock:
                 self.sock.sendall((line + "\n").encode())
+            return True
         except OSError:
-            pass  # the reader notices the broken connection
+            return False  # the reader notices the broken connection
 
     def __str__(self):
         return f"rank {self.rank} ({self.host}, pid {self.pid})"
@@ -200,7 +203,6 @@ class Watchdog:
         self.peers: Dict[int, _Peer] = {}
         self._closing = threading.Event()
         self._failed = threading.Lock()
-        self._own_failure: Optional[str] = None  # this rank's line, when it failed alone
         self._server: Optional[socket.socket] = None
         self._pending = threading.BoundedSemaphore(PENDING)  # handshakes in flight
         self._refused: Dict[str, int] = {}  # source address: refusals not yet said
@@ -247,17 +249,20 @@ class Watchdog:
             self._closing.wait(seconds)
             time.sleep(0.5 if self._closing.is_set() else 0)  # let _fail finish exiting
 
-    def abort(self, message: str) -> None:
-        """This rank failed alone: make every rank stop rather than wait for it. (This rank
-        reports its own error; the others print the relayed verdict.)"""
+    def abort(self, message: str) -> bool:
+        """This rank failed alone: make every rank stop rather than wait for it. True when
+        rank 0 says ``message`` (the error of another rank); False when this rank must say
+        it (rank 0, or nobody to tell)."""
+        message = " ".join(message.split())  # one line on the wire
         if not self.peers:
-            return  # not started (one process, or --peer-timeout 0): nobody to tell
+            return False  # not started (one process, or --peer-timeout 0): nobody to tell
         if self.world.is_chief:
             self._fail(message, exit_now=False, show=False)
-        elif 0 in self.peers:
-            self._own_failure = f"rank {self.world.rank} failed: {message}"
-            self.peers[0].send(f"FAIL {self._own_failure}")
+            return False
+        if 0 in self.peers and self.peers[0].send(f"FAIL {message}"):
             self._closing.set()
+            return True
+        return False
 
     # --- threads --------------------------------------------------------------------------
     def _connect(self, addresses, port) -> Optional[_Peer]:
@@ -344,8 +349,8 @@ class Watchdog:
                 peer.done = True
             elif kind == "FAIL":  # to rank 0 from a rank that failed on its own
                 self._fail(rest)
-            elif kind == "ABORT":  # from rank 0: the verdict
-                self._fail(rest, relay=False)
+            elif kind == "ABORT":  # from rank 0: the verdict, which rank 0 said
+                self._fail(rest, relay=False, show=False)
 
     def _beat(self) -> None:
         while not self._closing.wait(INTERVAL):
@@ -367,22 +372,13 @@ class Watchdog:
               show: bool = True) -> None:
         if not self._failed.acquire(blocking=False):
             return
-        if message == self._own_failure:
-            # Rank 0's verdict on this rank's own failure: this rank says it itself on its
-            # way out (one line); should that way hang, it ends here a little later.
-            timer = threading.Timer(5.0, os._exit, (EXIT_PEER_FAILED,))
-            timer.daemon = True
-            timer.start()
-            return
         self._closing.set()
         self._stop_listening()
         if relay and self.world.is_chief:
             for peer in list(self.peers.values()):
                 peer.send(f"ABORT {message}")
-        if show:
-            sys.stderr.write(f"hvdtrain: error: rank {self.world.rank}: {message}\n"
-                             if not message.startswith("rank ") else
-                             f"hvdtrain: error: {message}\n")
+        if show:  # each message names the rank it is about
+            sys.stderr.write(f"hvdtrain: error: {message}\n")
             sys.stderr.flush()
         if exit_now:
             # The main thread is blocked inside a collective that will never complete.

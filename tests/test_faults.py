@@ -91,6 +91,41 @@ def test_sigterm_to_one_rank_stops_all_at_a_step_and_resumes_exactly(launcher, r
     np.testing.assert_allclose(r["weights"], reference["linear"]["weights"], atol=1e-6)
 
 
+@pytest.mark.parametrize("to", ["rank 0", "mpirun"])
+def test_sigint_is_a_preemption_like_sigterm(to, reference, env, tmp_path):
+    """Ctrl-C: SIGINT to a rank stops every rank at a shared step with a checkpoint and exit
+    75, and the rerun ends as the uninterrupted run; SIGINT to mpirun itself (a terminal's
+    Ctrl-C reaches mpirun alone: the ranks have process groups of their own) is forwarded
+    as SIGTERM, the ranks do the same, and mpirun exits 1, its own status when interrupted."""
+    # mpirun takes about 2 s to pass its SIGINT on: a job that lasts longer than that.
+    args = LINEAR if to == "rank 0" else [*LINEAR[:2], "--epochs", "40", *LINEAR[4:]]
+    cmd = launch("mpirun", 2, "linear", "--run-dir", str(tmp_path), *args)
+    proc = start(cmd, env)
+    try:
+        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(tmp_path))),
+                        60)
+        assert pids and wait_for(lambda: checkpoints(tmp_path), 60)
+        os.kill(pids[0] if to == "rank 0" else proc.pid, signal.SIGINT)
+        rc, out, err = finish(proc, 60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = "SIGINT" if to == "rank 0" else "SIGTERM"
+    stopped = [l for l in (out + err).splitlines() if "stopped by" in l]
+    assert len(stopped) == 1 and f"stopped by {said} at step " in stopped[0], err[-3000:]
+    assert rc == (75 if to == "rank 0" else 1), err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    step = int(stopped[0].split("at step ")[1].split(";")[0])
+    assert checkpoints(tmp_path)[0][0] == step  # saved at the step boundary itself
+    assert not (tmp_path / "result.json").exists()
+    if to == "rank 0":
+        p = run(cmd, env)
+        assert p.returncode == 0, p.stderr
+        r = result(tmp_path)
+        assert r["global_step"] == reference["linear"]["global_step"]
+        np.testing.assert_allclose(r["weights"], reference["linear"]["weights"], atol=1e-6)
+
+
 def test_truncated_latest_checkpoint_falls_back_then_all_corrupt_fails(env, tmp_path):
     args = ["--batch-size", "10", "--epochs", "2", "--checkpoint-every", "20", "--verbose", "2"]
     first = run(module_cmd("linear", "--run-dir", str(tmp_path), *args), env)

@@ -153,6 +153,79 @@ class BadLabels(hvdtrain.Task):
 '''
 
 
+BAD_MAP = BAD_LABELS + '''
+
+CALLS = [0]
+
+
+def flaky(x, y):
+    """A reader that fails on rank 1 after its first 150 records (the count's, then training's)."""
+    CALLS[0] += 1
+    if hvdtrain.distributed.current().rank == 1 and CALLS[0] > 150:
+        raise ValueError(f"record {CALLS[0]} is unreadable")
+    return x, y
+
+
+class BadMap(BadLabels):
+    name = "bad_map"
+    defaults = dict(batch_size=8, epochs=3)
+
+    def load_data(self, config, world):
+        x = np.random.default_rng(0).random((64, 4), dtype=np.float32)
+        y = np.arange(64, dtype=np.int32) % 10
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).map(
+            lambda a, b: tf.py_function(flaky, [a, b], [tf.float32, tf.int32]))
+        return Data(ds.map(lambda a, b: (tf.ensure_shape(a, [4]), tf.ensure_shape(b, []))), None)
+'''
+
+FIT_BAD = """
+import sys
+import numpy as np
+import tensorflow as tf
+import hvdtrain.keras as hk
+from hvdtrain.compat import keras
+hk.init()
+k = keras()
+case, run_dir = sys.argv[1], sys.argv[2]
+x = np.random.default_rng(0).random((64, 4)).astype("float32")
+y = (np.arange(64) % 10).astype("int32")
+model = k.Sequential([k.Input((4,)), k.layers.Dense(10)])
+model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(0.1)),
+              loss=k.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+more = {}
+if case == "labels":  # a label the 10-way output cannot take
+    y[40] = 10
+    train = hk.dataset(x, y, batch_size=8)
+else:  # a reader that fails on rank 1 after its first 100 records (the count's, then training's)
+    calls = [0]
+
+    def flaky(a, b):
+        calls[0] += 1
+        if hk.rank() == 1 and calls[0] > 100:
+            raise ValueError(f"record {calls[0]} is unreadable")
+        return a, b
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).map(
+        lambda a, b: tf.py_function(flaky, [a, b], [tf.float32, tf.int32]))
+    train = ds.map(lambda a, b: (tf.ensure_shape(a, [4]), tf.ensure_shape(b, []))).batch(8)
+    more = dict(sharded=True)
+try:
+    hk.fit(model, train, epochs=3, run_dir=run_dir, **more)
+except hk.Error as e:
+    sys.exit(hk.report_error(e))
+"""
+
+
+def the_cause_once(p, cause):
+    """The one line naming the failed step, its rank and ``cause``, said once in all the
+    job's output, no traceback from the ranks; (its step, its rank)."""
+    said = [l for l in (p.stdout + p.stderr).splitlines() if cause in l]
+    assert len(said) == 1 and "Traceback" not in ranks_output(p.stderr), p.stderr[-3000:]
+    assert "Graph execution error" not in p.stderr + p.stdout
+    found = re.search(r"error: training step (\d+) failed on rank (\d+): ", said[0])
+    assert found, said[0]
+    return int(found.group(1)), int(found.group(2))
+
+
 @pytest.mark.parametrize("np_", [1, 2])
 def test_a_failing_step_is_one_line_naming_the_rank(np_, env, tmp_path):
     (tmp_path / "bad_labels.py").write_text(BAD_LABELS)
@@ -163,9 +236,39 @@ def test_a_failing_step_is_one_line_naming_the_rank(np_, env, tmp_path):
                                                     sys.executable, *args]
     p = run(cmd, env, timeout=120)
     assert p.returncode == 1, p.stderr
-    lines = [l for l in p.stderr.splitlines() if "error:" in l and "failed on rank" in l]
-    assert lines and "Traceback" not in ranks_output(p.stderr), p.stderr[-3000:]
-    assert "label value of 10" in lines[0] and "training step" in lines[0]
+    step, rank = the_cause_once(p, "Received a label value of 10 which is outside the valid "
+                                   "range of [0, 10).")
+    # The step and rank whose batch holds example 40 (the label 10): hvdtrain's data order.
+    from hvdtrain.config import Config
+    from hvdtrain.data import epoch_plan
+    holds = [(k + 1, r) for r in range(np_)
+             for k, rows in enumerate(epoch_plan(64, 8, r, np_, Config().seed, 0)) if 40 in rows]
+    assert holds == [(step, rank)]
+    assert not (tmp_path / "r" / "result.json").exists()
+
+
+@pytest.mark.parametrize("path,case", [("task", "map"), ("fit", "labels"), ("fit", "map")])
+def test_one_ranks_failing_step_names_its_cause_once_on_both_paths(path, case, env, tmp_path):
+    """A label out of range, or a tf.data map function that raises, on rank 1 alone: rank 0
+    says the op's own message (not "Graph execution error:"), the step and the rank, once."""
+    (tmp_path / "bad_map.py").write_text(BAD_MAP)
+    (tmp_path / "fit_bad.py").write_text(FIT_BAD)
+    env = dict(env, PYTHONPATH=f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}")
+    cmd = ([sys.executable, "-m", "hvdtrain", "run", "bad_map:BadMap", "--verbose", "0",
+            "--run-dir"] if path == "task" else [sys.executable, tmp_path / "fit_bad.py", case])
+    p = run([HOROVODRUN, "-np", "2", "--gloo", *map(str, cmd), str(tmp_path / "r")], env,
+            timeout=120)
+    assert p.returncode == 1, p.stderr[-3000:]
+    if case == "map":
+        step, rank = the_cause_once(p, "ValueError: record ")
+        assert re.search(r"failed on rank 1: ValueError: record \d+ is unreadable \(in the "
+                         r"function given to tf.data's map\)$", p.stderr, re.M), p.stderr[-3000:]
+    else:
+        step, rank = the_cause_once(p, "Received a label value of 10 which is outside")
+        from hvdtrain.data import epoch_plan  # hk.dataset's order: example 40's step and rank
+        assert [(k + 1, r) for r in range(2) for k, rows in
+                enumerate(epoch_plan(64, 8, r, 2, 0, 0)) if 40 in rows] == [(step, rank)]
+    assert rank == 1 and 1 <= step <= 12  # 3 epochs of 4 steps
     assert not (tmp_path / "r" / "result.json").exists()
 
 

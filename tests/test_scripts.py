@@ -50,11 +50,13 @@ def test_launch_cluster_rejects_a_missing_hostfile(env, tmp_path):
 LOCAL = os.path.join(ROOT, "scripts", "launch_local.sh")
 
 
-@pytest.mark.parametrize("controller", ["--gloo", ""])
-def test_launch_local_sigterm_exits_75_without_traceback_and_resumes(controller, env, tmp_path):
-    """SIGTERM to the launch script reaches the ranks (horovodrun --mpi alone would not pass
-    it on); they stop at a shared step with a checkpoint; the script exits 75, not 1, and
-    horovodrun's own traceback is not shown; the same command then finishes the run."""
+@pytest.mark.parametrize("controller,how", [("--gloo", "SIGTERM"), ("", "SIGINT")])
+def test_launch_local_sigterm_exits_75_without_traceback_and_resumes(controller, how, env,
+                                                                     tmp_path):
+    """SIGTERM to the launch script (or Ctrl-C: SIGINT to its process group) reaches the
+    ranks (horovodrun --mpi alone would not pass it on) as SIGTERM; they stop at a shared
+    step with a checkpoint; the script exits 75, not 1, and horovodrun's own traceback is
+    not shown; the same command then finishes the run."""
     from conftest import finish, start, wait_for
     import signal
 
@@ -64,7 +66,10 @@ def test_launch_local_sigterm_exits_75_without_traceback_and_resumes(controller,
     env = dict(env, CONTROLLER=controller)
     proc = start(cmd, env)
     assert wait_for(lambda: (run_dir / "config.json").exists(), 120), "the job did not start"
-    proc.send_signal(signal.SIGTERM)  # to the script only, as a scheduler would
+    if how == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)  # to the script only, as a scheduler would
+    else:
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: its whole process group
     rc, out, err = finish(proc, 120)
     assert rc == 75, err[-3000:]
     assert "Traceback" not in err and "stopped by SIGTERM at step" in err, err[-3000:]

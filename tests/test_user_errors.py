@@ -105,6 +105,13 @@ CASES = {
                            ["T.metrics()['accuracy'] returned shape [2, 2] for a batch of 2"]),
     "metric_per_batch": ("T.metrics = lambda self: {'m': lambda y, p: tf.reduce_mean(p)}\n", (),
                          1, ["T.metrics()['m'] returned shape [] for a batch of 2"]),
+    "empty_test_set": ("T.load_data = lambda self, c, w: Data(*arrays(), arrays()[0][:0], "
+                       "arrays()[1][:0])\n", (), 1,
+                       ["T.load_data: x_test and y_test have no examples: give a test set, or "
+                        "None for none"]),
+    "empty_test_pipeline": ("T.load_data = lambda self, c, w: Data(*arrays(), "
+                            "tf.data.Dataset.from_tensor_slices(arrays()).take(0))\n", (), 1,
+                            ["x_test: rank 0's shard is empty"]),
     "unbuilt_sequential": ("T.build_model = lambda self, c: keras().Sequential("
                            "[keras().layers.Dense(2)])\n", (), 1,
                            ["T.build_model returned a model with no weights yet"]),
@@ -166,6 +173,18 @@ def test_task_mistake_is_one_line(case, tmp_path, capfd, monkeypatch):
                             capfd, monkeypatch)
     one_line(p, status, fragments)
     assert not run_dir.exists()  # nothing written before the check
+
+
+def test_a_file_where_the_checkpoints_folder_belongs_is_refused(tmp_path, capfd, monkeypatch):
+    """Not a fresh start that would fail at its first save (test_storage.py: the saves)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("not a folder\n")
+    p = cli_in_this_process(tmp_path, GOOD, ["run", "usertask:T", "--run-dir", str(run_dir)],
+                            capfd, monkeypatch)
+    one_line(p, 2, [f"--run-dir={run_dir}: holds a file checkpoints where its checkpoints/ "
+                    "folder belongs: move it away"])
+    assert os.listdir(run_dir) == ["checkpoints"]  # nothing written
 
 
 def test_the_good_task_trains(tmp_path):

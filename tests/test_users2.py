@@ -496,6 +496,27 @@ another rank sent a tensor of shape [11, 4].
     assert error_line(FailedPreconditionError(message)).startswith(
         "FailedPreconditionError: Mismatched BROADCAST tensor shapes:")
     assert first_line("File not found: x\nmore") == "File not found: x"  # no header: as before
+    # A tf.data map's py_function that raised (captured from one): the exception, not the
+    # "<stack traces unavailable>" placeholder, tf.data's iterator path or the trace.
+    raised = textwrap.dedent("""\
+        Graph execution error:
+
+        Detected at node EagerPyFunc defined at (most recent call last):
+        <stack traces unavailable>
+        Error in user-defined function passed to MapDataset:1 transformation with iterator: \
+Iterator::Root::Map::Zip[1]::FlatMap[0]::FiniteTake::BatchV2::Shard::Map::Map: ValueError: \
+record 151 is unreadable
+        Traceback (most recent call last):
+
+          File "/tmp/bad_map.py", line 37, in flaky
+
+        ValueError: record 151 is unreadable
+
+
+        \t [[{{node EagerPyFunc}}]]
+        \t [[IteratorGetNext]] [Op:__inference_run_1234]""")
+    assert first_line(raised) == ("ValueError: record 151 is unreadable (in the function given "
+                                  "to tf.data's map)")
 
 
 def test_two_phases_of_transfer_learning_each_train_in_their_own_run_dir(two, again):
