@@ -16,7 +16,8 @@ import textwrap
 
 import pytest
 
-from conftest import checkpoints, finish, launch, result, run, start, wait_for
+from conftest import (checkpoints, finish, launch, launch_example, result, run, start,
+                      wait_for)
 from hvdtrain import checkpoint as C
 
 # test_faults.py's uninterrupted two-process linear run: the session's shared reference.
@@ -71,12 +72,29 @@ def lines_with(text, p_or_err):
     return [l for l in err.splitlines() if text in l]
 
 
-@pytest.mark.timeout(240)
-def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(tmpfs, references,
-                                                                       env):
-    ref = references.run("gloo", 2, "linear", *LINEAR)
+# The fit path: the Keras example's dense model, 2 ranks, 3 epochs of 125 steps, a checkpoint
+# every 30 steps.
+FIT = ["--model", "dense", "--epochs", "3", "--batch-size", "16", "--optimizer", "sgd",
+       "--lr", "0.05", "--checkpoint-every", "30"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", ["task", "fit"])
+def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, tmpfs, references,
+                                                                       env, tmp_path):
+    """The disk fills after the first checkpoint, on both paths: one line (rank 0's, naming
+    the file it could not write), exit 1, the checkpoints before it whole, no temporary file;
+    with room again the same command resumes and ends as the uninterrupted run."""
     run_dir = f"{tmpfs.path}/run"
-    cmd = tmpfs.inside(launch("gloo", 2, "linear", "--run-dir", run_dir, *LINEAR))
+    if path == "task":
+        ref = references.run("gloo", 2, "linear", *LINEAR)
+        cmd = tmpfs.inside(launch("gloo", 2, "linear", "--run-dir", run_dir, *LINEAR))
+    else:
+        whole = run(launch_example(2, "keras_fit_mnist.py", "--run-dir", tmp_path / "whole",
+                                   *FIT), env, timeout=180)
+        assert whole.returncode == 0, whole.stderr[-3000:]
+        ref = result(tmp_path / "whole")
+        cmd = tmpfs.inside(launch_example(2, "keras_fit_mnist.py", "--run-dir", run_dir, *FIT))
     proc = start(cmd, env)
     try:
         assert wait_for(lambda: checkpoints(tmpfs.seen(run_dir)), 120), "no checkpoint"
@@ -102,7 +120,7 @@ def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(tmpfs, re
     tmpfs.free()
     again = run(cmd, env)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resumed from {kept[0][1].replace(seen, run_dir)}" in again.stderr
+    assert f"resumed from {kept[0][1].replace(seen, run_dir)}" in again.stdout + again.stderr
     r = result(seen)
     assert r["global_step"] == ref["global_step"]
     assert r["weights_sha256"] == ref["weights_sha256"]  # nothing lost
