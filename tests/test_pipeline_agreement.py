@@ -313,6 +313,21 @@ def test_ranks_that_disagree_on_the_input_are_refused_before_step_0(fit_runs):
         assert len(f.readlines()) == 2  # the copied run's, untouched
 
 
+def cut_run(fit_runs, scenario):
+    """The fit script's ``scenario`` (it cuts train-03 under the job) on a copy of the data:
+    (data, run_dir, the file, its size before, the launch), which must have failed."""
+    import shutil
+
+    data, run_dir = (str(fit_runs["base"] / f"{scenario}-data"),
+                     str(fit_runs["base"] / scenario))
+    shutil.copytree(fit_runs["data"], data)
+    path = os.path.join(data, "train-03-of-07.tfrecord")
+    size = os.path.getsize(path)
+    p = fit_runs["launch"](scenario, data, run_dir)
+    assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
+    return data, run_dir, path, size, p
+
+
 def test_file_cut_between_epochs_stops_every_rank_then_resumes_exactly(fit_runs):
     """hk.fit, rank 1's file cut in half after epoch 1 (the script's callback): every rank
     stops before epoch 2 with one line naming the file (it took the next epoch's batches,
@@ -321,13 +336,8 @@ def test_file_cut_between_epochs_stops_every_rank_then_resumes_exactly(fit_runs)
 
     from conftest import result
 
-    base, launch = fit_runs["base"], fit_runs["launch"]
-    data, run_dir = str(base / "cut-data"), str(base / "cut")
-    shutil.copytree(fit_runs["data"], data)
-    path = os.path.join(data, "train-03-of-07.tfrecord")
-    size = os.path.getsize(path)
-    p = launch("cut", data, run_dir)
-    assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
+    launch = fit_runs["launch"]
+    data, run_dir, path, size, p = cut_run(fit_runs, "cut")
     line = (f"{path}: cut short under the running job ({size:,} -> {size // 2:,} bytes) "
             "before epoch 2: training stopped, nothing saved after it")
     assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
@@ -385,17 +395,9 @@ def test_file_cut_inside_an_epoch_stops_every_rank_with_one_line(fit_runs):
     runs short inside the epoch, and rank 1 raises naming the file instead of taking epoch
     3's batches (a hang, before); the watchdog takes its line to rank 0, which says it once,
     and stops every rank. No checkpoint after the cut."""
-    import shutil
-
     from conftest import checkpoints
 
-    base, launch = fit_runs["base"], fit_runs["launch"]
-    data, run_dir = str(base / "inside-data"), str(base / "inside")
-    shutil.copytree(fit_runs["data"], data)
-    path = os.path.join(data, "train-03-of-07.tfrecord")
-    size = os.path.getsize(path)
-    p = launch("cut_inside", data, run_dir)
-    assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
+    _, run_dir, path, size, p = cut_run(fit_runs, "cut_inside")
     line = (f"{path}: cut short under the running job ({size:,} -> {size // 4 - size // 4 % 838:,}"
             " bytes) in epoch 2 (rank 1): training stopped, nothing saved after it")
     said = ranks_lines(p.stderr, line)  # once, by rank 0 (the watchdog took it there)
