@@ -30,6 +30,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from hvdtrain.errors import CheckpointError
+from hvdtrain import files
 from hvdtrain.files import atomic_open, make_dirs, writing
 
 MAGIC = b"HVDTCKPT"
@@ -55,11 +56,7 @@ def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
 def remove_leftovers(directory: str) -> None:
     """Delete the temporary files of saves that were killed before their rename (only rank
     0 writes, one save at a time: any such file is a leftover)."""
-    for path in glob.glob(os.path.join(directory, ".ckpt-*.hvdt.*.tmp")):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    files.remove_leftovers(directory, patterns=(".ckpt-*.hvdt.*.tmp",))
 
 
 def save(directory: str, arrays: Sequence[np.ndarray], names: Sequence[str], meta: dict,

@@ -11,7 +11,7 @@ import glob
 import os
 import tempfile
 
-from hvdtrain.errors import StorageError
+from hvdtrain.errors import StorageError, first_line
 
 # TensorFlow's file errors give the OS's reason as text: its number, for the same line.
 ERRNO_OF = {os.strerror(n): n for n in sorted(errno.errorcode, reverse=True)}
@@ -26,7 +26,6 @@ def os_reason(e: BaseException) -> str:
     for reason, number in ERRNO_OF.items():
         if reason in text:
             return f"[Errno {number}] {reason}"
-    from hvdtrain.errors import first_line
     return first_line(text)
 
 

@@ -97,13 +97,10 @@ class _Alone:
     """Keras 3, one process: nothing to reduce. The wrapper stays for ``_apply_reduced``,
     which applies sparse gradients dense as on N ranks."""
 
-    carries_riders = True
+    carries_riders = True  # the riders go through __call__ with the gradients
 
     def __call__(self, grads) -> list:
         return list(grads)
-
-    def sum(self, tensor):
-        return tensor
 
 
 def _dense(grads) -> list:
