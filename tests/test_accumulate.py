@@ -49,7 +49,9 @@ def test_task_path_micro_batches_give_the_weights_of_one_batch(np_, env, tmp_pat
         assert json.load(f)["accumulate_steps"] == 4
 
 
-@pytest.mark.keras2
+# Keras 3 only: where the Task path's checkpoints and stops fall is hvdtrain's loop, the same
+# under either Keras (its micro-batches' weights under Keras 2: the test above; the fit path's
+# accumulation, which is Horovod's under Keras 2: test_fit_path_sigterm_... below).
 def test_task_path_sigterm_and_checkpoints_on_updates_and_exact_resume(env, tmp_path):
     """2 ranks, 4 micro-batches of 5 per update (25 updates an epoch), a checkpoint every 10
     updates: each checkpoint's data position is a whole number of updates; rank 1's SIGTERM

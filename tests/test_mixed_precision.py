@@ -107,9 +107,33 @@ FIT = textwrap.dedent("""
 """ % EPOCHS)
 
 
-@pytest.fixture
-def code(tmp_path):
-    return usercode.write(tmp_path, {"common": COMMON, "mp_task": TASK, "mp_fit": FIT})
+@pytest.fixture(scope="module")
+def code(tmp_path_factory):
+    return usercode.write(tmp_path_factory.mktemp("mp"),
+                          {"common": COMMON, "mp_task": TASK, "mp_fit": FIT})
+
+
+@pytest.fixture(scope="module")
+def overflowing(code, tmp_path_factory):
+    """The float16 runs whose scaled gradients overflow (initial scale 2**40, the fit
+    script's scaler outside hk.DistributedOptimizer), with a Horovod timeline: one launch per
+    path, made when a test first reads it, for the tests that read the same run
+    (``overflowing["task"]``: (run_dir, timeline))."""
+    base = tmp_path_factory.mktemp("overflowing")
+
+    class Runs(dict):
+        def __missing__(self, path):
+            timeline = base / f"{path}.json"
+            if path == "task":
+                run_dir = task(code, base, "task", "--mixed-precision", "float16",
+                               "--initial-scale", str(HUGE_SCALE), HOROVOD_TIMELINE=timeline)
+            else:
+                run_dir = fit(code, base, "fit", "mixed_float16", HUGE_SCALE, "outside",
+                              HOROVOD_TIMELINE=timeline)
+            self[path] = run_dir, timeline
+            return self[path]
+
+    return Runs()
 
 
 def two_ranks(code, tmp_path, *cmd, ok=True, **env):
@@ -172,14 +196,14 @@ def test_task_bfloat16_and_float16_train_like_float32_ranks_identical(code, tmp_
 
 
 @pytest.mark.keras2
-def test_task_float16_overflow_skipped_on_every_rank(code, tmp_path):
+def test_task_float16_overflow_skipped_on_every_rank(code, tmp_path, overflowing):
     """The task's own LossScaleOptimizer starting at 2**40: the first steps' scaled
     gradients overflow float16 on every rank, the reduced gradients are not finite, every
     rank skips the update and halves the scale, until it fits; training then goes on. The
     scale is in the checkpoints: a run resumed from epoch 1's end (still skipping) ends
     with the uninterrupted run's weights and scale."""
     flags = ("--mixed-precision", "float16", "--initial-scale", str(HUGE_SCALE))
-    run_dir = task(code, tmp_path, "huge", *flags)
+    run_dir, _ = overflowing["task"]  # task(code, tmp_path, "huge", *flags), timeline on
     res = result(run_dir)
     assert res["ranks_identical"] is True
     assert res["global_step"] == EPOCHS * STEPS  # skipped steps count
@@ -216,12 +240,13 @@ def test_fit_bfloat16_and_float16_policies_train_like_float32_ranks_identical(co
 
 @pytest.mark.keras2
 @pytest.mark.parametrize("order", ["inside", "outside"])
-def test_fit_float16_overflow_skipped_on_every_rank(code, tmp_path, order):
+def test_fit_float16_overflow_skipped_on_every_rank(code, tmp_path, order, overflowing):
     """Either order of LossScaleOptimizer and hk.DistributedOptimizer: the scaler sees the
     reduced gradients (Keras 3: hk.fit turns "outside" around; Keras 2: Horovod's wrapper
     reduces inside the scaler's compute_gradients, and hk.DistributedOptimizer puts itself
     there)."""
-    run_dir = fit(code, tmp_path, "huge", "mixed_float16", HUGE_SCALE, order)
+    run_dir = (overflowing["fit"][0] if order == "outside" else
+               fit(code, tmp_path, "huge", "mixed_float16", HUGE_SCALE, order))
     res = result(run_dir)
     assert res["ranks_identical"] is True and res["global_step"] == EPOCHS * STEPS
     skipped = 40 - np.log2(res["loss_scale"])
@@ -254,7 +279,7 @@ def test_a_bad_precision_is_one_line(code, tmp_path):
 
 
 @pytest.mark.keras2
-def test_float16_one_negotiation_round_per_step_both_paths(code, tmp_path):
+def test_float16_one_negotiation_round_per_step_both_paths(overflowing):
     """Loss scaling adds no collective: a Horovod timeline shows each gradient (6) negotiated
     once per step, overflowing steps included, in the step's one grouped allreduce (the Task
     path's [stop, diverged] flags as a 7th part; Keras 2's fit: Horovod's own wrapper, one
@@ -274,16 +299,12 @@ def test_float16_one_negotiation_round_per_step_both_paths(code, tmp_path):
         return each, sum(c for n, c in counts.items() if n not in each)
 
     steps = EPOCHS * STEPS
-    timeline = tmp_path / "task.json"
-    run_dir = task(code, tmp_path, "task", "--mixed-precision", "float16", "--initial-scale",
-                   str(HUGE_SCALE), HOROVOD_TIMELINE=timeline)
+    run_dir, timeline = overflowing["task"]
     assert result(run_dir)["loss_scale"] < HUGE_SCALE  # it did skip steps
     each, others = per_step(timeline)
     assert [n.rsplit("_", 1)[-1] for n in each] == [f"{i}of7" for i in range(1, 8)], each
     assert others <= 3 * EPOCHS, others  # the epochs' metric sums and checkpoints
-    timeline = tmp_path / "fit.json"
-    run_dir = fit(code, tmp_path, "fit", "mixed_float16", HUGE_SCALE, "outside",
-                  HOROVOD_TIMELINE=timeline)
+    run_dir, timeline = overflowing["fit"]
     assert result(run_dir)["loss_scale"] < HUGE_SCALE
     each, others = per_step(timeline)
     assert len(each) == 6, each

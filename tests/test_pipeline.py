@@ -158,7 +158,10 @@ def sigterm_rank1(cmd, env, run_dir):
     assert not os.path.exists(os.path.join(run_dir, "result.json")), "finished before SIGTERM"
 
 
-@pytest.mark.keras2
+# Keras 3 only: the data position a resume restores is hvdtrain's (pipeline.Batches), the
+# same under either Keras. Under Keras 2 the fit path's exact resume is
+# test_resume_edges' (both kinds of checkpoint), test_models' (steps_per_execution 3)
+# and test_accumulate's (Horovod's aggregation).
 def test_sigterm_and_sigkill_mid_epoch_resume_gives_the_uninterrupted_weights(env, tmp_path,
                                                                              records):
     """Stopped mid-epoch (SIGTERM to rank 1; SIGKILL to all), rerun: the same weights_sha256
@@ -295,7 +298,8 @@ class Records(hvdtrain.Task):
 """
 
 
-@pytest.mark.keras2
+# Keras 3 only: the Task path's tf.data input is hvdtrain's loop, the same under either Keras;
+# the Task path's resume under Keras 2 is test_resume_edges' and test_examples' (Adam's slots).
 def test_task_path_pipeline_trains_evaluates_once_and_resumes_exactly(env, tmp_path, records):
     """A Task's load_data returns tf.data pipelines of examples: hvdtrain shards them by
     file, batches them per rank, agrees on the steps, scores each test example once, and a

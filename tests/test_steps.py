@@ -27,8 +27,9 @@ def _train(env, tmp_path, np_, k):
     return result(run_dir), checkpoints
 
 
-@pytest.mark.keras2
-@pytest.mark.parametrize("np_", [1, 2])
+# Under Keras 2 on 2 ranks (Horovod's wrapper reduces inside the compiled loop); one process
+# has no wrapper, and the loop is hvdtrain's under either Keras.
+@pytest.mark.parametrize("np_", [1, pytest.param(2, marks=pytest.mark.keras2)])
 def test_steps_per_call_do_not_change_what_is_trained(np_, env, tmp_path):
     one, ckpt_one = _train(env, tmp_path, np_, 1)
     for k in (5, 0):  # 5 does not divide the checkpoint interval (7); 0 tunes itself

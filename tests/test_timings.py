@@ -78,8 +78,8 @@ def test_task_path_timings(ranks, env, tmp_path):
     check(run_dir, *timed_run(cmd, env), ranks, SPENT + ("model",))
 
 
-@pytest.mark.keras2
-@pytest.mark.parametrize("ranks", [1, 2])
+# Under Keras 2 on 2 ranks: the phases' hooks in Keras 2's fit; one process adds nothing there.
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.keras2)])
 def test_fit_path_timings(ranks, tmp_path):
     code = usercode.write(tmp_path, {"timed_fit": FIT})
     run_dir = str(tmp_path / "run")
