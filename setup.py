@@ -56,7 +56,9 @@ setup(
         "mpi": ["mpi4py==4.1.2"],
         # kubernetes-validate: the Kubernetes API schemas for deploy/kubernetes/'s objects;
         # jsonschema: the MPIJob CRD's own schema (tests/test_k8s.py).
-        "test": ["pytest>=7,<9", "pytest-timeout>=2.2", "kubernetes-validate>=1.29,<2",
+        # pytest-xdist: scripts/test.sh's passes on two workers.
+        "test": ["pytest>=7,<9", "pytest-timeout>=2.2", "pytest-xdist>=3.5,<4",
+                 "kubernetes-validate>=1.29,<2",
                  "jsonschema>=4.18,<5", "PyYAML>=6"],
         "bench": ["matplotlib>=3.8"],  # python -m hvdtrain.bench's PNG plots
     },

@@ -15,6 +15,11 @@
 #
 # Each pass's time and the total are printed at the end. HVDTRAIN_TEST_TIME_SCALE=N multiplies
 # every test's time bound (a slower or busier machine than these 2 cores).
+#
+# The pytest passes run on HVDTRAIN_TEST_WORKERS pytest-xdist workers (default 2, 1 on one
+# core; 1 runs pytest alone): a test's ranks leave a core idle for a third of the time (start,
+# waits on signals, watchdogs, daemons), which the other worker's test takes. Each module is one
+# group on one worker (tests/conftest.py), so its shared launches still run once.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 quick=0
@@ -31,19 +36,24 @@ cd "$root"
 # mpirun refuses root unless told; CI and containers run as root.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 unset TF_USE_LEGACY_KERAS
+workers=${HVDTRAIN_TEST_WORKERS:-$(( $(nproc) > 1 ? 2 : 1 ))}
+parallel=()
+if (( workers > 1 )); then parallel=(-n "$workers" --dist loadgroup); fi
+echo "=== pytest on $workers worker(s) (HVDTRAIN_TEST_WORKERS) ==="
 status=0
 t=$SECONDS
 if [[ $quick == 1 ]]; then
-    "$venv/bin/python" -m pytest -m quick "$@" || status=$?
+    "$venv/bin/python" -m pytest "${parallel[@]}" -m quick "$@" || status=$?
     timed "quick pass" "$t"
 else
-    "$venv/bin/python" -m pytest "$@" || status=$?
+    "$venv/bin/python" -m pytest "${parallel[@]}" "$@" || status=$?
     timed "Keras 3 pass" "$t"
     if [[ "${HVDTRAIN_KERAS2:-1}" == 1 ]]; then
         echo "=== Keras 2 pass: TF_USE_LEGACY_KERAS=1 pytest -m keras2 ==="
         keras2=0
         t=$SECONDS
-        TF_USE_LEGACY_KERAS=1 "$venv/bin/python" -m pytest -m keras2 "$@" || keras2=$?
+        TF_USE_LEGACY_KERAS=1 "$venv/bin/python" -m pytest "${parallel[@]}" -m keras2 "$@" ||
+            keras2=$?
         timed "Keras 2 pass" "$t"
         # 5: the arguments selected no keras2 test; not a failure of this pass.
         if [[ $keras2 != 0 && $keras2 != 5 ]]; then status=$keras2; fi

@@ -33,9 +33,22 @@ def clean_env(home, **extra):
     return env
 
 
+# pytest-xdist (scripts/test.sh runs the suite on HVDTRAIN_TEST_WORKERS workers, --dist
+# loadgroup): each module is one group, so its module-scoped launches run once, on one worker.
+# These modules are one group together: they compare against the same session references
+# (test_faults' linear run, the multi-host one), and the ones that build network namespaces,
+# daemons and pods (multi-host, SLURM, Kubernetes) never run beside each other.
+SHARED = {"test_faults": "references", "test_storage": "references",
+          "test_multiprocess": "references", "test_multihost": "references",
+          "test_slurm": "references", "test_k8s": "references"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """HVDTRAIN_TEST_TIME_SCALE: each test's pytest-timeout bound (its own marker's, or
-    pytest.ini's) times the scale."""
+    """Each test's xdist group (above); HVDTRAIN_TEST_TIME_SCALE: each test's pytest-timeout
+    bound (its own marker's, or pytest.ini's) times the scale."""
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        item.add_marker(pytest.mark.xdist_group(SHARED.get(module, module)))
     if TIME_SCALE == 1:
         return
     default = float(config.getini("timeout") or 0)

@@ -71,9 +71,9 @@ def test_two_ranks_match_one_on_full_batch_sgd(env, tmp_path):
             assert a[k] == pytest.approx(b[k], abs=1e-5), k
 
 
-# Keras 3 only: a signal is hvdtrain's handler and checkpoint, the same under either Keras. Under Keras 2 the fit path's exact resume is
-# test_resume_edges' (both kinds of checkpoint), test_models' (steps_per_execution 3)
-# and test_accumulate's (Horovod's aggregation).
+# Keras 3 only: a signal is hvdtrain's handler and checkpoint, the same under either Keras.
+# Under Keras 2 the fit path's exact resume is test_resume_edges' (both kinds of checkpoint),
+# test_models' (steps_per_execution 3) and test_accumulate's (Horovod's aggregation).
 def test_sigint_to_one_rank_then_resume_equals_uninterrupted(env, tmp_path):
     """(c) SIGINT (Ctrl-C) to rank 1, a preemption as SIGTERM is (the same handler; SIGTERM
     on the fit path: test_examples, test_pipeline): exit 75 at a shared step, rank 0's
