@@ -130,6 +130,7 @@ echo "slurm_job.sh: $task on ${SLURM_NTASKS:-?} processes, ${SLURM_JOB_NUM_NODES
 # shellcheck disable=SC2317  # invoked by the trap below
 pass_term() {
     local environ vars
+    termed=1
     for environ in /proc/[0-9]*/environ; do
         vars=$(tr '\0' '\n' 2>/dev/null <"$environ") || continue
         if grep -qx "SLURM_JOB_ID=$SLURM_JOB_ID" <<<"$vars" &&
@@ -142,11 +143,15 @@ pass_term() {
 # In the background, so that the trap runs at once rather than after the launcher ends.
 "${cmd[@]}" &
 launched=$!
+termed=0
 trap pass_term TERM
 status=0
 wait "$launched" || status=$?
-while kill -0 "$launched" 2>/dev/null; do  # the trap ended the wait, not the launcher
-    status=0
+# The trap ended the wait (143), not the launcher: wait again for the launcher's own status,
+# which the shell keeps if it has exited meanwhile (the ranks exit 75 while the trap still
+# walks /proc; checking whether it still runs lost that status on a busy node: 143).
+while [[ $termed == 1 ]]; do
+    termed=0 status=0
     wait "$launched" || status=$?
 done
 exit "$status"

@@ -43,6 +43,7 @@ SHARED = {"test_faults": "references", "test_storage": "references",
           "test_slurm": "references", "test_k8s": "references"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group into the test's id
 def pytest_collection_modifyitems(config, items):
     """Each test's xdist group (above); HVDTRAIN_TEST_TIME_SCALE: each test's pytest-timeout
     bound (its own marker's, or pytest.ini's) times the scale."""
