@@ -41,15 +41,24 @@ def clean_env(home, **extra):
 SHARED = {"test_faults": "references", "test_storage": "references",
           "test_multiprocess": "references", "test_multihost": "references",
           "test_slurm": "references", "test_k8s": "references"}
+LONGEST = ("references", "test_users2", "test_pipeline", "test_mixed_precision", "test_bench",
+           "test_accumulate", "test_models", "test_hardening", "test_horovod_api")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group into the test's id
 def pytest_collection_modifyitems(config, items):
     """Each test's xdist group (above); HVDTRAIN_TEST_TIME_SCALE: each test's pytest-timeout
     bound (its own marker's, or pytest.ini's) times the scale."""
+    groups = {}
     for item in items:
         module = item.module.__name__.rpartition(".")[2]
-        item.add_marker(pytest.mark.xdist_group(SHARED.get(module, module)))
+        groups[item] = SHARED.get(module, module)
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    # The longest groups first (xdist hands out groups in this order), so that no worker
+    # starts a long one while the other is finishing: a stable sort, each module's own order
+    # kept. The longest in CI's run (both passes), longest first.
+    items.sort(key=lambda item: LONGEST.index(groups[item]) if groups[item] in LONGEST
+               else len(LONGEST))
     if TIME_SCALE == 1:
         return
     default = float(config.getini("timeout") or 0)
