@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
     bound (its own marker's, or pytest.ini's) times the scale."""
     groups = {}
     for item in items:
-        module = item.module.__name__.rpartition(".")[2]
+        module = item.path.stem
         groups[item] = SHARED.get(module, module)
         item.add_marker(pytest.mark.xdist_group(groups[item]))
     # The longest groups first (xdist hands out groups in this order), so that no worker
