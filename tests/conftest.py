@@ -207,17 +207,36 @@ def checkpoints(run_dir):
     return checkpoint.list_checkpoints(os.path.join(run_dir, "checkpoints"))
 
 
-def kill_after_first_checkpoint(cmd, env, run_dir, timeout=120):
-    """Start a job, SIGKILL all of it once a checkpoint exists; return that checkpoint's step."""
+class Lazy(dict):
+    """``Lazy(make)[key]``: ``make(key)`` the first time a key is read, kept for the next
+    reads (a module's shared launches, made only if a test of this pass reads them)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = self.make(key)
+        return self[key]
+
+
+def kill_when(cmd, env, run_dir, ready, timeout=120, what="no checkpoint appeared"):
+    """Start a job, SIGKILL all of it once ``ready()`` is truthy (``what``: the failure if it
+    never is); the job must not have finished by then."""
     import signal
 
     proc = start(cmd, env)
     try:
-        assert wait_for(lambda: checkpoints(run_dir), timeout), "no checkpoint appeared"
+        assert wait_for(ready, timeout), what
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         finish(proc, 30)
     for pid in rank_pids(str(run_dir)).values():  # ranks in their own session, if any
         os.kill(pid, signal.SIGKILL)
     assert not os.path.exists(os.path.join(run_dir, "result.json")), "job finished before kill"
+
+
+def kill_after_first_checkpoint(cmd, env, run_dir, timeout=120):
+    """Start a job, SIGKILL all of it once a checkpoint exists; return that checkpoint's step."""
+    kill_when(cmd, env, run_dir, lambda: checkpoints(run_dir), timeout)
     return checkpoints(run_dir)[0][0]

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (checkpoints, keras_flavour, finish, kill_after_first_checkpoint, launch, module_cmd,
-                      rank_pids, result, run, start, wait_for)
+from conftest import (Lazy, checkpoints, keras_flavour, finish, kill_after_first_checkpoint,
+                      launch, module_cmd, rank_pids, result, run, start, wait_for)
 from hvdtrain import checkpoint as C
 
 # Linear, far from converged at the end (lr 5e-4, 1,000 small steps), so equal weights mean
@@ -26,13 +26,7 @@ def reference(references):
     """Uninterrupted two-process runs of both tasks (the session's shared references), each
     launched when a test first reads it."""
     args = {"linear": LINEAR, "mnist": MNIST}
-
-    class Reference(dict):
-        def __missing__(self, task):
-            self[task] = references.run("gloo", 2, task, *args[task])
-            return self[task]
-
-    return Reference()
+    return Lazy(lambda task: references.run("gloo", 2, task, *args[task]))
 
 
 # Keras 3 only, with test_mnist_sigkill_...: the Task path's SIGKILL and rerun under Keras 2 is

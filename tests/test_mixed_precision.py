@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import usercode
-from conftest import KERAS2, result, run
+from conftest import KERAS2, Lazy, result, run
 from hvdtrain.fit import STOP_CHECK_EVERY
 
 EPOCHS, STEPS = 3, 16  # 512 examples, 16 per rank: 16 steps an epoch
@@ -121,19 +121,15 @@ def overflowing(code, tmp_path_factory):
     (``overflowing["task"]``: (run_dir, timeline))."""
     base = tmp_path_factory.mktemp("overflowing")
 
-    class Runs(dict):
-        def __missing__(self, path):
-            timeline = base / f"{path}.json"
-            if path == "task":
-                run_dir = task(code, base, "task", "--mixed-precision", "float16",
-                               "--initial-scale", str(HUGE_SCALE), HOROVOD_TIMELINE=timeline)
-            else:
-                run_dir = fit(code, base, "fit", "mixed_float16", HUGE_SCALE, "outside",
-                              HOROVOD_TIMELINE=timeline)
-            self[path] = run_dir, timeline
-            return self[path]
+    def launch(path):
+        timeline = base / f"{path}.json"
+        if path == "task":
+            return task(code, base, "task", "--mixed-precision", "float16", "--initial-scale",
+                        str(HUGE_SCALE), HOROVOD_TIMELINE=timeline), timeline
+        return fit(code, base, "fit", "mixed_float16", HUGE_SCALE, "outside",
+                   HOROVOD_TIMELINE=timeline), timeline
 
-    return Runs()
+    return Lazy(launch)
 
 
 def two_ranks(code, tmp_path, *cmd, ok=True, **env):

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (ROOT, checkpoints, finish, launch_example, rank_pids,
+from conftest import (ROOT, checkpoints, finish, kill_when, launch_example, rank_pids,
                       result, run, script_cmd, start, wait_for)
 
 EXAMPLE = "keras_fit_tfrecord.py"
@@ -186,15 +186,8 @@ def test_sigterm_and_sigkill_mid_epoch_resume_gives_the_uninterrupted_weights(en
         return [(s, p) for s, p in checkpoints(cut)
                 if s > stopped and C.read(p)[0]["offset"] > 0]
 
-    proc = start(cmd, env)  # resumes from the SIGTERM's checkpoint
-    try:
-        assert wait_for(mid_epoch_after_stop, 150), "the rerun saved no mid-epoch checkpoint"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        finish(proc, 30)
-    for pid in rank_pids(cut).values():
-        os.kill(pid, signal.SIGKILL)
-    assert not os.path.exists(os.path.join(cut, "result.json")), "finished before SIGKILL"
+    # The rerun resumes from the SIGTERM's checkpoint.
+    kill_when(cmd, env, cut, mid_epoch_after_stop, 150, "the rerun saved no mid-epoch checkpoint")
     killed, _ = mid_epoch_after_stop()[-1]  # the first one: later ones go
     for step, path in checkpoints(cut):
         if step > killed:
