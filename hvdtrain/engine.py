@@ -115,13 +115,14 @@ class Run:
     def rank0_writes(self, fn, *args):
         """Rank 0's ``fn(*args)`` (the run directory's files); its ``StorageError`` (disk
         full, read-only, ...) raised on every rank at once, so all stop together with one
-        line (one broadcast: the others wait for the write)."""
+        line (a one-number allreduce: the others wait for the write; the message is
+        broadcast only when there is one)."""
         value, error = None, None
         try:
             value = fn(*args)
         except StorageError as e:
             error = str(e)
-        if self.collective:
+        if self.collective and self.world.any_true(error is not None):
             error = self.world.broadcast_object(error)
         if error is not None:
             raise StorageError(error)

@@ -249,13 +249,18 @@ class _GlobalMetrics:
             v.assign(now + flat[at:at + n].reshape(now.shape).astype(now.dtype))
             at += n
 
-    def reduce(self) -> dict:
-        """All ranks: put the sum over ranks into every metric variable; return the results."""
-        total = self.summed()
+    def reduce(self, stop: bool = False):
+        """All ranks: put the sum over ranks into every metric variable; return the results,
+        and whether ``stop`` was set on any rank: one host allreduce carries both."""
+        total = self.world.allreduce_sum(np.append(self.flat(), float(stop)))
+        at = 0
         for v in self.variables():
-            v.assign(np.zeros_like(v.numpy()))
-        self.add(total)
-        return {k: float(v) for k, v in self.model.get_metrics_result().items()}
+            n = int(np.prod(v.shape))
+            now = np.asarray(v.numpy())
+            v.assign(total[at:at + n].reshape(now.shape).astype(now.dtype))
+            at += n
+        return ({k: float(v) for k, v in self.model.get_metrics_result().items()},
+                bool(total[-1] > 0))
 
 
 class _Fit:
@@ -481,16 +486,17 @@ class _Fit:
         last = self.step == self.train.steps
         # Horovod: a one-number allreduce makes any rank's SIGTERM every rank's decision at
         # the same step. It is a host round trip of its own, so it is taken when a call
-        # passes a multiple of STOP_CHECK_EVERY steps (and at each epoch's end): all ranks
-        # count the same steps.
-        if (last or _passed(self.step, done, STOP_CHECK_EVERY)) and run.should_stop():
+        # passes a multiple of STOP_CHECK_EVERY steps, and at each epoch's end in the metric
+        # sums' allreduce: all ranks count the same steps.
+        if not last and _passed(self.step, done, STOP_CHECK_EVERY) and run.should_stop():
             self.stop_pending = True
         # At the first call boundary at or after each multiple of checkpoint_every updates
         # (the multiple itself when steps_per_execution is 1 or divides it).
         if _passed(self.global_step, self.global_step - updated, run.config.checkpoint_every):
             self.save_pending = True
-        if last:
-            self.train_logs = self.metrics.reduce()  # before validation resets the metrics
+        if last:  # before validation resets the metrics
+            self.train_logs, stop = self.metrics.reduce(stop=run.stop_requested)
+            self.stop_pending = self.stop_pending or stop
             if logs is not None:
                 logs.update(self.train_logs)
             return  # the epoch's end saves, and stops if a stop is pending
@@ -509,7 +515,7 @@ class _Fit:
         self.run_.sync_state()  # every rank scores its part with the same statistics
 
     def test_end(self, logs):
-        self.val_logs = self.metrics.reduce()
+        self.val_logs, _ = self.metrics.reduce()
         if logs is not None:
             logs.update(self.val_logs)
         timings.leave(self.evaluating)

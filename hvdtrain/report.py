@@ -34,12 +34,26 @@ def default_run_dir(task: str, root: str = "runs") -> str:
     return path
 
 
+def _scalars(values: dict) -> bytes:
+    """A serialized ``tf.Summary`` of scalars, each as ``tf.summary.scalar`` writes one: a
+    float32 tensor tagged for TensorBoard's scalars plugin."""
+    from tensorflow.core.framework import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+
+    plugin = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+    return summary_pb2.Summary(value=[summary_pb2.Summary.Value(
+        tag=tag, metadata=plugin, tensor=tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_FLOAT, tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+            float_val=[value])) for tag, value in values.items()]).SerializeToString()
+
+
 def weights_agreement(world, model) -> dict:
     """Every rank must end with the same weights (synchronous updates): compare digests.
 
     Returns ``weights_sha256`` (rank 0's), ``ranks_identical`` for result.json, and
     ``differ``, the ranks whose weights or layers' state are not rank 0's (empty when
-    identical). One host allgather, on every rank.
+    identical). One host allreduce on every rank (``World.all_same``); the allgather that
+    names the ranks only when they differ.
     """
     import hashlib
 
@@ -54,7 +68,10 @@ def weights_agreement(world, model) -> dict:
     # The state outside the weights (vocabularies, Normalization's tensors) is compared too:
     # ranks with other vocabularies are other models even with the same weights.
     state = layer_state(model)
-    digests = world.allgather_object((digest.hexdigest(), state))
+    mine = (digest.hexdigest(), state)
+    if world.all_same(mine):
+        return {"weights_sha256": mine[0], "ranks_identical": True, "differ": []}
+    digests = world.allgather_object(mine)
     differ = [r for r, (d, s) in enumerate(digests)
               if d != digests[0][0] or s != digests[0][1]]
     return {"weights_sha256": digests[0][0], "ranks_identical": not differ, "differ": differ}
@@ -275,9 +292,11 @@ class Reporter:
 
         with writing(os.path.join(self.run_dir, "tensorboard"), also=(tf.errors.OpError,)):
             with self._tb.as_default(step=record["global_step"]):
-                for key, value in record.items():
-                    if key not in ("epoch", "epochs", "global_step") and isinstance(value, float):
-                        tf.summary.scalar(key, value)
+                # The epoch's scalars in one Summary, written by one op (what
+                # tf.summary.scalar writes, value by value, at one op each).
+                tf.summary.experimental.write_raw_pb(_scalars(
+                    {k: v for k, v in record.items()
+                     if k not in ("epoch", "epochs", "global_step") and isinstance(v, float)}))
             self._tb.flush()
 
     def save_model(self, model):

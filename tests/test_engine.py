@@ -163,3 +163,42 @@ def test_run_elastic_of_a_world_without_horovod_is_a_launch_error():
 
     with pytest.raises(LaunchError, match="--elastic needs Horovod"):
         World().run_elastic([], lambda state: None, epoch=0)
+
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("size", [2, 3, 8])
+def test_the_one_allreduce_questions_give_every_rank_one_answer(size):
+    """HorovodWorld.all_same and any_true answer from one allreduce_sum, simulated: each
+    rank's vector is recorded in a first pass, then every rank asks again and its
+    allreduce_sum returns the sum of all ranks' vectors. Equal objects on every rank: the
+    same; one rank's object different (the last, or rank 0's): not the same, on every rank."""
+    import numpy as np
+
+    from hvdtrain.distributed import HorovodWorld
+
+    def ask(question, values):
+        sent = {}
+
+        class Rank(HorovodWorld):
+            def __init__(self, rank):
+                self.rank, self.size, self.elastic = rank, size, False
+
+            def allreduce_sum(self, vector):
+                sent[self.rank] = np.asarray(vector, dtype=np.float64)
+                return sum(sent.values()) if len(sent) == size else np.zeros(len(vector))
+
+        ranks = [Rank(r) for r in range(size)]
+        for r in ranks:
+            getattr(r, question)(values[r.rank])  # every rank's vector
+        answers = {getattr(r, question)(values[r.rank]) for r in ranks}
+        assert len(answers) == 1, answers  # one decision on every rank
+        return answers.pop()
+
+    model = ("ab12", {"layer 'norm' mean": "[2] float32, sha256 x"})
+    other = ("ab13", model[1])
+    assert ask("all_same", [model] * size) is True
+    assert ask("all_same", [model] * (size - 1) + [other]) is False
+    assert ask("all_same", [other] + [model] * (size - 1)) is False
+    assert ask("any_true", [False] * size) is False
+    assert ask("any_true", [False] * (size - 1) + [True]) is True

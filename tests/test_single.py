@@ -56,6 +56,15 @@ def test_run_directory_contents(world, tmp_path):
     assert all(l["samples_per_sec"] > 0 and 0 < l["accuracy"] <= 1 for l in lines)
     assert lines[1]["loss"] < lines[0]["loss"]
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
+    # TensorBoard reads each epoch's scalars at its global step, as metrics.jsonl has them
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    import tensorflow as tf
+    board = EventAccumulator(str(tmp_path / "tensorboard"))
+    board.Reload()
+    assert {"loss", "accuracy", "samples_per_sec"} <= set(board.Tags()["tensors"])
+    for tag in ("loss", "accuracy"):
+        seen = sorted((e.step, float(tf.make_ndarray(e.tensor_proto))) for e in board.Tensors(tag))
+        assert seen == [(l["global_step"], pytest.approx(l[tag], rel=1e-6)) for l in lines]
     saved = json.load(open(tmp_path / "result.json"))
     assert saved == json.loads(json.dumps(result))
     for key in ("task", "backend", "world_size", "global_step", "final_loss", "test_accuracy",

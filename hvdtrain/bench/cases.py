@@ -381,14 +381,16 @@ FIT_VARIANTS = {  # name: (label, worker --impl, Keras 2?)
 
 # What the fit-path figures count (issue 28: each says it; the bench's own Timer callback runs
 # after hk.fit's, so hk.fit's epoch-end checkpoint falls inside its timed epoch).
-FIT_COUNTS = ("counts: samples/s, the mean of epochs 2-N; no side validates; hk.fit writes a "
-              "checkpoint at each epoch's end, inside the timed epoch; Horovod's and Keras' "
-              "own fits write none")
+FIT_COUNTS = ("counts: samples/s, the mean of epochs 2-N; no side validates; both sides "
+              "write a checkpoint of the model and its optimizer at each epoch's end, inside "
+              "the timed epoch (hk.fit its own; Horovod's fit a ModelCheckpoint on rank 0, as "
+              "Horovod's examples do)")
 KERAS_SPEED_COUNTS = ("counts: samples/s of the fastest epoch after the first, best of the "
                       "launches; no side validates; hk.fit writes a checkpoint at each epoch's "
-                      "end, inside the timed epoch (the BN rows: also every bn_every steps); "
-                      "the Task path's follows its timed epoch; Horovod's and Keras' own fits "
-                      "write none")
+                      "end, inside the timed epoch (the BN rows: also every bn_every steps), "
+                      "and so does Horovod's fit (a ModelCheckpoint on rank 0, as Horovod's "
+                      "examples do); the Task path's follows its timed epoch; Keras' "
+                      "one-process fit writes none")
 PIPELINE_COUNTS = ("counts: samples/s, the mean of epochs 2-N; no side validates; hk.fit "
                    "writes a checkpoint at each epoch's end, inside the timed epoch; "
                    "MultiWorkerMirroredStrategy's fit writes none")

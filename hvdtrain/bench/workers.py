@@ -378,6 +378,13 @@ def fit(args) -> None:
                       **compiled)
         callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), Timer()]
         # (no MetricAverageCallback: hk.fit's rows average no epoch metrics either)
+        if world.is_chief:  # as Horovod's examples do, and as hk.fit does: the model and its
+            # optimizer saved by rank 0 at each epoch's end, inside the timed epoch (before
+            # Timer), so both sides count one checkpoint per epoch
+            suffix = ".h5" if k.__name__ == "tf_keras" else ".keras"
+            saves = tempfile.TemporaryDirectory(prefix="hvd-keras-checkpoints-")  # removed at exit
+            callbacks.insert(1, k.callbacks.ModelCheckpoint(
+                os.path.join(saves.name, "checkpoint-{epoch}" + suffix)))
         if args.input == "arrays":  # each rank its own shard, as arrays
             part = slice(world.rank * steps * args.batch, (world.rank + 1) * steps * args.batch)
             model.fit(x[part], y[part], batch_size=args.batch, epochs=args.epochs, verbose=0,
