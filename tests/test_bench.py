@@ -93,13 +93,22 @@ def test_horovod_defaults_respect_the_user(monkeypatch):
     assert distributed._horovod_defaults(user) == {} and user["HOROVOD_CYCLE_TIME"] == "5"
 
 
-def test_tiny_allreduce_case_through_the_real_launchers(tmp_path):
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One ``--smoke`` run of the three cases that launch (allreduce, keras_speed, pipeline):
+    the bench's own start and machine figures once for the three tests below."""
+    tmp = tmp_path_factory.mktemp("smoke")
+    out = tmp / "out"
+    proc = run([sys.executable, "-m", "hvdtrain.bench", "--smoke", "--cases",
+                "allreduce,keras_speed,pipeline", "--sizes", "4096,65536", "--out", str(out)],
+               clean_env(tmp / "home"), timeout=900, cwd=ROOT)
+    return proc, out
+
+
+def test_tiny_allreduce_case_through_the_real_launchers(smoke):
     """memcpy, hvd.allreduce under horovodrun --mpi and --gloo, mpi4py under mpirun."""
-    out = tmp_path / "out"
-    env = clean_env(tmp_path / "home")
-    proc = run([sys.executable, "-m", "hvdtrain.bench", "--smoke", "--cases", "allreduce",
-                "--sizes", "4096,65536", "--out", str(out)], env, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
+    proc, out = smoke
+    assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     series = results["allreduce"]["series"]
     assert set(series) == {"memcpy", "hvd_mpi", "hvd_gloo", "mpi4py"}
@@ -199,14 +208,11 @@ def test_keras_speed_acceptance_rows_and_tables():
     assert not report.acceptance({"keras_speed": _keras_speed(nosync=105.1)})[-1][4]
 
 
-def test_keras_speed_case_through_the_real_launchers(tmp_path):
+def test_keras_speed_case_through_the_real_launchers(smoke):
     """The keras_speed case end to end, at its smallest (--smoke: the bundled sample, every
     launch once): hk.fit and Horovod's Keras fit under horovodrun, the Task path and plain
     model.fit in one process, the BN mlp synced and not."""
-    out = tmp_path / "out"
-    env = clean_env(tmp_path / "home")
-    proc = run([sys.executable, "-m", "hvdtrain.bench", "--smoke", "--cases", "keras_speed",
-                "--out", str(out)], env, timeout=600, cwd=ROOT)
+    proc, out = smoke
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["level"] == "smoke"
@@ -250,14 +256,11 @@ def test_pipeline_acceptance_rows_and_tables():
     assert "| 1.4 | >= 1.3 | yes |" in text
 
 
-def test_pipeline_case_through_the_real_launchers(tmp_path):
+def test_pipeline_case_through_the_real_launchers(smoke):
     """The pipeline case end to end, at its smallest (--smoke: the bundled sample): the
     TFRecord files written once, hk.fit from arrays and from the files under horovodrun,
     MultiWorkerMirroredStrategy's fit on the same files as two workers."""
-    out = tmp_path / "out"
-    env = clean_env(tmp_path / "home")
-    proc = run([sys.executable, "-m", "hvdtrain.bench", "--smoke", "--cases", "pipeline",
-                "--out", str(out)], env, timeout=600, cwd=ROOT)
+    proc, out = smoke
     assert proc.returncode == 0, proc.stderr[-3000:]
     pl = json.loads((out / "results.json").read_text())["pipeline"]
     assert set(pl["samples_per_sec"]) == set(cases.PIPELINE_VARIANTS)
