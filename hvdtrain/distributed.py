@@ -62,6 +62,12 @@ class Progress:
         pass
 
 
+# The allreduces of World.any_true and World.all_same: the run's agreement questions (at its
+# start, each checkpoint, epoch record and end), named apart from the steps' and the metric
+# sums' rounds in a Horovod timeline.
+QUESTIONS = ("hvdtrain.any", "hvdtrain.same")
+
+
 class World:
     """One process's view of the job. The single-process world needs no Horovod."""
 
@@ -90,7 +96,7 @@ class World:
     def broadcast_variables(self, variables) -> None:
         pass
 
-    def allreduce_sum(self, values: Sequence[float]) -> np.ndarray:
+    def allreduce_sum(self, values: Sequence[float], name: str = "hvdtrain.sum") -> np.ndarray:
         return np.asarray(values, dtype=np.float64)
 
     def sum_in_graph(self, tensor):
@@ -263,13 +269,14 @@ class HorovodWorld(World):
         if not self.alone:
             broadcast_variables(self.hvd, tf_variables(variables))
 
-    def allreduce_sum(self, values: Sequence[float]) -> np.ndarray:
+    def allreduce_sum(self, values: Sequence[float], name: str = "hvdtrain.sum") -> np.ndarray:
+        """The sum over ranks; ``name`` tells the round apart in a Horovod timeline."""
         import tensorflow as tf
 
         if self.alone:
             return World.allreduce_sum(self, values)
         tensor = tf.constant(np.asarray(values, dtype=np.float64))
-        return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.sum").numpy()
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum, name=name).numpy()
 
     def sum_in_graph(self, tensor):
         if self.alone:
@@ -297,7 +304,7 @@ class HorovodWorld(World):
     # The object collectives pickle and take two rounds each (the sizes, then the bytes);
     # these two questions, asked at every checkpoint and epoch, take one small allreduce.
     def any_true(self, flag: bool) -> bool:
-        return bool(self.allreduce_sum([1.0 if flag else 0.0])[0] > 0)
+        return bool(self.allreduce_sum([1.0 if flag else 0.0], name=QUESTIONS[0])[0] > 0)
 
     def all_same(self, obj) -> bool:
         """One allreduce of 32 numbers: the sums over ranks of 16 8-bit pieces of the
@@ -310,7 +317,7 @@ class HorovodWorld(World):
 
         digest = hashlib.sha256(repr(obj).encode("utf-8", "backslashreplace")).digest()
         h = np.frombuffer(digest[:16], dtype=np.uint8).astype(np.float64)
-        total = self.allreduce_sum(np.concatenate([h, h * h]))
+        total = self.allreduce_sum(np.concatenate([h, h * h]), name=QUESTIONS[1])
         return bool(np.array_equal(self.size * total[16:], total[:16] ** 2))
 
     def barrier(self) -> None:

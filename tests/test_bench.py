@@ -55,12 +55,16 @@ def test_timeline_rounds_count_a_group_once(tmp_path):
     for step in range(5):  # five steps of a two-tensor group, one lone allreduce
         events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 10 * step, "pid": p}
                    for p in (1, 2)]
-    events.append({"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 99, "pid": 3})
+        if step == 2:  # an epoch's metric sums between steps: a training round
+            events.append({"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 25, "pid": 3})
+    events.append({"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 99, "pid": 3})  # the end's
     path = tmp_path / "t.json"
     path.write_text(json.dumps(events))
-    assert cases.summarize_timeline(str(path))["allreduce_rounds"] == 6
+    summary = cases.summarize_timeline(str(path))
+    assert (summary["allreduce_rounds"], summary["training_rounds"]) == (7, 6)
     results = {"machine": "m", "timeline": {"model": "softmax", "global_batch": 8, "steps": 5,
-               "epochs": 1, "allreduce_rounds": 6, "seconds": {}, "counts": {}}}
+               "epochs": 1, "allreduce_rounds": 7, "training_rounds": 6, "seconds": {},
+               "counts": {}}}
     (check,) = report.acceptance(results)
     assert check[2:] == (1.2, 1.05, False)
 

@@ -184,7 +184,7 @@ def test_the_one_allreduce_questions_give_every_rank_one_answer(size):
             def __init__(self, rank):
                 self.rank, self.size, self.elastic = rank, size, False
 
-            def allreduce_sum(self, vector):
+            def allreduce_sum(self, vector, name="hvdtrain.sum"):
                 sent[self.rank] = np.asarray(vector, dtype=np.float64)
                 return sum(sent.values()) if len(sent) == size else np.zeros(len(vector))
 

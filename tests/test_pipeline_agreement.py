@@ -203,6 +203,11 @@ class Cut(k.callbacks.Callback):  # every rank (the same cut twice)
     def on_epoch_end(self, epoch, logs=None):  # after epoch 1's end
         if epoch == 0 and case == "cut":
             os.truncate(CUT, size // 2)
+        if epoch == 0 and case == "delete" and os.path.exists(CUT):
+            try:
+                os.remove(CUT)
+            except FileNotFoundError:  # the other rank was first
+                pass
 
     def on_epoch_begin(self, epoch, logs=None):  # after hk.fit's look before epoch 2
         if epoch == 1 and case == "cut_inside":  # whole records kept
@@ -350,9 +355,33 @@ def test_file_cut_between_epochs_stops_every_rank_then_resumes_exactly(fit_runs)
     assert result(run_dir)["weights_sha256"] == fit_runs["result"]["weights_sha256"]
 
 
-def test_task_path_file_deleted_between_epochs_is_one_line(fit_runs, tmp_path):
-    """The Task path: a training file deleted after epoch 1 (the task's format_epoch, every
-    rank): every rank stops before epoch 2, one line naming it, exit 1."""
+def test_fit_path_file_deleted_between_epochs_stops_every_rank_then_resumes_exactly(fit_runs):
+    """hk.fit, rank 1's file deleted after epoch 1 (the script's callback): every rank stops
+    before epoch 2 with one line naming it, exit 1, nothing saved after epoch 1; put back,
+    the same command resumes to the uninterrupted weights."""
+    import shutil
+
+    from conftest import checkpoints, result
+
+    data, run_dir, path, _, p = cut_run(fit_runs, "delete")
+    line = (f"{path}: deleted under the running job before epoch 2: training stopped, "
+            "nothing saved after it")
+    assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
+    assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
+    assert not os.path.exists(os.path.join(run_dir, "result.json"))
+    steps = fit_runs["result"]["global_step"] // 2
+    assert max(step for step, _ in checkpoints(run_dir)) == steps  # epoch 1's end, no later
+    shutil.copy(os.path.join(fit_runs["data"], "train-03-of-07.tfrecord"), path)
+    again = fit_runs["launch"]("plain", data, run_dir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"at epoch 2, step {steps}" in again.stderr, again.stderr[-3000:]  # resumed there
+    assert result(run_dir)["weights_sha256"] == fit_runs["result"]["weights_sha256"]
+
+
+@pytest.mark.parametrize("change", ["deleted", "cut"])
+def test_task_path_file_changed_between_epochs_is_one_line(change, fit_runs, tmp_path):
+    """The Task path: a training file deleted, or cut in half, after epoch 1 (the task's
+    format_epoch, every rank): every rank stops before epoch 2, one line naming it, exit 1."""
     import shutil
 
     from conftest import HOROVODRUN, clean_env, run
@@ -361,16 +390,18 @@ def test_task_path_file_deleted_between_epochs_is_one_line(fit_runs, tmp_path):
     data = str(tmp_path / "data")
     shutil.copytree(fit_runs["data"], data)
     gone = os.path.join(data, "train-02-of-07.tfrecord")
+    size = os.path.getsize(gone)
     (tmp_path / "records_task.py").write_text(TASK.format(examples=os.path.join(
         ROOT, "examples")) + DELETING)
-    env = clean_env(tmp_path / "home", RECORDS=data, GONE=gone)
+    env = clean_env(tmp_path / "home", RECORDS=data, GONE=gone, CHANGE=change)
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
     p = run([HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvdtrain", "run",
              "records_task:Deleting", "--run-dir", str(tmp_path / "run"), "--verbose", "0"],
             env, 180, cwd=str(tmp_path))
     assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
-    line = (f"{gone}: deleted under the running job before epoch 2: training stopped, "
-            "nothing saved after it")
+    what = ("deleted under the running job" if change == "deleted"
+            else f"cut short under the running job ({size:,} -> {size // 2:,} bytes)")
+    line = f"{gone}: {what} before epoch 2: training stopped, nothing saved after it"
     assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
     assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
     assert not (tmp_path / "run" / "result.json").exists()
@@ -379,8 +410,14 @@ def test_task_path_file_deleted_between_epochs_is_one_line(fit_runs, tmp_path):
 DELETING = """
 
 class Deleting(Records):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.size = os.path.getsize(os.environ["GONE"])
+
     def format_epoch(self, record):  # every rank, after the epoch's checkpoint
-        if record["epoch"] == 1 and os.path.exists(os.environ["GONE"]):
+        if record["epoch"] == 1 and os.environ["CHANGE"] == "cut":
+            os.truncate(os.environ["GONE"], self.size // 2)  # both ranks: the same cut
+        elif record["epoch"] == 1 and os.path.exists(os.environ["GONE"]):
             try:
                 os.remove(os.environ["GONE"])
             except FileNotFoundError:  # the other rank was first

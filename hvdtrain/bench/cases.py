@@ -345,14 +345,16 @@ def read_timeline(path) -> list:
 
 def summarize_timeline(path) -> dict:
     """Seconds and counts per activity name over all tensors, from a Horovod (Chrome trace)
-    timeline, and ``rounds``: the allreduce negotiation rounds, a grouped allreduce's tensors
-    (named ``..._KofN``) counting once."""
+    timeline; ``allreduce_rounds``: the allreduce negotiation rounds, a grouped allreduce's
+    tensors (named ``..._KofN``) counting once; ``training_rounds``: those from the first
+    grouped round (the first step's) to the last, inclusive: the steps' and what runs between
+    them, without the run's start and end (its agreement questions, the final scoring)."""
     events = read_timeline(path)
     tensors = {e["pid"]: e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name"
                and "name" in e.get("args", {})}
     open_at, totals, counts = {}, collections.Counter(), collections.Counter()
-    rounds = 0
+    rounds, grouped_at = 0, []  # the round numbers of grouped rounds
     for e in events:
         key = (e.get("pid"), e.get("tid"))
         if e.get("ph") == "B":
@@ -360,12 +362,15 @@ def summarize_timeline(path) -> dict:
             group = re.search(r"_(\d+)of\d+$", tensors.get(e.get("pid"), ""))
             if e.get("name") == "NEGOTIATE_ALLREDUCE" and (not group or group.group(1) == "1"):
                 rounds += 1
+                if group:
+                    grouped_at.append(rounds)
         elif e.get("ph") == "E" and open_at.get(key):
             name, ts = open_at[key].pop()
             totals[name] += (e["ts"] - ts) / 1e6
             counts[name] += 1
     return {"seconds": dict(totals.most_common()), "counts": dict(counts),
-            "allreduce_rounds": rounds}
+            "allreduce_rounds": rounds,
+            "training_rounds": grouped_at[-1] - grouped_at[0] + 1 if grouped_at else 0}
 
 
 # --- the model.fit path ---------------------------------------------------------------------
