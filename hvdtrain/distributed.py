@@ -62,9 +62,10 @@ class Progress:
         pass
 
 
-# The allreduces of World.any_true and World.all_same: the run's agreement questions (at its
-# start, each checkpoint, epoch record and end), named apart from the steps' and the metric
-# sums' rounds in a Horovod timeline.
+# The names of World.any_true's and World.all_same's allreduces: the run's agreement questions
+# (at its start, each checkpoint, epoch record and end). A Horovod timeline lists every eager
+# allreduce as "HorovodAllreduce" whatever its name (bench.cases.summarize_timeline's
+# training_rounds tells the steps' rounds apart instead).
 QUESTIONS = ("hvdtrain.any", "hvdtrain.same")
 
 
@@ -270,7 +271,7 @@ class HorovodWorld(World):
             broadcast_variables(self.hvd, tf_variables(variables))
 
     def allreduce_sum(self, values: Sequence[float], name: str = "hvdtrain.sum") -> np.ndarray:
-        """The sum over ranks; ``name`` tells the round apart in a Horovod timeline."""
+        """The sum over ranks; ``name``: the Horovod op's."""
         import tensorflow as tf
 
         if self.alone:
