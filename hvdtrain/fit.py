@@ -242,23 +242,23 @@ class _GlobalMetrics:
         return self.world.allreduce_sum(self.flat())
 
     def add(self, flat) -> None:
+        self._put(flat, add=True)
+
+    def _put(self, flat, add: bool) -> None:
+        """Each metric variable's part of ``flat``, added to it or put in its place."""
         at, flat = 0, np.asarray(flat)
         for v in self.variables():
             n = int(np.prod(v.shape))
             now = np.asarray(v.numpy())
-            v.assign(now + flat[at:at + n].reshape(now.shape).astype(now.dtype))
+            part = flat[at:at + n].reshape(now.shape).astype(now.dtype)
+            v.assign(now + part if add else part)
             at += n
 
     def reduce(self, stop: bool = False):
         """All ranks: put the sum over ranks into every metric variable; return the results,
         and whether ``stop`` was set on any rank: one host allreduce carries both."""
         total = self.world.allreduce_sum(np.append(self.flat(), float(stop)))
-        at = 0
-        for v in self.variables():
-            n = int(np.prod(v.shape))
-            now = np.asarray(v.numpy())
-            v.assign(total[at:at + n].reshape(now.shape).astype(now.dtype))
-            at += n
+        self._put(total[:-1], add=False)
         return ({k: float(v) for k, v in self.model.get_metrics_result().items()},
                 bool(total[-1] > 0))
 

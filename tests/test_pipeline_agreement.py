@@ -333,39 +333,20 @@ def cut_run(fit_runs, scenario):
     return data, run_dir, path, size, p
 
 
-def test_file_cut_between_epochs_stops_every_rank_then_resumes_exactly(fit_runs):
-    """hk.fit, rank 1's file cut in half after epoch 1 (the script's callback): every rank
-    stops before epoch 2 with one line naming the file (it took the next epoch's batches,
-    then hung); put back, the same command resumes to the uninterrupted weights."""
-    import shutil
-
-    from conftest import result
-
-    launch = fit_runs["launch"]
-    data, run_dir, path, size, p = cut_run(fit_runs, "cut")
-    line = (f"{path}: cut short under the running job ({size:,} -> {size // 2:,} bytes) "
-            "before epoch 2: training stopped, nothing saved after it")
-    assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
-    assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
-    assert not os.path.exists(os.path.join(run_dir, "result.json"))
-    shutil.copy(os.path.join(fit_runs["data"], "train-03-of-07.tfrecord"), path)
-    again = launch("plain", data, run_dir)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stderr
-    assert result(run_dir)["weights_sha256"] == fit_runs["result"]["weights_sha256"]
-
-
-def test_fit_path_file_deleted_between_epochs_stops_every_rank_then_resumes_exactly(fit_runs):
-    """hk.fit, rank 1's file deleted after epoch 1 (the script's callback): every rank stops
-    before epoch 2 with one line naming it, exit 1, nothing saved after epoch 1; put back,
-    the same command resumes to the uninterrupted weights."""
+@pytest.mark.parametrize("change", ["cut", "delete"])
+def test_file_changed_between_epochs_stops_every_rank_then_resumes_exactly(change, fit_runs):
+    """hk.fit, rank 1's file cut in half or deleted after epoch 1 (the script's callback):
+    every rank stops before epoch 2 with one line naming the file (cut, it took the next
+    epoch's batches, then hung), exit 1, nothing saved after epoch 1; put back, the same
+    command resumes from epoch 1's end to the uninterrupted weights."""
     import shutil
 
     from conftest import checkpoints, result
 
-    data, run_dir, path, _, p = cut_run(fit_runs, "delete")
-    line = (f"{path}: deleted under the running job before epoch 2: training stopped, "
-            "nothing saved after it")
+    data, run_dir, path, size, p = cut_run(fit_runs, change)
+    what = (f"cut short under the running job ({size:,} -> {size // 2:,} bytes)"
+            if change == "cut" else "deleted under the running job")
+    line = f"{path}: {what} before epoch 2: training stopped, nothing saved after it"
     assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
     assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
     assert not os.path.exists(os.path.join(run_dir, "result.json"))
@@ -374,6 +355,7 @@ def test_fit_path_file_deleted_between_epochs_stops_every_rank_then_resumes_exac
     shutil.copy(os.path.join(fit_runs["data"], "train-03-of-07.tfrecord"), path)
     again = fit_runs["launch"]("plain", data, run_dir)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr
     assert f"at epoch 2, step {steps}" in again.stderr, again.stderr[-3000:]  # resumed there
     assert result(run_dir)["weights_sha256"] == fit_runs["result"]["weights_sha256"]
 
