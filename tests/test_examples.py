@@ -50,7 +50,8 @@ def test_conv_task_alone_and_on_two_ranks(env, tmp_path):
     assert "--num-workers" not in one.stderr + two_.stderr  # a user task sets no count
 
 
-@pytest.mark.keras2
+# Keras 3 only: under Keras 2 the Task path's 2 ranks = 1 process is test_multiprocess' (SGD,
+# unconverged), test_sync_bn's (BN) and test_users2's (Adam's slots, an embedding).
 def test_conv_task_two_ranks_equal_one_on_full_batches(env, tmp_path):
     """Adam on the full batch: the mean gradient over two equal shards is the one-process
     gradient, so two ranks take the one-process steps (to float rounding)."""

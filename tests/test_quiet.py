@@ -159,24 +159,35 @@ def test_a_launcher_with_another_count_is_warned_about_once(tmp_path):
                         "started 1 process(es); training with world size 1"]
 
 
-def test_launch_local_is_quiet(tmp_path):
-    """scripts/launch_local.sh drops horovodrun's own TensorFlow lines too."""
+def test_launch_local_starts_the_configured_worker_count_quietly(tmp_path):
+    """scripts/launch_local.sh starts linear's configured 2 workers, and drops horovodrun's
+    own TensorFlow lines too."""
     rc, out, err = raw(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "linear",
-                        "--epochs", "1", "--run-dir", str(tmp_path / "r")],
+                        "--epochs", "3", "--run-dir", str(tmp_path / "r")],
                        quiet_env(tmp_path, PYTHON=sys.executable))
-    assert rc == 0 and err == "", err
+    assert rc == 0, out + err  # it trained ...
+    assert err == "", err      # ... and said nothing on stderr
     assert RANK_LINE.match(out.splitlines()[0])[2].startswith("hvdtrain: linear on 2 processes")
+    r = result(tmp_path / "r")
+    assert r["world_size"] == 2 and r["global_step"] == 3
 
 
-def test_launch_cluster_is_quiet(tmp_path):
-    """scripts/launch_cluster.sh forwards only the variables that are set: Open MPI warned
-    about each unset one (LD_LIBRARY_PATH, TF_CPP_MIN_LOG_LEVEL, ...) before the first line."""
+def test_launch_cluster_with_a_hostfile_trains_quietly(tmp_path):
+    """scripts/launch_cluster.sh with a hostfile (no IFACE: test_multihost sets one) trains to
+    the seed's weights, and forwards only the variables that are set: Open MPI warned about
+    each unset one (LD_LIBRARY_PATH, TF_CPP_MIN_LOG_LEVEL, ...) before the first line."""
+    import numpy as np
+
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=2\n")
     env = quiet_env(tmp_path, PYTHON=sys.executable)
-    for name in ("LD_LIBRARY_PATH", "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD"):
+    for name in ("LD_LIBRARY_PATH", "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "IFACE"):
         env.pop(name, None)
     rc, out, err = raw(["bash", os.path.join(ROOT, "scripts", "launch_cluster.sh"), str(hostfile),
-                        "linear", "--epochs", "1", "--run-dir", str(tmp_path / "r")], env)
-    assert rc == 0 and err == "", err
+                        "linear", "--run-dir", str(tmp_path / "r")], env)
+    assert rc == 0, out + err
+    assert err == "", err
     assert out.splitlines()[0].startswith("hvdtrain: linear on 2 processes")
+    r = result(tmp_path / "r")
+    assert r["world_size"] == 2
+    np.testing.assert_allclose(r["weights"], [0.1, 0.2, 0.3], atol=1e-3)
