@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (Lazy, checkpoints, keras_flavour, finish, kill_after_first_checkpoint,
-                      launch, module_cmd, rank_pids, result, run, start, wait_for)
+from conftest import (Lazy, checkpoints, finish, kill_after_first_checkpoint, launch,
+                      module_cmd, rank_pids, result, run, start, wait_for)
 from hvdtrain import checkpoint as C
 
 # Linear, far from converged at the end (lr 5e-4, 1,000 small steps), so equal weights mean
@@ -29,24 +29,9 @@ def reference(references):
     return Lazy(lambda task: references.run("gloo", 2, task, *args[task]))
 
 
-# Keras 3 only, with test_mnist_sigkill_...: the Task path's SIGKILL and rerun under Keras 2 is
-# test_resume_edges' (mid-epoch), its SIGTERM and resume the gloo case below.
-def test_linear_sigkill_then_resume_is_exact(reference, env, tmp_path):
-    cmd = launch("gloo", 2, "linear", "--run-dir", str(tmp_path), *LINEAR)
-    killed_at = kill_after_first_checkpoint(cmd, env, tmp_path)
-    assert 0 < killed_at < reference["linear"]["global_step"]
-    p = run(cmd, env)
-    assert p.returncode == 0, p.stderr
-    r, ref = result(tmp_path), reference["linear"]
-    assert r["global_step"] == ref["global_step"] == LINEAR_EPOCHS * 100
-    assert r["keras"].split()[0] == keras_flavour() and r["ranks_identical"] is True
-    np.testing.assert_allclose(r["weights"], ref["weights"], atol=1e-6)
-    assert abs(r["bias"] - ref["bias"]) < 1e-6
-    assert abs(r["weights"][0] - 0.1) > 1e-3  # not converged: the trajectories matched
-    epochs = [json.loads(l)["epoch"] for l in open(tmp_path / "metrics.jsonl")]
-    assert epochs == list(range(1, LINEAR_EPOCHS + 1))  # each epoch logged once
-
-
+# The linear task's SIGKILL at an epoch's end and rerun is test_resume_edges' (both paths,
+# both kinds of checkpoint, with this test's checks). Keras 3 only: the Task path's SIGKILL and
+# rerun under Keras 2 is test_examples' conv resume (SIGTERM) and test_resume_edges' fit path.
 def test_mnist_sigkill_then_resume_is_exact(reference, env, tmp_path):
     cmd = launch("gloo", 2, "mnist", "--run-dir", str(tmp_path), *MNIST)
     kill_after_first_checkpoint(cmd, env, tmp_path)

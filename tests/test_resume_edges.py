@@ -1,12 +1,14 @@
 """Resume from every checkpoint either path writes: SIGKILL a 2-rank run once its first
 checkpoint exists, at an epoch's end and in mid-epoch, then rerun the same command; the run
-ends with the uninterrupted run's weights (weights_sha256), on the Task path and on hk.fit."""
+ends with the uninterrupted run's weights (weights_sha256), on the Task path and on hk.fit;
+on the Task path each epoch is logged once (test_faults' linear SIGKILL test, merged here)."""
+import json
 import os
 
 import pytest
 
-from conftest import (Lazy, checkpoints, clean_env, kill_after_first_checkpoint, launch,
-                      launch_example, result, run)
+from conftest import (Lazy, checkpoints, clean_env, keras_flavour, kill_after_first_checkpoint,
+                      launch, launch_example, result, run)
 from hvdtrain import checkpoint as C
 
 # Task path: the linear task, 2 ranks, 100 steps an epoch. Fit path: the Keras example's
@@ -52,7 +54,8 @@ def test_sigkill_then_rerun_ends_with_the_uninterrupted_weights(path, where, uni
                                                                 tmp_path):
     run_dir = str(tmp_path / "run")
     cmd = PATHS[path](run_dir, WHERE[where])
-    kill_after_first_checkpoint(cmd, env, run_dir, timeout=180)
+    killed_at = kill_after_first_checkpoint(cmd, env, run_dir, timeout=180)
+    assert 0 < killed_at < uninterrupted[path]["global_step"]
     # The state a kill right after the first save leaves: later checkpoints (if the job got
     # that far before the signal landed) are removed, so each case resumes from its kind.
     first_step, first = checkpoints(run_dir)[-1]
@@ -66,7 +69,17 @@ def test_sigkill_then_rerun_ends_with_the_uninterrupted_weights(path, where, uni
     p = run(cmd, env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"step {first_step}" in p.stderr, p.stderr[-3000:]  # it said where it resumed
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
     r, whole = result(run_dir), uninterrupted[path]
     assert r["global_step"] == whole["global_step"]
+    assert r["world_size"] == 2 and r["keras"].split()[0] == keras_flavour()
     assert r["ranks_identical"] is True
     assert r["weights_sha256"] == whole["weights_sha256"]
+    assert checkpoints(run_dir)[0][0] == r["global_step"]  # the resumed run's end is saved
+    if path == "task":  # (test_faults' linear SIGKILL test, merged here)
+        assert r["weights"] == whole["weights"]
+        assert r["bias"] == whole["bias"]
+        assert abs(r["weights"][0] - 0.1) > 1e-3  # not converged: the trajectories matched
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            epochs = [json.loads(line)["epoch"] for line in f]
+        assert epochs == [1, 2, 3]  # each epoch logged once
