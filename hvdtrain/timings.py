@@ -22,7 +22,7 @@ Where /proc is missing (not Linux), the wall starts at hvdtrain's first code.
 
 The first imports of TensorFlow, Keras and Horovod's TensorFlow module are counted as
 ``imports`` wherever they happen (a finder on ``sys.meta_path`` times their execution), and
-the same finder defers what they import that a run never uses (``DEFERRED``).
+the same finder defers what they import that a run never uses (matplotlib: ``DEFERRED``).
 """
 from __future__ import annotations
 
@@ -65,11 +65,16 @@ LAUNCHERS = ("horovodrun", "mpirun", "mpiexec", "mpiexec.hydra", "orterun", "prt
              "orted", "prted", "hydra_pmi_proxy")
 GENERATIONS = 6  # horovodrun --gloo: rank, sh -c, its spawned helper, horovodrun
 IMPORTED = ("tensorflow", "keras", "tf_keras", "horovod.tensorflow")
-# What those imports import and a run never uses: Keras 3 imports matplotlib's pyplot (and
-# patches) for keras.visualization when matplotlib is installed (the bench's plots install
-# it): 0.4 s of each process's 3.4 s import here. Imported inside them, these modules load on
-# their first use instead (importlib.util.LazyLoader): the same modules, later or never.
-DEFERRED = ("matplotlib.pyplot", "matplotlib.patches")
+# What those imports import and a run never uses: Keras 3 imports matplotlib's pyplot and
+# patches for keras.visualization alone, when matplotlib is installed (the bench's plots
+# install it): 0.5 s of CPU of each process's 3.5 s start here. Inside them, matplotlib is
+# not found (Keras' two modules catch the ImportError); once they are imported, each of
+# DEFERRED (module, its attribute, what it imports) gets the module on its first use instead.
+# (Deferring pyplot alone, with importlib.util.LazyLoader, still imported matplotlib itself:
+# 0.23 s of it.)
+DEFERRED = (("keras.src.visualization.plot_image_gallery", "plt", "matplotlib.pyplot"),
+            ("keras.src.visualization.plot_bounding_box_gallery", "patches",
+             "matplotlib.patches"))
 
 
 def _now() -> float:
@@ -176,6 +181,26 @@ def line(report: dict) -> str:
             f"{report['training_share']:.0%} of it; {parts}")
 
 
+class _OnFirstUse:
+    """A module imported when one of its attributes is first read."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def _hand_deferred_modules() -> None:
+    """Each of DEFERRED that its import left without matplotlib gets it on first use."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return  # not installed: Keras says so itself, as without hvdtrain
+    for module, attr, name in DEFERRED:
+        module = sys.modules.get(module)
+        if module is not None and getattr(module, attr, ...) is None:
+            setattr(module, attr, _OnFirstUse(name))
+
+
 class _TimedLoader(importlib.abc.Loader):
     def __init__(self, real):
         self.real = real
@@ -183,7 +208,7 @@ class _TimedLoader(importlib.abc.Loader):
     def create_module(self, spec):
         return self.real.create_module(spec)
 
-    inside = 0  # how many of IMPORTED are executing now (DEFERRED is deferred inside them)
+    inside = 0  # how many of IMPORTED are executing now (matplotlib is not found inside them)
 
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.real  # as if never wrapped
@@ -193,18 +218,23 @@ class _TimedLoader(importlib.abc.Loader):
                 self.real.exec_module(module)
         finally:
             _TimedLoader.inside -= 1
+            if _TimedLoader.inside == 0:
+                _hand_deferred_modules()
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     """Wraps the loader of each of IMPORTED that the other finders find, to time its
-    execution (once: an imported module is not looked for again); and of each of DEFERRED
-    imported while they execute, to load it on first use."""
+    execution (once: an imported module is not looked for again); finds no matplotlib while
+    they execute (unless it was imported before), for DEFERRED to import on first use."""
 
     busy = False
 
     def find_spec(self, name, path=None, target=None):
-        deferred = name in DEFERRED and _TimedLoader.inside > 0
-        if not (name in IMPORTED or deferred) or self.busy or name in sys.modules:
+        if (_TimedLoader.inside > 0 and name.split(".")[0] == "matplotlib"
+                and "matplotlib" not in sys.modules):
+            raise ModuleNotFoundError(f"No module named {name!r} (yet: hvdtrain.timings)",
+                                      name=name)
+        if name not in IMPORTED or self.busy or name in sys.modules:
             return None
         self.busy = True  # importlib.util.find_spec asks this finder again
         try:
@@ -212,8 +242,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         finally:
             self.busy = False
         if spec is not None and spec.loader is not None:
-            spec.loader = (importlib.util.LazyLoader(spec.loader) if deferred else
-                           _TimedLoader(spec.loader))
+            spec.loader = _TimedLoader(spec.loader)
         return spec
 
 
@@ -222,7 +251,7 @@ phase, enter, leave, report = CLOCK.phase, CLOCK.enter, CLOCK.leave, CLOCK.repor
 
 
 def install() -> None:
-    """Time the first imports of IMPORTED, defer DEFERRED inside them (once per process)."""
+    """Time the first imports of IMPORTED, defer matplotlib inside them (once per process)."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
