@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib.abc
 import importlib.util
 import os
@@ -209,9 +210,17 @@ class _TimedLoader(importlib.abc.Loader):
         return self.real.create_module(spec)
 
     inside = 0  # how many of IMPORTED are executing now (matplotlib is not found inside them)
+    collecting = True  # was Python's garbage collector on before the outermost of them?
 
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.real  # as if never wrapped
+        if _TimedLoader.inside == 0:
+            # No garbage collection while they import: TensorFlow's import makes hundreds of
+            # thousands of objects that live as long as the process, and the collector's
+            # passes over them were 0.5-0.9 s of the 2.8-3.2 s of CPU that importing Keras 3
+            # and Horovod's module took (less 0.2 s paid by later passes; docs/PERFORMANCE.md).
+            _TimedLoader.collecting = gc.isenabled()
+            gc.disable()
         _TimedLoader.inside += 1
         try:
             with phase("imports"):
@@ -219,6 +228,8 @@ class _TimedLoader(importlib.abc.Loader):
         finally:
             _TimedLoader.inside -= 1
             if _TimedLoader.inside == 0:
+                if _TimedLoader.collecting:
+                    gc.enable()
                 _hand_deferred_modules()
 
 
