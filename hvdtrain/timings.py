@@ -215,10 +215,12 @@ class _TimedLoader(importlib.abc.Loader):
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.real  # as if never wrapped
         if _TimedLoader.inside == 0:
-            # No garbage collection while they import: TensorFlow's import makes hundreds of
-            # thousands of objects that live as long as the process, and the collector's
-            # passes over them were 0.5-0.9 s of the 2.8-3.2 s of CPU that importing Keras 3
-            # and Horovod's module took (less 0.2 s paid by later passes; docs/PERFORMANCE.md).
+            # No garbage collection while they import: TensorFlow's import makes 330,000
+            # objects that live as long as the process, and the collector's passes over them
+            # were 0.5-0.9 s of the 2.8-3.2 s of CPU that importing Keras 3 and Horovod's
+            # module took. Frozen after (gc.freeze: the collector never passes over them
+            # again), else the passes come back later, inside the run (docs/PERFORMANCE.md).
+            # What freezing keeps that a collection would have freed: 4,000 objects.
             _TimedLoader.collecting = gc.isenabled()
             gc.disable()
         _TimedLoader.inside += 1
@@ -229,6 +231,7 @@ class _TimedLoader(importlib.abc.Loader):
             _TimedLoader.inside -= 1
             if _TimedLoader.inside == 0:
                 if _TimedLoader.collecting:
+                    gc.freeze()
                     gc.enable()
                 _hand_deferred_modules()
 
