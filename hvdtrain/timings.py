@@ -218,9 +218,10 @@ class _TimedLoader(importlib.abc.Loader):
             # No garbage collection while they import: TensorFlow's import makes 330,000
             # objects that live as long as the process, and the collector's passes over them
             # were 0.5-0.9 s of the 2.8-3.2 s of CPU that importing Keras 3 and Horovod's
-            # module took. Frozen after (gc.freeze: the collector never passes over them
-            # again), else the passes come back later, inside the run (docs/PERFORMANCE.md).
-            # What freezing keeps that a collection would have freed: 4,000 objects.
+            # module took. Frozen after (gc.freeze: every object the process holds then, most
+            # of them theirs; the collector never passes over them again), else the passes
+            # come back later, inside the run (docs/PERFORMANCE.md). What freezing keeps that
+            # a collection would have freed: 4,000 objects after TensorFlow's import.
             _TimedLoader.collecting = gc.isenabled()
             gc.disable()
         _TimedLoader.inside += 1
