@@ -194,11 +194,13 @@ class _OnFirstUse:
 
 def _hand_deferred_modules() -> None:
     """Each of DEFERRED that its import left without matplotlib gets it on first use."""
-    if importlib.util.find_spec("matplotlib") is None:
-        return  # not installed: Keras says so itself, as without hvdtrain
-    for module, attr, name in DEFERRED:
-        module = sys.modules.get(module)
-        if module is not None and getattr(module, attr, ...) is None:
+    waiting = [(module, attr, name) for module, attr, name in
+               ((sys.modules.get(m), a, n) for m, a, n in DEFERRED)
+               if module is not None and getattr(module, attr, ...) is None]
+    # Looked for only when one waits (this runs after each import of IMPORTED); not
+    # installed: Keras says so itself, as without hvdtrain.
+    if waiting and importlib.util.find_spec("matplotlib") is not None:
+        for module, attr, name in waiting:
             setattr(module, attr, _OnFirstUse(name))
 
 

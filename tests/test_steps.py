@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import HOROVODRUN, KERAS2, launch, module_cmd, result, run
+from conftest import HOROVODRUN, KERAS2, clean_env, launch, module_cmd, result, run
 from hvdtrain.bench.cases import read_timeline, summarize_timeline
 
 
@@ -112,7 +112,6 @@ OPS = ("average", "sum", "adasum")
 @pytest.fixture(scope="module")
 def riders(tmp_path_factory):
     """One 2-rank launch that steps one model per op (the three cases below read it)."""
-    from conftest import clean_env
     tmp = tmp_path_factory.mktemp("riders")
     script = tmp / "riders.py"
     script.write_text(RIDERS)
