@@ -20,6 +20,14 @@ NOISE = ("cuda", "absl::", "E0000", "cpu_feature_guard", "oneDNN", "AVX", "cuIni
          "rebuild TensorFlow")
 
 
+# A command prefix: root without its power over file permissions (CAP_DAC_OVERRIDE and
+# CAP_DAC_READ_SEARCH leave the bounding set, for the command and all it starts), so that a
+# file's mode bits apply to it as they do to any user; nothing for another user, whom they
+# apply to already. CI and the containers run as root.
+NO_DAC = (["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+          if os.geteuid() == 0 else [])
+
+
 def clean_env(home, **extra):
     # No Keras cache, no download attempt: tests never depend on this machine's state.
     env = harness.environment(HOME=str(home))

@@ -346,14 +346,43 @@ def test_the_watchdog_ignores_a_foreign_process_that_knows_its_port(env, tmp_pat
     assert json.load(open(run_dir / "result.json"))["ranks_identical"] is True
 
 
-def _rss_mb(pid):
+def _rss_mb(pid, field="VmRSS"):
     with open(f"/proc/{pid}/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) / 1024
+        return next(int(l.split()[1]) for l in f if l.startswith(field + ":")) / 1024
+
+
+class PeakMemory:
+    """Rank 0's peak resident memory (VmHWM, MB) over a job's life: read every 0.1 s from
+    the moment the rank is found until ``close()`` (after the job's end: its last reading)."""
+
+    def __init__(self, run_dir):
+        import threading
+
+        self.mb, self.done = 0.0, threading.Event()
+        self.thread = threading.Thread(target=self._watch, args=(str(run_dir),), daemon=True)
+        self.thread.start()
+
+    def _watch(self, run_dir):
+        pid = None
+        while not self.done.is_set():
+            pid = pid or rank_pids(run_dir).get(0)
+            if pid:
+                try:
+                    self.mb = max(self.mb, _rss_mb(pid, "VmHWM"))
+                except (OSError, StopIteration):  # it has ended
+                    return
+            self.done.wait(0.1)
+
+    def close(self):
+        self.done.set()
+        self.thread.join(10)
+        return self.mb
 
 
 def test_the_watchdog_holds_against_a_flood_and_a_line_without_end(env, tmp_path):
     """100 MB sent without a newline, then 500 connections: rank 0's memory does not grow by
-    what was sent, the job ends with its normal result, and a few lines say what happened."""
+    what was sent (its peak within 50 MB of the same job's run in quiet), the job ends with its
+    normal result, and a few lines say what happened."""
     import socket as S
     import threading
     with S.socket() as probe:
@@ -362,8 +391,15 @@ def test_the_watchdog_holds_against_a_flood_and_a_line_without_end(env, tmp_path
     run_dir = tmp_path / "run"
     # Long enough for the attack (a few seconds) on a slow machine: 2.5 times LONG's epochs.
     args = [*LONG[:LONG.index("--epochs") + 1], "100", *LONG[LONG.index("--epochs") + 2:-2]]
-    proc = start(launch("gloo", 2, "linear", "--run-dir", str(run_dir), *args),
-                 dict(env, HVDTRAIN_WATCHDOG_PORT=str(port)))
+    env = dict(env, HVDTRAIN_WATCHDOG_PORT=str(port))
+    quiet_dir = tmp_path / "quiet"  # the same job, nobody at its port
+    proc = start(launch("gloo", 2, "linear", "--run-dir", str(quiet_dir), *args), env)
+    peak = PeakMemory(quiet_dir)
+    rc, _, err = finish(proc, 240)
+    quiet = peak.close()
+    assert rc == 0 and quiet > 0, err[-3000:]
+    proc = start(launch("gloo", 2, "linear", "--run-dir", str(run_dir), *args), env)
+    peak = PeakMemory(run_dir)
     try:
         assert wait_for(lambda: (run_dir / "config.json").exists(), 120), "job did not start"
         pids = wait_for(lambda: rank_pids(str(run_dir)) if len(rank_pids(str(run_dir))) == 2
@@ -405,12 +441,15 @@ def test_the_watchdog_holds_against_a_flood_and_a_line_without_end(env, tmp_path
         assert proc.poll() is None, "the job ended before the flood did: make it longer"
         rc, out, err = finish(proc, 240)
     finally:
+        attacked = peak.close()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             finish(proc, 30)
     assert rc == 0, err[-3000:]
     assert sent[0] < 100 << 20  # rank 0 closed the endless line ...
     assert grown < 50, f"rank 0 grew by {grown:.0f} MB"  # ... without keeping it
+    print(f"rank 0's peak memory: {attacked:.0f} MB attacked, {quiet:.0f} MB in quiet")
+    assert attacked - quiet < 50, f"rank 0's peak: {attacked:.0f} MB, in quiet {quiet:.0f} MB"
     assert len(flood) >= 100  # many more than the handshakes rank 0 runs at once (16)
     refusals = [l for l in err.splitlines() if "watchdog: refused" in l]
     assert 1 <= len(refusals) <= 3, refusals

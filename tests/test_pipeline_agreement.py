@@ -203,6 +203,8 @@ class Cut(k.callbacks.Callback):  # every rank (the same cut twice)
     def on_epoch_end(self, epoch, logs=None):  # after epoch 1's end
         if epoch == 0 and case == "cut":
             os.truncate(CUT, size // 2)
+        if epoch == 0 and case == "unreadable":  # launched as root without its override
+            os.chmod(CUT, 0)
         if epoch == 0 and case == "delete" and os.path.exists(CUT):
             try:
                 os.remove(CUT)
@@ -267,7 +269,7 @@ def fit_runs(tmp_path_factory):
     import shutil
 
     import keras_fit_tfrecord as ex
-    from conftest import clean_env, result, run, script_cmd
+    from conftest import NO_DAC, clean_env, result, run, script_cmd
     from hvdtrain.distributed import World
 
     base = tmp_path_factory.mktemp("fit")
@@ -280,7 +282,9 @@ def fit_runs(tmp_path_factory):
     env = clean_env(base / "home")
 
     def launch(case, data, run_dir, epochs=2, timeout=180):
-        return run(script_cmd(2, script, case, data, run_dir, epochs), env, timeout)
+        # "unreadable": a file's mode bits must apply to the ranks, root's included
+        prefix = NO_DAC if case == "unreadable" else []
+        return run([*prefix, *script_cmd(2, script, case, data, run_dir, epochs)], env, timeout)
 
     runs = str(base / "runs")
     p = launch("reference", data_dir, runs, timeout=240)
@@ -333,9 +337,10 @@ def cut_run(fit_runs, scenario):
     return data, run_dir, path, size, p
 
 
-@pytest.mark.parametrize("change", ["cut", "delete"])
+@pytest.mark.parametrize("change", ["cut", "delete", "unreadable"])
 def test_file_changed_between_epochs_stops_every_rank_then_resumes_exactly(change, fit_runs):
-    """hk.fit, rank 1's file cut in half or deleted after epoch 1 (the script's callback):
+    """hk.fit, rank 1's file cut in half, deleted or made unreadable (mode 000, the ranks
+    root without its override) after epoch 1 (the script's callback):
     every rank stops before epoch 2 with one line naming the file (cut, it took the next
     epoch's batches, then hung), exit 1, nothing saved after epoch 1; put back, the same
     command resumes from epoch 1's end to the uninterrupted weights."""
@@ -344,15 +349,16 @@ def test_file_changed_between_epochs_stops_every_rank_then_resumes_exactly(chang
     from conftest import checkpoints, result
 
     data, run_dir, path, size, p = cut_run(fit_runs, change)
-    what = (f"cut short under the running job ({size:,} -> {size // 2:,} bytes)"
-            if change == "cut" else "deleted under the running job")
+    what = {"cut": f"cut short under the running job ({size:,} -> {size // 2:,} bytes)",
+            "delete": "deleted under the running job",
+            "unreadable": "unreadable (Permission denied) under the running job"}[change]
     line = f"{path}: {what} before epoch 2: training stopped, nothing saved after it"
     assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
     assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
     assert not os.path.exists(os.path.join(run_dir, "result.json"))
     steps = fit_runs["result"]["global_step"] // 2
     assert max(step for step, _ in checkpoints(run_dir)) == steps  # epoch 1's end, no later
-    shutil.copy(os.path.join(fit_runs["data"], "train-03-of-07.tfrecord"), path)
+    shutil.copy(os.path.join(fit_runs["data"], "train-03-of-07.tfrecord"), path)  # mode too
     again = fit_runs["launch"]("plain", data, run_dir)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stderr
@@ -360,52 +366,233 @@ def test_file_changed_between_epochs_stops_every_rank_then_resumes_exactly(chang
     assert result(run_dir)["weights_sha256"] == fit_runs["result"]["weights_sha256"]
 
 
-@pytest.mark.parametrize("change", ["deleted", "cut"])
-def test_task_path_file_changed_between_epochs_is_one_line(change, fit_runs, tmp_path):
-    """The Task path: a training file deleted, or cut in half, after epoch 1 (the task's
-    format_epoch, every rank): every rank stops before epoch 2, one line naming it, exit 1."""
-    import shutil
+# --- the Task path: the same cases, launched ----------------------------------------------------
 
-    from conftest import HOROVODRUN, clean_env, run
-    from test_pipeline import TASK
+TASKS = """
 
-    data = str(tmp_path / "data")
-    shutil.copytree(fit_runs["data"], data)
-    gone = os.path.join(data, "train-02-of-07.tfrecord")
-    size = os.path.getsize(gone)
-    (tmp_path / "records_task.py").write_text(TASK.format(examples=os.path.join(
-        ROOT, "examples")) + DELETING)
-    env = clean_env(tmp_path / "home", RECORDS=data, GONE=gone, CHANGE=change)
-    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
-    p = run([HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvdtrain", "run",
-             "records_task:Deleting", "--run-dir", str(tmp_path / "run"), "--verbose", "0"],
-            env, 180, cwd=str(tmp_path))
-    assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
-    what = ("deleted under the running job" if change == "deleted"
-            else f"cut short under the running job ({size:,} -> {size // 2:,} bytes)")
-    line = f"{gone}: {what} before epoch 2: training stopped, nothing saved after it"
-    assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
-    assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
-    assert not (tmp_path / "run" / "result.json").exists()
-
-
-DELETING = """
-
-class Deleting(Records):
+class Deleting(Records):  # a training file changed after epoch 1's checkpoint, every rank
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.size = os.path.getsize(os.environ["GONE"])
 
     def format_epoch(self, record):  # every rank, after the epoch's checkpoint
-        if record["epoch"] == 1 and os.environ["CHANGE"] == "cut":
-            os.truncate(os.environ["GONE"], self.size // 2)  # both ranks: the same cut
-        elif record["epoch"] == 1 and os.path.exists(os.environ["GONE"]):
+        change, gone = os.environ["CHANGE"], os.environ["GONE"]
+        if record["epoch"] == 1 and change == "cut":
+            os.truncate(gone, self.size // 2)  # both ranks: the same cut
+        elif record["epoch"] == 1 and change == "unreadable":  # root without its override
+            os.chmod(gone, 0)
+        elif record["epoch"] == 1 and change == "deleted" and os.path.exists(gone):
             try:
-                os.remove(os.environ["GONE"])
+                os.remove(gone)
             except FileNotFoundError:  # the other rank was first
                 pass
         return super().format_epoch(record)
+
+
+class CutInside(Records):
+    \"\"\"GONE cut to a quarter (whole records) at the first example read in epoch 2: after
+    the look before epoch 2, while its reader has it open (checkpoints at epoch ends only).\"\"\"
+    armed = False
+
+    def load_data(self, config, world):
+        gone = os.environ["GONE"]
+        keep = os.path.getsize(gone) // 4 - os.path.getsize(gone) // 4 % 838
+        done = []
+
+        def cut(y):
+            if CutInside.armed and not done:
+                done.append(True)
+                os.truncate(gone, keep)
+            return y
+
+        def hooked(x, y):
+            with tf.control_dependencies([tf.py_function(cut, [y], Tout=tf.int64)]):
+                return tf.identity(x), y
+        # Records' pipeline with the hook before the shuffle: at the epoch's first example
+        # read, before the shuffle's buffer reads the rest
+        files = hk.files(os.path.join(os.environ["RECORDS"], "train-*.tfrecord"))
+        train = _examples(files).map(hooked).shuffle(1000, seed=config.seed)
+        return Data(train, None, None, None)
+
+    def format_epoch(self, record):
+        CutInside.armed = CutInside.armed or record["epoch"] == 1
+        return super().format_epoch(record)
+
+
+def _examples(files):
+    return tf.data.Dataset.from_tensor_slices(files).interleave(
+        tf.data.TFRecordDataset, cycle_length=4).map(parse)
+
+
+class FewerFiles(Records):  # rank 1 lacks file 05
+    def load_data(self, config, world):
+        files = hk.files(os.path.join(os.environ["RECORDS"], "train-*.tfrecord"))
+        if world.rank == 1:
+            files = files[:5] + files[6:]
+        return Data(_examples(files).shuffle(1000, seed=config.seed), None, None, None)
+
+
+class SeedByRank(Records):  # one file: sharded by batch, after a shuffle seeded by rank
+    def load_data(self, config, world):
+        one = tf.data.TFRecordDataset(os.path.join(os.environ["RECORDS"], "test.tfrecord"))
+        return Data(one.map(parse).shuffle(1000, seed=world.rank), None, None, None)
 """
+
+# One launch: the uninterrupted Task run, then the refusals before step 0 (one process, one
+# start-up), as the fit script's "reference" case does.
+TASK_RUNS = """
+import os, shutil, sys
+import hvdtrain
+import hvdtrain.keras as hk
+from records_task import FewerFiles, Records, SeedByRank
+
+data, runs = sys.argv[1:3]
+hk.init()
+
+
+def train(cls, sub, records):
+    os.environ["RECORDS"] = records
+    task = cls()
+    hvdtrain.train(task, task.config(run_dir=os.path.join(runs, sub), verbose=0))
+
+
+train(Records, "whole", data)
+if hk.rank() == 0:  # the whole run's checkpoints, the run not finished: a resume
+    shutil.copytree(os.path.join(runs, "whole"), os.path.join(runs, "added"))
+    os.remove(os.path.join(runs, "added", "result.json"))
+for sub, cls, records in (("fewer_files", FewerFiles, data), ("seed_by_rank", SeedByRank, data),
+                          ("added", Records, data + "-added")):
+    try:
+        train(cls, sub, records)
+    except hk.Error as e:
+        status = hk.report_error(e)
+        if hk.rank() == 0:
+            print(f"{sub}: exit {status}", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def task_runs(fit_runs):
+    """records_task.py (test_pipeline's Records task and the cases above) and one launch of
+    TASK_RUNS on the fit script's files."""
+    from conftest import HOROVODRUN, clean_env, result, run
+    from test_pipeline import TASK
+
+    base = fit_runs["base"] / "task"
+    base.mkdir()
+    (base / "records_task.py").write_text(
+        TASK.format(examples=os.path.join(ROOT, "examples")) + TASKS)
+    (base / "task_runs.py").write_text(TASK_RUNS)
+    env = clean_env(base / "home")
+    env["PYTHONPATH"] = f"{base}:{env['PYTHONPATH']}"
+    runs = str(base / "runs")
+    p = run([HOROVODRUN, "-np", "2", "--gloo", sys.executable, str(base / "task_runs.py"),
+             fit_runs["data"], runs], env, 240, cwd=str(base))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return dict(base=base, env=env, proc=p, runs=runs, result=result(os.path.join(runs, "whole")))
+
+
+def test_task_path_ranks_that_disagree_on_the_input_are_refused_before_step_0(task_runs,
+                                                                              fit_runs):
+    """The Task path's refusals (its launch, after the uninterrupted run): rank 1 lacks file
+    05; a shuffle seeded by rank before hvdtrain shards by batch; a resume (the whole run's
+    checkpoints, its result.json removed) on a file added. Each one line said once, exit 1,
+    nothing written. (Batches of another size on one rank cannot happen here: hvdtrain
+    batches the task's examples. A finished run's result stands, as for the same command
+    again: the Task path reads its input after that check.)"""
+    p, data, runs = task_runs["proc"], fit_runs["data"], task_runs["runs"]
+    for sub in ("fewer_files", "seed_by_rank", "added"):
+        assert f"{sub}: exit 1" in p.stdout, (sub, p.stdout[-2000:], p.stderr[-3000:])
+    assert sorted(os.listdir(runs)) == ["added", "whole"]  # the refused wrote nothing
+    lines = {
+        # the Task's x_train: the name its Data gives the training dataset
+        "fewer_files": "x_train: the ranks read different files: rank 1 lacks "
+                       f"{data}/train-05-of-07.tfrecord (7 files on rank 0, 6 on rank 1)",
+        "seed_by_rank": "x_train: rank 1 reads its batches in another order than rank 0 "
+                        "(sharded by batch",
+        "added": "was made with other settings (the training files 7 files, ",
+    }
+    for sub, line in lines.items():
+        assert len(ranks_lines(p.stderr, line)) == 1, (sub, p.stderr[-3000:])
+    added, = ranks_lines(p.stderr, lines["added"])
+    assert " -> 8 files, " in added and "examples per epoch" not in added, added
+    assert "Traceback" not in p.stderr
+    assert task_runs["result"]["global_step"] > 0 and task_runs["result"]["ranks_identical"]
+
+
+def task_launch(task_runs, tmp_path, task, run_dir, **env):
+    """``python -m hvdtrain run records_task:TASK`` on 2 ranks (root without its override
+    for CHANGE=unreadable)."""
+    from conftest import HOROVODRUN, NO_DAC, run
+
+    prefix = NO_DAC if env.get("CHANGE") == "unreadable" else []
+    return run([*prefix, HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvdtrain",
+                "run", f"records_task:{task}", "--run-dir", str(run_dir), "--verbose", "0",
+                "--checkpoint-every", "0"], dict(task_runs["env"], **env), 180,
+               cwd=str(tmp_path))
+
+
+@pytest.mark.parametrize("change", ["deleted", "cut", "unreadable"])
+def test_task_path_file_changed_between_epochs_is_one_line(change, fit_runs, task_runs, tmp_path):
+    """The Task path: a training file deleted, cut in half or made unreadable after epoch 1
+    (the task's format_epoch, every rank): every rank stops before epoch 2, one line naming
+    it, exit 1, nothing saved after epoch 1. Made readable again, the same command resumes
+    to the uninterrupted run's weights."""
+    import shutil
+
+    from conftest import checkpoints, result
+
+    data = str(tmp_path / "data")
+    shutil.copytree(fit_runs["data"], data)
+    gone = os.path.join(data, "train-02-of-07.tfrecord")
+    size = os.path.getsize(gone)
+    run_dir = tmp_path / "run"
+    p = task_launch(task_runs, tmp_path, "Deleting", run_dir, RECORDS=data, GONE=gone,
+                    CHANGE=change)
+    assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
+    what = {"deleted": "deleted under the running job",
+            "cut": f"cut short under the running job ({size:,} -> {size // 2:,} bytes)",
+            "unreadable": "unreadable (Permission denied) under the running job"}[change]
+    line = f"{gone}: {what} before epoch 2: training stopped, nothing saved after it"
+    assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
+    assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
+    assert not (run_dir / "result.json").exists()
+    whole = task_runs["result"]
+    assert [step for step, _ in checkpoints(run_dir)] == [whole["global_step"] // 2]
+    if change == "unreadable":  # nothing lost: readable again, the run resumes exactly
+        os.chmod(gone, 0o644)
+        again = task_launch(task_runs, tmp_path, "Records", run_dir, RECORDS=data)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"at epoch 2, step {whole['global_step'] // 2}" in again.stdout + again.stderr
+        assert result(run_dir)["weights_sha256"] == whole["weights_sha256"]
+
+
+def test_task_path_file_cut_inside_an_epoch_stops_every_rank_with_one_line(fit_runs, task_runs,
+                                                                            tmp_path):
+    """The Task path: rank 1's file cut to a quarter at the first example read in epoch 2,
+    after the look before it (the task's map, every rank; checkpoints at epoch ends only):
+    rank 1's shard runs short inside the epoch and rank 1 stops naming the file, instead of
+    taking epoch 3's batches or leaving rank 0 waiting; rank 0 says it once. No checkpoint
+    after the cut."""
+    import shutil
+
+    from conftest import checkpoints
+
+    data = str(tmp_path / "data")
+    shutil.copytree(fit_runs["data"], data)
+    path = os.path.join(data, "train-03-of-07.tfrecord")  # rank 1's (files 1, 3, 5)
+    size = os.path.getsize(path)
+    run_dir = tmp_path / "run"
+    p = task_launch(task_runs, tmp_path, "CutInside", run_dir, RECORDS=data, GONE=path)
+    assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
+    line = (f"{path}: cut short under the running job ({size:,} -> {size // 4 - size // 4 % 838:,}"
+            " bytes) in epoch 2 (rank 1): training stopped, nothing saved after it")
+    said = ranks_lines(p.stderr, line)  # once, by rank 0 (the watchdog took it there)
+    assert [l.split("]")[0] for l in said] == ["[0"], p.stderr[-3000:]
+    assert said[0].startswith(f"[0]<stderr>:hvdtrain: error: rank 1 failed: {line}"), said
+    assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
+    assert not (run_dir / "result.json").exists()
+    assert [step for step, _ in checkpoints(run_dir)] == [task_runs["result"]["global_step"] // 2]
 
 
 def test_file_cut_inside_an_epoch_stops_every_rank_with_one_line(fit_runs):

@@ -16,8 +16,8 @@ import textwrap
 
 import pytest
 
-from conftest import (checkpoints, finish, launch, launch_example, result, run, start,
-                      wait_for)
+from conftest import (HOROVODRUN, ROOT, checkpoints, finish, launch, launch_example, result,
+                      run, script_cmd, start, wait_for)
 from hvdtrain import checkpoint as C
 
 # test_faults.py's uninterrupted two-process linear run: the session's shared reference.
@@ -78,10 +78,22 @@ FIT = ["--model", "dense", "--epochs", "3", "--batch-size", "16", "--optimizer",
        "--lr", "0.05", "--checkpoint-every", "30"]
 
 
+@pytest.fixture(scope="module")
+def fit_whole(tmp_path_factory):
+    """The fit path's uninterrupted run (FIT, 2 ranks): the tests' reference."""
+    from conftest import clean_env
+
+    base = tmp_path_factory.mktemp("fit_whole")
+    p = run(launch_example(2, "keras_fit_mnist.py", "--run-dir", base / "whole", *FIT),
+            clean_env(base / "home"), timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return result(base / "whole")
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", ["task", "fit"])
 def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, tmpfs, references,
-                                                                       env, tmp_path):
+                                                                       fit_whole, env):
     """The disk fills after the first checkpoint, on both paths: one line (rank 0's, naming
     the file it could not write), exit 1, the checkpoints before it whole, no temporary file;
     with room again the same command resumes and ends as the uninterrupted run."""
@@ -90,10 +102,7 @@ def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, tmp
         ref = references.run("gloo", 2, "linear", *LINEAR)
         cmd = tmpfs.inside(launch("gloo", 2, "linear", "--run-dir", run_dir, *LINEAR))
     else:
-        whole = run(launch_example(2, "keras_fit_mnist.py", "--run-dir", tmp_path / "whole",
-                                   *FIT), env, timeout=180)
-        assert whole.returncode == 0, whole.stderr[-3000:]
-        ref = result(tmp_path / "whole")
+        ref = fit_whole
         cmd = tmpfs.inside(launch_example(2, "keras_fit_mnist.py", "--run-dir", run_dir, *FIT))
     proc = start(cmd, env)
     try:
@@ -124,6 +133,107 @@ def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, tmp
     r = result(seen)
     assert r["global_step"] == ref["global_step"]
     assert r["weights_sha256"] == ref["weights_sha256"]  # nothing lost
+
+
+# The disk fills when training has ended, before model.keras: rank 0, when the test has put
+# FILL_FLAG there. The Task path: the linear task (its name, so its weights are the shared
+# reference's) filling in its summarize; the fit path: the Keras example unchanged, hk.fit given
+# one more callback, filling in on_train_end.
+FULL_AT_END = textwrap.dedent("""
+    import os
+    import subprocess
+
+    from hvdtrain.linear import LinearTask
+
+
+    def fill():
+        import horovod.tensorflow as hvd
+
+        flag = os.environ["FILL_FLAG"]
+        if hvd.rank() == 0 and os.path.exists(flag):
+            subprocess.run(["sh", "-c", f"cat /dev/zero > {os.path.dirname(flag)}/fill"],
+                           capture_output=True)
+
+
+    class FullAtEnd(LinearTask):
+        def summarize(self, model):
+            fill()
+            return super().summarize(model)
+""")
+FIT_FULL_AT_END = textwrap.dedent("""
+    import runpy
+    import sys
+
+    import hvdtrain.keras as hk
+    from hvdtrain.compat import keras
+
+    import fullatend
+
+    real = hk.fit
+
+
+    class Fill(keras().callbacks.Callback):
+        def on_train_end(self, logs=None):
+            fullatend.fill()
+
+
+    def fit(*args, callbacks=(), **kwargs):
+        return real(*args, callbacks=[*callbacks, Fill()], **kwargs)
+
+
+    hk.fit = fit
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", ["task", "fit"])
+def test_a_full_disk_at_model_keras_is_one_line_and_the_rerun_writes_it(path, tmpfs, references,
+                                                                        fit_whole, env, tmp_path):
+    """2 ranks, both paths: the disk full after the last epoch's checkpoint, at model.keras:
+    rank 0's one line naming it, exit 1, the last checkpoint whole, no temporary file, no
+    result.json; with room again the same command trains nothing and writes the model and the
+    result of the uninterrupted run."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "fullatend.py").write_text(FULL_AT_END)
+    (code / "fit_full_at_end.py").write_text(FIT_FULL_AT_END)
+    flag = f"{tmpfs.path}/FILL"
+    env = dict(env, PYTHONPATH=f"{code}{os.pathsep}{env['PYTHONPATH']}", FILL_FLAG=flag)
+    run_dir = f"{tmpfs.path}/run"
+    if path == "task":
+        ref = references.run("gloo", 2, "linear", *LINEAR)
+        cmd = [HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvdtrain", "run",
+               "fullatend:FullAtEnd", "--run-dir", run_dir, *LINEAR]
+    else:
+        ref = fit_whole
+        cmd = script_cmd(2, code / "fit_full_at_end.py",
+                         os.path.join(ROOT, "examples", "keras_fit_mnist.py"),
+                         "--run-dir", run_dir, *FIT)
+    open(tmpfs.seen(flag), "w").close()
+    p = run(tmpfs.inside(cmd), env, timeout=180)
+    assert p.returncode == 1, p.stderr[-3000:]
+    said = lines_with(NO_SPACE, p)
+    assert len(said) == 1, p.stderr[-3000:]
+    assert said[0].endswith(f"error: cannot write {run_dir}/model.keras: {NO_SPACE}"), said
+    assert "Traceback" not in "\n".join(l for l in p.stderr.splitlines() if "<stderr>" in l)
+    seen = tmpfs.seen(run_dir)
+    kept = checkpoints(seen)
+    assert kept[0][0] == ref["global_step"] and C.read(kept[0][1])  # the last, whole
+    leftovers = [n for d in (seen, f"{seen}/checkpoints") for n in os.listdir(d)
+                 if n.startswith(".") and n != ".lock"]
+    assert not leftovers
+    assert not os.path.exists(f"{seen}/result.json") and not os.path.exists(f"{seen}/model.keras")
+    tmpfs.free()
+    os.remove(tmpfs.seen(flag))
+    again = run(tmpfs.inside(cmd), env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {kept[0][1].replace(seen, run_dir)}" in again.stdout + again.stderr
+    r = result(seen)
+    assert r["global_step"] == ref["global_step"]
+    assert r["weights_sha256"] == ref["weights_sha256"]  # nothing lost
+    assert r["model"] == f"{run_dir}/model.keras" and os.path.getsize(f"{seen}/model.keras") > 0
 
 
 # Each save site of the run directory, in one process (no launcher is being tested here):
