@@ -55,6 +55,15 @@ class Tmpfs:
     def free(self):
         subprocess.run(self.inside(["rm", "-f", f"{self.path}/fill"]), check=True)
 
+    def read_only(self, path):
+        """``path`` read-only from now on: a read-only bind mount over it (the files the run
+        holds open keep their own mount, as they would on a file system remounted under it)."""
+        subprocess.run(self.inside(["sh", "-c", f"mount --bind {path} {path} && "
+                                                f"mount -o remount,bind,ro {path}"]), check=True)
+
+    def writable(self, path):
+        subprocess.run(self.inside(["umount", path]), check=True)
+
     def close(self):
         os.killpg(self.holder.pid, signal.SIGKILL)  # the namespace and its tmpfs go with it
         self.holder.communicate()
@@ -90,13 +99,19 @@ def fit_whole(tmp_path_factory):
     return result(base / "whole")
 
 
+READ_ONLY = "[Errno 30] Read-only file system"
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["full", "read-only"])
 @pytest.mark.parametrize("path", ["task", "fit"])
-def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, tmpfs, references,
-                                                                       fit_whole, env):
-    """The disk fills after the first checkpoint, on both paths: one line (rank 0's, naming
-    the file it could not write), exit 1, the checkpoints before it whole, no temporary file;
-    with room again the same command resumes and ends as the uninterrupted run."""
+def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, kind, tmpfs,
+                                                                       references, fit_whole,
+                                                                       env):
+    """The disk fills, or the run directory turns read-only, after the first checkpoint, on
+    both paths: one line (rank 0's, naming the file it could not write), exit 1, the
+    checkpoints before it whole, no temporary file; with room again (writable again) the
+    same command resumes and ends as the uninterrupted run."""
     run_dir = f"{tmpfs.path}/run"
     if path == "task":
         ref = references.run("gloo", 2, "linear", *LINEAR)
@@ -107,18 +122,19 @@ def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, tmp
     proc = start(cmd, env)
     try:
         assert wait_for(lambda: checkpoints(tmpfs.seen(run_dir)), 120), "no checkpoint"
-        tmpfs.fill()
+        tmpfs.fill() if kind == "full" else tmpfs.read_only(run_dir)
         rc, out, err = finish(proc, 60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert rc == 1, err[-3000:]
-    said = lines_with(NO_SPACE, out + err)
+    why = NO_SPACE if kind == "full" else READ_ONLY
+    said = lines_with(why, out + err)
     assert len(said) == 1 and "Traceback" not in "\n".join(
         l for l in err.splitlines() if "<stderr>" in l), err[-3000:]
     # rank 0's line: the file it could not write (a checkpoint, metrics.jsonl or TensorBoard's)
     assert re.search(rf"error: cannot write {re.escape(run_dir)}/\S+: "
-                     rf"{re.escape(NO_SPACE)}$", said[0]), said
+                     rf"{re.escape(why)}$", said[0]), said
     seen = tmpfs.seen(run_dir)
     kept = checkpoints(seen)
     assert kept and C.read(kept[0][1])  # the checkpoints before it are whole
@@ -126,7 +142,7 @@ def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, tmp
                  if n.startswith(".") and n != ".lock"]
     assert not leftovers
     assert not os.path.exists(f"{seen}/result.json")
-    tmpfs.free()
+    tmpfs.free() if kind == "full" else tmpfs.writable(run_dir)
     again = run(cmd, env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {kept[0][1].replace(seen, run_dir)}" in again.stdout + again.stderr
