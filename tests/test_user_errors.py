@@ -299,6 +299,11 @@ FIT_CASES = {
         "optimizer = hk.DistributedOptimizer(k.optimizers.SGD(1e30))",
                                 1, ["became NaN or infinite"]),
     "nan_row": ("x[5] = np.nan", 1, ["became NaN or infinite"]),
+    # a file where the run's checkpoints/ folder belongs (the Task path: test_a_file_where_...)
+    "checkpoints_file": ("import os\nos.makedirs(args['run_dir'])\n"
+                         "open(os.path.join(args['run_dir'], 'checkpoints'), 'w').close()", 2,
+                         ["holds a file checkpoints where its checkpoints/ folder belongs: "
+                          "move it away"]),
 }
 
 
@@ -320,6 +325,9 @@ def test_fit_mistake_is_one_line(case, tmp_path):
     one_line(p, status, fragments)
     if case in ("diverging_learning_rate", "nan_row"):  # stopped while training: no result
         assert not (run_dir / "result.json").exists() and not (run_dir / "model.keras").exists()
+    elif case == "checkpoints_file":  # nothing written beside it
+        assert os.listdir(run_dir) == ["checkpoints"]
+        assert (run_dir / "checkpoints").read_text() == ""
     else:
         assert not run_dir.exists()
 
