@@ -390,8 +390,9 @@ class Deleting(Records):  # a training file changed after epoch 1's checkpoint, 
 
 
 class CutInside(Records):
-    \"\"\"GONE cut to a quarter (whole records) at the first example read in epoch 2: after
-    the look before epoch 2, while its reader has it open (checkpoints at epoch ends only).\"\"\"
+    \"\"\"GONE cut to a quarter (whole records) at the first example read in epoch 2, after
+    the look before epoch 2 (checkpoints at epoch ends only): its reader, open already or
+    not yet, gets a quarter of it, or what it had buffered.\"\"\"
     armed = False
 
     def load_data(self, config, world):

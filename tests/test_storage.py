@@ -122,7 +122,10 @@ def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, kin
     proc = start(cmd, env)
     try:
         assert wait_for(lambda: checkpoints(tmpfs.seen(run_dir)), 120), "no checkpoint"
-        tmpfs.fill() if kind == "full" else tmpfs.read_only(run_dir)
+        if kind == "full":
+            tmpfs.fill()
+        else:
+            tmpfs.read_only(run_dir)
         rc, out, err = finish(proc, 60)
     finally:
         if proc.poll() is None:
@@ -142,7 +145,10 @@ def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, kin
                  if n.startswith(".") and n != ".lock"]
     assert not leftovers
     assert not os.path.exists(f"{seen}/result.json")
-    tmpfs.free() if kind == "full" else tmpfs.writable(run_dir)
+    if kind == "full":
+        tmpfs.free()
+    else:
+        tmpfs.writable(run_dir)
     again = run(cmd, env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {kept[0][1].replace(seen, run_dir)}" in again.stdout + again.stderr
