@@ -293,6 +293,20 @@ def fit_runs(tmp_path_factory):
                 result=result(runs + "/whole"))
 
 
+def refused_once_each(p, runs, lines):
+    """A launch's refusals ({case: its line}), either path: each case exit 1, its line said
+    once, no traceback, nothing written beside the whole run and the copy resumed as
+    "added", whose line names the 8 files and not the examples per epoch (the same)."""
+    for sub in lines:
+        assert f"{sub}: exit 1" in p.stdout, (sub, p.stdout[-2000:], p.stderr[-3000:])
+    assert sorted(os.listdir(runs)) == ["added", "whole"]  # the refused wrote nothing
+    for sub, line in lines.items():
+        assert len(ranks_lines(p.stderr, line)) == 1, (sub, p.stderr[-3000:])
+    added, = ranks_lines(p.stderr, lines["added"])
+    assert " -> 8 files, " in added and "examples per epoch" not in added, added
+    assert "Traceback" not in p.stderr
+
+
 def test_ranks_that_disagree_on_the_input_are_refused_before_step_0(fit_runs):
     """Four refusals (in the fixture's launch, after its uninterrupted run), each one line
     said once, exit 1, nothing written: rank 1 lacks file 05; a shuffle seeded by rank
@@ -301,10 +315,7 @@ def test_ranks_that_disagree_on_the_input_are_refused_before_step_0(fit_runs):
     (exit 0): file 05 by nobody and 06 twice; some examples twice, others never; steps of
     48 examples said to be 64; the 8 files taken for the finished run's 7."""
     p, data, runs = fit_runs["proc"], fit_runs["data"], fit_runs["runs"]
-    for sub in ("fewer_files", "seed_by_rank", "batch_by_rank", "added"):
-        assert f"{sub}: exit 1" in p.stdout, (sub, p.stdout[-2000:], p.stderr[-3000:])
-    assert sorted(os.listdir(runs)) == ["added", "whole"]  # the refused wrote nothing
-    lines = {
+    refused_once_each(p, runs, {
         "fewer_files": "the training dataset: the ranks read different files: rank 1 lacks "
                        f"{data}/train-05-of-07.tfrecord (7 files on rank 0, 6 on rank 1)",
         "seed_by_rank": "the training dataset: rank 1 reads its batches in another order "
@@ -312,12 +323,7 @@ def test_ranks_that_disagree_on_the_input_are_refused_before_step_0(fit_runs):
         "batch_by_rank": "the training dataset: rank 1's batches hold 16 examples, rank 0's "
                          "32: every rank's batches must be the per-rank batch size",
         "added": "was made with other settings (the training files 7 files, ",
-    }
-    for sub, line in lines.items():
-        assert len(ranks_lines(p.stderr, line)) == 1, (sub, p.stderr[-3000:])
-    added, = ranks_lines(p.stderr, lines["added"])
-    assert " -> 8 files, " in added and "examples per epoch" not in added, added
-    assert "Traceback" not in p.stderr
+    })
     with open(os.path.join(runs, "added", "metrics.jsonl")) as f:
         assert len(f.readlines()) == 2  # the copied run's, untouched
 
@@ -502,22 +508,14 @@ def test_task_path_ranks_that_disagree_on_the_input_are_refused_before_step_0(ta
     batches the task's examples. A finished run's result stands, as for the same command
     again: the Task path reads its input after that check.)"""
     p, data, runs = task_runs["proc"], fit_runs["data"], task_runs["runs"]
-    for sub in ("fewer_files", "seed_by_rank", "added"):
-        assert f"{sub}: exit 1" in p.stdout, (sub, p.stdout[-2000:], p.stderr[-3000:])
-    assert sorted(os.listdir(runs)) == ["added", "whole"]  # the refused wrote nothing
-    lines = {
+    refused_once_each(p, runs, {
         # the Task's x_train: the name its Data gives the training dataset
         "fewer_files": "x_train: the ranks read different files: rank 1 lacks "
                        f"{data}/train-05-of-07.tfrecord (7 files on rank 0, 6 on rank 1)",
         "seed_by_rank": "x_train: rank 1 reads its batches in another order than rank 0 "
                         "(sharded by batch",
         "added": "was made with other settings (the training files 7 files, ",
-    }
-    for sub, line in lines.items():
-        assert len(ranks_lines(p.stderr, line)) == 1, (sub, p.stderr[-3000:])
-    added, = ranks_lines(p.stderr, lines["added"])
-    assert " -> 8 files, " in added and "examples per epoch" not in added, added
-    assert "Traceback" not in p.stderr
+    })
     assert task_runs["result"]["global_step"] > 0 and task_runs["result"]["ranks_identical"]
 
 
