@@ -29,6 +29,13 @@
 #                      scripts/launch_cluster.sh (mpirun then starts its daemons through srun)
 #   SRUN_MPI=pmix      srun's --mpi plugin (`srun --mpi=list`; pmix_v4 etc. also work; pmi2
 #                      does not with Debian's Open MPI: "OMPI was not built with SLURM's PMI")
+#   SLURM_WAIT=60      (srun) seconds srun lets the other tasks run on after the first one
+#                      ended before it ends them (Slurm's own variable for srun --wait; 0:
+#                      for ever). A rank that dies before it joins the others (at import,
+#                      before hvd.init) would otherwise leave them waiting in MPI's start
+#                      until the job's time limit. hvdtrain's ranks otherwise end together
+#                      (the end, a preemption), or its watchdog ends them within its
+#                      peer_timeout (30 s): keep SLURM_WAIT above a larger peer_timeout.
 #   IFACE=ib0          the network interface between nodes, for MPI, Gloo and NCCL
 #   DRY_RUN=1          print the launch command instead of running it
 #   TF_CPP_MIN_LOG_LEVEL=2, NCCL_DEBUG=WARN   TensorFlow's and NCCL's log levels (defaults)
@@ -95,7 +102,11 @@ srun)
     # rank exits 75 at its own pace, and srun must not kill the slower ones (the job would end
     # 143); a rank that dies is caught by hvdtrain's peer watchdog, which stops the others.
     # --cpu-bind=none: TensorFlow sizes its own thread pools per local rank.
+    # --wait: a rank that dies before the watchdog starts (at import, before hvd.init: a
+    # segfault) is seen by no peer; the others would wait in MPI's start for ever. srun ends
+    # them SLURM_WAIT s after the first task ended (the job fails with that task's status).
     cmd=(srun --mpi="${SRUN_MPI:-pmix}" --cpu-bind=none --kill-on-bad-exit=0
+         --wait="${SLURM_WAIT:-60}"
          "$python" -m hvdtrain "$task" "$@")
     ;;
 mpirun)

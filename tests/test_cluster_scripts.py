@@ -38,11 +38,15 @@ def test_slurm_srun_command(tmp_path):
                     SLURM_JOB_NAME="exp1", SLURM_SUBMIT_DIR=str(tmp_path))
     p = run(["bash", SLURM_JOB, "mnist", "--epochs", "5"], env, timeout=30)
     assert p.returncode == 0, p.stderr
-    # No --kill-on-bad-exit: srun would kill the ranks still saving after a SIGTERM. The run
-    # directory is named after the job name, not its id, so a resubmission finds it.
+    # No --kill-on-bad-exit: srun would kill the ranks still saving after a SIGTERM; --wait:
+    # the others ended 60 s after the first task (one dead before hvd.init: test_slurm). The
+    # run directory is named after the job name, not its id, so a resubmission finds it.
     assert p.stdout.split() == ["srun", "--mpi=pmix", "--cpu-bind=none", "--kill-on-bad-exit=0",
-                                sys.executable, "-m", "hvdtrain", "mnist", "--run-dir",
-                                str(tmp_path / "runs" / "exp1-mnist"), "--epochs", "5"]
+                                "--wait=60", sys.executable, "-m", "hvdtrain", "mnist",
+                                "--run-dir", str(tmp_path / "runs" / "exp1-mnist"), "--epochs",
+                                "5"]
+    p = run(["bash", SLURM_JOB, "mnist"], dict(env, SLURM_WAIT="300"), timeout=30)
+    assert p.returncode == 0 and " --wait=300 " in p.stdout, p.stderr  # Slurm's own variable
 
 
 @pytest.mark.quick

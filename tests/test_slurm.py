@@ -240,6 +240,40 @@ def test_srun_on_one_node_scontrol_requeue_resumes(slurm, reference, tmp_path):
     assert_same_run(result(run_dir), reference["long"])
 
 
+# A task module whose rank 0 dies by SIGSEGV as it is imported: before hvd.init and the
+# watchdog, where no peer can see it go (a crash of TensorFlow's or MPI's start looks the same).
+DIES_AT_IMPORT = """
+import os, signal
+rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("SLURM_PROCID"))
+if rank == "0":
+    os.kill(os.getpid(), signal.SIGSEGV)
+from hvdtrain.linear import LinearTask
+"""
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_a_rank_that_dies_before_hvd_init_ends_the_job(slurm, tmp_path, launcher):
+    """Two nodes: rank 0 dies (SIGSEGV) importing the task, rank 1 waits in MPI's start for
+    it. srun ends rank 1 SLURM_WAIT s (here 5) after rank 0 ended; mpirun ends the job itself.
+    The job fails with the crash's status and its line, in bounded time: under srun with
+    --kill-on-bad-exit=0 alone it waited until its time limit."""
+    (tmp_path / "dies_task.py").write_text(DIES_AT_IMPORT)
+    env = job_env(tmp_path, LAUNCHER=launcher, IFACE=IFACE)
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    job = submit(slurm, tmp_path, env, "dies_task:LinearTask", *LINEAR,
+                 sbatch=("--export=ALL,SLURM_WAIT=5",))
+    info, out = finished(slurm, job, tmp_path, timeout=90)  # fails the test on a hang
+    assert info["JobState"] == "FAILED", out
+    if launcher == "srun":
+        assert info["ExitCode"] == "139:0", out  # 128 + SIGSEGV, rank 0's
+        assert "srun: error: nodeA: task 0: Segmentation fault" in out, out
+        assert "First task exited 5s ago" in out and "task 1: Killed" in out, out
+    else:
+        assert info["ExitCode"] != "0:0", out
+        assert "signal 11 (Segmentation fault)" in out, out
+    assert not (tmp_path / "runs" / "hvdtrain-dies_task_LinearTask" / "result.json").exists()
+
+
 @pytest.mark.parametrize("flag", ["--cpus-per-task=8", "--nodes=3"])
 def test_a_request_the_nodes_cannot_hold(slurm, tmp_path, flag):
     """More CPUs per task than a node has, or more nodes than there are: sbatch --test-only
