@@ -102,9 +102,7 @@ srun)
     # rank exits 75 at its own pace, and srun must not kill the slower ones (the job would end
     # 143); a rank that dies is caught by hvdtrain's peer watchdog, which stops the others.
     # --cpu-bind=none: TensorFlow sizes its own thread pools per local rank.
-    # --wait: a rank that dies before the watchdog starts (at import, before hvd.init: a
-    # segfault) is seen by no peer; the others would wait in MPI's start for ever. srun ends
-    # them SLURM_WAIT s after the first task ended (the job fails with that task's status).
+    # --wait: SLURM_WAIT above (a rank dead before hvd.init, where no watchdog sees it).
     cmd=(srun --mpi="${SRUN_MPI:-pmix}" --cpu-bind=none --kill-on-bad-exit=0
          --wait="${SLURM_WAIT:-60}"
          "$python" -m hvdtrain "$task" "$@")
