@@ -386,6 +386,18 @@ class Reduction:
             return horovods(grads_and_vars, *args, **kwargs)
 
         object.__setattr__(opt, "apply_gradients", apply_gradients)
+        horovods_reduce = opt._allreduce_grads  # per tensor, named by its variable
+
+        def allreduce_grads(grads, vars=None, use_generic_names=False):
+            # hk.fit's stop flags (optimizer.StopFlags) ride in the gradients' round
+            flags = getattr(opt, "_hvdtrain_stop_flags", None)
+            if flags is None:
+                return horovods_reduce(grads, vars, use_generic_names)
+            names = None if vars is None else list(vars) + [flags.total]
+            return flags.ride(lambda tensors: horovods_reduce(tensors, names, use_generic_names),
+                              list(grads))
+
+        object.__setattr__(opt, "_allreduce_grads", allreduce_grads)
         return opt
 
 

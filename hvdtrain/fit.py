@@ -26,11 +26,14 @@ from hvdtrain.data import test_shard
 from hvdtrain.distributed import Progress
 from hvdtrain.engine import BOOKKEEPING, Run
 from hvdtrain.errors import ConfigError, TaskError, step_failed
-from hvdtrain.optimizer import accumulation, reduce_before_loss_scaling
+from hvdtrain.optimizer import StopFlags, accumulation, reduce_before_loss_scaling
 
-# Steps between two checks for a SIGTERM on any rank. Every step (a host allreduce per step)
-# halved fit's throughput against Horovod's own Keras wrapper; every 10 steps costs about
-# nothing and delays a stop by at most 9 steps.
+# Steps between two host checks for a SIGTERM on any rank. Every step (a host allreduce per
+# step) halved fit's throughput against Horovod's own Keras wrapper; every 10 steps still cost
+# a quarter of it at steps_per_execution 1 (a round trip per 10 steps of a small model). With
+# steps_per_execution below this, the flag rides in the gradients' allreduce instead
+# (optimizer.StopFlags): read after every call, no round trip of its own; a stop comes one
+# call (steps_per_execution steps) after the call in which the signal arrived.
 STOP_CHECK_EVERY = 10
 
 # The run directories this process's hk.fit calls finished: given again, a second phase of
@@ -160,11 +163,19 @@ def check_compiled(model, world) -> None:
         # Keras 2 under mixed_float16: the scaler outside Horovod's wrapper is the right order.
         inner = getattr(optimizer, "inner_optimizer", None)
         distributed = any(getattr(o, "_hvdtrain_reduction", None) is not None
-                          or type(o).__module__.startswith("horovod") for o in (optimizer, inner))
+                          or _horovods_wrapper(o) for o in (optimizer, inner))
         if world.size > 1 and not distributed:
             raise TaskError(f"hk.fit: the model's {name} ({type(optimizer).__name__}) is not "
                             f"distributed: the {world.size} ranks would train {world.size} "
                             f"independent models; compile with hk.DistributedOptimizer(optimizer)")
+
+
+def _horovods_wrapper(optimizer) -> bool:
+    """Horovod's own DistributedOptimizer (``horovod.tensorflow.keras``)? Under Keras 3 its
+    class keeps the wrapped class's module and name (a saved model loads without Horovod):
+    its Horovod method tells it."""
+    return (type(optimizer).__module__.startswith("horovod")
+            or callable(getattr(type(optimizer), "_horovod_setup", None)))
 
 
 def check_validation(validation_data, train, world, sharded=False):
@@ -283,6 +294,7 @@ class _Fit:
             run.pipeline = train  # the engine records its input wait per epoch
             run.input = {"train_files": train.train_files}  # the examples: FitSettings'
         self.calls = _Calls(model)
+        self.flags = None  # optimizer.StopFlags, when the stop flag rides in the updates
         self.first_call = 0  # the depth of the open first_call phase (timings), 0: none
         self.evaluating = 0  # the same for evaluation
         self.records, self.epochs_done = {}, 0  # this process's epochs' records, by epoch
@@ -297,6 +309,13 @@ class _Fit:
         (_, first), *others = applied_optimizers(self.model)
         progress = run.restore(self.model, first, [o for _, o in others])
         run.broadcast()
+        # The stop flags ride in the first optimizer's updates when calls are shorter than
+        # STOP_CHECK_EVERY steps (a longer call takes one host check per call, which decides
+        # at the call's end rather than one call later).
+        if not self.world.alone and steps_per_execution(self.model) < STOP_CHECK_EVERY:
+            self.flags = StopFlags.attach(first)
+            self.stop_base, self.carried = self.flags.read()
+            self.carried_before = self.carried
         if progress.epoch is None:
             progress.epoch, progress.offset = 0, 0
         return progress
@@ -465,6 +484,8 @@ class _Fit:
 
     def batch_begin(self):
         self.calls.begin(self.train.steps - self.step)
+        if self.flags is not None and self.run_.stop_requested:
+            self.flags.raise_local()  # this call's updates tell every rank
 
     def batch_end(self, batch, logs):
         world, run = self.world, self.run_
@@ -484,11 +505,7 @@ class _Fit:
         updated, self.global_step = self.global_step, self.micro // self.passes
         run.dog.step = self.global_step
         last = self.step == self.train.steps
-        # Horovod: a one-number allreduce makes any rank's SIGTERM every rank's decision at
-        # the same step. It is a host round trip of its own, so it is taken when a call
-        # passes a multiple of STOP_CHECK_EVERY steps, and at each epoch's end in the metric
-        # sums' allreduce: all ranks count the same steps.
-        if not last and _passed(self.step, done, STOP_CHECK_EVERY) and run.should_stop():
+        if not last and self._any_stop(done):
             self.stop_pending = True
         # At the first call boundary at or after each multiple of checkpoint_every updates
         # (the multiple itself when steps_per_execution is 1 or divides it).
@@ -509,6 +526,27 @@ class _Fit:
             # The state between updates.
             self.save_pending = False
             run.save(self._position(), self.metrics.summed())
+
+    def _any_stop(self, done: int) -> bool:
+        """All ranks, after a call of ``done`` steps: did SIGTERM reach any rank? Every rank
+        decides the same, at the same step.
+
+        From the flags that rode in this call's updates (their sums over ranks: the same on
+        every rank), when they rode; a call of micro-batches inside an update carries none,
+        and the update's call will tell. When they never rode (a train function traced
+        before they were attached, a train_step that reduces its own way), a one-number host
+        allreduce, a round trip of its own, taken when a call passes a multiple of
+        STOP_CHECK_EVERY steps (all ranks count the same steps). The epoch's end asks in the
+        metric sums' allreduce."""
+        run = self.run_
+        if self.flags is not None:
+            stop, carried = self.flags.read()
+            if carried > self.carried:  # this call's updates carried the flags
+                self.carried = carried
+                return stop > self.stop_base
+            if self.carried > self.carried_before:  # they ride, in updates only
+                return False
+        return _passed(self.step, done, STOP_CHECK_EVERY) and run.should_stop()
 
     def test_begin(self):
         self.evaluating = timings.enter("evaluation")

@@ -158,12 +158,14 @@ def _reducing_subclass(optimizer, passes: int = 1):
 
     def apply(self, grads, trainable_variables=None):
         # Horovod: every rank applies the same, averaged gradients (a synchronous update).
-        return _apply_reduced(self, self._hvdtrain_reduction(list(grads)), trainable_variables)
+        return _apply_reduced(self, _reduce(self, self._hvdtrain_reduction, list(grads)),
+                              trainable_variables)
 
     def _clip_gradients(self, grads):
         # Horovod: one allreduce per update, of the N micro-batches' mean; every rank takes
         # the update branch at the same call (the count is in the broadcast iterations).
-        return super(wrapped, self)._clip_gradients(self._hvdtrain_reduction(list(grads)))
+        return super(wrapped, self)._clip_gradients(
+            _reduce(self, self._hvdtrain_reduction, list(grads)))
 
     methods = {"_clip_gradients": _clip_gradients} if passes > 1 else {"apply": apply}
     wrapped = type(cls.__name__, (cls,), {
@@ -172,6 +174,83 @@ def _reducing_subclass(optimizer, passes: int = 1):
         "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     optimizer.__class__ = wrapped
     return optimizer
+
+
+class StopFlags:
+    """The fit path's SIGTERM flag, riding in an optimizer's gradient allreduce.
+
+    ``hk.fit`` attaches one to the optimizer it counts steps with (``attach``) before Keras
+    traces its train function. Every update then reduces ``[this rank's flag, 1]`` with the
+    gradients, in the same Horovod round, and adds the result to ``total``: the stop flags
+    summed over ranks and the updates that carried them. Every rank reads the same sums
+    (``read``: a variable read, no communication), so every rank takes the same decision
+    after a call from the updates it ran. A call whose updates carried nothing (a train
+    function traced before the flags were attached, a ``train_step`` that reduces its own
+    way) shows no new update, and the caller asks the ranks by a host allreduce instead.
+    The variables are plain ``tf.Variable``s kept outside the optimizer's tracked state: not
+    in its checkpoints, its saved form or its ``variables``."""
+
+    def __init__(self):
+        import tensorflow as tf
+
+        with tf.init_scope():
+            self.local = tf.Variable(0.0, trainable=False, dtype=tf.float32,
+                                     name="hvdtrain_stop")
+            self.total = tf.Variable([0.0, 0.0], trainable=False, dtype=tf.float64,
+                                     name="hvdtrain_stop_total")
+
+    @staticmethod
+    def attach(optimizer) -> "StopFlags":
+        """Flags on ``optimizer`` and the optimizers it wraps (a LossScaleOptimizer's inner
+        one: whichever reduces carries them), this rank's flag cleared. Made at the
+        optimizer's first hk.fit and kept for its later ones: a train function traced then
+        carries those."""
+        chain, o = [], optimizer
+        while o is not None and all(o is not c for c in chain):
+            chain.append(o)
+            o = getattr(o, "inner_optimizer", None)
+        flags = next((c._hvdtrain_stop_flags for c in chain
+                      if getattr(c, "_hvdtrain_stop_flags", None) is not None), None)
+        flags = flags or StopFlags()
+        for c in chain:
+            object.__setattr__(c, "_hvdtrain_stop_flags", flags)
+        flags.local.assign(0.0)
+        return flags
+
+    def raise_local(self) -> None:
+        """This rank was asked to stop: its next update carries that to every rank."""
+        self.local.assign(1.0)
+
+    def read(self):
+        """(the stop flags summed over ranks and updates, the updates that carried them)."""
+        stop, carried = self.total.numpy()
+        return float(stop), float(carried)
+
+    def ride(self, reduce, grads) -> list:
+        """``reduce(grads)`` with the flags in the same round; the reduced flags are added
+        to ``total``."""
+        import tensorflow as tf
+
+        dtype = next((g.dtype for g in grads if g is not None), None)
+        if dtype is None:
+            return reduce(grads)
+        # After the gradients: enqueued with them (Horovod's Keras 2 wrapper reduces each
+        # tensor in its own op), so that Horovod fuses it into their round.
+        with tf.control_dependencies([g for g in grads if isinstance(g, tf.Tensor)]):
+            rider = tf.cast(tf.stack([self.local.read_value(), 1.0]), dtype)
+        if getattr(reduce, "carries_riders", True):
+            reduced = reduce(list(grads) + [rider])
+            grads, rider = reduced[:-1], reduced[-1]
+        else:  # Adasum: the flags summed in a round of their own
+            grads, rider = reduce(grads), reduce.sum(rider)
+        self.total.assign_add(tf.cast(rider, tf.float64))
+        return list(grads)
+
+
+def _reduce(optimizer, reduce, grads) -> list:
+    """``reduce(grads)``, with the optimizer's stop flags when hk.fit attached them."""
+    flags = getattr(optimizer, "_hvdtrain_stop_flags", None)
+    return reduce(grads) if flags is None else flags.ride(reduce, grads)
 
 
 def apply_gradients(optimizer, grads, variables, riders=()):

@@ -305,8 +305,9 @@ def test_task_path_streamed_micro_batches_train_like_in_memory(tmp_path):
 @pytest.mark.skipif(KERAS2, reason="Keras 2's accumulation is Horovod's own wrapper")
 def test_fit_path_one_gradient_round_per_update(fit_script, tmp_path):
     """Keras 3 (hvdtrain's wrapper over Keras' own accumulation): 120 Keras steps of 8 on
-    2 ranks, 4 per update: the gradients' grouped allreduce is negotiated 30 times, once per
-    update, not per micro-batch (a Horovod timeline of the real run)."""
+    2 ranks, 4 per update: the gradients' grouped allreduce (4 gradients and the stop flags,
+    optimizer.StopFlags) is negotiated 30 times, once per update, not per micro-batch (a
+    Horovod timeline of the real run)."""
     import sys
     from hvdtrain.bench.cases import read_timeline
 
@@ -320,10 +321,10 @@ def test_fit_path_one_gradient_round_per_update(fit_script, tmp_path):
     tensors = {e["pid"]: e["args"]["name"] for e in events
                if e.get("name") == "process_name" and "name" in e.get("args", {})}
     grouped = sorted(t for t in tensors.values() if "GroupedAllreduce" in t)
-    assert [t[-4:] for t in grouped] == ["1of4", "2of4", "3of4", "4of4"], tensors
+    assert [t[-4:] for t in grouped] == [f"{i}of5" for i in range(1, 6)], tensors
     negotiated = [tensors[e["pid"]] for e in events
                   if e.get("ph") == "B" and e.get("name") == "NEGOTIATE_ALLREDUCE"]
-    assert [negotiated.count(t) for t in grouped] == [30] * 4
+    assert [negotiated.count(t) for t in grouped] == [30] * 5
 
 
 def test_task_path_resume_with_other_accumulate_steps_is_refused(env, tmp_path):

@@ -14,7 +14,6 @@ import pytest
 
 import usercode
 from conftest import KERAS2, Lazy, result, run
-from hvdtrain.fit import STOP_CHECK_EVERY
 
 EPOCHS, STEPS = 3, 16  # 512 examples, 16 per rank: 16 steps an epoch
 # Each epoch's mean training loss against the float32 run's, at most (see the tests).
@@ -277,9 +276,11 @@ def test_a_bad_precision_is_one_line(code, tmp_path):
 @pytest.mark.keras2
 def test_float16_one_negotiation_round_per_step_both_paths(overflowing):
     """Loss scaling adds no collective: a Horovod timeline shows each gradient (6) negotiated
-    once per step, overflowing steps included, in the step's one grouped allreduce (the Task
-    path's [stop, diverged] flags as a 7th part; Keras 2's fit: Horovod's own wrapper, one
-    fused allreduce per gradient, as without mixed precision), and few other rounds."""
+    once per step, overflowing steps included, in the step's one grouped allreduce, with the
+    step's flags as a 7th part (the Task path's [stop, diverged]; the fit path's [stop, 1],
+    optimizer.StopFlags; Keras 2's fit: Horovod's own wrapper, one fused allreduce per
+    gradient and one for the flags, as without mixed precision), and few other rounds: no
+    host stop check on either path."""
     import collections
 
     from hvdtrain.bench.cases import read_timeline
@@ -304,13 +305,14 @@ def test_float16_one_negotiation_round_per_step_both_paths(overflowing):
     run_dir, timeline = overflowing["fit"]
     assert result(run_dir)["loss_scale"] < HUGE_SCALE
     each, others = per_step(timeline)
-    assert len(each) == 6, each
+    # 6 gradients and the flags (Keras 2: Horovod's wrapper's ops, one per tensor)
+    assert len(each) == 7, each
     if not KERAS2:
-        assert [n.rsplit("_", 1)[-1] for n in each] == [f"{i}of6" for i in range(1, 7)], each
-    # The SIGTERM check every STOP_CHECK_EVERY steps (at an epoch's end in its metric sums),
-    # the epoch's and the validation's metric sums, the checkpoints' checks, the run's start
-    # and end.
-    assert others <= steps // STOP_CHECK_EVERY + 4 * EPOCHS + 16, others
+        assert [n.rsplit("_", 1)[-1] for n in each] == [f"{i}of7" for i in range(1, 8)], each
+    # The epoch's and the validation's metric sums (the SIGTERM check at an epoch's end
+    # among them), the checkpoints' checks, the run's start and end: the stop flag rides in
+    # the steps, so no host check every STOP_CHECK_EVERY steps is left.
+    assert others <= 4 * EPOCHS + 16, others
 
 
 @pytest.mark.keras2
