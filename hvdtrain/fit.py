@@ -28,12 +28,11 @@ from hvdtrain.engine import BOOKKEEPING, Run
 from hvdtrain.errors import ConfigError, TaskError, step_failed
 from hvdtrain.optimizer import StopFlags, accumulation, reduce_before_loss_scaling
 
-# Steps between two host checks for a SIGTERM on any rank. Every step (a host allreduce per
-# step) halved fit's throughput against Horovod's own Keras wrapper; every 10 steps still cost
-# a quarter of it at steps_per_execution 1 (a round trip per 10 steps of a small model). With
-# steps_per_execution below this, the flag rides in the gradients' allreduce instead
-# (optimizer.StopFlags): read after every call, no round trip of its own; a stop comes one
-# call (steps_per_execution steps) after the call in which the signal arrived.
+# Steps between two checks for a SIGTERM on any rank. A host allreduce every step halved
+# fit's throughput against Horovod's own Keras wrapper, and every 10 steps still cost a
+# quarter of it at steps_per_execution 1 (a round trip per 10 steps of a small model). With
+# calls shorter than this, the flag rides in the gradients' allreduce instead
+# (optimizer.StopFlags), and a check reads it: no round trip of its own.
 STOP_CHECK_EVERY = 10
 
 # The run directories this process's hk.fit calls finished: given again, a second phase of
@@ -528,25 +527,26 @@ class _Fit:
             run.save(self._position(), self.metrics.summed())
 
     def _any_stop(self, done: int) -> bool:
-        """All ranks, after a call of ``done`` steps: did SIGTERM reach any rank? Every rank
-        decides the same, at the same step.
+        """All ranks, after a call of ``done`` steps: did SIGTERM reach any rank? Asked when
+        the call passes a multiple of STOP_CHECK_EVERY steps (all ranks count the same
+        steps, so all ask at the same call and decide the same); the epoch's end asks in the
+        metric sums' allreduce.
 
-        From the flags that rode in this call's updates (their sums over ranks: the same on
-        every rank), when they rode; a call of micro-batches inside an update carries none,
-        and the update's call will tell. When they never rode (a train function traced
-        before they were attached, a train_step that reduces its own way), a one-number host
-        allreduce, a round trip of its own, taken when a call passes a multiple of
-        STOP_CHECK_EVERY steps (all ranks count the same steps). The epoch's end asks in the
-        metric sums' allreduce."""
-        run = self.run_
+        The answer is in the flags that rode in the updates since the last question (their
+        sums over ranks: the same on every rank); a call of micro-batches inside an update
+        carries none, and a later update's will tell. When they never rode (Horovod's own
+        DistributedOptimizer, a train function traced before they were attached), a
+        one-number host allreduce asks the ranks: a round trip of its own."""
+        if not _passed(self.step, done, STOP_CHECK_EVERY):
+            return False
         if self.flags is not None:
             stop, carried = self.flags.read()
-            if carried > self.carried:  # this call's updates carried the flags
+            if carried > self.carried:  # updates since the last question carried the flags
                 self.carried = carried
                 return stop > self.stop_base
             if self.carried > self.carried_before:  # they ride, in updates only
                 return False
-        return _passed(self.step, done, STOP_CHECK_EVERY) and run.should_stop()
+        return self.run_.should_stop()
 
     def test_begin(self):
         self.evaluating = timings.enter("evaluation")

@@ -193,11 +193,11 @@ def test_fit_steps_per_execution_8_gives_the_weights_of_1(code, tmp_path):
 def test_fit_steps_per_execution_3_sigterm_checkpoints_and_exact_resume(code, tmp_path):
     """Calls of 3 steps (16 an epoch: the last call is 1 step), checkpoint_every 5: each
     checkpoint at the first call boundary at or after a multiple of 5; rank 1's SIGTERM
-    after the first call rides in the next call's updates (calls shorter than
-    STOP_CHECK_EVERY: no host check), so every rank stops at that call's end (6) with a
-    checkpoint; the rerun ends with the uninterrupted run's weights, steps and metrics.
-    With Horovod's own DistributedOptimizer the flags cannot ride: the host check stops
-    every rank at the first call boundary past 10 steps (12)."""
+    after the first call rides in the next calls' updates and is read at the first
+    boundary past 10 steps (12), where every rank stops with a checkpoint; the rerun ends
+    with the uninterrupted run's weights, steps and metrics. With Horovod's own
+    DistributedOptimizer (which hk.fit takes under either Keras) the flags cannot ride, and
+    a host check stops every rank at the same step."""
     whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
     fit_two_ranks(code, tmp_path, whole, 3, 5)
     # Epoch 2's calls end at steps 19, 22, 25, 28, 31, 32: past 20, at 25, past 30, the end.
@@ -205,10 +205,10 @@ def test_fit_steps_per_execution_3_sigterm_checkpoints_and_exact_resume(code, tm
         32, 31, 25]  # the newest 3 kept
     p = fit_two_ranks(code, tmp_path, cut, 3, 5, "term", ok=False)
     assert p.returncode == 1 and "Exit code: 75" in p.stderr, p.stderr[-3000:]
-    assert "stopped by SIGTERM at step 6" in p.stderr, p.stderr[-3000:]
-    assert [s for s, _ in C.list_checkpoints(os.path.join(cut, "checkpoints"))] == [6]
+    assert "stopped by SIGTERM at step 12" in p.stderr, p.stderr[-3000:]
+    assert [s for s, _ in C.list_checkpoints(os.path.join(cut, "checkpoints"))] == [12, 6]
     p = fit_two_ranks(code, tmp_path, cut, 3, 5)
-    assert "step 6" in p.stderr
+    assert "step 12" in p.stderr
     assert result(cut)["global_step"] == result(whole)["global_step"] == 32
     for x, y in zip(saved_weights(whole), saved_weights(cut)):
         assert float(np.abs(x - y).max()) < 1e-6
@@ -219,7 +219,7 @@ def test_fit_steps_per_execution_3_sigterm_checkpoints_and_exact_resume(code, tm
     assert [r["global_step"] for r in records] == [16, 32] and len(metrics(cut)) == 2
     assert records[1]["loss"] < records[0]["loss"]  # epoch 2's own metrics
     # Horovod's own wrapper reduces the gradients without hvdtrain's flags: the calls carry
-    # none, and a host check at the first call boundary past 10 steps (12) stops every rank.
+    # none, and a host allreduce at the same boundary stops every rank.
     horovods = str(tmp_path / "horovods")
     p = fit_two_ranks(code, tmp_path, horovods, 3, 5, "term-horovod", ok=False)
     assert p.returncode == 1 and "Exit code: 75" in p.stderr, p.stderr[-3000:]
