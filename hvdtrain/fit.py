@@ -314,7 +314,7 @@ class _Fit:
         if not self.world.alone and steps_per_execution(self.model) < STOP_CHECK_EVERY:
             self.flags = StopFlags.attach(first)
             self.stop_base, self.carried = self.flags.read()
-            self.carried_before = self.carried
+            self.rode = False  # whether any update of this fit carried them
         if progress.epoch is None:
             progress.epoch, progress.offset = 0, 0
         return progress
@@ -542,9 +542,9 @@ class _Fit:
         if self.flags is not None:
             stop, carried = self.flags.read()
             if carried > self.carried:  # updates since the last question carried the flags
-                self.carried = carried
+                self.carried, self.rode = carried, True
                 return stop > self.stop_base
-            if self.carried > self.carried_before:  # they ride, in updates only
+            if self.rode:  # they ride, in updates only
                 return False
         return self.run_.should_stop()
 

@@ -238,13 +238,9 @@ class StopFlags:
         # tensor in its own op), so that Horovod fuses it into their round.
         with tf.control_dependencies([g for g in grads if isinstance(g, tf.Tensor)]):
             rider = tf.cast(tf.stack([self.local.read_value(), 1.0]), dtype)
-        if getattr(reduce, "carries_riders", True):
-            reduced = reduce(list(grads) + [rider])
-            grads, rider = reduced[:-1], reduced[-1]
-        else:  # Adasum: the flags summed in a round of their own
-            grads, rider = reduce(grads), reduce.sum(rider)
+        grads, (rider,) = _reduce_riding(reduce, grads, [rider])
         self.total.assign_add(tf.cast(rider, tf.float64))
-        return list(grads)
+        return grads
 
 
 def _reduce(optimizer, reduce, grads) -> list:
@@ -268,15 +264,20 @@ def apply_gradients(optimizer, grads, variables, riders=()):
     if reduce is None:  # not wrapped: one process, nothing to reduce
         _apply_reduced(optimizer, list(grads), variables)
         return riders
-    grads = list(grads)
-    if reduce.carries_riders:
-        reduced = reduce(grads + riders)
-        grads, riders = reduced[:len(grads)], reduced[len(grads):]
-    else:  # Adasum: its combination is meant for gradients only; the riders get a sum
-        grads = reduce(grads)
-        riders = [reduce.sum(r) for r in riders]
+    grads, riders = _reduce_riding(reduce, grads, riders)
     _apply_reduced(optimizer, grads, variables)
     return riders
+
+
+def _reduce_riding(reduce, grads, riders):
+    """(reduced gradients, reduced riders): one round for both when ``reduce`` carries
+    riders (a reduction without that attribute, Horovod's Keras 2 per-tensor one, does)."""
+    grads, riders = list(grads), list(riders)
+    if getattr(reduce, "carries_riders", True):
+        reduced = reduce(grads + riders)
+        return list(reduced[:len(grads)]), list(reduced[len(grads):])
+    # Adasum: its combination is meant for gradients only; the riders get a sum
+    return list(reduce(grads)), [reduce.sum(r) for r in riders]
 
 
 def accumulation(optimizer) -> int:
