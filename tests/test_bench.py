@@ -175,7 +175,7 @@ def test_tta_process_wall_rows_and_table():
     assert not [c for c in report.acceptance({"tta": old}) if c[0].startswith("process")]
 
 
-def _keras_speed(hk_k2=90.0, task=300.0, nosync=100.0, share=0.01):
+def _keras_speed(hk_k2=90.0, task=300.0, nosync=100.0, share=0.01, pair=None):
     s = {"hk_k2_spe1": hk_k2, "hvd_k2_spe1": 100.0, "hvd_arrays_k2_spe1": 80.0,
          "hk_k3_spe1": 70.0, "task_k3": task, "keras_k3": 200.0,
          "bn_sync": 100.0, "bn_nosync": nosync}
@@ -183,9 +183,13 @@ def _keras_speed(hk_k2=90.0, task=300.0, nosync=100.0, share=0.01):
               "fit_k3_spe1": s["hk_k3_spe1"] / max(s["hvd_k2_spe1"], s["hvd_arrays_k2_spe1"]),
               "task1_k3": s["task_k3"] / s["keras_k3"],
               "bn_sync_cost": s["bn_nosync"] / s["bn_sync"] - 1, "bn_sync_share": share}
+    paired = {}
+    if pair is not None:  # the paired launches' epoch ratios (results before them had none)
+        paired = {"pair_k3_spe1": pair}
+        ratios["pair_k3_spe1"] = sorted(pair)[len(pair) // 2]  # odd counts: the median
     return {"global_batch": 256, "ranks": 2, "epochs": 5, "repeats": 2, "spes": [1],
             "kerases": ["k3"], "bn_units": 1024, "bn_every": 100, "samples_per_sec": s,
-            "ratios": ratios}
+            "ratios": ratios, "pair_epochs": 30, "paired": paired}
 
 
 @pytest.mark.quick
@@ -212,6 +216,27 @@ def test_keras_speed_acceptance_rows_and_tables():
     assert not report.acceptance({"keras_speed": _keras_speed(nosync=105.1)})[-1][4]
 
 
+@pytest.mark.quick
+def test_keras_speed_paired_fits_row_and_table():
+    """The paired fits' row (the median of the epoch pairs' ratios, target 1.0, exactly 1.0
+    holding) and their table (pairs, least, median, most); results without them report as
+    before."""
+    row = "fit path, 2 processes, epochs paired in the same processes: hk.fit / Horovod's Keras fit"
+    where = "softmax, batch 256, Keras 3, steps_per_execution 1"
+    for pair, median, holds, line in (
+            ([0.9, 1.2, 1.0], 1.0, True, "| 3 | 0.9 | 1 | 1.2 |"),
+            ([1.3, 0.99, 0.8], 0.99, False, "| 3 | 0.8 | 0.99 | 1.3 |")):
+        results = {"machine": "m", "keras_speed": _keras_speed(pair=pair)}
+        checks = {(c[0], c[1]): c for c in report.acceptance(results)}
+        assert checks[row, where][2:] == (median, 1.0, holds)
+        text = report.markdown(results, "cmd")
+        assert "(30 epochs a launch)" in text
+        assert "| Keras 3, steps_per_execution 1 " + line in text
+    results = {"machine": "m", "keras_speed": _keras_speed()}
+    assert not [c for c in report.acceptance(results) if c[0] == row]
+    assert "paired fits" not in report.markdown(results, "cmd")
+
+
 def test_keras_speed_case_through_the_real_launchers(smoke):
     """The keras_speed case end to end, at its smallest (--smoke: the bundled sample, every
     launch once): hk.fit and Horovod's Keras fit under horovodrun, the Task path and plain
@@ -222,13 +247,18 @@ def test_keras_speed_case_through_the_real_launchers(smoke):
     assert results["level"] == "smoke"
     ks = results["keras_speed"]
     assert set(ks["samples_per_sec"]) == {
-        "hk_k2_spe8", "hvd_k2_spe8", "hvd_arrays_k2_spe8", "hk_k3_spe8", "task_k3",
-        "keras_k3", "bn_sync", "bn_nosync"}
+        "hk_k2_spe8", "hvd_k2_spe8", "hvd_arrays_k2_spe8", "hk_k3_spe8", "pair_k3_spe8",
+        "task_k3", "keras_k3", "bn_sync", "bn_nosync"}
+    # the paired launch: 3 epochs of each fit, so 2 pairs after the first, their median
+    pairs = ks["paired"]["pair_k3_spe8"]
+    assert len(pairs) == 2 and all(v > 0 for v in pairs)
+    assert ks["ratios"]["pair_k3_spe8"] == pytest.approx(sum(pairs) / 2)
     assert all(v > 0 for v in ks["samples_per_sec"].values())
     s = ks["samples_per_sec"]
     assert ks["ratios"]["task1_k3"] == pytest.approx(s["task_k3"] / s["keras_k3"])
     text = (out / "results.md").read_text()
-    for target in ("hk.fit / Horovod's Keras fit", "Task path, 1 process", "BN sync"):
+    for target in ("hk.fit / Horovod's Keras fit", "epochs paired in the same processes",
+                   "Task path, 1 process", "BN sync"):
         assert target in text
     assert 0 < ks["ratios"]["bn_sync_share"] < 1  # the sync ran and was timed
 

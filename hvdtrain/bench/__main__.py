@@ -1,8 +1,8 @@
 """``python -m hvdtrain.bench``: run the comparisons side by side, write JSON, Markdown, PNGs.
 
     python -m hvdtrain.bench                       # every case (about 16 minutes on 2 cores,
-                                                   # plus keras_speed's 28 launches and
-                                                   # pipeline's 6: about 35 more)
+                                                   # plus keras_speed's 36 launches and
+                                                   # pipeline's 6: about 42 more)
     python -m hvdtrain.bench --quick               # the headline cases, smaller: allreduce,
                                                    # throughput, tta, fit (a few minutes;
                                                    # the time is printed at the end)
@@ -48,14 +48,14 @@ def settings(level: str) -> dict:
                 "batches": [1000], "epochs": 2, "repeats": 1,
                 "tta": (softmax, 500, 0.5, 2), "timeline": (softmax, 500, 1),
                 "fit": (250, 2, 1), "steps": ([softmax], 500, 2, (1, 0), 1),
-                "keras_speed": (500, 2, 1, (8,), ("k3",), 64, 4),
+                "keras_speed": (500, 2, 1, (8,), ("k3",), 64, 4, 3),
                 "pipeline": (250, 2, 1), "dataset": "mnist"}
     if level == "quick":
         return {"sizes": [4 * KIB, 256 * KIB, 4 << 20], "scale": 0.2,
                 "specs": [softmax], "batches": [4096], "epochs": 3, "repeats": 1,
                 "tta": (softmax, 512, 0.80, 4), "timeline": (softmax, 512, 2),
                 "fit": (256, 3, 1), "steps": ([softmax], 256, 3, (1, 16, 0), 1),
-                "keras_speed": (256, 2, 1, (64,), ("k3",), 256),
+                "keras_speed": (256, 2, 1, (64,), ("k3",), 256, 100, 12),
                 "pipeline": (64, 3, 1)}
     return {"sizes": [4 * KIB << (2 * i) for i in range(8)], "scale": 1.0,  # 4 KiB .. 64 MiB
             "specs": [softmax, mlp], "batches": [256, 1024, 4096], "epochs": 3, "repeats": 2,
@@ -65,7 +65,8 @@ def settings(level: str) -> dict:
             "steps": ([softmax, mlp], 256, 3, (1, 4, 16, 64, 0), 2),
             # issue 17's Keras targets: global batch, epochs, repeats (softmax epochs are
             # short: 0.05-0.5 s, hence more epochs, the fastest counting); quick:
-            # steps_per_execution 64 only, Keras 3 only for the one-process pair, a smaller BN mlp
+            # steps_per_execution 64 only, Keras 3 only for the one-process pair and the
+            # paired fits, a smaller BN mlp, 12 paired epochs (full: 30)
             "keras_speed": (256, 6, 2),
             # issue 18's pipeline targets: batch per rank, epochs, repeats (mlp-256, 8 files)
             "pipeline": (64, 4, 2)}

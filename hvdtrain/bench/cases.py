@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 
 import numpy as np
 
@@ -395,7 +396,9 @@ KERAS_SPEED_COUNTS = ("counts: samples/s of the fastest epoch after the first, b
                       "end, inside the timed epoch (the BN rows: also every bn_every steps), "
                       "and so does Horovod's fit (a ModelCheckpoint on rank 0, as Horovod's "
                       "examples do); the Task path's follows its timed epoch; Keras' "
-                      "one-process fit writes none")
+                      "one-process fit writes none. The paired rows: the same two fits in the "
+                      "same processes, epoch after epoch, the median of the epoch pairs' "
+                      "ratios after the first pair")
 PIPELINE_COUNTS = ("counts: samples/s, the mean of epochs 2-N; no side validates; hk.fit "
                    "writes a checkpoint at each epoch's end, inside the timed epoch; "
                    "MultiWorkerMirroredStrategy's fit writes none")
@@ -444,8 +447,16 @@ def _fastest(epochs):
     return max(e["samples_per_sec"] for e in epochs[1:] or epochs)
 
 
+def _paired_ratios(path) -> list:
+    """A paired launch's ratios, one per epoch after the first: the seconds of Horovod's fit's
+    epoch over those of the hk.fit epoch just before it (> 1: hk.fit the faster)."""
+    record = _load(path)
+    return [b["seconds"] / a["seconds"]
+            for a, b in zip(record["epochs"][1:], record["paired_epochs"][1:])]
+
+
 def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2", "k3"),
-                bn_units=1024, bn_every=100) -> dict:
+                bn_units=1024, bn_every=100, pair_epochs=30) -> dict:
     """samples/s of the fastest epoch after the first, best of ``repeats`` launches, every
     launch round-robin, on the softmax at ``global_batch`` (SGD, lr 0.5, full Fashion-MNIST):
 
@@ -456,6 +467,12 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
     - task1: ``python -m hvdtrain.mnist --steps-per-execution 64``, 1 process, against a
       one-process ``model.fit`` of the arrays at ``steps_per_execution=64``, both under each
       of ``kerases`` (k2: tf_keras, k3: Keras 3);
+    - pair: the fit comparison in the same 2 processes (``workers fit --impl pair``, under
+      each of ``kerases``, ``pair_epochs`` epochs): each of hk.fit's epochs followed by one of
+      Horovod's own Keras fit (its ``DistributedOptimizer``, the rank's shard as arrays, a
+      ModelCheckpoint on rank 0) of a second model, so that both meet the same moments of a
+      shared machine; the ratio is the median over every epoch pair after the first of all
+      launches (separate launches differ by more than the sides do: docs/PERFORMANCE.md);
     - bn: ``hk.fit`` of the mlp with BatchNormalization (784-``bn_units``-BN-10, Keras 3, 2
       processes, a checkpoint every ``bn_every`` steps), its moving statistics synced
       (hvdtrain's way, the sync's own seconds timed) or not (the bench's knob).
@@ -480,6 +497,12 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
             cmd = worker(impl, per_rank, "--spe", spe, *soft, *extra)
             launches[name] = ("fit", lambda p, c=cmd: bench.horovodrun(NP, CONTROLLER, c(p)),
                               keras2)
+    for spe in spes:
+        for tag in kerases:
+            cmd = lambda path, spe=spe: bench.horovodrun(NP, CONTROLLER, bench.python(
+                WORKERS, "fit", "--impl", "pair", "--out", path, "--batch", per_rank,
+                "--epochs", pair_epochs, "--dataset", DATASET, "--spe", spe, *soft))
+            launches[f"pair_{tag}_spe{spe}"] = ("pair", cmd, tag == "k2")
     for tag in kerases:
         keras2 = tag == "k2"
         launches[f"task_{tag}"] = ("task1", None, keras2)
@@ -490,7 +513,7 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
                      "--lr", 0.05, "--checkpoint-every", bn_every, *extra)
         launches[name] = ("bn", lambda p, c=cmd: bench.horovodrun(NP, CONTROLLER, c(p)), False)
     work = os.path.join(out, "runs")
-    runs, sync_share = collections.defaultdict(list), []
+    runs, sync_share, paired = collections.defaultdict(list), [], collections.defaultdict(list)
     for _ in range(repeats):
         for name, (group, cmd, keras2) in launches.items():
             if cmd is None:  # the Task path, as the throughput case runs it
@@ -501,6 +524,8 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
                 path = os.path.join(out, "raw", f"keras_speed-{name}.json")
                 bench.run(cmd(path), _keras_env(keras2))
                 records = _load(path)["epochs"]
+                if group == "pair":
+                    paired[name] += _paired_ratios(path)
                 if name == "bn_sync":  # the sync's own seconds against the training's
                     sync_share.append(_load(path)["bn_sync"]["seconds"]
                                       / sum(e["seconds"] for e in records))
@@ -512,6 +537,8 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
         horovod = max(best[f"hvd_k2_spe{spe}"], best[f"hvd_arrays_k2_spe{spe}"])
         ratios[f"fit_k2_spe{spe}"] = best[f"hk_k2_spe{spe}"] / horovod
         ratios[f"fit_k3_spe{spe}"] = best[f"hk_k3_spe{spe}"] / horovod
+    for name, values in paired.items():  # hk.fit / Horovod's fit, epoch by epoch
+        ratios[name] = statistics.median(values)
     for tag in kerases:
         ratios[f"task1_{tag}"] = best[f"task_{tag}"] / best[f"keras_{tag}"]
     # What the sync costs, two ways: the seconds spent in it over the training's seconds,
@@ -522,7 +549,7 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
     progress("keras_speed: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     return {"global_batch": global_batch, "ranks": NP, "epochs": epochs, "repeats": repeats,
             "spes": list(spes), "kerases": list(kerases), "bn_units": bn_units,
-            "bn_every": bn_every,
+            "bn_every": bn_every, "pair_epochs": pair_epochs, "paired": dict(paired),
             "samples_per_sec": best, "all_runs": dict(runs), "ratios": ratios,
             "groups": {k: v[0] for k, v in launches.items()}, "counts": KERAS_SPEED_COUNTS}
 

@@ -88,6 +88,12 @@ def acceptance(results) -> list:
             add("fit path, 2 processes: hk.fit / Horovod's Keras fit (tf_keras)",
                 f"softmax, batch {batch}, tf_keras, steps_per_execution {spe}",
                 r[f"fit_k2_spe{spe}"], 1.0)
+        for spe in ks["spes"]:
+            for tag in ks["kerases"]:
+                if f"pair_{tag}_spe{spe}" in r:  # results from before the paired launches
+                    add("fit path, 2 processes, epochs paired in the same processes: hk.fit / "
+                        "Horovod's Keras fit", f"softmax, batch {batch}, {KERAS[tag]}, "
+                        f"steps_per_execution {spe}", r[f"pair_{tag}_spe{spe}"], 1.0)
         for tag in ks["kerases"]:
             keras = KERAS[tag]
             add("Task path, 1 process / one-process Keras fit, steps_per_execution 64",
@@ -200,6 +206,15 @@ def markdown(results, command: str) -> str:
         parts.append(table(["fit", "hk.fit, tf_keras", "hk.fit, Keras 3",
                             "Horovod, tf.data shuffle", "Horovod, arrays",
                             "hk tf_keras / Horovod's best", "hk Keras 3 / Horovod's best"], rows))
+        pairs = [(f"{KERAS[tag]}, steps_per_execution {spe}", len(ks["paired"][name]),
+                  min(ks["paired"][name]), r[name], max(ks["paired"][name]))
+                 for spe in ks["spes"] for tag in ks["kerases"]
+                 for name in [f"pair_{tag}_spe{spe}"] if ks.get("paired", {}).get(name)]
+        if pairs:
+            parts.append(f"\nThe same two fits in the same 2 processes, epoch after epoch "
+                         f"({ks['pair_epochs']} epochs a launch): Horovod's epoch seconds / "
+                         "hk.fit's, for each pair after the first (> 1: hk.fit the faster)\n")
+            parts.append(table(["paired fits", "pairs", "least", "median", "most"], pairs))
         parts.append("\n" + table(["1 process, steps_per_execution 64", "Task path",
                                    "model.fit", "Task / fit"],
                                   [(KERAS[tag], s[f"task_{tag}"], s[f"keras_{tag}"],

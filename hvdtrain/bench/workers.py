@@ -231,6 +231,50 @@ def _fit_model(k, args):
                          k.layers.BatchNormalization(), k.layers.ReLU(), k.layers.Dense(10)])
 
 
+def _horovod_epochs(k, args, model, x, y, steps, world, compiled, seconds):
+    """--impl pair: a callback that, after each of hk.fit's epochs (its own epoch-end work and
+    timer done), runs one epoch of Horovod's own Keras fit of a second model in the same
+    processes (the same start weights, Horovod's ``DistributedOptimizer``, its
+    ``BroadcastGlobalVariablesCallback`` and rank 0's ``ModelCheckpoint`` at the epoch end, as
+    the hvd_keras variant; each rank's shard as arrays, the faster of its two inputs),
+    appending that epoch's seconds to ``seconds``. Both sides' epochs then meet the same
+    moments of a shared machine: epoch i of one against epoch i of the other."""
+    import tempfile
+
+    from hvdtrain import distributed
+
+    hvd_keras = distributed.horovod_keras()
+    other = _fit_model(k, args)
+    other.set_weights(model.get_weights())
+    other.compile(optimizer=hvd_keras.DistributedOptimizer(k.optimizers.SGD(args.lr)),
+                  **compiled)
+    part = slice(world.rank * steps * args.batch, (world.rank + 1) * steps * args.batch)
+
+    class Timer(k.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.tick = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds.append(time.perf_counter() - self.tick)
+
+    # One list for every call: the broadcast callback broadcasts once, at its first batch.
+    callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), Timer()]
+    if world.is_chief:
+        suffix = ".h5" if k.__name__ == "tf_keras" else ".keras"
+        saves = tempfile.TemporaryDirectory(prefix="hvd-keras-checkpoints-")
+        callbacks.insert(1, k.callbacks.ModelCheckpoint(
+            os.path.join(saves.name, "checkpoint" + suffix)))
+
+    class HorovodEpoch(k.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            other.fit(x[part], y[part], batch_size=args.batch, epochs=1, verbose=0,
+                      callbacks=callbacks)
+
+    callback = HorovodEpoch()
+    callback.saves = saves if world.is_chief else None  # removed with the callback
+    return callback
+
+
 def tfrecords(args) -> None:
     """The training set (--dataset) as ``--files`` TFRecord files of equal size in the
     directory ``--out``: each example a 784-byte image and an int64 label."""
@@ -351,14 +395,19 @@ def fit(args) -> None:
     trained = steps * args.batch * world.size  # examples per epoch
     if args.input == "tfrecord":  # every example, the last batch of each shard short
         trained = len(x)
-    if args.impl == "hk":
+    paired = []  # --impl pair: Horovod's fit's epochs, each right after one of hk.fit's
+    if args.impl in ("hk", "pair"):
         import hvdtrain.keras as hk
         model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(args.lr)),
                       jit_compile=False, **compiled)
         train = (_tfrecord_pipeline(args.data_dir, args.batch, args.seed)
                  if args.input == "tfrecord" else hk.dataset(x, y, args.batch, seed=args.seed))
+        callbacks = [Timer()]
+        if args.impl == "pair":
+            callbacks.append(_horovod_epochs(k, args, model, x, y, steps, world, compiled,
+                                             paired))
         with tempfile.TemporaryDirectory() as run_dir:
-            hk.fit(model, train, args.epochs, run_dir=run_dir, callbacks=[Timer()], verbose=0,
+            hk.fit(model, train, args.epochs, run_dir=run_dir, callbacks=callbacks, verbose=0,
                    checkpoint_every=args.checkpoint_every)
     elif args.impl == "mwms":  # the reference for a pipeline: Keras' own multi-worker fit,
         # the same pipeline at the global batch, auto-sharded by file (each worker reads its
@@ -406,14 +455,18 @@ def fit(args) -> None:
         epochs.append({"epoch": i + 1, **e, "samples_per_sec": trained / e["seconds"]})
     if world.is_chief and (strategy is None or args.index == 0):
         _write(args.out, {"peer": f"fit-{args.impl}", "keras": f"{k.__name__} {k.__version__}",
-                          "epochs": epochs, "steps_per_epoch": steps, "bn_sync": synced})
+                          "epochs": epochs, "steps_per_epoch": steps, "bn_sync": synced,
+                          "paired_epochs": [{"epoch": i + 1, "seconds": t,
+                                             "samples_per_sec": trained / t}
+                                            for i, t in enumerate(paired)]})
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.workers")
     p.add_argument("kind", choices=("allreduce", "memcpy", "plain", "mwms", "fit", "tfrecords"))
     p.add_argument("--out", required=True)
-    p.add_argument("--impl", choices=("hvd", "mpi4py", "hk", "hvd_keras", "keras", "mwms"),
+    p.add_argument("--impl", choices=("hvd", "mpi4py", "hk", "hvd_keras", "keras", "mwms",
+                                      "pair"),
                    default="hvd")
     p.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[4096])
     p.add_argument("--scale", type=float, default=1.0, help="repetitions scale (quick: < 1)")
