@@ -9,6 +9,9 @@
                                   Horovod's own horovod.tensorflow.keras wrapper and
                                   callbacks (under either Keras: scripts/patches/python/);
                                   or plain Keras in one process, no Horovod (keras)
+    fit --impl pair               under horovodrun: hk.fit, each epoch followed by one of
+                                  Horovod's own Keras fit of a second model in the same
+                                  processes ("paired_epochs" beside "epochs")
     fit --impl mwms --index I     model.fit under MultiWorkerMirroredStrategy, worker I
     fit --input tfrecord          (hk, mwms) from the TFRecord files in --data-dir through
                                   a tf.data pipeline (interleave, map, shuffle, batch)
