@@ -447,10 +447,9 @@ def _fastest(epochs):
     return max(e["samples_per_sec"] for e in epochs[1:] or epochs)
 
 
-def _paired_ratios(path) -> list:
+def _paired_ratios(record) -> list:
     """A paired launch's ratios, one per epoch after the first: the seconds of Horovod's fit's
     epoch over those of the hk.fit epoch just before it (> 1: hk.fit the faster)."""
-    record = _load(path)
     return [b["seconds"] / a["seconds"]
             for a, b in zip(record["epochs"][1:], record["paired_epochs"][1:])]
 
@@ -523,11 +522,12 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
             else:
                 path = os.path.join(out, "raw", f"keras_speed-{name}.json")
                 bench.run(cmd(path), _keras_env(keras2))
-                records = _load(path)["epochs"]
+                record = _load(path)
+                records = record["epochs"]
                 if group == "pair":
-                    paired[name] += _paired_ratios(path)
+                    paired[name] += _paired_ratios(record)
                 if name == "bn_sync":  # the sync's own seconds against the training's
-                    sync_share.append(_load(path)["bn_sync"]["seconds"]
+                    sync_share.append(record["bn_sync"]["seconds"]
                                       / sum(e["seconds"] for e in records))
             runs[name].append(_fastest(records))
             progress(f"keras_speed {name}: {runs[name][-1]:,.0f} samples/s")

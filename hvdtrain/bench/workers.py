@@ -234,24 +234,8 @@ def _fit_model(k, args):
                          k.layers.BatchNormalization(), k.layers.ReLU(), k.layers.Dense(10)])
 
 
-def _horovod_epochs(k, args, model, x, y, steps, world, compiled, seconds):
-    """--impl pair: a callback that, after each of hk.fit's epochs (its own epoch-end work and
-    timer done), runs one epoch of Horovod's own Keras fit of a second model in the same
-    processes (the same start weights, Horovod's ``DistributedOptimizer``, its
-    ``BroadcastGlobalVariablesCallback`` and rank 0's ``ModelCheckpoint`` at the epoch end, as
-    the hvd_keras variant; each rank's shard as arrays, the faster of its two inputs),
-    appending that epoch's seconds to ``seconds``. Both sides' epochs then meet the same
-    moments of a shared machine: epoch i of one against epoch i of the other."""
-    import tempfile
-
-    from hvdtrain import distributed
-
-    hvd_keras = distributed.horovod_keras()
-    other = _fit_model(k, args)
-    other.set_weights(model.get_weights())
-    other.compile(optimizer=hvd_keras.DistributedOptimizer(k.optimizers.SGD(args.lr)),
-                  **compiled)
-    part = slice(world.rank * steps * args.batch, (world.rank + 1) * steps * args.batch)
+def _epoch_timer(k, seconds: list):
+    """A Keras callback appending each epoch's seconds (its begin to its end) to ``seconds``."""
 
     class Timer(k.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -260,22 +244,54 @@ def _horovod_epochs(k, args, model, x, y, steps, world, compiled, seconds):
         def on_epoch_end(self, epoch, logs=None):
             seconds.append(time.perf_counter() - self.tick)
 
-    # One list for every call: the broadcast callback broadcasts once, at its first batch.
-    callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), Timer()]
+    return Timer()
+
+
+def _horovod_fit(k, args, model, world, steps, compiled, timer):
+    """Horovod's own Keras fit, as its examples set it up: ``model`` compiled with its
+    ``DistributedOptimizer``; the callbacks (its ``BroadcastGlobalVariablesCallback``, then on
+    rank 0 a ``ModelCheckpoint`` of the model and its optimizer at each epoch's end, inside the
+    timed epoch: before ``timer``, as hk.fit's checkpoint is inside its); this rank's shard of
+    the arrays (a slice of ``steps`` batches)."""
+    import tempfile
+
+    from hvdtrain import distributed
+
+    hvd_keras = distributed.horovod_keras()
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(k.optimizers.SGD(args.lr)),
+                  **compiled)
+    callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), timer]
+    # (no MetricAverageCallback: hk.fit's rows average no epoch metrics either)
     if world.is_chief:
         suffix = ".h5" if k.__name__ == "tf_keras" else ".keras"
         saves = tempfile.TemporaryDirectory(prefix="hvd-keras-checkpoints-")
-        callbacks.insert(1, k.callbacks.ModelCheckpoint(
-            os.path.join(saves.name, "checkpoint" + suffix)))
+        checkpoint = k.callbacks.ModelCheckpoint(
+            os.path.join(saves.name, "checkpoint-{epoch}" + suffix))
+        checkpoint.saves = saves  # the directory lives as long as the callback
+        callbacks.insert(1, checkpoint)
+    part = slice(world.rank * steps * args.batch, (world.rank + 1) * steps * args.batch)
+    return callbacks, part
+
+
+def _horovod_epochs(k, args, model, x, y, steps, world, compiled, seconds):
+    """--impl pair: a callback that, after each of hk.fit's epochs (its own epoch-end work and
+    timer done), runs one epoch of Horovod's own Keras fit of a second model in the same
+    processes (the same start weights, set up as the hvd_keras variant: ``_horovod_fit``,
+    each rank's shard as arrays, the faster of its two inputs), appending that epoch's seconds
+    to ``seconds``. Both sides' epochs then meet the same moments of a shared machine: epoch
+    i of one against epoch i of the other."""
+    other = _fit_model(k, args)
+    other.set_weights(model.get_weights())
+    # One list for every call: the broadcast callback broadcasts once, at its first batch.
+    callbacks, part = _horovod_fit(k, args, other, world, steps, compiled,
+                                   _epoch_timer(k, seconds))
 
     class HorovodEpoch(k.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             other.fit(x[part], y[part], batch_size=args.batch, epochs=1, verbose=0,
                       callbacks=callbacks)
 
-    callback = HorovodEpoch()
-    callback.saves = saves if world.is_chief else None  # removed with the callback
-    return callback
+    return HorovodEpoch()
 
 
 def tfrecords(args) -> None:
@@ -380,14 +396,10 @@ def fit(args) -> None:
     steps = steps_per_epoch(len(x), args.batch, world.size)
     times = []
 
-    class Timer(k.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.tick = time.perf_counter()
+    def timer():  # each epoch's seconds into times
+        return _epoch_timer(k, times)
 
-        def on_epoch_end(self, epoch, logs=None):
-            times.append(time.perf_counter() - self.tick)
-
-    class TestAccuracy(k.callbacks.Callback):  # after Timer: outside the timed epoch
+    class TestAccuracy(k.callbacks.Callback):  # after timer(): outside the timed epoch
         def on_epoch_end(self, epoch, logs=None):
             pred = self.model((data.x_test.reshape(-1, 784) / 255.0).astype("float32"),
                               training=False)
@@ -405,7 +417,7 @@ def fit(args) -> None:
                       jit_compile=False, **compiled)
         train = (_tfrecord_pipeline(args.data_dir, args.batch, args.seed)
                  if args.input == "tfrecord" else hk.dataset(x, y, args.batch, seed=args.seed))
-        callbacks = [Timer()]
+        callbacks = [timer()]
         if args.impl == "pair":
             callbacks.append(_horovod_epochs(k, args, model, x, y, steps, world, compiled,
                                              paired))
@@ -423,22 +435,10 @@ def fit(args) -> None:
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = \
             tf.data.experimental.AutoShardPolicy.FILE
-        model.fit(ds.with_options(options), epochs=args.epochs, verbose=0, callbacks=[Timer()])
+        model.fit(ds.with_options(options), epochs=args.epochs, verbose=0, callbacks=[timer()])
     elif args.impl == "hvd_keras":  # the reference: Horovod's own path
-        hvd_keras = distributed.horovod_keras()
-        model.compile(optimizer=hvd_keras.DistributedOptimizer(k.optimizers.SGD(args.lr)),
-                      **compiled)
-        callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), Timer()]
-        # (no MetricAverageCallback: hk.fit's rows average no epoch metrics either)
-        if world.is_chief:  # as Horovod's examples do, and as hk.fit does: the model and its
-            # optimizer saved by rank 0 at each epoch's end, inside the timed epoch (before
-            # Timer), so both sides count one checkpoint per epoch
-            suffix = ".h5" if k.__name__ == "tf_keras" else ".keras"
-            saves = tempfile.TemporaryDirectory(prefix="hvd-keras-checkpoints-")  # removed at exit
-            callbacks.insert(1, k.callbacks.ModelCheckpoint(
-                os.path.join(saves.name, "checkpoint-{epoch}" + suffix)))
+        callbacks, part = _horovod_fit(k, args, model, world, steps, compiled, timer())
         if args.input == "arrays":  # each rank its own shard, as arrays
-            part = slice(world.rank * steps * args.batch, (world.rank + 1) * steps * args.batch)
             model.fit(x[part], y[part], batch_size=args.batch, epochs=args.epochs, verbose=0,
                       callbacks=callbacks)
         else:  # Horovod's examples: a tf.data pipeline, shuffled with a seed per rank
@@ -451,7 +451,7 @@ def fit(args) -> None:
         model.compile(optimizer=k.optimizers.SGD(args.lr), **compiled)
         model.fit(x[:steps * args.batch], y[:steps * args.batch], batch_size=args.batch,
                   epochs=args.epochs, verbose=0,
-                  callbacks=[Timer()] + ([TestAccuracy()] if args.test_accuracy else []))
+                  callbacks=[timer()] + ([TestAccuracy()] if args.test_accuracy else []))
     epochs = []
     for i, t in enumerate(times):  # seconds, or seconds and the test accuracy after them
         e = t if isinstance(t, dict) else {"seconds": t}
