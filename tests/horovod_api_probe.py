@@ -10,6 +10,8 @@ rank's inputs (allgathered) without the API under test; rank 0 writes them to
 OUT_DIR/probe.json and tests/test_horovod_api.py asserts on the numbers. A probe that raises
 records its error line instead, so that one broken API fails its own test only.
 """
+import contextlib
+import io
 import json
 import os
 import sys
@@ -545,6 +547,69 @@ def broadcast_global_variables():
     except Exception as e:
         return {"error": str(e).splitlines()[0]}
     return {"error": None}
+
+
+@probe
+def jit_compiled_fit():
+    """model.compile(jit_compile=True), what Keras 3's "auto" is with a GPU visible: Horovod's
+    optimizer trains, its step compiled without XLA (no XLA kernels for Horovod's ops), said
+    once in one line on rank 0; the step applies the mean of the ranks' gradients."""
+    x, y = fit_data(11)
+    model = dense_model(51)
+    before = [v.numpy() for v in model.trainable_variables]
+    own = local_grads(model, x, y)
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                  jit_compile=True)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        after = [v.numpy() for v in model.trainable_variables]
+        # A second model, compiled the same way: trains, and is not told again.
+        again = dense_model(52)
+        again.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                      loss="mse", jit_compile=True)
+        again.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    expected = [b - 0.1 * gather(g).mean(axis=0) for b, g in zip(before, own)]
+    return {"err": max(maxdiff(a, e) for a, e in zip(after, expected)),
+            "ranks_equal": max(float(np.ptp(gather(v.numpy()), axis=0).max())
+                               for v in again.trainable_variables),
+            "jit_compile": [model.jit_compile, again.jit_compile],
+            "said": [line for line in said.getvalue().splitlines() if "jit_compile" in line]}
+
+
+@probe
+def jit_compiled_user_function():
+    """A Horovod collective in the user's own tf.function(jit_compile=True), and a
+    DistributedGradientTape in an XLA function nested in a plain one: each refused while
+    traced, in one line naming the function, not with XLA's dump at the first call."""
+    x, y = rank_data(seed=12)
+    model = dense_model(53)
+
+    @tf.function(jit_compile=True)
+    def reduce_step(v):
+        return hvd.allreduce(v)
+
+    @tf.function
+    def outer_step():
+        @tf.function(jit_compile=True)
+        def tape_step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x) - y))
+            tape = hvd.DistributedGradientTape(tape)
+            return tape.gradient(loss, model.trainable_variables)
+        return tape_step()
+
+    errors = {}
+    for name, call in [("reduce_step", lambda: reduce_step(tf.ones(2))),
+                       ("tape_step", outer_step)]:
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:
+            errors[name] = {"type": type(e).__name__, "message": str(e)}
+    # The same collective in a function without XLA still runs.
+    plain = tf.function(lambda v: hvd.allreduce(v, op=hvd.Sum))(tf.ones(2) * (RANK + 1))
+    return {"errors": errors, "plain_sum": plain.numpy().tolist()}
 
 
 if RANK == 0:

@@ -233,3 +233,28 @@ def test_keras_fit_example_with_callbacks(tmp_path):
     assert len(accuracy) == 4 and accuracy[-1] > accuracy[0] + 0.2
     files = os.listdir(tmp_path)  # ModelCheckpoint on rank 0, every epoch
     assert all(f"checkpoint-{e}.keras" in files for e in range(1, 5)), files
+
+
+def test_a_jit_compiled_keras_step_trains_without_xla(probe):
+    """jit_compile=True (Keras 3's "auto" with a GPU visible) on Horovod's optimizer: the step
+    runs without XLA and applies the mean gradient; one line on rank 0, once per process."""
+    r = ok(probe, "jit_compiled_fit")
+    assert r["err"] < EXACT and r["ranks_equal"] == 0.0
+    assert r["jit_compile"] == [False, False]
+    assert len(r["said"]) == 1, r["said"]
+    assert "Horovod's ops have no XLA kernels" in r["said"][0]
+    # The README prints the line as it is.
+    assert "\n" + r["said"][0] + "\n" in open(os.path.join(ROOT, "README.md")).read()
+
+
+def test_a_collective_in_a_users_xla_function_is_refused_in_one_line(probe):
+    r = ok(probe, "jit_compiled_user_function")
+    for function, op in [("reduce_step", "horovod_allreduce"),
+                         ("tape_step", "horovod_allreduce")]:
+        error = r["errors"][function]
+        assert error is not None, f"{function} ran under XLA"
+        assert error["type"] == "ValueError"
+        assert error["message"] == (
+            f"{op} in {function}, a function compiled with XLA (jit_compile=True): Horovod's "
+            f"ops have no XLA kernels; compile {function} with jit_compile=False")
+    assert r["plain_sum"] == [3.0, 3.0]
