@@ -323,7 +323,7 @@ class _Fit:
     def _build(self) -> None:
         """The model built on the first batch, checked; the optimizer's slots created."""
         model, run = self.model, self.run_
-        if compat.is_keras3() and model.jit_compile:
+        if model.jit_compile:  # True, or Keras 3's "auto" with a GPU visible
             self.out.notice("hvdtrain: jit_compile turned off: Horovod's ops have no XLA kernels")
             model.jit_compile = False  # the setter drops any traced train function
         if isinstance(self.train, pipeline.Batches):  # the user's examples must fit the model
