@@ -54,7 +54,7 @@ COPY --from=build /opt/hvdtrain /opt/hvdtrain
 # pod's of every job; each job's sshd uses the job's key (checked here with a throwaway one).
 COPY deploy/kubernetes/ssh/sshd_hvdtrain.conf /etc/ssh/hvdtrain/sshd_config
 COPY deploy/kubernetes/ssh/ssh_hvdtrain.conf /etc/ssh/ssh_config.d/hvdtrain.conf
-RUN rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub \
+RUN mkdir -p /run/sshd && rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub \
     && ssh-keygen -q -t ecdsa -N "" -f /tmp/hostkey \
     && /usr/sbin/sshd -t -f /etc/ssh/hvdtrain/sshd_config -o HostKey=/tmp/hostkey \
     && rm -f /tmp/hostkey /tmp/hostkey.pub

@@ -155,7 +155,7 @@ def test_k8s_what_a_restartable_job_needs(name):
 
 @pytest.mark.quick
 
-def test_k8s_the_image_has_what_the_pods_need():
+def test_k8s_the_image_has_what_the_pods_need(tmp_path):
     from k8s_cluster import Image
     image = Image()
     assert image.workdir == "/opt/hvdtrain"
@@ -171,6 +171,17 @@ def test_k8s_the_image_has_what_the_pods_need():
     for line in ("Port 2222", "StrictModes no", "UsePAM no", "PasswordAuthentication no"):
         assert re.search(f"^{line}$", sshd, re.M), line
     assert not re.search(r"^HostKey", sshd, re.M)  # the job's key: k8s_worker.sh gives it
+    # What the Dockerfile's build checks: this sshd takes the file with a key given to it
+    # (as root it also wants its privilege separation directory, which the image makes).
+    if os.getuid() == 0 and not os.path.isdir("/run/sshd"):
+        return
+    key = tmp_path / "key"
+    assert subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(key)]
+                          ).returncode == 0
+    p = subprocess.run(["/usr/sbin/sshd", "-t", "-f", os.path.join(
+        K.DEPLOY, "ssh", "sshd_hvdtrain.conf"), "-o", f"HostKey={key}"],
+        capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
     client = copies["/etc/ssh/ssh_config.d/hvdtrain.conf"]
     assert "StrictHostKeyChecking no" in client and "UserKnownHostsFile /dev/null" in client
     assert re.search(r"^Host \*\.svc .*\n\s+Port 2222$", client, re.M)
