@@ -19,8 +19,8 @@
 #   retries every failed launcher pod alike (restart policy Never or OnFailure; it takes no
 #   exit-code rules). hvdtrain's infrastructure statuses (69 a lost peer, 73 the run directory
 #   still locked elsewhere, 74 a storage error, 75 preempted) and every status that is not
-#   hvdtrain's (mpirun's own 1 when it loses a node, 255 from ssh) are left to those retries,
-#   which resume from the newest checkpoint. Only the user's mistakes are not: a status of
+#   hvdtrain's (mpirun's own when it loses a node: 205, 255, or 1; 255 from ssh) are left to
+#   those retries, which resume from the newest checkpoint. Only the user's mistakes are not: a status of
 #   HVDTRAIN_PERMANENT_EXIT (default "1 2") that hvdtrain's ranks say they ended with (each
 #   rank appends "rank R status S" to HVDTRAIN_EXIT_FILE, DIR/.hvdtrain-exit, which this script
 #   empties before mpirun) would fail the same way again: the script writes
