@@ -15,10 +15,11 @@
 #   docker run --rm --gpus all hvdtrain:gpu scripts/gpu_check.sh
 # Not yet run on a GPU by this project (no GPU machine with a container runtime here).
 #
-# Kubernetes (deploy/kubernetes/, an MPIJob of the Kubeflow MPI Operator): the same images.
-# The workers run Debian's sshd (scripts/k8s_worker.sh), which the launcher's mpirun reaches
-# as root with the key pair the operator mounts at /root/.ssh; the two ssh settings files
-# below are what that needs (docs/CLUSTER.md, "Kubernetes").
+# Kubernetes (deploy/kubernetes/, an MPIJob of the Kubeflow MPI Operator): the same images,
+# run as the user mpiuser (uid 1000; the operator's own non-root pattern). The workers run
+# Debian's sshd on port 2222 as that user (scripts/k8s_worker.sh), which the launcher's mpirun
+# reaches with the key pair the operator mounts at /home/mpiuser/.ssh; that key is sshd's
+# host key too, so the image carries no host key (docs/CLUSTER.md, "Kubernetes").
 ARG BASE_IMAGE=debian:12
 ARG RUNTIME_IMAGE=debian:12
 ARG HVDTRAIN_GPU=0
@@ -47,17 +48,26 @@ RUN apt-get update -q && apt-get install -y -q --no-install-recommends python3 o
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/hvdtrain
 COPY --from=build /opt/hvdtrain /opt/hvdtrain
-# sshd and ssh for an MPIJob: StrictModes off for the operator's mounted keys, no PAM, no
-# known_hosts (Debian's configs include these directories first).
-COPY deploy/kubernetes/ssh/sshd_hvdtrain.conf /etc/ssh/sshd_config.d/hvdtrain.conf
+# sshd and ssh for an MPIJob: sshd's whole configuration of its own (port 2222, StrictModes
+# off for the operator's mounted keys, no PAM), ssh without known_hosts (Debian's ssh_config
+# includes ssh_config.d first). No host keys: the package's, made at install, would be every
+# pod's of every job; each job's sshd uses the job's key (checked here with a throwaway one).
+COPY deploy/kubernetes/ssh/sshd_hvdtrain.conf /etc/ssh/hvdtrain/sshd_config
 COPY deploy/kubernetes/ssh/ssh_hvdtrain.conf /etc/ssh/ssh_config.d/hvdtrain.conf
-RUN mkdir -p /run/sshd && /usr/sbin/sshd -t
-# NVIDIA_*: what the NVIDIA Container Toolkit gives the container (every GPU, the CUDA
-# driver and nvidia-smi); without that toolkit they do nothing.
+RUN mkdir -p /run/sshd && rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub \
+    && ssh-keygen -q -t ecdsa -N "" -f /tmp/hostkey \
+    && /usr/sbin/sshd -t -f /etc/ssh/hvdtrain/sshd_config -o HostKey=/tmp/hostkey \
+    && rm -f /tmp/hostkey /tmp/hostkey.pub
+# The unprivileged user of the MPIJob's pods (runAsUser: 1000); its home holds the job's keys.
+RUN useradd --create-home --uid 1000 --user-group --shell /bin/bash mpiuser
+# NVIDIA_DRIVER_CAPABILITIES: what the NVIDIA Container Toolkit gives a container it gives
+# GPUs (the CUDA driver and nvidia-smi). Which GPUs is not the image's to say: docker run
+# --gpus, or Kubernetes' device plugin for a pod's nvidia.com/gpu limit (NVIDIA_VISIBLE_DEVICES
+# =all here would give a pod without that limit every GPU of a node whose default runtime is
+# NVIDIA's).
 ENV PATH=/opt/hvdtrain/.venv/bin:${PATH} \
     OMPI_ALLOW_RUN_AS_ROOT=1 \
     OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-    NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 # Fails the build if anything the run stage lacks is needed to load Horovod's op library.
 RUN python -c "import horovod.tensorflow as hvd, sys; \

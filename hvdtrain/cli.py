@@ -4,11 +4,14 @@
     python -m hvdtrain run mypackage.tasks:MyTask --epochs 3
     python -m hvdtrain.mnist --help                   # the built-in tasks: the same
 
-Exit status: 0 trained; 1 a runtime failure (data file, checkpoint, a failed or frozen
-rank, the launcher, Keras, a task that breaks the Task interface's rules); 2 a bad command
-line or setting; 75 preempted by SIGTERM after saving a checkpoint (run the same command
-again to resume). Nothing is written before the settings are validated. Each status is an
-error class's (``hvdtrain.errors``).
+Exit status: 0 trained; 1 a runtime failure (data file, checkpoint, diverged, the launcher,
+Keras, a task that breaks the Task interface's rules); 2 a bad command line or setting; and
+the infrastructure's, after which the same command resumes: 69 a rank died or froze (the
+watchdog), 73 the run directory still locked by a run elsewhere, 74 the storage failed
+(EIO, ESTALE, ...), 75 preempted by SIGTERM after saving a checkpoint. Nothing is written
+before the settings are validated. Each status is an error class's (``hvdtrain.errors``).
+With HVDTRAIN_EXIT_FILE set (scripts/k8s_launcher.sh sets it), a rank that ends with 1 or 2
+appends ``rank R status S`` to that file: a launcher tells hvdtrain's own 1 from mpirun's.
 
 ``python -m hvdtrain...`` ends with ``exit_now``: Python's exit without its teardown.
 """
@@ -19,7 +22,7 @@ import threading
 
 from hvdtrain import distributed
 from hvdtrain.config import parse_args
-from hvdtrain.errors import Error, Preempted
+from hvdtrain.errors import RETRIED, Error, Preempted
 from hvdtrain.train import train
 
 
@@ -27,6 +30,7 @@ def report(prog: str, e: Error) -> int:
     """Say ``e`` in one line on stderr and return its exit status. An error raised on every
     rank together is said once, by rank 0; so is one rank's error that the watchdog took to
     rank 0 (``said``)."""
+    note_exit(e.status)
     if getattr(e, "said", False):
         return e.status
     if not e.together or distributed.launcher_rank() == 0:
@@ -34,6 +38,19 @@ def report(prog: str, e: Error) -> int:
         sys.stderr.write(f"{prog}: {label}{e}\n")
         sys.stderr.flush()
     return e.status
+
+
+def note_exit(status: int) -> None:
+    """HVDTRAIN_EXIT_FILE: say that this rank ended with one of the user's statuses (1, 2),
+    for a launcher that must not retry them (mpirun's own status 1 is not written)."""
+    path = os.environ.get("HVDTRAIN_EXIT_FILE")
+    if not path or status in RETRIED:
+        return
+    try:
+        with open(path, "a") as f:
+            f.write(f"rank {distributed.launcher_rank()} status {status}\n")
+    except OSError:
+        pass  # the launcher then retries: the safe side
 
 
 def exit_now(status: int) -> None:
@@ -64,7 +81,12 @@ def run(task, argv=None, prog=None) -> int:
     status. ``task.settings`` takes the values of the task's own flags."""
     prog = prog or f"python -m hvdtrain.{task.name}"
     try:
-        config = parse_args(task, argv, prog)  # exits 2 with one line on a bad flag
+        try:
+            config = parse_args(task, argv, prog)  # exits 2 with one line on a bad flag
+        except SystemExit as e:
+            if e.code not in (0, None):
+                note_exit(e.code)
+            raise
         train(task, config)
     except Error as e:
         return report(prog, e)

@@ -41,8 +41,9 @@ import numpy as np
 from hvdtrain import checkpoint, compat, precision, timings
 from hvdtrain.config import Config, values
 from hvdtrain.distributed import Progress, World
-from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, Error, Preempted,
-                             RankError, RanksDiffer, RunDirBusy, StorageError, TaskError,
+from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, EnvError, Error,
+                             Preempted, RankError, RanksDiffer, RunDirBusy, RunDirHeld,
+                             StorageError, TaskError,
                              argument, error_line, first_line, shown, user_code)
 from hvdtrain.optimizer import updates
 from hvdtrain.report import Reporter, ranks_differ_line, weights_agreement
@@ -170,17 +171,18 @@ class Run:
     def claim(self) -> None:
         """Everything is checked: rank 0 takes the run directory for this run (a second run
         on it is refused while this one lives)."""
-        def take():  # rank 0's StorageError (the lock file) said as the others' saves are
-            try:
+        def take():  # rank 0's StorageError (the lock file) said as the others' saves are,
+            try:     # and a lock held elsewhere too: both are every rank's exit status
                 self.out.claim()
-            except StorageError as e:
-                return str(e)
+            except (StorageError, RunDirHeld, EnvError) as e:
+                return type(e).__name__, str(e)
             return None
         error = self.agree(take, catch=(RunDirBusy, OSError))
         if self.collective:
             error = self.world.broadcast_object(error)
         if error is not None:
-            raise StorageError(error)
+            kind, message = error
+            raise {"RunDirHeld": RunDirHeld, "EnvError": EnvError}.get(kind, StorageError)(message)
 
     @timings.timed("checkpoints")
     def restore(self, model, optimizer, others=()) -> Progress:

@@ -11,11 +11,26 @@ keeps a list of classes.
 """
 from __future__ import annotations
 
+import errno
 import re
 
-EXIT_FAILED = 1      # a runtime failure: data, checkpoint, a lost rank, the launcher, Keras
-EXIT_USAGE = 2       # a bad flag, setting or task name
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after saving; rerun to resume
+# The exit statuses. 1 and 2 are the user's to fix: the same command fails the same way again.
+# 69, 73, 74 and 75 are the infrastructure's: the same command, run again later, resumes from
+# the newest checkpoint (a cluster's launcher retries them; scripts/k8s_launcher.sh does).
+EXIT_FAILED = 1       # a runtime failure: data, checkpoint, diverged, the launcher, Keras
+EXIT_USAGE = 2        # a bad flag, setting or task name
+EXIT_PEER_LOST = 69   # EX_UNAVAILABLE: a rank died or froze (the watchdog); its node, usually
+EXIT_RUN_DIR_HELD = 73  # EX_CANTCREAT: the run directory's lock outlived HVDTRAIN_LOCK_WAIT
+EXIT_STORAGE = 74     # EX_IOERR: the storage failed under a write (EIO, ESTALE, a timeout)
+EXIT_PREEMPTED = 75   # EX_TEMPFAIL: stopped by SIGTERM after saving; rerun to resume
+RETRIED = (EXIT_PEER_LOST, EXIT_RUN_DIR_HELD, EXIT_STORAGE, EXIT_PREEMPTED)
+
+# Write errors of a storage that is failing or unreachable, not full or misconfigured: a
+# network file system's server gone (ESTALE, ETIMEDOUT, EHOSTDOWN...), a disk's I/O error.
+TRANSIENT_ERRNOS = frozenset(getattr(errno, n) for n in (
+    "EIO", "ESTALE", "ETIMEDOUT", "ENOTCONN", "ECONNRESET", "ECONNREFUSED", "EHOSTDOWN",
+    "EHOSTUNREACH", "ENETDOWN", "ENETUNREACH", "ENOLCK", "EREMOTEIO")
+    if hasattr(errno, n))
 
 
 class Error(Exception):
@@ -135,7 +150,15 @@ class LaunchError(Error, RuntimeError):
 
 
 class RunDirBusy(Error, RuntimeError):
-    """Another live run holds the run directory."""
+    """Another live run on this host holds the run directory."""
+
+
+class RunDirHeld(Together, RuntimeError):
+    """The run directory's lock is still held after ``HVDTRAIN_LOCK_WAIT`` seconds by a run
+    elsewhere (another node, or a dead one whose lock the file server keeps for its lease):
+    exit 73, retried."""
+
+    status = EXIT_RUN_DIR_HELD
 
 
 class StepError(Error, RuntimeError):
@@ -146,7 +169,14 @@ class StepError(Error, RuntimeError):
 class StorageError(Together, RuntimeError):
     """Rank 0 cannot write a file of the run (disk full, read-only, a file where a directory
     belongs): ``cannot write PATH: [Errno 28] No space left on device``. Rank 0 tells every
-    rank at the write, so all stop together."""
+    rank at the write, so all stop together. Exit 74 when the errno in the line is one of
+    ``TRANSIENT_ERRNOS`` (the storage failed: retried), else 1 (full, read-only, no
+    permission: the user's to fix)."""
+
+    @property
+    def status(self) -> int:
+        found = re.search(r"\[Errno (\d+)\]", str(self))
+        return EXIT_STORAGE if found and int(found.group(1)) in TRANSIENT_ERRNOS else EXIT_FAILED
 
 
 # --- not a failure: exit 75 -----------------------------------------------------------------------

@@ -8,9 +8,10 @@ sides send a heartbeat every second from a background thread:
 - a connection that closes without a goodbye: that rank died;
 - no heartbeat for ``timeout`` seconds: that rank is frozen or stalled;
 - rank 0 prints the verdict, one line naming the rank, its host and pid (or a rank's own
-  error, which that rank sends it), relays it ("ABORT ...") to every rank, and every rank
-  exits with status 1 (EXIT_PEER_FAILED); the line is said once, by rank 0 (by a rank
-  that finds rank 0 itself gone).
+  error, which that rank sends it), relays it ("ABORT STATUS ...") to every rank, and every
+  rank exits with status 69 (EXIT_PEER_LOST: the infrastructure's, retried by a cluster's
+  launcher) for a rank that died or froze, 1 for a rank's own error; the line is said once,
+  by rank 0 (by a rank that finds rank 0 itself gone).
 
 The heartbeat runs in its own thread, so a slow step (or a long checkpoint write) never
 looks like a failure; only a process that cannot run at all, or is gone, does.
@@ -43,9 +44,8 @@ import threading
 import time
 from typing import Dict, Optional
 
-from hvdtrain.errors import EnvError
+from hvdtrain.errors import EXIT_FAILED, EXIT_PEER_LOST, EnvError
 
-EXIT_PEER_FAILED = 1
 INTERVAL = 1.0
 HANDSHAKE_SECONDS = 10.0  # the whole handshake of one connection
 LINE_BYTES = 512  # a handshake line's bound (a HELLO is under 200 bytes)
@@ -257,7 +257,7 @@ class Watchdog:
         if not self.peers:
             return False  # not started (one process, or --peer-timeout 0): nobody to tell
         if self.world.is_chief:
-            self._fail(message, exit_now=False, show=False)
+            self._fail(message, exit_now=False, show=False, status=EXIT_FAILED)
             return False
         if 0 in self.peers and self.peers[0].send(f"FAIL {message}"):
             self._closing.set()
@@ -348,9 +348,11 @@ class Watchdog:
             elif kind == "BYE":
                 peer.done = True
             elif kind == "FAIL":  # to rank 0 from a rank that failed on its own
-                self._fail(rest)
-            elif kind == "ABORT":  # from rank 0: the verdict, which rank 0 said
-                self._fail(rest, relay=False, show=False)
+                self._fail(rest, status=EXIT_FAILED)
+            elif kind == "ABORT":  # from rank 0: the verdict (its status first), said there
+                status, _, rest = rest.partition(" ")
+                self._fail(rest, relay=False, show=False,
+                           status=int(status) if status.isdigit() else EXIT_PEER_LOST)
 
     def _beat(self) -> None:
         while not self._closing.wait(INTERVAL):
@@ -369,20 +371,23 @@ class Watchdog:
             server.close()
 
     def _fail(self, message: str, relay: bool = True, exit_now: bool = True,
-              show: bool = True) -> None:
+              show: bool = True, status: int = EXIT_PEER_LOST) -> None:
+        """The verdict: ``status`` is every rank's exit status, 69 (EXIT_PEER_LOST) when a
+        rank died or froze (its node, usually: retried), 1 when a rank failed on its own
+        (its error is the run's: the user's to fix)."""
         if not self._failed.acquire(blocking=False):
             return
         self._closing.set()
         self._stop_listening()
         if relay and self.world.is_chief:
             for peer in list(self.peers.values()):
-                peer.send(f"ABORT {message}")
+                peer.send(f"ABORT {status} {message}")
         if show:  # each message names the rank it is about
             sys.stderr.write(f"hvdtrain: error: {message}\n")
             sys.stderr.flush()
         if exit_now:
             # The main thread is blocked inside a collective that will never complete.
-            os._exit(EXIT_PEER_FAILED)
+            os._exit(status)
 
     def _warn(self, message: str) -> None:
         sys.stderr.write(f"hvdtrain: warning: {message}\n")

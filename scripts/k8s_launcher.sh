@@ -7,23 +7,28 @@
 #   k8s_launcher.sh TASK [hvdtrain flags]     (--run-dir DIR on the job's claim: required)
 #
 # What it adds to mpirun:
-# - It waits (HVDTRAIN_WAIT_WORKERS seconds, default 300) until every host of the hostfile
+# - It waits (HVDTRAIN_WAIT_WORKERS seconds, default 900) until every host of the hostfile
 #   answers ssh: a retried launcher pod starts while a re-created worker may still be coming
-#   up, and ssh cannot retry a name the cluster DNS does not know yet.
+#   up (a new node from the autoscaler, the image's pull), and ssh cannot retry a name the
+#   cluster DNS does not know yet.
 # - A SIGTERM to it (the launcher pod deleted or evicted) goes on to the ranks over ssh
 #   (scripts/k8s_worker.sh signal): every rank stops after the same step, rank 0 saves a
 #   checkpoint and all exit 75, which is this script's status. mpirun itself never gets it
 #   (a SIGTERM'd mpirun ends the job 1 or 143, without waiting for the checkpoint).
 # - Exit statuses, for the launcher Job's retries (runPolicy.backoffLimit): the MPI Operator
 #   retries every failed launcher pod alike (restart policy Never or OnFailure; it takes no
-#   exit-code rules). 75 and every other status are left for those retries, which resume from
-#   the newest checkpoint. But 1 and 2 (HVDTRAIN_PERMANENT_EXIT, default "1 2"), hvdtrain's own
-#   errors (a usage error, diverged weights, no valid checkpoint, a dead peer), would fail the
-#   same way again: the script writes DIR/k8s-launcher-failed with the arguments and the
-#   status, and a retry with the same arguments prints it and exits with that status at once,
-#   without starting mpirun, so the remaining retries end in seconds and the MPIJob fails.
-#   Changed arguments (a fixed flag, another --run-dir) run normally; so does deleting the
-#   file. A status while the pod is being stopped (after a SIGTERM) never writes it.
+#   exit-code rules). hvdtrain's infrastructure statuses (69 a lost peer, 73 the run directory
+#   still locked elsewhere, 74 a storage error, 75 preempted) and every status that is not
+#   hvdtrain's (mpirun's own when it loses a node: 205, 255, or 1; 255 from ssh) are left to
+#   those retries, which resume from the newest checkpoint. Only the user's mistakes are not: a status of
+#   HVDTRAIN_PERMANENT_EXIT (default "1 2") that hvdtrain's ranks say they ended with (each
+#   rank appends "rank R status S" to HVDTRAIN_EXIT_FILE, DIR/.hvdtrain-exit, which this script
+#   empties before mpirun) would fail the same way again: the script writes
+#   DIR/k8s-launcher-failed with the arguments and the status, and a retry with the same
+#   arguments prints it and exits with that status at once, without starting mpirun, so the
+#   remaining retries end in seconds and the MPIJob fails. Changed arguments (a fixed flag,
+#   another --run-dir) run normally; so does deleting the file. A status while the pod is
+#   being stopped (after a SIGTERM) never writes it.
 #
 # Environment: the operator's OMPI_MCA_orte_default_hostfile (the hostfile: /etc/mpi/hostfile),
 # and what launch_cluster.sh takes (IFACE, PYTHON, DRY_RUN; NP defaults to the hostfile's
@@ -67,7 +72,7 @@ echo "k8s_launcher.sh: $task on $np processes, ${#hosts[@]} workers (${hosts[*]}
 
 # Every worker's sshd answers: ssh retries a refused connection (the operator's
 # OMPI_MCA_plm_rsh_args has ConnectionAttempts=10), not a name that does not resolve yet.
-deadline=$((SECONDS + ${HVDTRAIN_WAIT_WORKERS:-300}))
+deadline=$((SECONDS + ${HVDTRAIN_WAIT_WORKERS:-900}))
 for host in "${hosts[@]}"; do
     until ssh -o BatchMode=yes -o ConnectTimeout=5 "$host" true 2>/dev/null; do
         if ((SECONDS >= deadline)); then
@@ -90,6 +95,9 @@ pass_term() {
     done
 }
 
+# hvdtrain's ranks say here which statuses are theirs (the user's mistakes); see above.
+export HVDTRAIN_EXIT_FILE=$run_dir/.hvdtrain-exit
+: >"$HVDTRAIN_EXIT_FILE"
 NP=${NP:-$np} "$root/scripts/launch_cluster.sh" "$hostfile" "$task" "$@" &
 launched=$!
 trap pass_term TERM
@@ -102,10 +110,13 @@ done
 trap - TERM
 if ((!stopping)); then
     for code in ${HVDTRAIN_PERMANENT_EXIT:-1 2}; do
-        if ((status == code)); then
+        if ((status == code)) && grep -q " status $status\$" "$HVDTRAIN_EXIT_FILE" 2>/dev/null; then
             { echo "$this_run"; echo "$status"; date -u "+ended %Y-%m-%dT%H:%M:%SZ in pod ${HOSTNAME:-?}"; } >"$marker"
             echo "k8s_launcher.sh: status $status is hvdtrain's own error: retries of this command will not run it again ($marker)" >&2
         fi
     done
+    if [[ $status != 0 && ! -f $marker ]]; then
+        echo "k8s_launcher.sh: status $status is the infrastructure's (not the command's): left to the retries, which resume from the newest checkpoint" >&2
+    fi
 fi
 exit "$status"

@@ -5,9 +5,18 @@
 # deletion, node drain, preemption, a suspended MPIJob) passed on to those ranks.
 # Tested pod by pod in network namespaces: tests/test_k8s.py.
 #
-#   k8s_worker.sh [sshd flags]     the container's command: sshd -De [flags]
+#   k8s_worker.sh [sshd flags]     the container's command: sshd -De -f
+#                                  /etc/ssh/hvdtrain/sshd_config (port 2222) [flags]
 #   k8s_worker.sh signal [SIG]     send SIG (default TERM) to this pod's ranks (the launcher
 #                                  runs this over ssh when its own pod gets the SIGTERM)
+#   k8s_worker.sh probe            the readiness probe: an ssh login here with the job's key
+#                                  runs a command (what the launcher's mpirun needs; an open
+#                                  port proves nothing: an sshd that cannot chroot or read its
+#                                  keys still accepts connections, then fails every login)
+#
+# sshd runs as the pod's user (the image's mpiuser, or root) without any capability. The
+# job's key pair is at HVDTRAIN_SSH_DIR (default ~/.ssh, the MPIJob's sshAuthMountPath): its
+# private key is also sshd's host key (the image has none).
 #
 # Only PID 1 gets the SIGTERM; when it exits, every other process of the pod is killed. sshd
 # alone (the operator's default command) would exit at once and take the ranks with it, before
@@ -41,6 +50,12 @@ running() {  # any of the processes named on the command line still there (zombi
     return 1
 }
 
+ssh_dir=${HVDTRAIN_SSH_DIR:-$HOME/.ssh}
+if [[ ${1:-} == probe ]]; then
+    exec ssh -p 2222 -o BatchMode=yes -o ConnectTimeout=5 -o StrictHostKeyChecking=no \
+        -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -i "$ssh_dir/id_rsa" localhost true
+fi
+
 if [[ ${1:-} == signal ]]; then
     pids=$(ranks)
     [[ -z $pids ]] && exit 0
@@ -48,8 +63,10 @@ if [[ ${1:-} == signal ]]; then
     exec kill -s "${2:-TERM}" $pids
 fi
 
-mkdir -p /run/sshd  # sshd's privilege separation directory (/run may be a fresh tmpfs)
-/usr/sbin/sshd -De "$@" &
+if [[ $(id -u) == 0 ]]; then
+    mkdir -p /run/sshd  # root's sshd: its privilege separation directory (/run: a fresh tmpfs)
+fi
+/usr/sbin/sshd -De -f /etc/ssh/hvdtrain/sshd_config -o "HostKey=$ssh_dir/id_rsa" "$@" &
 sshd=$!
 
 stopping=0

@@ -12,7 +12,8 @@
 #   DRY_RUN=1     print the command instead of running it
 # Forwarded to every host with -x, where set: PATH LD_LIBRARY_PATH PYTHONPATH
 # TF_CPP_MIN_LOG_LEVEL HVDTRAIN_TF_LOGS HOROVOD_CYCLE_TIME HOROVOD_FUSION_THRESHOLD
-# PYTHONUNBUFFERED TF_USE_LEGACY_KERAS, and NCCL_DEBUG (default WARN).
+# PYTHONUNBUFFERED TF_USE_LEGACY_KERAS HVDTRAIN_EXIT_FILE HVDTRAIN_LOCK_WAIT, and NCCL_DEBUG
+# (default WARN).
 set -euo pipefail
 hostfile=${1:?usage: launch_cluster.sh HOSTFILE TASK [flags]}
 task=${2:?usage: launch_cluster.sh HOSTFILE TASK [flags]}
@@ -33,7 +34,8 @@ cmd=(mpirun -np "$np" --hostfile "$hostfile"
 # Forward the environment the workers need; -x NAME copies it from this shell. Only names
 # that are set: Open MPI prints a warning for each unset one.
 for name in PATH LD_LIBRARY_PATH PYTHONPATH TF_CPP_MIN_LOG_LEVEL HVDTRAIN_TF_LOGS \
-            HOROVOD_CYCLE_TIME HOROVOD_FUSION_THRESHOLD PYTHONUNBUFFERED TF_USE_LEGACY_KERAS; do
+            HOROVOD_CYCLE_TIME HOROVOD_FUSION_THRESHOLD PYTHONUNBUFFERED TF_USE_LEGACY_KERAS \
+            HVDTRAIN_EXIT_FILE HVDTRAIN_LOCK_WAIT; do
     if [[ -n "${!name+set}" ]]; then cmd+=(-x "$name"); fi
 done
 if [[ -n "${IFACE:-}" ]]; then

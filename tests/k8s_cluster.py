@@ -27,8 +27,17 @@ launcher and workers can tell, is done here by hand from the rendered MPIJob:
 - **The operator**: workers first, the launcher once they are ready
   (``launcherCreationPolicy: WaitForWorkersReady``).
 
-The sshd in each worker is Debian's, run by the image's scripts/k8s_worker.sh; mpirun,
-ssh, Python and hvdtrain are this machine's (the same Debian 12 packages the image installs).
+- **The runtime**: the container's processes as the pod's ``securityContext`` says
+  (``runAsUser``, ``runAsGroup``, ``fsGroup``, ``capabilities: drop: [ALL]``,
+  ``allowPrivilegeEscalation``), through ``setpriv``: not root, no capability, an empty
+  bounding set (no ``CAP_SYS_CHROOT``, as CRI-O's default set lacks it); the image's users
+  (its ``useradd``) in the pod's /etc/passwd, their homes in a fresh /home; the host's ssh
+  host keys removed where the Dockerfile removes the image's; ``fsGroup`` applied to the
+  claim as the kubelet applies it; ``exec`` readiness probes run inside the pod as its user.
+
+The sshd in each worker is Debian's, run by the image's scripts/k8s_worker.sh with the
+image's configuration; mpirun, ssh, Python and hvdtrain are this machine's (the same Debian 12
+packages the image installs).
 Not emulated: the API server, the operator's controller loop and the Job controller's retries
 (the test starts the next launcher itself), the scheduler, cgroups and resource limits, DNS
 changes while a pod runs, a real container runtime and image.
@@ -185,8 +194,19 @@ class Image:
                 cont = ""
         last = max(i for i, l in enumerate(lines) if l.split()[:1] == ["FROM"])
         self.env, self.workdir, self.copies, self.from_build = dict(DEBIAN_ENV), "/", [], []
+        self.users = {}  # RUN useradd --uid UID NAME: {NAME: UID}
+        self.host_keys_removed = False  # RUN rm -f /etc/ssh/ssh_host_*
         for line in lines[last + 1:]:
             word, _, rest = line.strip().partition(" ")
+            if word == "RUN":
+                for command in rest.split("&&"):
+                    args = shlex.split(command)
+                    if args[:1] == ["useradd"]:
+                        uid = args[args.index("--uid") + 1] if "--uid" in args else None
+                        self.users[args[-1]] = int(uid)
+                    if args[:2] == ["rm", "-f"] and any(a.startswith("/etc/ssh/ssh_host_")
+                                                        for a in args):
+                        self.host_keys_removed = True
             if word == "ENV":
                 for token in shlex.split(rest):
                     key, _, value = token.partition("=")
@@ -257,9 +277,23 @@ class Pod:
         for src, dst in self.image.copies:
             if os.path.dirname(dst) not in cleared:
                 cleared.add(os.path.dirname(dst))
+                lines.append(f"mkdir -p {q(os.path.dirname(dst))}")
                 lines.append(f"rm -f {q(os.path.dirname(dst))}/*")
             lines.append(f"cp {q(src)} {q(dst)}")
         lines.append(f"cp {q(self.hosts_file)} /etc/hosts")
+        if self.image.host_keys_removed:  # the host's keys are not the image's
+            lines.append("rm -f /etc/ssh/ssh_host_*")
+        # The image's users (useradd): theirs alone are their uids (not the host's), their
+        # homes in the image's /home; and /root traversable as in a Debian image (the
+        # venv's interpreter may live under the host's /root).
+        lines += ["mount -t tmpfs -o mode=755 tmpfs /home", "chmod 755 /root"]
+        for user, uid in self.image.users.items():
+            lines += [f"sed -i '/^[^:]*:[^:]*:{uid}:/d' /etc/passwd",
+                      f"sed -i '/^[^:]*:[^:]*:{uid}:/d' /etc/group",
+                      f"echo '{user}:x:{uid}:{uid}::/home/{user}:/bin/bash' >>/etc/passwd",
+                      f"echo '{user}:x:{uid}:' >>/etc/group",
+                      f"echo '{user}:*:20000:0:99999:7:::' >>/etc/shadow",
+                      f"mkdir -p /home/{user}", f"chown {uid}:{uid} /home/{user}"]
         mounted = set()
         for m in c.get("volumeMounts", []):
             source, read_only = self.volumes[m["name"]]
@@ -283,14 +317,44 @@ class Pod:
             lines.append(f"mount -t tmpfs -o mode=1777 tmpfs {private}")
         for i, path in enumerate(keep):
             lines += [f"mkdir -p {q(path)}", f"mount --bind /opt/.keep{i} {q(path)}"]
-        env = dict(self.image.env, HOSTNAME=self.spec["hostname"], HOME="/root")
+        env = dict(self.image.env, HOSTNAME=self.spec["hostname"], HOME=self.home())
         for e in c.get("env", []):
             env[e["name"]] = e.get("value", "")
+        self.exec_prefix = self.user_prefix() + ["env", "-i"] + [
+            f"{k}={v}" for k, v in env.items()]
         lines.append(f"cd {q(c.get('workingDir', self.image.workdir))}")
-        lines.append("exec env -i " + " ".join(q(f"{k}={v}") for k, v in env.items()) + ' "$@"')
+        lines.append("exec " + " ".join(map(q, self.exec_prefix)) + ' "$@"')
         script = d / "setup.sh"
         script.write_text("\n".join(lines) + "\n")
         return str(script)
+
+    def security(self) -> dict:
+        """The container's securityContext over the pod's (the container's fields win)."""
+        return {**self.spec.get("securityContext", {}),
+                **self.container.get("securityContext", {})}
+
+    def home(self) -> str:
+        uid = self.security().get("runAsUser", 0)
+        names = [n for n, u in self.image.users.items() if u == uid]
+        return f"/home/{names[0]}" if names else "/root"
+
+    def user_prefix(self) -> list:
+        """How the runtime starts the container's processes: as runAsUser (runAsGroup, and
+        fsGroup as a supplementary group) and, with capabilities drop [ALL] or as a user
+        other than root, with no capability at all, none to regain (the bounding set
+        emptied: no CAP_SYS_CHROOT, as under CRI-O's defaults and less);
+        allowPrivilegeEscalation false: no_new_privs. [] for root with every capability
+        (the emulation's own)."""
+        sec = self.security()
+        uid = sec.get("runAsUser", 0)
+        if uid == 0 and "ALL" not in sec.get("capabilities", {}).get("drop", []):
+            return []
+        prefix = ["setpriv", f"--reuid={uid}", f"--regid={sec.get('runAsGroup', uid)}"]
+        prefix.append(f"--groups={sec['fsGroup']}" if "fsGroup" in sec else "--clear-groups")
+        prefix += ["--inh-caps=-all", "--bounding-set=-all"]
+        if sec.get("allowPrivilegeEscalation") is False:
+            prefix.append("--no-new-privs")
+        return prefix
 
     def start(self):
         """The container: its command and args as PID 1, stdout and stderr to the pod's log."""
@@ -334,12 +398,21 @@ class Pod:
             self.proc.wait(timeout=10)
 
     def ready(self) -> bool:
-        """The container's readinessProbe (tcpSocket), from the node; no probe: running."""
+        """The container's readinessProbe (exec in the container, as its user; tcpSocket
+        from the node); no probe: running."""
         if self.proc.poll() is not None:
             return False
         probe = self.container.get("readinessProbe")
         if not probe:
             return self.pid1() is not None
+        if "exec" in probe:
+            pid = self.pid1()
+            if pid is None:
+                return False
+            p = sh("nsenter", "-t", str(pid), "--net", "--uts", "--mount", "--pid", "--wd=/",
+                   *self.exec_prefix, *probe["exec"]["command"],
+                   timeout=probe.get("timeoutSeconds", 1) + 5)
+            return p.returncode == 0
         port = probe["tcpSocket"]["port"]
         ip = self.net.hosts[self.name][1]
         p = sh(*self.net.on(None, ["bash", "-c", f"exec 3<>/dev/tcp/{ip}/{port}"]), timeout=10)
@@ -383,7 +456,15 @@ class JobRun:
         for v in spec.get("volumes", []):
             where = self.base / "volumes" / pod_name / v["name"]
             if "persistentVolumeClaim" in v:
-                out[v["name"]] = (self.claims[v["persistentVolumeClaim"]["claimName"]], False)
+                claim = self.claims[v["persistentVolumeClaim"]["claimName"]]
+                group = spec.get("securityContext", {}).get("fsGroup")
+                if group is not None:  # the kubelet's volume ownership for fsGroup
+                    for d, dirs, files in os.walk(claim):
+                        for path in [d] + [os.path.join(d, f) for f in files]:
+                            os.chown(path, -1, group)
+                            mode = os.stat(path).st_mode
+                            os.chmod(path, mode | 0o060 | (0o2010 if path == d else 0))
+                out[v["name"]] = (claim, False)
             elif "emptyDir" in v:
                 out[v["name"]] = (None, False)
             elif "secret" in v:

@@ -117,16 +117,18 @@ def json_patch(doc: dict, ops: list) -> None:
 
 
 def set_image(node, image: dict) -> None:
-    """kustomize's ``images``: every container's image named ``image['name']`` (any tag)."""
+    """kustomize's ``images``: every container's image named ``image['name']`` (any tag), to
+    ``newName`` with ``newTag``, or pinned as ``newName@digest``."""
     if isinstance(node, dict):
         for key, value in node.items():
             if key in ("containers", "initContainers") and isinstance(value, list):
                 for c in value:
-                    name, _, tag = c.get("image", "").partition(":")
+                    name, _, tag = c.get("image", "").split("@")[0].partition(":")
                     if name == image["name"]:
                         name = image.get("newName", name)
                         tag = image.get("newTag", tag)
-                        c["image"] = f"{name}:{tag}" if tag else name
+                        c["image"] = (f"{name}@{image['digest']}" if image.get("digest") else
+                                      f"{name}:{tag}" if tag else name)
             set_image(value, image)
     elif isinstance(node, list):
         for v in node:
@@ -419,3 +421,52 @@ def check(docs: list) -> list:
         else:
             errs += api_errors(d)
     return errs
+
+
+# --- what a deployment must fill in --------------------------------------------------------------
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
+EXAMPLE_REGISTRY = "registry.example.com/"
+
+
+def deploy_errors(docs: list) -> list:
+    """The required edits a rendered kustomization still lacks, one line each: the claim's
+    storage class (left out, the cluster's default class decides, usually a single-node one,
+    and the claim stays Pending without an error), and images pinned by a real digest."""
+    errs = []
+    for d in docs:
+        what = f"{d.get('kind')} {d.get('metadata', {}).get('name')}"
+        if d.get("kind") == "PersistentVolumeClaim":
+            cls = d.get("spec", {}).get("storageClassName")
+            if not cls or not DNS1123_SUBDOMAIN.match(cls):
+                modes = "/".join(d["spec"].get("accessModes", []))
+                errs.append(f"{what}: spec.storageClassName is {repr(cls) if cls else 'missing'}"
+                            f": name a storage class of your cluster that gives {modes} "
+                            "volumes (kubectl get sc)")
+        if d.get("kind") == "MPIJob":
+            for role, rs in sorted(d["spec"].get("mpiReplicaSpecs", {}).items()):
+                for c in rs["template"]["spec"].get("containers", []):
+                    image = c.get("image", "")
+                    if "@sha256:" not in image:
+                        errs.append(f"{what}: {role} image {image} is not pinned by digest "
+                                    "(images: digest: in the overlay)")
+                    elif image.endswith(PLACEHOLDER_DIGEST) or image.startswith(EXAMPLE_REGISTRY):
+                        errs.append(f"{what}: {role} image {image} is the placeholder: your "
+                                    "registry and the digest docker push printed")
+    return errs
+
+
+def main(argv) -> int:
+    """python tests/k8s_manifests.py DIR...: every kustomization's schema errors and missing
+    edits, one line each; exit 1 if there is any."""
+    bad = 0
+    for directory in argv:
+        for line in check(render(directory)) + deploy_errors(render(directory)):
+            print(f"{directory}: {line}")
+            bad += 1
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main(sys.argv[1:]))

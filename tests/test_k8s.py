@@ -9,15 +9,26 @@ the operator makes of it, and the claim, validate against the Kubernetes API sch
 of the manifests (a wrong type, a missing required field, an unknown field, a bad enum, a
 restart policy the operator refuses) fails the same check.
 
-The emulation (tests/k8s_cluster.py): the smoke overlay's MPIJob, pod by pod in network, UTS,
-PID and mount namespaces: a launcher and two workers with the operator's host names, hostfile,
-environment and ssh key pair, Debian's sshd in each worker (scripts/k8s_worker.sh), the
-launcher running the MPIJob's exact command (scripts/k8s_launcher.sh). The job trains with
+The emulation (tests/k8s_cluster.py): the smoke overlay's MPIJob on three workers, pod by pod
+in network, UTS, PID and mount namespaces: a launcher and three workers with the operator's
+host names, hostfile, environment and ssh key pair, every process as the image's mpiuser with
+no capability (the pods' securityContext), the image's sshd configuration (port 2222, the
+job's key as host key) in each worker (scripts/k8s_worker.sh), ready once an ssh login works,
+each worker's daemon started over ssh by the one before it (Open MPI's tree spawn as a chain),
+the launcher running the MPIJob's exact command (scripts/k8s_launcher.sh). The job trains with
 identical ranks; deleting every pod (SIGTERM to each PID 1) ends it 75 with a checkpoint on the
-claim, and a new set of pods resumes from it to the uninterrupted run's weights; a job that
+claim, and a new set of pods resumes from it to the uninterrupted run's weights; rank 0's
+worker killed with SIGKILL ends it with a retried status, and the next pods wait out the run
+directory's lock held on (a dead node's NFS lease) and resume to the same weights; a job that
 ends with hvdtrain's exit 2 is not run again by the next launcher pod.
+
+Cost (two cores shared with other test runs, so noisy): the offline checks about 20 s; the
+emulation 6 to 6.5 min (the uninterrupted run 77-90 s, the deletion and resume 105-165 s, the
+node crash and resume 115-140 s, the permanent error 8-11 s), against 1.5 min for the two-worker
+emulation before it had the three workers, the crash and the non-root pods.
 """
 import copy
+import fcntl
 import glob
 import json
 import os
@@ -25,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -49,7 +61,8 @@ def containers(job, role):
 @pytest.mark.quick
 # --- offline ------------------------------------------------------------------------------------
 def test_k8s_every_kustomization_is_found():
-    assert set(OVERLAYS) == {"base", "claim", "overlays/cpu", "overlays/gpu", "overlays/smoke"}
+    assert set(OVERLAYS) == {"base", "claim", "claim-one-node", "overlays/cpu", "overlays/gpu",
+                             "overlays/smoke", "overlays/smoke-one-node"}
 
 
 @pytest.mark.quick
@@ -57,7 +70,7 @@ def test_k8s_every_kustomization_is_found():
 def test_k8s_manifests_validate(name):
     docs = rendered(name)
     assert docs and K.check(docs) == []
-    if name != "claim":
+    if not name.startswith("claim"):
         made = K.operator_objects(K.mpijob(docs))
         assert len(made["workers"]) == K.mpijob(docs)["spec"]["mpiReplicaSpecs"]["Worker"][
             "replicas"]
@@ -73,17 +86,23 @@ def test_k8s_renderer_matches_kubectl_kustomize(name):
     assert [d for d in yaml.safe_load_all(p.stdout) if d] == rendered(name)
 
 
+JOBS = ["overlays/cpu", "overlays/gpu", "overlays/smoke", "overlays/smoke-one-node"]
+
+
 @pytest.mark.quick
-@pytest.mark.parametrize("name", ["overlays/cpu", "overlays/gpu", "overlays/smoke"])
+@pytest.mark.parametrize("name", JOBS)
 def test_k8s_what_a_restartable_job_needs(name):
     job = K.mpijob(rendered(name))
     spec = job["spec"]
     specs = spec["mpiReplicaSpecs"]
-    assert (spec["mpiImplementation"], spec["sshAuthMountPath"]) == ("OpenMPI", "/root/.ssh")
-    # A fresh launcher pod for every retry, a bounded number of them, workers removed at the end.
+    assert (spec["mpiImplementation"], spec["sshAuthMountPath"]) == ("OpenMPI",
+                                                                     "/home/mpiuser/.ssh")
+    # A fresh launcher pod for every retry, enough of them for a spot fleet's reclaims, the
+    # job's wall-clock time the real bound, workers removed at the end.
     assert specs["Launcher"]["restartPolicy"] == "Never"
     assert specs["Worker"]["restartPolicy"] == "OnFailure"
-    assert 1 <= spec["runPolicy"]["backoffLimit"] <= 20
+    assert 10 <= spec["runPolicy"]["backoffLimit"] <= 50
+    assert 3600 <= spec["runPolicy"]["activeDeadlineSeconds"]
     assert spec["runPolicy"]["cleanPodPolicy"] == "Running"
     (launcher,), (worker,) = containers(job, "Launcher"), containers(job, "Worker")
     for role in ("Launcher", "Worker"):
@@ -107,30 +126,66 @@ def test_k8s_what_a_restartable_job_needs(name):
     for c, script in ((launcher, "k8s_launcher.sh"), (worker, "k8s_worker.sh")):
         assert c["command"] == [f"/opt/hvdtrain/scripts/{script}"]
         assert os.access(os.path.join(K.ROOT, "scripts", script), os.X_OK)
-    assert worker["readinessProbe"]["tcpSocket"]["port"] == 22
+    # Ready once an ssh login runs a command (not an open port).
+    assert worker["readinessProbe"]["exec"]["command"] == [
+        "/opt/hvdtrain/scripts/k8s_worker.sh", "probe"]
+    # Not root, no capability, nothing to escalate to: the "restricted" Pod Security Standard.
+    for role, c in (("Launcher", launcher), ("Worker", worker)):
+        pod = specs[role]["template"]["spec"]
+        assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"][
+            "runAsNonRoot"] is True and pod["securityContext"]["seccompProfile"] == {
+            "type": "RuntimeDefault"}
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                        "capabilities": {"drop": ["ALL"]}}
+        assert pod["imagePullSecrets"] == [{"name": "hvdtrain-pull"}]
+    # Images pinned by digest; the launcher on the CPU image, in the GPU overlay too.
+    images = {i["name"]: i for i in yaml.safe_load(open(os.path.join(
+        OVERLAYS["overlays/gpu" if name == "overlays/gpu" else "overlays/cpu"],
+        "kustomization.yaml")))["images"]}
+    cpu = {i["name"]: i for i in yaml.safe_load(open(os.path.join(
+        OVERLAYS["overlays/cpu"], "kustomization.yaml")))["images"]}["hvdtrain"]
+    assert images["hvdtrain-launcher"] == dict(cpu, name="hvdtrain-launcher")
+    for c, i in ((launcher, images["hvdtrain-launcher"]), (worker, images["hvdtrain"])):
+        assert c["image"] == f"{i['newName']}@{i['digest']}"
     # GPUs: one slot per GPU; the CPU overlays ask for none.
     gpus = worker.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
-    tag = launcher["image"].rsplit(":", 1)[1]
-    assert worker["image"] == launcher["image"]
     if name == "overlays/gpu":
-        assert (gpus, spec["slotsPerWorker"], tag) == (4, 4, "gpu")
+        assert (gpus, spec["slotsPerWorker"]) == (4, 4)
     else:
-        assert (gpus, spec["slotsPerWorker"], tag) == (None, 1, "cpu")
+        assert (gpus, spec["slotsPerWorker"]) == (None, 1)
 
 @pytest.mark.quick
 
-def test_k8s_the_image_has_what_the_pods_need():
+def test_k8s_the_image_has_what_the_pods_need(tmp_path):
     from k8s_cluster import Image
     image = Image()
     assert image.workdir == "/opt/hvdtrain"
     assert image.env["PATH"].startswith("/opt/hvdtrain/.venv/bin:")
     assert image.env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
+    # The GPUs a container sees are the runtime's to give (docker --gpus, the device plugin).
+    assert "NVIDIA_VISIBLE_DEVICES" not in image.env
     assert image.from_build == [("/opt/hvdtrain", "/opt/hvdtrain")]
+    # mpiuser, the pods' runAsUser; no host key of the image's own.
+    assert image.users == {"mpiuser": 1000} and image.host_keys_removed
     copies = {dst: open(src).read() for src, dst in image.copies}
-    assert re.search(r"^StrictModes no$", copies["/etc/ssh/sshd_config.d/hvdtrain.conf"], re.M)
-    assert re.search(r"^UsePAM no$", copies["/etc/ssh/sshd_config.d/hvdtrain.conf"], re.M)
+    sshd = copies["/etc/ssh/hvdtrain/sshd_config"]
+    for line in ("Port 2222", "StrictModes no", "UsePAM no", "PasswordAuthentication no"):
+        assert re.search(f"^{line}$", sshd, re.M), line
+    assert not re.search(r"^HostKey", sshd, re.M)  # the job's key: k8s_worker.sh gives it
+    # What the Dockerfile's build checks: this sshd takes the file with a key given to it
+    # (as root it also wants its privilege separation directory, which the image makes).
+    if os.getuid() == 0 and not os.path.isdir("/run/sshd"):
+        return
+    key = tmp_path / "key"
+    assert subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(key)]
+                          ).returncode == 0
+    p = subprocess.run(["/usr/sbin/sshd", "-t", "-f", os.path.join(
+        K.DEPLOY, "ssh", "sshd_hvdtrain.conf"), "-o", f"HostKey={key}"],
+        capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
     client = copies["/etc/ssh/ssh_config.d/hvdtrain.conf"]
     assert "StrictHostKeyChecking no" in client and "UserKnownHostsFile /dev/null" in client
+    assert re.search(r"^Host \*\.svc .*\n\s+Port 2222$", client, re.M)
     with open(os.path.join(K.ROOT, "Dockerfile")) as f:
         dockerfile = f.read()
     runtime = dockerfile[dockerfile.rindex("\nFROM "):]
@@ -218,11 +273,130 @@ def test_k8s_a_broken_claim_fails_the_same_check(tmp_path, field, value, message
     assert errors and all(message in e for e in errors), errors
 
 
+def filled_in(tree):
+    """A copy's required edits made: storage classes, the registry, the images' digests."""
+    for claim in ("claim", "claim-one-node"):
+        path = tree / claim / "pvc.yaml"
+        pvc = yaml.safe_load(path.read_text())
+        pvc["spec"]["storageClassName"] = "efs-sc"
+        path.write_text(yaml.safe_dump(pvc))
+    for overlay in ("cpu", "gpu"):
+        path = tree / "overlays" / overlay / "kustomization.yaml"
+        k = yaml.safe_load(path.read_text())
+        for i in k["images"]:
+            i["newName"] = "ghcr.io/acme/hvdtrain"
+            i["digest"] = "sha256:" + ("ab" if i["name"] == "hvdtrain" and overlay == "gpu"
+                                       else "cd") * 32
+        path.write_text(yaml.safe_dump(k))
+
+
+@pytest.mark.quick
+def test_k8s_the_required_edits_are_caught_one_line_each(tmp_path):
+    """The shipped claim and images are placeholders the check refuses; filled in, nothing is
+    left; a claim without a storage class is one line, from the command a user runs."""
+    names = ("claim", "claim-one-node", "overlays/cpu", "overlays/gpu", "overlays/smoke",
+             "overlays/smoke-one-node")
+    left = {name: K.deploy_errors(rendered(name)) for name in names}
+    assert left["claim"] == ["PersistentVolumeClaim hvdtrain-runs: spec.storageClassName is "
+                             "'REPLACE-WITH-AN-RWX-CLASS': name a storage class of your cluster "
+                             "that gives ReadWriteMany volumes (kubectl get sc)"]
+    assert len(left["claim-one-node"]) == 1 and "ReadWriteOnce" in left["claim-one-node"][0]
+    for name in names[2:]:
+        assert len(left[name]) == 2 and all("is the placeholder" in e for e in left[name])
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K.DEPLOY, tree)
+    filled_in(tree)
+    for name in names:
+        docs = K.render(str(tree / name))
+        assert K.check(docs) == [] and K.deploy_errors(docs) == [], name
+    path = tree / "claim" / "pvc.yaml"
+    pvc = yaml.safe_load(path.read_text())
+    del pvc["spec"]["storageClassName"]  # the cluster's default class would decide
+    path.write_text(yaml.safe_dump(pvc))
+    p = subprocess.run([sys.executable, os.path.join(K.ROOT, "tests", "k8s_manifests.py"),
+                        str(tree / "claim"), str(tree / "overlays" / "gpu")],
+                       capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout.splitlines()) == (1, [
+        f"{tree / 'claim'}: PersistentVolumeClaim hvdtrain-runs: spec.storageClassName is "
+        "missing: name a storage class of your cluster that gives ReadWriteMany volumes "
+        "(kubectl get sc)"]), p.stdout + p.stderr
+
+
+@pytest.mark.quick
+def test_k8s_one_node_smoke_keeps_every_pod_with_the_first():
+    job = K.mpijob(rendered("overlays/smoke-one-node"))
+    (claim,) = rendered("claim-one-node")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    made = K.operator_objects(job)
+    pods = [made["launcher"]["spec"]["template"]] + made["workers"]
+    for pod in pods:
+        (term,) = pod["spec"]["affinity"]["podAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        # The label the operator puts on every pod of this job, this one included (what
+        # lets the scheduler place the first one anywhere).
+        for k, v in term["labelSelector"]["matchLabels"].items():
+            assert pod["metadata"]["labels"][k] == v
+    assert job["metadata"]["name"] == "hvdtrain-smoke"
+
+
+def documented_status_command():
+    """The MPIJob status command of docs/CLUSTER.md: its -o jsonpath= argument."""
+    with open(os.path.join(K.ROOT, "docs", "CLUSTER.md")) as f:
+        (cmd,) = re.findall(r"^kubectl get mpijob \S+ -o jsonpath='([^']+)'$", f.read(), re.M)
+    return cmd
+
+
+@pytest.mark.quick
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_k8s_the_documented_status_command_shows_the_conditions(tmp_path):
+    """Against an MPIJob's status as the operator writes it (pkg/controller/mpi_job_status.go:
+    a Failed job after an eviction: Running set False, no completionTime), offline: kubectl
+    label --local evaluates the same -o jsonpath."""
+    job = copy.deepcopy(SMOKE)
+    job["status"] = {"conditions": [
+        {"type": "Created", "status": "True", "reason": "MPIJobCreated",
+         "message": "MPIJob default/hvdtrain-smoke is created."},
+        {"type": "Running", "status": "False", "reason": "MPIJobRunning",
+         "message": "MPIJob default/hvdtrain-smoke is running."},
+        {"type": "Failed", "status": "True", "reason": "MPIJobEvicted",
+         "message": "launcher pod was evicted"}],
+        "startTime": "2026-01-01T00:00:00Z"}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    p = subprocess.run(["kubectl", "label", "--local", "-f", str(path), "x=y", "-o",
+                        f"jsonpath={documented_status_command()}"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [
+        "Created=True MPIJobCreated: MPIJob default/hvdtrain-smoke is created.",
+        "Running=False MPIJobRunning: MPIJob default/hvdtrain-smoke is running.",
+        "Failed=True MPIJobEvicted: launcher pod was evicted",
+        "completionTime: "], p.stdout
+
+
 # --- the emulation ------------------------------------------------------------------------------
 SMOKE = K.mpijob(rendered("overlays/smoke"))
 RUN_DIR = containers(SMOKE, "Launcher")[0]["args"][2]  # --run-dir's value
-STEPS = 1000  # the smoke task's 10 epochs of 100 steps (100 examples per step, 1,000 examples)
 GRACE = 60    # the test's bound on a pod's termination (the manifest's 120 s)
+
+
+def three_workers(job, epochs=4):
+    """The smoke job on 3 workers, each daemon started by the one before (Open MPI's tree
+    spawn with radix 1: the worker-to-worker ssh that jobs of more than 64 workers do), for
+    ``epochs`` epochs instead of 10 (two cores run the three ranks)."""
+    job = copy.deepcopy(job)
+    job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] = 3
+    args = containers(job, "Launcher")[0]["args"]
+    args[args.index("--epochs") + 1] = str(epochs)
+    containers(job, "Launcher")[0].setdefault("env", []).append(
+        {"name": "OMPI_MCA_routed_radix", "value": "1"})
+    return job
+
+
+JOB = three_workers(SMOKE)
+WORKERS = 3
+STEPS = 264  # 4 epochs of 66 steps (5 examples per rank and step, 1,000 examples, 3 ranks)
 
 
 @pytest.fixture(scope="module")
@@ -279,8 +453,24 @@ def finish(run, timeout=120):
 
 
 def check_trained(r):
-    assert (r["world_size"], r["backend"], r["ranks_identical"]) == (2, "horovod", True)
+    assert (r["world_size"], r["backend"], r["ranks_identical"]) == (WORKERS, "horovod", True)
     assert r["global_step"] == STEPS
+
+
+def wait_for_checkpoint(run, run_dir, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not checkpoint_steps(run_dir):
+        assert run.launcher.proc.poll() is None, run.logs()
+        assert time.monotonic() < deadline, f"no checkpoint in {timeout} s\n{run.logs()}"
+        time.sleep(0.1)
+
+
+def credentials(pid):
+    """Uid and the capability sets of a process, from /proc/PID/status."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    return (fields["Uid"].split()[0], int(fields["CapEff"], 16), int(fields["CapBnd"], 16),
+            fields["NoNewPrivs"])
 
 
 @pytest.fixture(scope="module")
@@ -290,19 +480,22 @@ def uninterrupted(cluster, tmp_path_factory):
     claim = base / "claim"
     claim.mkdir()
     t = time.monotonic()
-    run = job_run(cluster, base / "pods", claim)
+    run = job_run(cluster, base / "pods", claim, JOB)
     try:
         run.start()
         # PID 1 of the launcher pod is the MPIJob's command and args, exactly.
-        cmd = containers(SMOKE, "Launcher")[0]
+        cmd = containers(JOB, "Launcher")[0]
         assert launcher_argv(run)[-len(cmd["args"]) - 1:] == cmd["command"] + cmd["args"]
-        rc = finish(run)
+        creds = {p.name: credentials(p.pid1()) for p in run.pods.values()}
+        addresses = {name: cluster.hosts[name][1] for name in run.pods}
+        rc = finish(run, 240)
         logs = run.logs()
         statuses = run.delete(GRACE)
     finally:
         run.remove()
     return {"rc": rc, "logs": logs, "statuses": statuses, "result": result(on_claim(claim)),
-            "seconds": time.monotonic() - t, "run": run}
+            "seconds": time.monotonic() - t, "run": run, "creds": creds, "addresses": addresses,
+            "owner": os.stat(on_claim(claim) / "result.json").st_uid}
 
 
 @pytest.mark.timeout(600)  # its fixtures start the pods' daemons
@@ -312,17 +505,28 @@ def test_k8s_emulated_mpijob_trains_with_identical_ranks(uninterrupted):
     check_trained(u["result"])
     # The operator's hostfile, its variables, a launch over ssh with its key pair to each worker.
     launcher = run.launcher.log()
-    hosts = [f"hvdtrain-smoke-worker-{i}.hvdtrain-smoke.default.svc" for i in (0, 1)]
+    hosts = [f"hvdtrain-smoke-worker-{i}.hvdtrain-smoke.default.svc" for i in range(WORKERS)]
     assert run.objects["hostfile"] == "".join(f"{h} slots=1\n" for h in hosts)
-    assert (f"k8s_launcher.sh: linear on 2 processes, 2 workers ({' '.join(hosts)}); "
+    assert (f"k8s_launcher.sh: linear on 3 processes, 3 workers ({' '.join(hosts)}); "
             f"run dir {RUN_DIR}") in launcher, launcher
+    # Every pod as the image's mpiuser, with no capability and none to regain (no
+    # CAP_SYS_CHROOT: CRI-O's default set drops it, drop: [ALL] drops the rest), and the
+    # ranks' files on the claim are mpiuser's.
+    assert set(u["creds"].values()) == {("1000", 0, 0, "1")}, u["creds"]
+    assert u["owner"] == 1000
     env = {e["name"]: e.get("value") for e in run.launcher.container["env"]}
     assert env["OMPI_MCA_orte_default_hostfile"] == "/etc/mpi/hostfile"
     assert env["OMPI_MCA_plm_rsh_args"] == "-o ConnectionAttempts=10"
+    # sshd on port 2222 with the job's key as its host key; each worker's daemon reached
+    # over ssh, worker-0's from the launcher, the others' from the worker before it.
     for w in run.workers:
-        assert "Accepted publickey for root" in w.log(), w.log()
+        assert "Server listening on 0.0.0.0 port 2222" in w.log(), w.log()
+        assert "Accepted publickey for mpiuser" in w.log(), w.log()
+    for i, w in enumerate(run.workers):
+        ip = u["addresses"][run.launcher.name if i == 0 else run.workers[i - 1].name]
+        assert f"Accepted publickey for mpiuser from {ip} " in w.log(), (i, w.log())
     # Deleting the finished job's workers: each stops at once, with nothing to pass on.
-    assert [u["statuses"][w.name] for w in run.workers] == [0, 0], u["logs"]
+    assert [u["statuses"][w.name] for w in run.workers] == [0] * WORKERS, u["logs"]
 
 
 @pytest.mark.timeout(600)  # its fixtures start the pods' daemons
@@ -331,20 +535,16 @@ def test_k8s_emulated_pod_deletion_gives_75_then_new_pods_resume(cluster, uninte
     claim = tmp_path / "claim"
     claim.mkdir()
     run_dir = on_claim(claim)
-    run = job_run(cluster, tmp_path / "pods", claim)
+    run = job_run(cluster, tmp_path / "pods", claim, JOB)
     try:
         run.start()
-        deadline = time.monotonic() + 90
-        while not checkpoint_steps(run_dir):
-            assert run.launcher.proc.poll() is None, run.logs()
-            assert time.monotonic() < deadline, f"no checkpoint in 90 s\n{run.logs()}"
-            time.sleep(0.1)
+        wait_for_checkpoint(run, run_dir)
         statuses = run.delete(GRACE)  # SIGTERM to every pod's PID 1, as a deletion sends it
     finally:
         run.remove()
     logs = run.logs()
     assert statuses[run.launcher.name] == 75, logs
-    assert [statuses[w.name] for w in run.workers] == [0, 0], logs
+    assert [statuses[w.name] for w in run.workers] == [0] * WORKERS, logs
     stopped = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint saved", logs)
     assert stopped and len(set(stopped)) == 1, logs  # every rank at the same step
     step = int(stopped[0])
@@ -354,16 +554,98 @@ def test_k8s_emulated_pod_deletion_gives_75_then_new_pods_resume(cluster, uninte
         assert "passing it to this pod's ranks" in w.log(), w.log()
 
     # The next set of pods (new addresses, new key pair, the same claim and command).
-    again = job_run(cluster, tmp_path / "pods-again", claim)
+    again = job_run(cluster, tmp_path / "pods-again", claim, JOB)
     try:
         again.start()
-        rc = finish(again)
+        rc = finish(again, 240)
         again.delete(GRACE)
     finally:
         again.remove()
     logs = again.logs()
     assert rc == 0, logs
     assert f"ckpt-{step:09d}.hvdt at epoch" in logs, logs  # resumed from the SIGTERM's checkpoint
+    r = result(run_dir)
+    check_trained(r)
+    assert r["weights_sha256"] == uninterrupted["result"]["weights_sha256"]
+
+
+class Lease(threading.Thread):
+    """A crashed node's lock on a network file system: the server keeps it for the node's
+    lease (NFSv4: 90 s) after the node is gone. Here: the run directory's flock, taken the
+    moment the dead holder's own lock goes and held (the file's holder lines untouched)
+    until ``until()`` is true, or ``most`` seconds."""
+
+    def __init__(self, path, until, most=120):
+        super().__init__(daemon=True)
+        self.fd = os.open(path, os.O_RDWR)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the killed holder's lock stayed"
+                time.sleep(0.05)
+        self.until, self.most, self.held = until, most, None
+        self.start()
+
+    def run(self):
+        t = time.monotonic()
+        while not self.until() and time.monotonic() - t < self.most:
+            time.sleep(0.2)
+        time.sleep(1)  # the waiting run sees it held at least once more
+        self.held = time.monotonic() - t
+        os.close(self.fd)
+
+
+@pytest.mark.timeout(900)  # its fixtures start the pods' daemons
+def test_k8s_emulated_node_crash_is_retried_and_resumes(cluster, uninterrupted, tmp_path):
+    """worker-0 (rank 0's pod) killed with SIGKILL, as a node crash ends it: no SIGTERM, no
+    checkpoint. The launcher ends with a status the retries take (not hvdtrain's own 1, not
+    a "failed" marker); the run directory's lock stays held as a file server keeps a dead
+    node's, and the next set of pods waits for it, then resumes from the last periodic
+    checkpoint to the uninterrupted run's weights."""
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    run_dir = on_claim(claim)
+    run = job_run(cluster, tmp_path / "pods", claim, JOB)
+    lease = None
+    try:
+        run.start()
+        wait_for_checkpoint(run, run_dir)
+        crashed = run.workers[0]
+        holder = (run_dir / ".lock").read_text().splitlines()[0]
+        assert holder.startswith("pid ") and " on hvdtrain-smoke-worker-0 since " in holder
+        crashed.kill()  # SIGKILL to the pod's every process, as the node's end
+        again_log = tmp_path / "pods-again" / "hvdtrain-smoke-launcher" / "log"
+        lease = Lease(run_dir / ".lock", lambda: again_log.exists() and
+                      "waiting up to" in again_log.read_text(errors="replace"))
+        rc = finish(run, 120)
+        run.delete(GRACE)
+    finally:
+        run.remove()
+    logs = run.logs()
+    last = checkpoint_steps(run_dir)[0]
+    assert rc not in (0, 1, 2, 75), logs
+    assert f"status {rc} is the infrastructure's" in run.launcher.log(), logs
+    assert not (run_dir / "k8s-launcher-failed").exists()
+    assert not (run_dir / "result.json").exists()
+
+    # The Job's retry: a new launcher pod and worker-0 re-created (new addresses and key pair
+    # here for every pod), the same claim and command; the lock still held.
+    again = job_run(cluster, tmp_path / "pods-again", claim, JOB)
+    try:
+        again.start()
+        rc = finish(again, 300)
+        again.delete(GRACE)
+    finally:
+        again.remove()
+        lease.join(10)
+    logs = again.logs()
+    assert rc == 0, logs
+    assert f"is locked by a run elsewhere ({holder}): waiting up to 120 s" in logs, logs
+    assert lease.held is not None and lease.held < 110, lease.held  # waited out, not refused
+    assert f"ckpt-{last:09d}.hvdt at epoch" in logs, logs  # the last periodic checkpoint
     r = result(run_dir)
     check_trained(r)
     assert r["weights_sha256"] == uninterrupted["result"]["weights_sha256"]
@@ -385,7 +667,8 @@ def test_k8s_emulated_permanent_error_is_not_run_again(cluster, tmp_path):
             t = time.monotonic()
             statuses.append((finish(run, 90), time.monotonic() - t))
             logs = run.logs()
-            accepted = sum(w.log().count("Accepted publickey") for w in run.workers)
+            accepted = sum(len(re.findall(r"Accepted publickey .* from (?!::1 |127\.0\.0\.1 )",
+                                          w.log())) for w in run.workers)  # not the probe's
             run.delete(GRACE)
         finally:
             run.remove()
