@@ -41,8 +41,8 @@ PATCHES = ("horovod-0.28.1-gpu-stream-handle.patch",
            "python/horovod-0.28.1-keras3-optimizer.patch",
            "python/horovod-0.28.1-keras3-sync-batch-norm.patch",
            "python/horovod-0.28.1-keras3-variables.patch")
-WHEEL = ("pip install --no-deps horovod-0.28.1+hvdtrain.*.whl (from scripts/setup.sh --wheels "
-         f"DIR), or pip uninstall -y horovod && {SETUP}")
+WHEEL = ("pip install --no-deps --force-reinstall horovod-0.28.1+hvdtrain.*.whl (from "
+         f"scripts/setup.sh --wheels DIR), or pip uninstall -y horovod && {SETUP}")
 BUILD_RECORD = "hvdtrain_build.txt"    # a GPU build's compiler, flags, NCCL: the same
 BUILT = {"mpi": "MPI", "gloo": "Gloo", "nccl": "NCCL", "ddl": "DDL", "ccl": "CCL",
          "cuda": "CUDA", "rocm": "ROCm"}  # horovod.tensorflow's NAME_built() -> label
