@@ -19,7 +19,8 @@
 #     not run again here: its difference is in Horovod's Python layer, which both builds share
 #     and the CPU build's Keras 2 pass tests; this build differs in its library.
 # Measured: 14 min with a new venv on a loaded 2-core machine (4.5 min of CPU; 4.2 GB of CUDA
-# wheels to fetch), 2.7 min with a ready one.
+# wheels to fetch), 2.7 min with a ready one; 18.5 min with a new venv, its wheel built and
+# installed, on a 2-core machine shared with three other test runs (8 min of CPU).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${HVDTRAIN_GPU_VENV:-$root/.venv-gpu}
