@@ -6,9 +6,10 @@ TensorFlow 2.21 with two small kept patches (scripts/patches/; the second matter
 builds only). Keras 3 is the default;
 tf-keras gives Keras 2 to users who set TF_USE_LEGACY_KERAS=1.
 
-Horovod is an extra, not a hard requirement: it is compiled against the
-TensorFlow already installed (``pip install --no-build-isolation``, which
-``scripts/setup.sh`` does), and hvdtrain trains in one process without it.
+``pip install .`` installs what training needs; the test and bench tools are extras.
+Horovod is not a requirement here: it is compiled against the TensorFlow already installed
+(``scripts/setup.sh``, which also writes it as a wheel with ``--wheels DIR``), and hvdtrain
+trains in one process without it. constraints.txt holds the exact versions the tests pass with.
 """
 import os
 import re
@@ -26,7 +27,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.9,<3.13",
+    python_requires=">=3.10,<3.14",  # TensorFlow 2.21's range
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
     package_data={"hvdtrain": ["resources/*.gz", "resources/*.md"]},
     install_requires=[
@@ -50,8 +51,6 @@ setup(
         "ml_dtypes>=0.5.1,<0.6",
     ],
     extras_require={
-        # Built from source against the installed TensorFlow: see scripts/setup.sh.
-        "horovod": ["horovod==0.28.1"],
         # hvd.init(comm=MPI.COMM_WORLD) and the allreduce benchmark's reference.
         "mpi": ["mpi4py==4.1.2"],
         # kubernetes-validate: the Kubernetes API schemas for deploy/kubernetes/'s objects;

@@ -15,6 +15,7 @@ import argparse
 import ctypes
 import importlib.metadata
 import importlib.util
+import hashlib
 import json
 import os
 import re
@@ -29,7 +30,20 @@ from hvdtrain.errors import error_line
 SETUP = "scripts/setup.sh"
 REBUILD = (f"pip uninstall -y horovod && {SETUP} (recompiles horovod against this "
            "TensorFlow with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 and scripts/patches/ applied)")
-PATCH_MARKER = "hvdtrain_patches.txt"  # written into horovod/ by scripts/setup.sh
+PATCH_MARKER = "hvdtrain_patches.txt"  # in hvdtrain's Horovod wheel: the patches it was built with
+PATCH_FILES = "hvdtrain_patch_files.txt"  # ... and each patch's files' sha256 as built
+# The patches hvdtrain needs in Horovod 0.28.1 (scripts/patches/, tests/test_doctor.py keeps
+# this list equal to it), so that an installed wheel is checked without the repository.
+PATCHES = ("horovod-0.28.1-gpu-stream-handle.patch",
+           "horovod-0.28.1-launch-without-tensorflow.patch",
+           "horovod-0.28.1-no-xla-ops.patch",
+           "python/horovod-0.28.1-keras-callbacks.patch",
+           "python/horovod-0.28.1-keras3-optimizer.patch",
+           "python/horovod-0.28.1-keras3-sync-batch-norm.patch",
+           "python/horovod-0.28.1-keras3-variables.patch",
+           "python/horovod-0.28.1-no-xla-kernels.patch")
+WHEEL = ("pip install --no-deps --force-reinstall horovod-0.28.1+hvdtrain.*.whl (from "
+         f"scripts/setup.sh --wheels DIR), or pip uninstall -y horovod && {SETUP}")
 BUILD_RECORD = "hvdtrain_build.txt"    # a GPU build's compiler, flags, NCCL: the same
 BUILT = {"mpi": "MPI", "gloo": "Gloo", "nccl": "NCCL", "ddl": "DDL", "ccl": "CCL",
          "cuda": "CUDA", "rocm": "ROCm"}  # horovod.tensorflow's NAME_built() -> label
@@ -117,9 +131,14 @@ def diagnose():
                 sub for sub in ("torch", "mxnet") if all(status[sub].values())]
             hvd_report["built"] = {name: bool(getattr(hvd, f"{name}_built")())
                                    for name in BUILT}
-            marker = os.path.join(os.path.dirname(horovod.__file__), PATCH_MARKER)
-            hvd_report["patches"] = ([line.split()[-1] for line in open(marker)]
-                                     if os.path.exists(marker) else [])
+            hvd_report.update(patches(os.path.dirname(horovod.__file__)))
+            absent = [p for p in PATCHES if p not in hvd_report["patches"]]
+            if absent:
+                problem(f"horovod {horovod.__version__} lacks hvdtrain's patches: "
+                        f"{', '.join(absent)}", WHEEL)
+            for name, files in hvd_report["patches_changed"].items():
+                problem(f"horovod's files of patch {name} changed since the build: "
+                        f"{', '.join(files)}", WHEEL)
             if hvd_report["built"]["nccl"] or hvd_report["built"]["cuda"]:
                 hvd_report["gpu_build"] = gpu_build(os.path.dirname(horovod.__file__), tf)
             missing = [BUILT[n] for n in ("mpi", "gloo") if not hvd_report["built"][n]]
@@ -165,6 +184,29 @@ def diagnose():
             problem(f"{name} is not on PATH or in {os.path.dirname(sys.executable)}", SETUP)
 
     return report, problems
+
+
+def patches(horovod_dir):
+    """The patches the installed Horovod was built with, and those whose files differ now.
+
+    {"patches": names, "patches_changed": {name: [changed or missing files]}}, from the two
+    records the wheel carries; a file's sha256 is compared with the build's."""
+    marker = os.path.join(horovod_dir, PATCH_MARKER)
+    names = [line.split()[-1] for line in open(marker)] if os.path.exists(marker) else []
+    changed = {}
+    sums = os.path.join(horovod_dir, PATCH_FILES)
+    if os.path.exists(sums):
+        base = os.path.dirname(horovod_dir)
+        for line in open(sums):
+            digest, name, path = line.split()
+            try:
+                with open(os.path.join(base, path), "rb") as f:
+                    same = hashlib.sha256(f.read()).hexdigest() == digest
+            except OSError:
+                same = False
+            if not same:
+                changed.setdefault(name, []).append(path)
+    return {"patches": names, "patches_changed": changed}
 
 
 def cuda_driver():

@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
-# Idempotent environment for hvdtrain on Debian 12 (run as root, or with sudo for apt).
+# Idempotent environment for hvdtrain: a venv with the locked stack (constraints.txt), Horovod
+# compiled against its TensorFlow (or installed from the build cache), and hvdtrain. No root.
 #
-#   scripts/setup.sh            # Debian packages, .venv, TensorFlow, Horovod, hvdtrain
+#   scripts/setup.sh                   # .venv with TensorFlow, Horovod and hvdtrain
+#   scripts/setup.sh --wheels DIR      # the same, then Horovod's and hvdtrain's wheels into DIR
+#                                      # (pip install --no-deps DIR/*.whl on other machines)
 #   scripts/setup.sh --check-horovod   # exit 0 if the venv's Horovod needs no rebuild
 #
-# A second run on a ready machine only verifies (well under a minute).
+# First it checks what the build needs: Python 3.10-3.13 (with venv and its headers), a C++
+# compiler, make, cmake, mpicxx (Open MPI or MPICH: the one first on PATH, e.g. a site's
+# `module load`), patch (and patchelf for HVDTRAIN_GPU=1). When something is missing: as root
+# on Debian/Ubuntu, apt-get installs it; otherwise one install line per system, and exit 2
+# with nothing changed. A second run on a ready machine only verifies (seconds).
 # Environment knobs:
 #   HVDTRAIN_VENV=DIR           where the virtual environment lives (default: .venv)
-#   PYTHON=python3.11           interpreter for the venv
+#   PYTHON=python3.12           interpreter for a new venv (default: the first of python3.11,
+#                               3.12, 3.13, 3.10, python3 that is 3.10-3.13; a conda env's works)
+#   HVDTRAIN_BUILD_CACHE=DIR    the build cache (default ~/.cache/hvdtrain; 0 turns it off): the
+#                               finished Horovod wheel of each build, readable by the group
+#   HVDTRAIN_SKIP_APT=1         never run apt-get, also as root: only report what is missing
 #   HVDTRAIN_GPU=1              CUDA TensorFlow (tensorflow[and-cuda]: CUDA 12.9 runtime, cuDNN,
 #                               NCCL wheels) and Horovod with NCCL allreduce. No CUDA toolkit
 #                               needed: Horovod's kernels are compiled by nvcc from PyPI's CUDA 13.0
@@ -15,26 +26,49 @@
 #   HVDTRAIN_CUDA_HOME=DIR      (GPU) compile with this machine's CUDA toolkit instead (DIR/bin/nvcc)
 #   HOROVOD_BUILD_CUDA_CC_LIST  (GPU) compute capabilities to compile kernels for
 #                               (default 75,80,86,89,90,100,110,120: every family nvcc 13.0 knows)
-#   HVDTRAIN_SKIP_APT=1         skip apt (the packages are already there)
+# The test-only system packages (SLURM, munge, sshd, shellcheck) are scripts/setup_test.sh's.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${HVDTRAIN_VENV:-$root/.venv}
-python=${PYTHON:-python3.11}
+constraints=$root/constraints.txt
 horovod_version=0.28.1
+# The wheels' local version: 0.28.1+hvdtrain.<revision> (.gpu for the NCCL build), never
+# PyPI's 0.28.1. Raise it when what goes into the wheel changes other than by a patch's text
+# (the patches themselves are in the build key and in the wheel's hvdtrain_patches.txt).
+revision=1
 gpu=${HVDTRAIN_GPU:-0}
+local_version=hvdtrain.$revision
+if [[ "$gpu" == 1 ]]; then local_version+=.gpu; fi
+wheel_version=$horovod_version+$local_version
 
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
-# The Horovod check: exit 0 when $venv's horovod is this version, loads with this TensorFlow,
-# has MPI and Gloo (and NCCL for HVDTRAIN_GPU=1), and is the build of today's patches (a
-# changed patch rebuilds). One Python process, quiet: a missing horovod is just "rebuild".
+mode=setup wheels_dir=""
+case "${1:-}" in
+    "") ;;
+    --check-horovod) mode=check ;;
+    --wheels) [[ -n "${2:-}" ]] || die "--wheels needs a directory"; wheels_dir=$2 ;;
+    *) die "unknown argument $1 (scripts/setup.sh takes none, --wheels DIR or --check-horovod)" ;;
+esac
+
+# Two kinds of patch (each says why in its header): scripts/patches/*.patch change what is
+# compiled, scripts/patches/python/*.patch Python files only. Both are applied to the sdist
+# before the wheel is built, so the wheel carries all of them.
+patch_sums() { (cd "$root/scripts/patches" && sha1sum horovod-"$horovod_version"-*.patch); }
+python_patch_sums() { (cd "$root/scripts/patches/python" && sha1sum horovod-"$horovod_version"-*.patch | sed 's#  #  python/#'); }
+all_patch_sums() { patch_sums; python_patch_sums; }
+
+# The Horovod check: exit 0 when $venv's horovod is this wheel version, loads with this
+# TensorFlow, has MPI and Gloo (and NCCL for HVDTRAIN_GPU=1), and is the build of today's
+# patches (a changed patch rebuilds). One Python process, quiet: a missing horovod is "rebuild".
 horovod_ok() {
-    "$venv/bin/python" - "$horovod_version" "$gpu" "$(all_patch_sums)" <<'PY' >/dev/null 2>&1
+    "$venv/bin/python" - "$wheel_version" "$gpu" "$(all_patch_sums)" <<'PY' >/dev/null 2>&1
 import os, sys
+from importlib import metadata
 import horovod
-assert horovod.__version__ == sys.argv[1], horovod.__version__
+assert metadata.version("horovod") == sys.argv[1], metadata.version("horovod")
 import horovod.tensorflow as hvd  # fails if built against another TensorFlow
 assert hvd.mpi_built() and hvd.gloo_built()
 assert sys.argv[2] != "1" or hvd.nccl_built(), "no NCCL"
@@ -45,9 +79,8 @@ with open(os.path.join(here, "hvdtrain_patches.txt")) as f:
 assert sys.argv[2] != "1" or os.path.exists(os.path.join(here, "hvdtrain_build.txt"))
 # What the loaded build answered, for horovodrun (the launch-without-tensorflow patch): it
 # then starts ranks without importing TensorFlow itself. Valid while the op library and
-# TensorFlow are the ones recorded.
+# TensorFlow are the ones recorded (size and mtime of this install: not in the wheel).
 import json
-from importlib import metadata
 from horovod.common.util import get_extension_full_path
 lib = os.stat(get_extension_full_path(os.path.join(here, "tensorflow", "__init__.py"), "mpi_lib"))
 record = {"library": [lib.st_size, lib.st_mtime_ns], "tensorflow": metadata.version("tensorflow"),
@@ -65,74 +98,106 @@ if not same:
     os.replace(path + ".tmp", path)
 PY
 }
-# Two kinds of patch (each says why in its header): scripts/patches/*.patch are applied to the
-# sdist before it compiles (they are in the build cache's key); scripts/patches/python/*.patch
-# change Python files only and are applied to the installed package after each install, so a
-# change to one reinstalls the cached build instead of compiling it again.
-patch_sums() { (cd "$root/scripts/patches" && sha1sum horovod-"$horovod_version"-*.patch); }
-python_patch_sums() { (cd "$root/scripts/patches/python" && sha1sum horovod-"$horovod_version"-*.patch | sed 's#  #  python/#'); }
-all_patch_sums() { patch_sums; python_patch_sums; }
 
 # scripts/setup.sh --check-horovod: only that check, against $HVDTRAIN_VENV (tests use it).
-case "${1:-}" in
-    "") ;;
-    --check-horovod) [[ -x "$venv/bin/python" ]] || die "$venv/bin/python not found"
-                     horovod_ok; exit ;;
-    *) die "unknown argument $1 (scripts/setup.sh takes none, or --check-horovod)" ;;
-esac
+if [[ $mode == check ]]; then
+    [[ -x "$venv/bin/python" ]] || die "$venv/bin/python not found"
+    horovod_ok; exit
+fi
 
-# --- Debian packages --------------------------------------------------------------
-# Open MPI: Horovod's MPI controller and mpirun; build tools: Horovod compiles from source;
-# dataset-fashion-mnist: full Fashion-MNIST with no network; openssh: horovodrun reaches other
-# hosts over ssh (tests/test_multihost.py runs an sshd in a network namespace); patchelf: a GPU
-# build's op library is pointed at the venv's NCCL; patch: scripts/patches/python/ on the
-# installed Horovod.
-apt_packages=(build-essential cmake git openmpi-bin libopenmpi-dev python3-venv python3-dev
-              procps iproute2 ca-certificates shellcheck openssh-client openssh-server patchelf patch
-              # SLURM 22.05 and munge: tests/test_slurm.py runs scripts/slurm_job.sh on a
-              # two-node cluster of its own (the daemons run only while those tests do);
-              # srun --mpi=pmix loads libpmix.so from libpmix-dev, which libopenmpi-dev brings
-              slurmctld slurmd slurm-client munge)
-apt_optional=(dataset-fashion-mnist)  # not in every distribution: --data-dir works instead
-installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-if [[ "${HVDTRAIN_SKIP_APT:-0}" != 1 ]]; then
-    missing=()
-    for p in "${apt_packages[@]}" "${apt_optional[@]}"; do installed "$p" || missing+=("$p"); done
-    if ((${#missing[@]})); then
-        log "installing Debian packages: ${missing[*]}"
-        sudo=""; [[ $(id -u) == 0 ]] || sudo=sudo
-        export DEBIAN_FRONTEND=noninteractive
-        $sudo apt-get update -q
-        $sudo apt-get install -y -q --no-install-recommends "${apt_packages[@]}"
-        for p in "${apt_optional[@]}"; do
-            $sudo apt-get install -y -q --no-install-recommends "$p" ||
-                log "warning: optional package $p unavailable; Fashion-MNIST needs --data-dir"
-        done
+# --- what the build needs, checked before anything is changed ----------------------------
+# Python: the venv's if there is one, else PYTHON, else the first 3.10-3.13 on PATH.
+py_ok() { "$1" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 13))' 2>/dev/null; }
+if [[ -x "$venv/bin/python" ]]; then
+    python=$venv/bin/python
+    py_ok "$python" || die "$venv holds Python $("$python" -V 2>&1); TensorFlow 2.21 needs 3.10-3.13: remove $venv or set HVDTRAIN_VENV"
+elif [[ -n "${PYTHON:-}" ]]; then
+    python=$PYTHON
+    command -v "$python" >/dev/null || die "PYTHON=$python not found"
+    py_ok "$python" || die "PYTHON=$python is Python $("$python" -V 2>&1 | cut -d' ' -f2); TensorFlow 2.21 needs 3.10-3.13"
+else
+    python=""
+    for p in python3.11 python3.12 python3.13 python3.10 python3; do
+        if command -v "$p" >/dev/null && py_ok "$p"; then python=$p; break; fi
+    done
+fi
+pyver=$([[ -n "$python" ]] && "$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' || echo 3)
+
+# One entry per missing thing: "what|Debian/Ubuntu package|RHEL/Rocky/Fedora package".
+missing=() dnf_note=""
+need() { missing+=("$1|$2|$3"); }
+if [[ -z "$python" ]]; then
+    need "Python 3.10-3.13 (or PYTHON=/path/to/python3.1x)" "python3 python3-venv python3-dev" "python3.11 python3.11-devel"
+else
+    if [[ ! -x "$venv/bin/python" ]] && ! "$python" -c 'import venv, ensurepip' 2>/dev/null; then
+        need "$python's venv module" "python$pyver-venv" "python$pyver"
+    fi
+    if ! "$python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then
+        need "$python's headers (Python.h)" "python$pyver-dev" "python$pyver-devel"
     fi
 fi
-command -v "$python" >/dev/null || die "$python not found (install python3.11 or set PYTHON=...)"
+cxx=$(command -v c++ || command -v g++ || true)
+[[ -n "$cxx" ]] || need "a C++ compiler (c++)" g++ gcc-c++
+command -v make >/dev/null || need make make make
+if ! command -v cmake >/dev/null; then need "cmake 3.13+" cmake cmake
+elif ! cmake --version | awk 'NR == 1 {split($3, v, "."); exit !(v[1] > 3 || (v[1] == 3 && v[2] >= 13))}'; then
+    need "cmake 3.13+ (found $(cmake --version | head -1))" cmake cmake
+fi
+if ! command -v mpicxx >/dev/null; then
+    need "mpicxx (Open MPI; on a cluster: module load openmpi)" "libopenmpi-dev openmpi-bin" openmpi-devel
+    dnf_note="; then: module load mpi/openmpi-x86_64"
+elif [[ -n "$cxx" ]] && ! echo '#include <mpi.h>' | mpicxx -x c++ -fsyntax-only - 2>/dev/null; then
+    need "mpi.h for $(command -v mpicxx)" libopenmpi-dev openmpi-devel
+fi
+command -v mpirun >/dev/null || command -v mpiexec >/dev/null || need "mpirun" openmpi-bin openmpi
+command -v patch >/dev/null || need patch patch patch
+if [[ "$gpu" == 1 ]]; then command -v patchelf >/dev/null || need patchelf patchelf patchelf; fi
+if ((${#missing[@]})); then
+    apt=() dnf=() what=()
+    for m in "${missing[@]}"; do
+        IFS='|' read -r w a d <<<"$m"
+        what+=("$w"); read -ra words <<<"$a"; apt+=("${words[@]}"); dnf+=("$d")
+    done
+    if [[ $(id -u) == 0 && "${HVDTRAIN_SKIP_APT:-0}" != 1 ]] && command -v apt-get >/dev/null; then
+        # Root on Debian/Ubuntu: install what is missing (only that), then go on.
+        log "installing Debian packages: ${apt[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -q
+        apt-get install -y -q --no-install-recommends "${apt[@]}"
+        HVDTRAIN_SKIP_APT=1 exec "$0" "$@"  # checked again; never a second apt-get
+    fi
+    log "missing: $(printf '%s; ' "${what[@]}" | sed 's/; $//')"
+    log "install, then run scripts/setup.sh again (nothing was changed):"
+    printf '  apt-get install %s    # Debian, Ubuntu\n' "${apt[*]}"
+    printf '  dnf install %s    # RHEL, Rocky, Fedora%s\n' "${dnf[*]}" "$dnf_note"
+    exit 2
+fi
+if [[ -n "$wheels_dir" ]]; then
+    mkdir -p "$wheels_dir" || die "--wheels $wheels_dir: cannot create it"
+    wheels_dir=$(cd "$wheels_dir" && pwd)
+fi
 
 # --- virtual environment -----------------------------------------------------------
 if [[ ! -x "$venv/bin/python" ]]; then
-    log "creating $venv with $python"
+    log "creating $venv with $python (Python $pyver)"
     "$python" -m venv "$venv"
 fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
-# The pinned stack (from setup.py) plus what Horovod's build needs in the same env.
+# The locked stack (setup.py's pins, at constraints.txt's versions) plus what Horovod's build
+# needs in the same env; the dev tools (test, bench extras) too: this venv runs the tests.
 stamp="$venv/.hvdtrain-deps"
-want=$( (cat "$root/setup.py"; echo "gpu=$gpu") | sha1sum | cut -c1-16)
+want=$( (cat "$root/setup.py" "$constraints"; echo "gpu=$gpu") | sha1sum | cut -c1-16)
 if [[ ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
-    log "installing the pinned Python stack (TensorFlow, tf-keras, mpi4py, test tools)"
-    pip install --upgrade "pip>=23" "setuptools>=65,<70" wheel packaging
+    log "installing the locked Python stack (constraints.txt: TensorFlow, tf-keras, mpi4py, test tools)"
+    pip install --upgrade -c "$constraints" "pip>=23" "setuptools>=65,<70" wheel packaging
     if [[ "$gpu" == 1 ]]; then
         tf_pin=$(grep -o '"tensorflow==[0-9.]*"' "$root/setup.py" | tr -d '"')
-        pip install "tensorflow[and-cuda]==${tf_pin#tensorflow==}"
+        pip install -c "$constraints" "tensorflow[and-cuda]==${tf_pin#tensorflow==}"
     fi
-    pip install -e "${root}[mpi,test,bench]"
+    pip install -c "$constraints" -e "${root}[mpi,test,bench]"
     echo "$want" >"$stamp"
 fi
-
 # --- Horovod, compiled against this TensorFlow -------------------------------------
 # GPU build: a CUDA compiler and NCCL for Horovod's CMake, without a CUDA toolkit installed.
 # TensorFlow's wheels bring the CUDA 12.9 runtime and NCCL (nvidia-nccl-cu12), but no
@@ -185,21 +250,30 @@ gpu_build_env() {
         echo "nccl=$(awk '/^#define NCCL_(MAJOR|MINOR|PATCH) /{v = v (v ? "." : "") $3} END {print v}' "$nccl/include/nccl.h")"
     } >>"$build/hvdtrain_build.txt"
 }
-# The build cache: the wheel of each build, keyed by everything the build depends on (the
-# sdist's version, the patches, this venv's Python and TensorFlow, Open MPI's headers, the GPU
-# build's compiler, NCCL and settings, any HOROVOD_* variable), so that a new venv (a fresh
-# clone, the GPU test's venv) installs the same build again instead of compiling it. A wheel
-# cached by pip is never used: pip's key is the sdist alone, and a wheel built against
-# another TensorFlow would import and then crash. HVDTRAIN_BUILD_CACHE=0 turns it off.
+# The build cache: the finished wheel of each build, keyed by everything the build depends on
+# (the sdist's version, the patches, the wheel's revision, this venv's Python and TensorFlow,
+# the MPI that mpicxx compiles with, the GPU build's compiler, NCCL and settings, any HOROVOD_*
+# variable), so that a new venv (a fresh clone, the GPU test's venv) installs the same build
+# again instead of compiling it. A wheel cached by pip is never used: pip's key is the sdist
+# alone, and a wheel built against another TensorFlow would import and then crash.
 cache_root=${HVDTRAIN_BUILD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}
+mpi_identity() {
+    # The MPI mpicxx really uses (a site module, /usr/lib64/openmpi, Debian's): its compile
+    # line and the version its tools report.
+    command -v mpicxx
+    mpicxx -show 2>/dev/null || mpicxx --showme 2>/dev/null || true
+    if command -v ompi_info >/dev/null; then ompi_info --version 2>/dev/null | head -1
+    elif command -v mpichversion >/dev/null; then mpichversion 2>/dev/null | head -1
+    fi
+}
 build_key() {
     {
-        echo "horovod $horovod_version gpu=$gpu"
-        patch_sums
+        echo "horovod $wheel_version gpu=$gpu"
+        all_patch_sums
         "$venv/bin/python" -c 'import sys; from importlib.metadata import version as v; print(sys.version); print("tensorflow", v("tensorflow"))
 try: print("nccl", v("nvidia-nccl-cu12"))
 except Exception: pass'
-        dpkg-query -W -f='${Package} ${Version}\n' libopenmpi-dev 2>/dev/null || true
+        mpi_identity
         env | grep '^HOROVOD_' | sort || true
         if [[ "$gpu" == 1 ]]; then
             echo "cuda=${HVDTRAIN_CUDA_HOME:-pypi ${cuda_wheels[*]}} cc=${HOROVOD_BUILD_CUDA_CC_LIST:-}"
@@ -207,76 +281,104 @@ except Exception: pass'
         fi
     } | sha1sum | cut -c1-16
 }
-built=0
-if ! horovod_ok; then
+
+# The patched files each patch leaves in the wheel, with their sha256 (the doctor compares
+# the installed files against them): the files its diff names, or, for a patch that changes
+# only compiled code, the op library it was compiled into.
+patch_file_sums() {  # run in the unpacked wheel's directory
+    local p name f files
+    for p in "$root"/scripts/patches/horovod-"$horovod_version"-*.patch "$root"/scripts/patches/python/horovod-"$horovod_version"-*.patch; do
+        name=${p#"$root"/scripts/patches/}
+        files=()
+        while read -r f; do
+            if [[ -f "$f" ]]; then files+=("$f"); fi
+        done < <(sed -n 's#^+++ b/##p' "$p" | cut -f1)
+        if ((${#files[@]} == 0)); then files=(horovod/tensorflow/mpi_lib*.so); fi
+        sha256sum "${files[@]}" | awk -v n="$name" '{print $1 "  " n "  " $2}'
+    done
+}
+
+# Compile the patched sdist into a finished wheel at $1: every patch applied before the build,
+# the patch list and the patched files' sums inside, and for the GPU build the op library's
+# RUNPATH relative to the wheel's place ($ORIGIN), its NCCL the nvidia-nccl wheel beside it.
+build_wheel() {
+    local out=$1 src whl dir lib rpath
+    log "compiling horovod $wheel_version against TensorFlow (a few minutes on 2 cores)"
+    export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
+    export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+    MAKEFLAGS="-j$(nproc)"
+    export MAKEFLAGS
+    # PyPI's sdist, patched: 0.28.1 does not compile against TensorFlow 2.19+ as released
+    # (each patch says why in its header). No fork and no vendored copy: the patches are all.
+    pip download --no-deps --no-binary :all: --no-cache-dir -d "$build" "horovod==$horovod_version"
+    tar -xzf "$build/horovod-$horovod_version.tar.gz" -C "$build"
+    src="$build/horovod-$horovod_version"
+    if [[ "$gpu" == 1 ]]; then gpu_build_env "$build" "$src"; fi
+    for p in "$root"/scripts/patches/horovod-"$horovod_version"-*.patch "$root"/scripts/patches/python/horovod-"$horovod_version"-*.patch; do
+        log "applying ${p#"$root"/}"
+        patch -p1 -d "$src" --forward --batch --fuzz=0 --quiet -i "$p" ||
+            die "$p does not apply to horovod $horovod_version"
+    done
+    # --no-build-isolation: Horovod must compile against the TensorFlow in this venv.
+    # --no-cache-dir: a wheel cached from another TensorFlow would import and then crash.
+    # The local version (Horovod's setup.py reads it) only here: pip download checks the sdist's.
+    HOROVOD_LOCAL_VERSION=$local_version pip wheel --no-deps --no-build-isolation --no-cache-dir -w "$build/wheel" "$src"
+    whl=$(echo "$build"/wheel/horovod-*.whl)
+    "$venv/bin/python" -m wheel unpack -d "$build/unpacked" "$whl" >/dev/null
+    dir=$(echo "$build"/unpacked/horovod-*)
+    if [[ "$gpu" == 1 ]]; then
+        # CMake's RUNPATH names the build directory's NCCL, deleted below: the wheel's names
+        # nvidia-nccl-cu12's library relative to itself (site-packages/horovod/tensorflow/).
+        # shellcheck disable=SC2016  # $ORIGIN is for ld.so, not the shell
+        local nccl_run='$ORIGIN/../../nvidia/nccl/lib'
+        for lib in "$dir"/horovod/tensorflow/mpi_lib*.so; do
+            rpath=$(patchelf --print-rpath "$lib")
+            patchelf --set-rpath "${rpath//"$HOROVOD_NCCL_HOME/lib"/$nccl_run}" "$lib"
+            rpath=$(patchelf --print-rpath "$lib")
+            [[ "$rpath" == *"$nccl_run"* && "$rpath" != *"$build"* ]] ||
+                die "$lib: RUNPATH $rpath still names the build directory"
+        done
+        # What it was compiled with: the doctor reports it (no compiler is left).
+        cp "$build/hvdtrain_build.txt" "$dir/horovod/"
+    fi
+    # Mark the build as hvdtrain's patched one: the doctor reports which patches it carries,
+    # and which of their files changed since.
+    all_patch_sums >"$dir/horovod/hvdtrain_patches.txt"
+    (cd "$dir" && patch_file_sums) >"$dir/horovod/hvdtrain_patch_files.txt"
+    mkdir -p "$out"
+    "$venv/bin/python" -m wheel pack -d "$out" "$dir" >/dev/null
+}
+
+built=0 wheel=""
+entry=""
+if [[ "$cache_root" != 0 ]]; then entry="$cache_root/horovod-$horovod_version-$(build_key)"; fi
+cached() { [[ -n "$entry" && -f "$entry/complete" ]]; }
+# --wheels needs the finished wheel: from the cache, or built again.
+if ! horovod_ok || { [[ -n "$wheels_dir" ]] && ! cached; }; then
     built=1
     # An installed horovod that failed the check (another TensorFlow, no MPI) would satisfy
     # the pin and never be rebuilt: remove it first.
     pip uninstall -y horovod >/dev/null 2>&1 || true
-    entry=""
-    if [[ "$cache_root" != 0 ]]; then entry="$cache_root/horovod-$horovod_version-$(build_key)"; fi
-    if [[ -n "$entry" && -f "$entry/complete" ]]; then
-        log "installing horovod $horovod_version from the build cache ($entry: built from the same sdist, patches, Python, TensorFlow, MPI and settings)"
-        pip install "$entry"/horovod-*.whl
-        record="$entry"
+    if cached; then
+        log "installing horovod $wheel_version from the build cache ($entry: built from the same sdist, patches, Python, TensorFlow, MPI and settings)"
     else
-        log "compiling horovod $horovod_version against TensorFlow (a few minutes on 2 cores)"
-        export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
-        export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
-        MAKEFLAGS="-j$(nproc)"
-        export MAKEFLAGS
-        # PyPI's sdist, patched: 0.28.1 does not compile against TensorFlow 2.19+ as released
-        # (each patch says why in its header). No fork and no vendored copy: the patches are all.
         build=$(mktemp -d)
         trap 'rm -rf "$build"' EXIT
-        pip download --no-deps --no-binary :all: --no-cache-dir -d "$build" "horovod==$horovod_version"
-        tar -xzf "$build/horovod-$horovod_version.tar.gz" -C "$build"
-        src="$build/horovod-$horovod_version"
-        if [[ "$gpu" == 1 ]]; then gpu_build_env "$build" "$src"; fi
-        for p in "$root"/scripts/patches/horovod-"$horovod_version"-*.patch; do
-            log "applying ${p#"$root"/}"
-            (cd "$src" && git apply -p1 "$p") || die "$p does not apply to horovod $horovod_version"
-        done
-        # --no-build-isolation: Horovod must compile against the TensorFlow in this venv.
-        # --no-cache-dir: a wheel cached from another TensorFlow would import and then crash.
-        pip wheel --no-deps --no-build-isolation --no-cache-dir -w "$build/wheel" "$src"
-        pip install "$build"/wheel/horovod-*.whl
-        # The build directory's NCCL, which the op library's RUNPATH names (rewritten below).
-        if [[ "$gpu" == 1 ]]; then echo "$HOROVOD_NCCL_HOME" >"$build/nccl_home"; fi
-        record="$build"
+        build_wheel "$build/final"
         if [[ -n "$entry" ]] && mkdir -p "$cache_root" 2>/dev/null; then
             tmp=$(mktemp -d "$cache_root/.new-XXXXXX")
-            cp "$build"/wheel/horovod-*.whl "$tmp/"
-            for f in hvdtrain_build.txt nccl_home; do
-                if [[ -f "$build/$f" ]]; then cp "$build/$f" "$tmp/"; fi
-            done
+            chmod 0755 "$tmp"  # mktemp's 0700 would keep the group out of a shared cache
+            cp "$build"/final/horovod-*.whl "$tmp/"
             touch "$tmp/complete"
             rm -rf "$entry"
             mv "$tmp" "$entry" || rm -rf "$tmp"
         fi
     fi
-    hvd_dir=$("$venv/bin/python" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("horovod").origin))')
-    # The Python patches, on the files just installed (pristine: the wheel has none of them).
-    for p in "$root"/scripts/patches/python/horovod-"$horovod_version"-*.patch; do
-        log "applying ${p#"$root"/}"
-        patch -p1 -d "$(dirname "$hvd_dir")" --forward --batch --quiet -i "$p" \
-            || die "$p does not apply to the installed horovod $horovod_version"
-    done
-    # Mark the build as hvdtrain's patched one: the doctor reports which patches it carries.
-    all_patch_sums >"$hvd_dir/hvdtrain_patches.txt"
-    if [[ "$gpu" == 1 ]]; then
-        # The op library finds NCCL in the venv's wheel, not in the build directory deleted
-        # below (CMake put that in its RUNPATH): no LD_LIBRARY_PATH needed.
-        # shellcheck disable=SC2016  # $ORIGIN is for ld.so, not the shell
-        nccl_run='$ORIGIN/../../nvidia/nccl/lib'
-        nccl_home=$(cat "$record/nccl_home")
-        for lib in "$hvd_dir"/tensorflow/mpi_lib*.so; do
-            rpath=$(patchelf --print-rpath "$lib")
-            patchelf --set-rpath "${rpath//"$nccl_home/lib"/$nccl_run}" "$lib"
-        done
-        # ... and what it was compiled with: the doctor reports it (no compiler is left).
-        cp "$record/hvdtrain_build.txt" "$hvd_dir/hvdtrain_build.txt"
-    fi
+    if cached; then wheel=$(echo "$entry"/horovod-*.whl); else wheel=$(echo "$build"/final/horovod-*.whl); fi
+    # With its dependencies (cloudpickle, psutil, ...) at the lock's versions.
+    pip install -c "$constraints" "$wheel"
+elif cached; then
+    wheel=$(echo "$entry"/horovod-*.whl)
 fi
 
 # --- verify -------------------------------------------------------------------------
@@ -293,5 +395,19 @@ if [[ $built == 1 ]]; then
     horovod_ok || die "the new horovod build does not load with this TensorFlow (python -c 'import horovod.tensorflow')"
 fi
 "$venv/bin/python" -c "import hvdtrain" || die "hvdtrain does not import from $venv"
+
+# --- wheels: Horovod's (this build) and hvdtrain's, for pip install --no-deps elsewhere ----
+if [[ -n "$wheels_dir" ]]; then
+    rm -f "$wheels_dir"/horovod-"$horovod_version"+*.whl "$wheels_dir"/hvdtrain-*.whl
+    # The lock beside them: pip install -c DIR/constraints.txt DIR/*.whl gives the same stack.
+    cp "$wheel" "$constraints" "$wheels_dir/"
+    # hvdtrain's from a copy of its sources: the checkout stays free of build/.
+    src=$(mktemp -d)
+    cp -r "$root/setup.py" "$root/README.md" "$root/hvdtrain" "$src/"
+    pip wheel --no-deps --no-build-isolation -w "$wheels_dir" "$src"
+    rm -rf "$src"
+    log "wheels in $wheels_dir: $(cd "$wheels_dir" && echo horovod-*.whl hvdtrain-*.whl)"
+    log "elsewhere: pip install -c $wheels_dir/constraints.txt $wheels_dir/*.whl (or --no-deps into an env with TensorFlow $("$venv/bin/python" -c 'from importlib.metadata import version; print(version("tensorflow"))'))"
+fi
 log "ready: $("$venv/bin/python" -c 'from importlib.metadata import version as v; print("tensorflow", v("tensorflow"), "horovod", v("horovod"))')"
 log "activate with: source ${venv#"$root"/}/bin/activate"

@@ -30,6 +30,7 @@ timed() {  # timed NAME START: one line of the closing summary
     times+=("$(printf '%-14s %4d s (%d min %02d s)' "$1" $((SECONDS - $2)) $(((SECONDS - $2) / 60)) $(((SECONDS - $2) % 60)))")
 }
 "$root/scripts/setup.sh"
+"$root/scripts/setup_test.sh"  # the tests' own system packages (SLURM, sshd, shellcheck)
 timed setup "$start"
 venv=${HVDTRAIN_VENV:-$root/.venv}
 cd "$root"

@@ -50,7 +50,8 @@ SHARED = {"test_faults": "references", "test_storage": "references",
           "test_multiprocess": "references", "test_multihost": "references",
           "test_slurm": "references", "test_k8s": "references"}
 LONGEST = ("references", "test_users2", "test_pipeline", "test_mixed_precision", "test_bench",
-           "test_accumulate", "test_models", "test_hardening", "test_horovod_api")
+           "test_accumulate", "test_models", "test_hardening", "test_horovod_api",
+           "test_wheels")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group into the test's id

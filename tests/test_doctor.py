@@ -70,11 +70,14 @@ def test_this_machine_is_well(env):
     assert r["keras"]["tf.keras"].startswith("keras") and r["keras"]["TF_USE_LEGACY_KERAS"] is None
     assert r["tf_keras"]["version"].startswith("2.21")
     # the build carries every patch in scripts/patches/ (setup.sh rebuilds when one changes),
-    # then those of scripts/patches/python/ (applied to the installed package)
+    # then those of scripts/patches/python/ (all inside the wheel, applied before it was built)
     patches = os.path.join(ROOT, "scripts", "patches")
     assert r["horovod"]["patches"] == sorted(f for f in os.listdir(patches) if f.endswith(".patch")) + [
         f"python/{f}" for f in sorted(os.listdir(os.path.join(patches, "python")))]
-    assert len(r["horovod"]["patches"]) == 8
+    assert len(r["horovod"]["patches"]) == 8 and r["horovod"]["patches_changed"] == {}
+    # the list the doctor checks an installed wheel against, without the repository
+    from hvdtrain.doctor import PATCHES
+    assert list(PATCHES) == r["horovod"]["patches"]
     assert r["horovod"]["version"] == "0.28.1" and r["horovod"]["frameworks"] == ["tensorflow"]
     # horovodrun --check-build says [X] PyTorch here; setup.sh builds without it.
     assert r["horovod"]["framework_status"]["torch"] == {
