@@ -243,6 +243,29 @@ def elastic_keras_state():
     return {"moved": moved, "err": err, "epoch": state.epoch, "plain": plain.numpy().tolist()}
 
 
+@probe
+def elastic_sync_before_the_first_step():
+    """hvdk.elastic.KerasState.sync where rank 1's optimizer has not stepped yet (a worker
+    that just joined) and rank 0's has (momentum slots): rank 1 ends with rank 0's weights
+    and slots, the same number of them (it waited forever in the broadcasts before the
+    sync-unbuilt-optimizer patch)."""
+    model = dense_model(41 + RANK)  # other weights on each rank
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    if RANK == 0:
+        x, y = rank_data(seed=9)
+        model.fit(x, y, epochs=1, verbose=0)  # no collective: a plain optimizer, rank 0 only
+    state = hvdk.elastic.KerasState(model, batch=4, epoch=2)
+    state.sync()
+    opt_vars = model.optimizer.variables
+    opt_vars = opt_vars() if callable(opt_vars) else opt_vars
+    values = [v.numpy() for v in model.variables + list(opt_vars)]
+    n = gather(np.array([len(values)]))
+    spread = (max(float(np.ptp(gather(v), axis=0).max()) for v in values)
+              if n.min() == n.max() else None)
+    return {"n_vars": n.ravel().tolist(), "spread": spread, "batch": state.batch,
+            "epoch": state.epoch}
+
+
 def fit_data(seed):
     """Rank-dependent data for the fit probes: 2 batches of 4 per rank."""
     return rank_data(n=8, seed=seed)

@@ -104,6 +104,12 @@ def test_elastic_state_restores_the_committed_weights(probe):
     assert r["plain"] == [1.0, 2.0]  # TensorFlowState likewise
 
 
+def test_elastic_sync_of_a_rank_before_its_first_step(probe):
+    r = ok(probe, "elastic_sync_before_the_first_step")
+    assert r["n_vars"][0] == r["n_vars"][1] >= 4  # weights, iterations, the momentum slots
+    assert r["spread"] == 0.0 and (r["batch"], r["epoch"]) == (4, 2)
+
+
 @pytest.mark.quick
 def test_keras_distributed_optimizer_in_fit(probe):
     r = ok(probe, "keras_distributed_optimizer")
