@@ -74,7 +74,7 @@ def test_this_machine_is_well(env):
     patches = os.path.join(ROOT, "scripts", "patches")
     assert r["horovod"]["patches"] == sorted(f for f in os.listdir(patches) if f.endswith(".patch")) + [
         f"python/{f}" for f in sorted(os.listdir(os.path.join(patches, "python")))]
-    assert len(r["horovod"]["patches"]) == 7
+    assert len(r["horovod"]["patches"]) == 8
     assert r["horovod"]["version"] == "0.28.1" and r["horovod"]["frameworks"] == ["tensorflow"]
     # horovodrun --check-build says [X] PyTorch here; setup.sh builds without it.
     assert r["horovod"]["framework_status"]["torch"] == {
