@@ -2,20 +2,31 @@
 # Horovod's own tests and TF2 examples (a checkout of github.com/horovod/horovod at v0.28.1)
 # on the venv scripts/setup.sh made, under Keras 3 and Keras 2, as Horovod's CI runs them.
 #
-#   scripts/horovod_upstream.sh HOROVOD_SRC     # e.g. git clone -b v0.28.1 .../horovod
+#   scripts/horovod_upstream.sh HOROVOD_SRC [FILE...]   # e.g. git clone -b v0.28.1 .../horovod
+#
+# FILE: only these (a test file's name, or an example's); HVDTRAIN_UPSTREAM_KERAS="3 2": the
+# Keras passes to run.
 #
 # Not part of scripts/test.sh: Horovod's tests are not in its sdist, and CI has no network to
 # fetch them (tests/test_horovod_api.py checks the same APIs in the project's own code).
-# Prints each file's pytest summary and failed tests per Keras, then runs
+# Prints each file's pytest summary and failed tests per Keras: the parallel files under
+# `horovodrun -np 2 -H localhost:2 --gloo pytest` (Adasum's under the MPI controller, which it
+# needs), the elastic integration files with plain pytest one file at a time (pytest-forked,
+# Horovod CI's --forked, exits 3 under pytest 9), in a copy whose training scripts drop the
+# Keras file's TF1 session lines (tf.ConfigProto, tf.Session) and, under Keras 3, read
+# `optimizer.learning_rate` for the tests' `optimizer.lr`. Then it runs
 # examples/tensorflow2/tensorflow2_mnist.py and tensorflow2_keras_mnist.py with horovodrun
 # -np 2, changed only in: the digits come from hvdtrain.datasets.mnist() instead of a download,
 # the step counts are cut; and under Keras 3 the Keras 2-only code the README's "Your Horovod
 # scripts" lists is left out (`experimental_run_tf_function=False`, `opt.variables()`).
 # Needs pytest's `parameterized` and `mock` (pip install parameterized mock; Horovod's tests
-# import them). About 10 minutes on 2 cores.
+# import them). About 10 minutes on 2 cores, and as much again for the elastic files.
 set -uo pipefail
-src=${1:?usage: scripts/horovod_upstream.sh HOROVOD_SRC}
+src=${1:?usage: scripts/horovod_upstream.sh HOROVOD_SRC [FILE...]}
 src=$(cd "$src" && pwd)
+shift
+only=" $* "
+wanted() { [[ "$only" == "  " || "$only" == *" $1 "* ]]; }
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${HVDTRAIN_VENV:-$root/.venv}
 export PATH=$venv/bin:$PATH TF_CPP_MIN_LOG_LEVEL=3 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -29,16 +40,47 @@ from hvdtrain.datasets import mnist
 (x, y), _ = mnist()  # Keras' cached MNIST, else the bundled sample: no download
 np.savez(sys.argv[1], x=x, y=y)
 PY
-for keras in 3 2; do
+for keras in ${HVDTRAIN_UPSTREAM_KERAS:-3 2}; do
     if [[ $keras == 2 ]]; then export TF_USE_LEGACY_KERAS=1; else unset TF_USE_LEGACY_KERAS; fi
-    for f in test_tensorflow.py test_tensorflow2_keras.py; do
+    for f in test_tensorflow.py test_tensorflow2_keras.py test_tensorflow_process_sets.py \
+             test_tensorflow2_keras_process_sets.py test_tensorflow_process_sets_dynamic.py \
+             test_adasum_tensorflow.py; do
+        wanted "$f" || continue
         log="$work/keras$keras-$f.log"
-        (cd "$src/test/parallel" && timeout 1800 horovodrun -np 2 -H localhost:2 --gloo \
-            python -m pytest -q -p no:cacheprovider -rf "$f") >"$log" 2>&1
-        echo "Keras $keras $f: $(grep -oE '^\[0\]<stdout>:[0-9]+ (passed|failed).*' "$log" | tail -1 | cut -d: -f2-)"
-        grep -oE '^\[0\]<stdout>:FAILED [^ ]+' "$log" | sed 's/^\[0\]<stdout>:/    /' | sort -u
+        controller=--gloo
+        [[ $f == test_adasum_* ]] && controller=--mpi  # Adasum is MPI's only
+        (cd "$src/test/parallel" && timeout 1800 horovodrun -np 2 -H localhost:2 $controller \
+            python -m pytest -q -p no:cacheprovider --color=no -rf "$f") >"$log" 2>&1
+        echo "Keras $keras $f: $(grep -oE '^\[(0|1,0)\]<stdout>:[0-9]+ (passed|failed|skipped).*' "$log" | tail -1 | cut -d: -f2-)"
+        grep -oE '^\[(0|1,0)\]<stdout>:FAILED [^ ]+' "$log" | sed -E 's/^\[(0|1,0)\]<stdout>:/    /' | sort -u
+    done
+    # The elastic integration files: a copy of test/ (and setup.cfg, its pytest settings)
+    # with the training scripts changed.
+    copy="$work/keras$keras-src"
+    if wanted test_elastic_tensorflow2.py || wanted test_elastic_tensorflow_keras.py; then
+        rm -rf "$copy" && mkdir "$copy" && cp -r "$src/test" "$src/setup.cfg" "$copy/"
+        sed -i -e '/^config = tf.ConfigProto()/d' -e '/^config.gpu_options\./d' \
+            -e '/tf.keras.backend.set_session(tf.Session/d' \
+            "$copy/test/integration/data/elastic_tensorflow_keras_main.py"
+        if [[ $keras == 3 ]]; then
+            sed -i 's/optimizer\.lr\b/optimizer.learning_rate/' \
+                "$copy"/test/integration/data/elastic_tensorflow{2,_keras}_main.py
+        fi
+        echo "Keras $keras elastic training scripts, changed lines:"
+        for d in elastic_tensorflow2_main.py elastic_tensorflow_keras_main.py; do
+            diff "$src/test/integration/data/$d" "$copy/test/integration/data/$d" | grep '^[<>]' \
+                | sed "s/^/    $d /"
+        done
+    fi
+    for f in test_elastic_tensorflow2.py test_elastic_tensorflow_keras.py; do
+        wanted "$f" || continue
+        log="$work/keras$keras-$f.log"
+        (cd "$copy/test/integration" && timeout 1800 python -m pytest -q -p no:cacheprovider --color=no -rf "$f") >"$log" 2>&1
+        echo "Keras $keras $f: $(grep -E '^=* ?[0-9]+ (passed|failed|skipped).* in ' "$log" | tail -1 | tr -d '=')"
+        grep -oE '^FAILED [^ ]+' "$log" | sed 's/^/    /' | sort -u
     done
     for ex in tensorflow2_mnist.py tensorflow2_keras_mnist.py; do
+        wanted "$ex" || continue
         copy="$work/keras$keras-$ex"
         sed -e "s|tf.keras.datasets.mnist.load_data(path='mnist-%d.npz' % hvd.rank())|((lambda d: (d['x'], d['y']))(__import__('numpy').load('$work/mnist.npz')), None)|" \
             -e 's|dataset.take(10000 // hvd.size())|dataset.take(40 // hvd.size())|' \

@@ -24,7 +24,11 @@ import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvdk
 
 keras = tf.keras
-hvd.init()
+# Process sets: [0] given to hvd.init (static), [1] added after it (dynamic, which needs
+# this variable on every rank before init).
+os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+ONLY_0 = hvd.ProcessSet([0])
+hvd.init(process_sets=[ONLY_0])
 RANK, SIZE = hvd.rank(), hvd.size()
 OUT = sys.argv[1]
 results = {"keras": keras.__name__, "size": SIZE}
@@ -239,6 +243,29 @@ def elastic_keras_state():
     plain.assign([5.0, 6.0])
     vstate.restore()
     return {"moved": moved, "err": err, "epoch": state.epoch, "plain": plain.numpy().tolist()}
+
+
+@probe
+def elastic_sync_before_the_first_step():
+    """hvdk.elastic.KerasState.sync where rank 1's optimizer has not stepped yet (a worker
+    that just joined) and rank 0's has (momentum slots): rank 1 ends with rank 0's weights
+    and slots, the same number of them (it waited forever in the broadcasts before the
+    sync-unbuilt-optimizer patch)."""
+    model = dense_model(41 + RANK)  # other weights on each rank
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    if RANK == 0:
+        x, y = rank_data(seed=9)
+        model.fit(x, y, epochs=1, verbose=0)  # no collective: a plain optimizer, rank 0 only
+    state = hvdk.elastic.KerasState(model, batch=4, epoch=2)
+    state.sync()
+    opt_vars = model.optimizer.variables
+    opt_vars = opt_vars() if callable(opt_vars) else opt_vars
+    values = [v.numpy() for v in model.variables + list(opt_vars)]
+    n = gather(np.array([len(values)]))
+    spread = (max(float(np.ptp(gather(v), axis=0).max()) for v in values)
+              if n.min() == n.max() else None)
+    return {"n_vars": n.ravel().tolist(), "spread": spread, "batch": state.batch,
+            "epoch": state.epoch}
 
 
 def fit_data(seed):
@@ -610,6 +637,127 @@ def jit_compiled_user_function():
     # The same collective in a function without XLA still runs.
     plain = tf.function(lambda v: hvd.allreduce(v, op=hvd.Sum))(tf.ones(2) * (RANK + 1))
     return {"errors": errors, "plain_sum": plain.numpy().tolist()}
+
+
+@probe
+def process_sets():
+    """A static set ([0], given to hvd.init) and a dynamic one ([1], added after): each
+    set's allreduce is the mean over its members only, its allgather gathers its members
+    only, and only its members take part (rank 0 reduces on its set twice while rank 1 does
+    once on its own); removing the dynamic set leaves the global and the static one."""
+    only_1 = hvd.add_process_set([1])  # every rank adds it, in the same order
+    own = ONLY_0 if RANK == 0 else only_1
+    x = np.arange(4, dtype="float32") + 10 * RANK
+    reduced = [hvd.allreduce(x, op=hvd.Average, process_set=own).numpy()
+               for _ in range(2 if RANK == 0 else 1)]
+    gathered = hvd.allgather(x[None], process_set=own).numpy()
+    members = [r for r in range(SIZE) if own.included() and r in own.ranks]
+    expected = gather(x)[members].mean(axis=0)  # allgathered on the global set
+    global_mean = hvd.allreduce(x, op=hvd.Average).numpy()
+    ids = hvd.mpi_ops._basics._get_process_set_ids_and_ranks()
+    same_id = gather(np.array([only_1.process_set_id]))
+    hvd.remove_process_set(only_1)
+    after = hvd.mpi_ops._basics._get_process_set_ids_and_ranks()
+    err = gather(np.array([max(maxdiff(r, expected) for r in reduced)])).max().item()
+    return {"err": err, "members": members,
+           "gathered_rows": int(gathered.shape[0]), "gathered_err": maxdiff(gathered[0], x),
+           "global_err": maxdiff(global_mean, gather(x).mean(axis=0)),
+           "set_differs_from_global": maxdiff(reduced[0], global_mean),
+           "ids": {str(k): v for k, v in sorted(ids.items())},
+           "ids_equal": bool((same_id == same_id[0]).all()),
+           "after_remove": {str(k): v for k, v in sorted(after.items())}}
+
+
+@probe
+def keras_optimizer_on_a_process_set():
+    """hvdk.DistributedOptimizer(process_set=...) in fit: each rank's set is itself, so its
+    step applies its own gradient (not the mean over both ranks)."""
+    only_1 = hvd.add_process_set([1])
+    own = ONLY_0 if RANK == 0 else only_1
+    x, y = fit_data(30)
+    model = dense_model(30)
+    before = [v.numpy() for v in model.trainable_variables]
+    grads = local_grads(model, x[:4], y[:4])
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                      process_set=own), loss="mse")
+    model.fit(x[:4], y[:4], batch_size=4, epochs=1, verbose=0, shuffle=False)
+    after = [v.numpy() for v in model.trainable_variables]
+    err = max(maxdiff(a, b - 0.1 * g) for a, b, g in zip(after, before, grads))
+    hvd.allreduce(tf.constant(0.0))  # both ranks done with their sets before removing one
+    hvd.remove_process_set(only_1)
+    return {"err": gather(np.array([err])).max().item(),
+            "ranks_differ": max(float(np.ptp(gather(a), axis=0).max()) for a in after)}
+
+
+@probe
+def join():
+    """hvd.join: rank 1 joins at once; rank 0's allreduces go on, rank 1 contributing zeros
+    (the sum is rank 0's own tensor, the average that over both ranks: half of it); join
+    returns the last rank to join, on every rank."""
+    x = np.array([1.0, -2.0, 3.5], "float32") * (RANK + 2)
+    got = {}
+    if RANK != 1:
+        got["sum"] = hvd.allreduce(x, op=hvd.Sum).numpy().tolist()
+        got["average"] = hvd.allreduce(x, op=hvd.Average).numpy().tolist()
+    last = int(hvd.join())
+    return dict(got, own=x.tolist(), last_joined=gather(np.array([last])).tolist())
+
+
+@probe
+def alltoall():
+    """hvd.alltoall with splits: rank r receives, from each rank s, the rows s sends it, in
+    rank order; the received splits say how many came from each."""
+    rows = 3 + RANK  # rank 0 sends 3 rows, rank 1 sends 4
+    x = (np.arange(rows * 2, dtype="float32").reshape(rows, 2) + 100 * RANK)
+    splits = np.array([1, 2] if RANK == 0 else [3, 1], "int32")
+    received, rsplits = hvd.alltoall(x, splits=splits)
+    every = hvd.allgather(x).numpy()  # all ranks' rows, rank 0's first
+    every_splits = gather(splits)
+    expected, start = [], 0
+    for s in range(SIZE):
+        offset = start + every_splits[s][:RANK].sum()
+        expected.append(every[offset:offset + every_splits[s][RANK]])
+        start += every_splits[s].sum()
+    expected = np.concatenate(expected)
+    ok = received.shape == expected.shape and maxdiff(received, expected) == 0.0
+    return {"equal": gather(np.array([ok])).tolist(),
+            "received_splits": gather(rsplits.numpy()).tolist(),
+            "expected_splits": every_splits[:, ].T.tolist()}
+
+
+@probe
+def reducescatter():
+    """hvd.reducescatter: rank r gets the r-th slice (along axis 0) of the ranks' sum or
+    mean; grouped_reducescatter likewise for each tensor."""
+    x = np.arange(12, dtype="float32").reshape(4, 3) * (RANK + 1) + RANK
+    every = gather(x)
+    part = slice(RANK * 2, RANK * 2 + 2)
+    got_sum = hvd.reducescatter(x, op=hvd.Sum).numpy()
+    got_avg = hvd.reducescatter(x, op=hvd.Average).numpy()
+    grouped = [g.numpy() for g in hvd.grouped_reducescatter([x, 2 * x], op=hvd.Sum)]
+    err = max(maxdiff(got_sum, every.sum(0)[part]), maxdiff(got_avg, every.mean(0)[part]),
+              maxdiff(grouped[0], every.sum(0)[part]), maxdiff(grouped[1], 2 * every.sum(0)[part]))
+    return {"err": gather(np.array([err])).max().item(),
+            "shape": list(got_sum.shape)}
+
+
+@probe
+def adasum():
+    """hvd.allreduce(op=hvd.Adasum) (the MPI controller) on 2 ranks, against its formula:
+    for a, b: (1 - a.b / (2|a|^2)) a + (1 - a.b / (2|b|^2)) b; and for orthogonal vectors
+    the sum, for equal ones the vector itself."""
+    rng = np.random.default_rng(7 + RANK)
+    x = rng.normal(size=(5, 3)).astype("float64")
+    got = hvd.allreduce(x, op=hvd.Adasum).numpy()
+    a, b = (v.ravel() for v in gather(x))
+    dot = a @ b
+    expected = ((1 - dot / (2 * (a @ a))) * a + (1 - dot / (2 * (b @ b))) * b).reshape(x.shape)
+    ortho = np.array([1.0, 0.0] if RANK == 0 else [0.0, 2.0])
+    same = np.array([3.0, -1.0])
+    return {"err": gather(np.array([maxdiff(got, expected)])).max().item(),
+            "differs_from_mean": maxdiff(got, gather(x).mean(0)),
+            "orthogonal": hvd.allreduce(ortho, op=hvd.Adasum).numpy().tolist(),
+            "equal": hvd.allreduce(same, op=hvd.Adasum).numpy().tolist()}
 
 
 if RANK == 0:

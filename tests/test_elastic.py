@@ -1,9 +1,13 @@
-"""Elastic training on one machine: a worker killed mid-run, a worker added mid-run."""
+"""Elastic training on one machine: a worker killed mid-run, a worker added mid-run; the
+Task path's --elastic, and Horovod's own elastic Keras fit (tests/elastic_keras_script.py)."""
 import json
 import os
 import re
 import signal
+import socket
 import sys
+
+import pytest
 
 from conftest import HOROVODRUN, ROOT, finish, module_cmd, rank_pids, result, run, start, wait_for
 
@@ -88,3 +92,65 @@ def test_added_worker_joins_and_the_run_finishes_with_two(env, tmp_path):
 def test_elastic_needs_a_run_dir(env):
     p = run(module_cmd("linear", "--elastic"), env, timeout=60)
     assert p.returncode == 2 and "--elastic=True: needs --run-dir" in p.stderr
+
+
+@pytest.mark.keras2
+@pytest.mark.timeout(300)
+def test_horovod_elastic_keras_fit_survives_a_kill_and_takes_a_worker_back(env, tmp_path):
+    """Horovod's KerasState and its callbacks in fit, 2 workers: the one on 127.0.0.1 dies
+    mid-epoch (SIGKILL), the survivor goes on alone from its last commit, a host is added
+    (this machine under a third name), its worker joins with the survivor's weights, and
+    the job ends with both on the same committed state."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")  # a failure blacklists its host's name
+    log = tmp_path / "log.jsonl"
+    script = os.path.join(ROOT, "tests", "elastic_keras_script.py")
+    cmd = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2",
+           "--host-discovery-script", os.path.join(ROOT, "scripts", "discover_hosts.sh"),
+           "--network-interface", "lo", sys.executable, script, str(log),
+           str(tmp_path / "killed")]
+
+    def lines():
+        return [json.loads(l) for l in open(log)] if log.exists() else []
+
+    def add_one():
+        # Once the survivor is alone (its reset at size 1), a third name for this machine.
+        assert wait_for(lambda: any(e["event"] == "reset" and e["size"] == 1
+                                    for e in lines()), 180), "no reset to one worker"
+        hosts.write_text(f"localhost:1\n127.0.0.1:1\n{socket.gethostname()}:1\n")
+
+    rc, out, err = run_with(cmd, dict(env, HVDTRAIN_HOSTS_FILE=str(hosts)), add_one)
+    assert rc == 0, err[-3000:]
+    events = lines()
+    by_pid = {}
+    for e in events:
+        by_pid.setdefault(e["pid"], []).append(e)
+    killed = [p for p, es in by_pid.items() if es[0]["start_rank"] == 1 and es[0]["size"] == 2
+              and not any(e["event"] == "end" for e in es)]
+    assert len(killed) == 1, "the worker on 127.0.0.1 did not die once"
+    survivor = next(p for p, es in by_pid.items() if es[0]["start_rank"] == 0)
+    s = by_pid[survivor]
+    # The survivor's reset to one worker restored its last commit before the failure:
+    # mid-epoch 1, the weights exactly.
+    first_reset = next(i for i, e in enumerate(s) if e["event"] == "reset")
+    assert s[first_reset]["size"] == 1
+    last_commit = [e for e in s[:first_reset] if e["event"] == "commit"][-1]
+    assert (last_commit["epoch"], last_commit["batch"]) == (1, 3)
+    assert (s[first_reset]["epoch"], s[first_reset]["batch"]) == (1, 3)
+    assert s[first_reset]["weights"] == last_commit["weights"]
+    # It trained on alone, then a new worker joined with its weights.
+    alone = [e for e in s[first_reset:] if e["event"] == "commit" and e["size"] == 1]
+    assert alone, "the survivor did not train alone"
+    added = [p for p in by_pid if p not in (survivor, *killed)]
+    assert len(added) == 1, f"{len(added)} workers joined"
+    joined = by_pid[added[0]][0]
+    assert joined["event"] == "train" and joined["size"] == 2
+    synced = next(e for e in s[first_reset:] if e["event"] == "train" and e["size"] == 2)
+    assert joined["weights"] == synced["weights"]
+    assert (joined["epoch"], joined["batch"]) == (synced["epoch"], synced["batch"])
+    # The end: both with the same committed state, all epochs done.
+    ends = [by_pid[p][-1] for p in (survivor, added[0])]
+    assert all(e["event"] == "end" and e["size"] == 2 and e["epoch"] == 6 for e in ends)
+    assert ends[0]["weights"] == ends[1]["weights"]
+    commits = [[e for e in by_pid[p] if e["event"] == "commit"][-1] for p in (survivor, added[0])]
+    assert commits[0]["weights"] == commits[1]["weights"] == ends[0]["weights"]

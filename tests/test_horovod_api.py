@@ -2,9 +2,10 @@
 
 A user's unchanged Horovod script (``import horovod.tensorflow as hvd``,
 ``horovod.tensorflow.keras``) runs on the Horovod that scripts/setup.sh builds and patches
-(scripts/patches/python/). One 2-rank launch of tests/horovod_api_probe.py exercises each API
-and records what Horovod returned next to what it should be (computed from every rank's
-inputs without the API); each test below asserts on its part. Then Horovod's two TF2 example
+(scripts/patches/python/). One 2-rank launch of tests/horovod_api_probe.py (the MPI
+controller: Adasum needs it) exercises each API and records what Horovod returned next to
+what it should be (computed from every rank's inputs without the API); each test below
+asserts on its part. Then Horovod's two TF2 example
 scripts, in examples/, run with ``horovodrun -np 2``. The whole module runs in both passes of
 scripts/test.sh (``keras2``), and scripts/test_gpu_build.sh runs it on the GPU build's venv.
 """
@@ -26,7 +27,7 @@ EXACT = 1e-6  # float32 arithmetic done in another order than Horovod's
 def probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe")
     env = clean_env(out / "home")
-    p = run([HOROVODRUN, "-np", "2", "--gloo", sys.executable, PROBE, str(out)], env,
+    p = run([HOROVODRUN, "-np", "2", "--mpi", sys.executable, PROBE, str(out)], env,
             timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(out / "probe.json") as f:
@@ -101,6 +102,12 @@ def test_elastic_state_restores_the_committed_weights(probe):
     assert r["moved"] > 1e-3  # training after the commit changed the weights
     assert r["err"] == 0.0 and r["epoch"] == 3  # restore: the committed weights, exactly
     assert r["plain"] == [1.0, 2.0]  # TensorFlowState likewise
+
+
+def test_elastic_sync_of_a_rank_before_its_first_step(probe):
+    r = ok(probe, "elastic_sync_before_the_first_step")
+    assert r["n_vars"][0] == r["n_vars"][1] >= 4  # weights, iterations, the momentum slots
+    assert r["spread"] == 0.0 and (r["batch"], r["epoch"]) == (4, 2)
 
 
 @pytest.mark.quick
@@ -188,6 +195,44 @@ def test_loss_scaling_reduces_before_the_check(probe):
     assert r["skipped_moved"] == 0.0 and r["scale_halved"] == 0.5 and r["ranks_equal"] == 0.0
     assert r["refused"].startswith("DistributedOptimizer under a mixed_float16 policy: wrap the "
                                    "loss-scale optimizer")
+
+
+def test_process_sets_static_and_dynamic(probe):
+    r = ok(probe, "process_sets")
+    assert r["ids"] == {"0": [0, 1], "1": [0], "2": [1]} and r["ids_equal"]
+    assert r["members"] == [0] and r["err"] == 0.0  # each set's mean: over its members only
+    assert r["set_differs_from_global"] == 5.0 and r["global_err"] < EXACT
+    assert r["gathered_rows"] == 1 and r["gathered_err"] == 0.0
+    assert r["after_remove"] == {"0": [0, 1], "1": [0]}
+
+
+def test_keras_distributed_optimizer_on_a_process_set(probe):
+    r = ok(probe, "keras_optimizer_on_a_process_set")
+    assert r["err"] < EXACT and r["ranks_differ"] > 1e-3  # each rank's own step
+
+
+def test_join_a_joined_rank_contributes_zeros(probe):
+    r = ok(probe, "join")
+    own = r["own"]  # rank 0's tensor; rank 1 joined without reducing
+    assert r["sum"] == own and r["average"] == [v / 2 for v in own]
+    assert r["last_joined"] == [[0], [0]]
+
+
+def test_alltoall_with_splits(probe):
+    r = ok(probe, "alltoall")
+    assert r["equal"] == [[True], [True]]
+    assert r["received_splits"] == r["expected_splits"] == [[1, 3], [2, 1]]
+
+
+def test_reducescatter_sum_average_and_grouped(probe):
+    r = ok(probe, "reducescatter")
+    assert r["err"] < EXACT and r["shape"] == [2, 3]
+
+
+def test_adasum_against_its_formula_for_two_ranks(probe):
+    r = ok(probe, "adasum")
+    assert r["err"] < 1e-12 and r["differs_from_mean"] > 0.1
+    assert r["orthogonal"] == [1.0, 2.0] and r["equal"] == [3.0, -1.0]
 
 
 def test_broadcast_global_variables_refused_in_eager_with_the_way_out(probe):
