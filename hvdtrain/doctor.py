@@ -34,7 +34,8 @@ PATCH_MARKER = "hvdtrain_patches.txt"  # in hvdtrain's Horovod wheel: the patche
 PATCH_FILES = "hvdtrain_patch_files.txt"  # ... and each patch's files' sha256 as built
 # The patches hvdtrain needs in Horovod 0.28.1 (scripts/patches/, tests/test_doctor.py keeps
 # this list equal to it), so that an installed wheel is checked without the repository.
-PATCHES = ("horovod-0.28.1-gpu-stream-handle.patch",
+PATCHES = ("horovod-0.28.1-gcc14.patch",
+           "horovod-0.28.1-gpu-stream-handle.patch",
            "horovod-0.28.1-launch-without-tensorflow.patch",
            "horovod-0.28.1-no-xla-ops.patch",
            "python/horovod-0.28.1-keras-callbacks.patch",

@@ -74,7 +74,7 @@ def test_this_machine_is_well(env):
     patches = os.path.join(ROOT, "scripts", "patches")
     assert r["horovod"]["patches"] == sorted(f for f in os.listdir(patches) if f.endswith(".patch")) + [
         f"python/{f}" for f in sorted(os.listdir(os.path.join(patches, "python")))]
-    assert len(r["horovod"]["patches"]) == 9 and r["horovod"]["patches_changed"] == {}
+    assert len(r["horovod"]["patches"]) == 10 and r["horovod"]["patches_changed"] == {}
     # the list the doctor checks an installed wheel against, without the repository
     from hvdtrain.doctor import PATCHES
     assert list(PATCHES) == r["horovod"]["patches"]
@@ -97,7 +97,8 @@ def test_text_report(env):
     assert out[-1] == "all good"
     assert any(l.split()[:2] == ["tensorflow", "2.21.0"] for l in out)
     assert any(l.split()[:2] == ["keras", "keras"] and l.split()[2].startswith("3.") for l in out)
-    assert any("hvdtrain patches: horovod-0.28.1-gpu-stream-handle.patch, "
+    assert any("hvdtrain patches: horovod-0.28.1-gcc14.patch, "
+               "horovod-0.28.1-gpu-stream-handle.patch, "
                "horovod-0.28.1-launch-without-tensorflow.patch, "
                "horovod-0.28.1-no-xla-ops.patch" in l for l in out)
     assert any("controllers MPI, Gloo" in l for l in out)
