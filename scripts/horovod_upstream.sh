@@ -14,7 +14,8 @@
 # needs), the elastic integration files with plain pytest one file at a time (pytest-forked,
 # Horovod CI's --forked, exits 3 under pytest 9), in a copy whose training scripts drop the
 # Keras file's TF1 session lines (tf.ConfigProto, tf.Session) and, under Keras 3, read
-# `optimizer.learning_rate` for the tests' `optimizer.lr`. Then it runs
+# `optimizer.learning_rate` for the tests' `optimizer.lr` (and assign it where the Keras file
+# sets it with tf.keras.backend.set_value). Then it runs
 # examples/tensorflow2/tensorflow2_mnist.py and tensorflow2_keras_mnist.py with horovodrun
 # -np 2, changed only in: the digits come from hvdtrain.datasets.mnist() instead of a download,
 # the step counts are cut; and under Keras 3 the Keras 2-only code the README's "Your Horovod
@@ -63,7 +64,9 @@ for keras in ${HVDTRAIN_UPSTREAM_KERAS:-3 2}; do
             -e '/tf.keras.backend.set_session(tf.Session/d' \
             "$copy/test/integration/data/elastic_tensorflow_keras_main.py"
         if [[ $keras == 3 ]]; then
-            sed -i 's/optimizer\.lr\b/optimizer.learning_rate/' \
+            # (Keras 3's tf.keras.backend.set_value takes TF variables only: assign instead)
+            sed -i -e 's/tf\.keras\.backend\.set_value(model\.optimizer\.lr, \(.*\))$/model.optimizer.learning_rate.assign(\1)/' \
+                -e 's/optimizer\.lr\b/optimizer.learning_rate/' \
                 "$copy"/test/integration/data/elastic_tensorflow{2,_keras}_main.py
         fi
         echo "Keras $keras elastic training scripts, changed lines:"
