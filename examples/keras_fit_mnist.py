@@ -24,9 +24,6 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--no-scale-lr", action="store_true", help="keep --lr at any world size")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: epoch ends only)")
-    p.add_argument("--jit-compile", action="store_true",
-                   help="ask Keras for XLA, as jit_compile='auto' does on a GPU (hk.fit then "
-                        "runs the step without it, said once: Horovod's ops have no XLA kernels)")
     args = p.parse_args(argv)
     k = keras()
 
@@ -61,7 +58,7 @@ def main(argv=None):
     # Horovod: add Horovod DistributedOptimizer (XLA off: no XLA kernels for its ops).
     model.compile(loss=k.losses.SparseCategoricalCrossentropy(),
                   optimizer=hk.DistributedOptimizer(opt), metrics=["accuracy"],
-                  jit_compile=args.jit_compile)
+                  jit_compile=False)
 
     # Horovod: broadcast, global metrics, rank-0 checkpoints and logs, SIGTERM, watchdog.
     try:

@@ -274,7 +274,9 @@ build_key() {
 try: print("nccl", v("nvidia-nccl-cu12"))
 except Exception: pass'
         mpi_identity
-        env | grep '^HOROVOD_' | sort || true
+        # The variables Horovod's build reads; not those it reads at run time (a process that
+        # ran Horovod may hold HOROVOD_CYCLE_TIME and the like: the same build).
+        env | grep -E '^HOROVOD_((WITH|WITHOUT)_|GPU|CPU_OPERATIONS|BUILD_|CUDA_|NCCL_|ROCM_|CCL_|MPICXX|CMAKE|DEBUG|ALLOW_MIXED)' | sort || true
         if [[ "$gpu" == 1 ]]; then
             echo "cuda=${HVDTRAIN_CUDA_HOME:-pypi ${cuda_wheels[*]}} cc=${HOROVOD_BUILD_CUDA_CC_LIST:-}"
             echo "cudaflags=${CUDAFLAGS:-}"
@@ -353,32 +355,37 @@ built=0 wheel=""
 entry=""
 if [[ "$cache_root" != 0 ]]; then entry="$cache_root/horovod-$horovod_version-$(build_key)"; fi
 cached() { [[ -n "$entry" && -f "$entry/complete" ]]; }
-# --wheels needs the finished wheel: from the cache, or built again.
-if ! horovod_ok || { [[ -n "$wheels_dir" ]] && ! cached; }; then
+# The finished wheel at $wheel: from the cache, or compiled (and then kept in the cache).
+wheel_from_cache_or_build() {
+    if cached; then wheel=$(echo "$entry"/horovod-*.whl); return; fi
+    build=$(mktemp -d)
+    trap 'rm -rf "$build"' EXIT
+    build_wheel "$build/final"
+    if [[ -n "$entry" ]] && mkdir -p "$cache_root" 2>/dev/null; then
+        tmp=$(mktemp -d "$cache_root/.new-XXXXXX")
+        chmod 0755 "$tmp"  # mktemp's 0700 would keep the group out of a shared cache
+        cp "$build"/final/horovod-*.whl "$tmp/"
+        touch "$tmp/complete"
+        rm -rf "$entry"
+        mv "$tmp" "$entry" || rm -rf "$tmp"
+    fi
+    if cached; then wheel=$(echo "$entry"/horovod-*.whl); else wheel=$(echo "$build"/final/horovod-*.whl); fi
+}
+if ! horovod_ok; then
     built=1
     # An installed horovod that failed the check (another TensorFlow, no MPI) would satisfy
     # the pin and never be rebuilt: remove it first.
     pip uninstall -y horovod >/dev/null 2>&1 || true
     if cached; then
         log "installing horovod $wheel_version from the build cache ($entry: built from the same sdist, patches, Python, TensorFlow, MPI and settings)"
-    else
-        build=$(mktemp -d)
-        trap 'rm -rf "$build"' EXIT
-        build_wheel "$build/final"
-        if [[ -n "$entry" ]] && mkdir -p "$cache_root" 2>/dev/null; then
-            tmp=$(mktemp -d "$cache_root/.new-XXXXXX")
-            chmod 0755 "$tmp"  # mktemp's 0700 would keep the group out of a shared cache
-            cp "$build"/final/horovod-*.whl "$tmp/"
-            touch "$tmp/complete"
-            rm -rf "$entry"
-            mv "$tmp" "$entry" || rm -rf "$tmp"
-        fi
     fi
-    if cached; then wheel=$(echo "$entry"/horovod-*.whl); else wheel=$(echo "$build"/final/horovod-*.whl); fi
+    wheel_from_cache_or_build
     # With its dependencies (cloudpickle, psutil, ...) at the lock's versions.
     pip install -c "$constraints" "$wheel"
-elif cached; then
-    wheel=$(echo "$entry"/horovod-*.whl)
+elif [[ -n "$wheels_dir" ]]; then
+    # --wheels on a venv whose Horovod passes: its wheel, from the cache or compiled, while
+    # the venv's own install stays as it is (a process may be using it).
+    wheel_from_cache_or_build
 fi
 
 # --- verify -------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import finish, launch_example, rank_pids, result, run, start, wait_for
+from conftest import (ROOT, finish, launch_example, rank_pids, result, run, script_cmd, start,
+                      wait_for)
 from hvdtrain import checkpoint as C
 
 EXAMPLE = "keras_fit_mnist.py"
@@ -40,12 +41,21 @@ def test_example_two_ranks_and_one_identical_weights_and_run_dir(env, tmp_path):
     """(a) np=2 and np=1 both train; the two ranks end with the same weights (digests)."""
     for np_ in (2, 1):
         run_dir = str(tmp_path / f"np{np_}")
-        # jit_compile=True on 2 ranks (what Keras 3's "auto" is on a GPU): the step runs
-        # without XLA, said once (Horovod's ops have no XLA kernels).
-        xla = ("--jit-compile",) if np_ == 2 else ()
-        proc = fit(env, np_, run_dir, "--epochs", 2, "--batch-size", 64, *xla)
+        args = ("--epochs", 2, "--batch-size", 64)
+        if np_ == 2:
+            # The example compiled with jit_compile=True (what Keras 3's "auto" is on a GPU):
+            # the step runs without XLA, said once (Horovod's ops have no XLA kernels).
+            source = open(os.path.join(ROOT, "examples", EXAMPLE)).read()
+            assert source.count("jit_compile=False") == 1
+            script = tmp_path / "keras_fit_mnist_xla.py"
+            script.write_text(source.replace("jit_compile=False", "jit_compile=True"))
+            proc = run(script_cmd(2, str(script), *DENSE, "--run-dir", run_dir, *args), env,
+                       150)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        else:
+            proc = fit(env, np_, run_dir, *args)
         said = (proc.stdout + proc.stderr).count("jit_compile turned off")
-        assert said == (1 if xla else 0), proc.stderr[-3000:]
+        assert said == (1 if np_ == 2 else 0), proc.stderr[-3000:]
         res = result(run_dir)
         assert res["world_size"] == np_ and res["ranks_identical"] is True
         assert res["global_step"] == 2 * (4000 // (64 * np_))

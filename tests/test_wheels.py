@@ -127,7 +127,7 @@ def test_the_horovod_api_probe_passes_under_keras_3(installed):
     out = os.path.join(d, "probe")
     os.mkdir(out)
     os.chown(out, uid, uid)
-    p = user_run(installed, ["horovodrun", "-np", "2", "--gloo", "python", probe, out])
+    p = user_run(installed, ["horovodrun", "-np", "2", "--mpi", "python", probe, out])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.load(open(os.path.join(out, "probe.json")))
     assert r["size"] == 2 and r["keras"].startswith("keras")
