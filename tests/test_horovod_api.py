@@ -35,9 +35,12 @@ def probe(tmp_path_factory):
 
 
 def ok(probe, name):
-    """The probe's numbers; a probe that raised fails here with Horovod's traceback."""
+    """The probe's numbers; a probe that raised fails here with Horovod's traceback, one not
+    checked on this build skips."""
     r = probe[name]
     assert "traceback" not in r, f"{name}: {r['error']}\n{r['traceback']}"
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
     return r
 
 
