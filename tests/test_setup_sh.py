@@ -32,14 +32,21 @@ def as_user(uid, cmd):
     return [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *cmd]
 
 
-@pytest.fixture
-def user_dir():
-    """A directory the unprivileged user owns, removed afterwards (tmp_path is root's 0700)."""
+def user_tempdir(prefix):
+    """An unused uid and a new directory it owns (tmp_path is root's 0700); the caller removes
+    it. Skips without root: becoming another uid needs it."""
     if os.geteuid() != 0:
         pytest.skip("needs root to become another uid (CI and containers run as root)")
     uid = free_uid()
-    d = tempfile.mkdtemp(prefix="hvdtrain-user-")
+    d = tempfile.mkdtemp(prefix=prefix)
     os.chown(d, uid, uid)
+    return uid, d
+
+
+@pytest.fixture
+def user_dir():
+    """A directory the unprivileged user owns, removed afterwards."""
+    uid, d = user_tempdir("hvdtrain-user-")
     try:
         yield uid, d
     finally:

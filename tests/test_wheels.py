@@ -17,12 +17,11 @@ import re
 import shutil
 import sys
 import sysconfig
-import tempfile
 
 import pytest
 
 from conftest import ROOT, run
-from test_setup_sh import as_user, free_uid
+from test_setup_sh import as_user, user_tempdir
 from hvdtrain.doctor import PATCHES
 
 pytestmark = pytest.mark.timeout(900)  # the first test includes the fixture, a build if uncached
@@ -43,11 +42,7 @@ def user_python():
 @pytest.fixture(scope="module")
 def installed():
     """(uid, directory, user's env, venv) after the wheels are built and installed."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to become another uid (CI and containers run as root)")
-    uid = free_uid()
-    d = tempfile.mkdtemp(prefix="hvdtrain-wheels-")
-    os.chown(d, uid, uid)
+    uid, d = user_tempdir("hvdtrain-wheels-")
     try:
         wheels = os.path.join(d, "wheels")
         env = dict(os.environ, HVDTRAIN_VENV=sys.prefix, HVDTRAIN_SKIP_APT="1")
