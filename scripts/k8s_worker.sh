@@ -16,7 +16,8 @@
 #
 # sshd runs as the pod's user (the image's mpiuser, or root) without any capability. The
 # job's key pair is at HVDTRAIN_SSH_DIR (default ~/.ssh, the MPIJob's sshAuthMountPath): its
-# private key is also sshd's host key (the image has none).
+# private key is also sshd's host key (the image has none); without it, a host key is made
+# when the worker starts.
 #
 # Only PID 1 gets the SIGTERM; when it exits, every other process of the pod is killed. sshd
 # alone (the operator's default command) would exit at once and take the ranks with it, before
@@ -66,7 +67,15 @@ fi
 if [[ $(id -u) == 0 ]]; then
     mkdir -p /run/sshd  # root's sshd: its privilege separation directory (/run: a fresh tmpfs)
 fi
-/usr/sbin/sshd -De -f /etc/ssh/hvdtrain/sshd_config -o "HostKey=$ssh_dir/id_rsa" "$@" &
+host_key=$ssh_dir/id_rsa
+if [[ ! -r $host_key ]]; then
+    # No job key (a container started outside an MPIJob, with its own authorized_keys): a host
+    # key of this worker's own, made now, never the image's.
+    host_key=$(mktemp -d)/ssh_host_ed25519_key
+    ssh-keygen -q -t ed25519 -N "" -f "$host_key" || exit 1
+    echo "k8s_worker.sh: no key at $ssh_dir/id_rsa: sshd uses a host key made now ($host_key)" >&2
+fi
+/usr/sbin/sshd -De -f /etc/ssh/hvdtrain/sshd_config -o "HostKey=$host_key" "$@" &
 sshd=$!
 
 stopping=0

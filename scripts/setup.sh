@@ -5,6 +5,8 @@
 #   scripts/setup.sh                   # .venv with TensorFlow, Horovod and hvdtrain
 #   scripts/setup.sh --wheels DIR      # the same, then Horovod's and hvdtrain's wheels into DIR
 #                                      # (pip install --no-deps DIR/*.whl on other machines)
+#   scripts/setup.sh --horovod-only    # the venv with the run-time stack and Horovod, without
+#                                      # hvdtrain and its test tools (the images' build stage)
 #   scripts/setup.sh --check-horovod   # exit 0 if the venv's Horovod needs no rebuild
 #
 # First it checks what the build needs: Python 3.10-3.13 (with venv and its headers), a C++
@@ -50,7 +52,8 @@ case "${1:-}" in
     "") ;;
     --check-horovod) mode=check ;;
     --wheels) [[ -n "${2:-}" ]] || die "--wheels needs a directory"; wheels_dir=$2 ;;
-    *) die "unknown argument $1 (scripts/setup.sh takes none, --wheels DIR or --check-horovod)" ;;
+    --horovod-only) mode=horovod ;;
+    *) die "unknown argument $1 (scripts/setup.sh takes none, --wheels DIR, --horovod-only or --check-horovod)" ;;
 esac
 
 # Two kinds of patch (each says why in its header): scripts/patches/*.patch change what is
@@ -77,25 +80,19 @@ with open(os.path.join(here, "hvdtrain_patches.txt")) as f:
     assert f.read().strip() == sys.argv[3].strip(), "built with other patches"
 # A GPU build carries its record (compiler, flags, NCCL) for the doctor.
 assert sys.argv[2] != "1" or os.path.exists(os.path.join(here, "hvdtrain_build.txt"))
-# What the loaded build answered, for horovodrun (the launch-without-tensorflow patch): it
-# then starts ranks without importing TensorFlow itself. Valid while the op library and
-# TensorFlow are the ones recorded (size and mtime of this install: not in the wheel).
+# The wheel's record of what the build answers (horovodrun reads it instead of importing
+# TensorFlow before each launch; the launch-without-tensorflow patch): it must be what the
+# loaded build answers, and name this install's op library and TensorFlow.
 import json
-from horovod.common.util import get_extension_full_path
-lib = os.stat(get_extension_full_path(os.path.join(here, "tensorflow", "__init__.py"), "mpi_lib"))
-record = {"library": [lib.st_size, lib.st_mtime_ns], "tensorflow": metadata.version("tensorflow"),
-          "mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()),
-          "nccl": bool(hvd.nccl_built())}
-path = os.path.join(here, "hvdtrain_built.json")
-try:
-    with open(path) as f:
-        same = json.load(f) == record
-except (OSError, ValueError):
-    same = False
-if not same:
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
+with open(os.path.join(here, "hvdtrain_built.json")) as f:
+    record = json.load(f)
+assert record["tensorflow"] == metadata.version("tensorflow"), record
+assert [record[k] for k in ("mpi", "gloo", "nccl")] == [
+    bool(hvd.mpi_built()), bool(hvd.gloo_built()), bool(hvd.nccl_built())], record
+lib, = [p for p in metadata.files("horovod") if p.parent.name == "tensorflow"
+        and p.name.startswith("mpi_lib") and p.name.endswith(".so")]
+assert record["library"] == [lib.hash.mode, lib.hash.value, lib.size], record
+assert os.stat(lib.locate()).st_size == lib.size
 PY
 }
 
@@ -187,15 +184,35 @@ pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 # The locked stack (setup.py's pins, at constraints.txt's versions) plus what Horovod's build
 # needs in the same env; the dev tools (test, bench extras) too: this venv runs the tests.
 stamp="$venv/.hvdtrain-deps"
-want=$( (cat "$root/setup.py" "$constraints"; echo "gpu=$gpu") | sha1sum | cut -c1-16)
+want=$( (cat "$root/setup.py" "$constraints"; echo "gpu=$gpu mode=$mode") | sha1sum | cut -c1-16)
 if [[ ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
-    log "installing the locked Python stack (constraints.txt: TensorFlow, tf-keras, mpi4py, test tools)"
+    if [[ $mode == horovod ]]; then
+        log "installing the locked run-time stack (constraints.txt: TensorFlow, tf-keras, mpi4py)"
+    else
+        log "installing the locked Python stack (constraints.txt: TensorFlow, tf-keras, mpi4py, test tools)"
+    fi
     pip install --upgrade -c "$constraints" "pip>=23" "setuptools>=65,<70" wheel packaging
     if [[ "$gpu" == 1 ]]; then
         tf_pin=$(grep -o '"tensorflow==[0-9.]*"' "$root/setup.py" | tr -d '"')
         pip install -c "$constraints" "tensorflow[and-cuda]==${tf_pin#tensorflow==}"
     fi
-    pip install -c "$constraints" -e "${root}[mpi,test,bench]"
+    if [[ $mode == horovod ]]; then
+        # setup.py's install_requires and its mpi extra, read without running it (the images'
+        # build stage has setup.py but not the package it describes).
+        mapfile -t reqs < <("$venv/bin/python" - "$root/setup.py" <<'PY'
+import ast, sys
+for node in ast.walk(ast.parse(open(sys.argv[1]).read())):
+    if isinstance(node, ast.keyword) and node.arg == "install_requires":
+        print(*ast.literal_eval(node.value), sep="\n")
+    if isinstance(node, ast.keyword) and node.arg == "extras_require":
+        print(*ast.literal_eval(node.value)["mpi"], sep="\n")
+PY
+        )
+        ((${#reqs[@]} > 2)) || die "no install_requires found in $root/setup.py"
+        pip install -c "$constraints" "${reqs[@]}"
+    else
+        pip install -c "$constraints" -e "${root}[mpi,test,bench]"
+    fi
     echo "$want" >"$stamp"
 fi
 # --- Horovod, compiled against this TensorFlow -------------------------------------
@@ -346,6 +363,22 @@ build_wheel() {
     # Mark the build as hvdtrain's patched one: the doctor reports which patches it carries,
     # and which of their files changed since.
     all_patch_sums >"$dir/horovod/hvdtrain_patches.txt"
+    # What the build answers (the build fails without MPI or Gloo; NCCL for the GPU build):
+    # horovodrun reads it instead of importing TensorFlow to ask, while the installed op
+    # library is this one (its sha256 and size, as pip's RECORD will list them).
+    "$venv/bin/python" - "$dir" "$gpu" <<'PY'
+import base64, glob, hashlib, json, os, sys
+from importlib import metadata
+here = os.path.join(sys.argv[1], "horovod")
+lib, = glob.glob(os.path.join(here, "tensorflow", "mpi_lib*.so"))
+with open(lib, "rb") as f:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(f.read()).digest()).rstrip(b"=").decode()
+record = {"library": ["sha256", digest, os.path.getsize(lib)],
+          "tensorflow": metadata.version("tensorflow"),
+          "mpi": True, "gloo": True, "nccl": sys.argv[2] == "1"}
+with open(os.path.join(here, "hvdtrain_built.json"), "w") as f:
+    json.dump(record, f)
+PY
     (cd "$dir" && patch_file_sums) >"$dir/horovod/hvdtrain_patch_files.txt"
     mkdir -p "$out"
     "$venv/bin/python" -m wheel pack -d "$out" "$dir" >/dev/null
@@ -401,7 +434,9 @@ if [[ $built == 1 ]]; then
     done
     horovod_ok || die "the new horovod build does not load with this TensorFlow (python -c 'import horovod.tensorflow')"
 fi
-"$venv/bin/python" -c "import hvdtrain" || die "hvdtrain does not import from $venv"
+if [[ $mode != horovod ]]; then
+    "$venv/bin/python" -c "import hvdtrain" || die "hvdtrain does not import from $venv"
+fi
 
 # --- wheels: Horovod's (this build) and hvdtrain's, for pip install --no-deps elsewhere ----
 if [[ -n "$wheels_dir" ]]; then

@@ -10,8 +10,8 @@ launcher and workers can tell, is done here by hand from the rendered MPIJob:
   PID namespace (the container's command is PID 1, as in a container: it alone gets the
   SIGTERM of a pod deletion, and when it exits everything else in the pod is killed) and mount
   namespace: the image's file system for what hvdtrain uses of it (an overlay of /etc and
-  /root with the Dockerfile's COPYed files, /opt/hvdtrain from the Dockerfile's build stage:
-  this checkout and its venv; fresh /run, /tmp and /dev/shm) and the pod's volumes at their
+  /root with the Dockerfile's COPYed files, /opt/hvdtrain/.venv from the Dockerfile's build
+  stage and the project's files beside it: this checkout and its venv; fresh /run, /tmp and /dev/shm) and the pod's volumes at their
   mount paths: the claim (a directory shared by every pod), the job's key pair laid out as the
   kubelet lays out a Secret volume (``..data`` symlinks, the operator's mode 0600, read-only),
   the hostfile and discover_hosts.sh as a ConfigMap volume (modes 0444 and 0555). Its
@@ -194,6 +194,7 @@ class Image:
                 cont = ""
         last = max(i for i, l in enumerate(lines) if l.split()[:1] == ["FROM"])
         self.env, self.workdir, self.copies, self.from_build = dict(DEBIAN_ENV), "/", [], []
+        self.project = []  # COPY of the checkout's files: (source, destination)
         self.users = {}  # RUN useradd --uid UID NAME: {NAME: UID}
         self.host_keys_removed = False  # RUN rm -f /etc/ssh/ssh_host_*
         for line in lines[last + 1:]:
@@ -219,8 +220,15 @@ class Image:
                 parts = rest.split()
                 if parts[0].startswith("--from="):
                     self.from_build.append((parts[1], parts[2]))
-                else:
-                    self.copies.append((os.path.join(ROOT, parts[0]), parts[1]))
+                    continue
+                *sources, dst = parts
+                for src in sources:
+                    if dst.startswith(("/opt/hvdtrain/", "/tmp/")):
+                        # The project's files (/opt/hvdtrain/scripts) and sources pip installs
+                        # from /tmp: the checkout and its venv stand for them in a pod.
+                        self.project.append((src, dst))
+                    else:
+                        self.copies.append((os.path.join(ROOT, src), dst))
 
 
 # --- volumes as the kubelet lays them out -------------------------------------------------------
@@ -264,9 +272,11 @@ class Pod:
                 (d / top / sub).mkdir(parents=True)
             lines.append(f"mount -t overlay overlay -o lowerdir=/{top},upperdir={d}/{top}/up,"
                          f"workdir={d}/{top}/work /{top}")
-        # COPY --from=build /opt/hvdtrain: the build stage's checkout and its .venv.
+        # COPY --from=build /opt/hvdtrain/.venv: the build stage's venv (here, the checkout's
+        # venv, where hvdtrain is installed too); the project's files beside it.
         (src, dst), = self.image.from_build
-        assert (src, dst) == ("/opt/hvdtrain", "/opt/hvdtrain"), self.image.from_build
+        assert (src, dst) == ("/opt/hvdtrain/.venv", "/opt/hvdtrain/.venv"), self.image.from_build
+        dst = os.path.dirname(dst)
         lines += ["mount -t tmpfs -o mode=755 tmpfs /opt", f"mkdir {dst}"]
         for entry in sorted(os.listdir(ROOT)):
             if entry not in (".git", ".venv", "runs", ".pytest_cache"):

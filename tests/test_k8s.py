@@ -164,7 +164,9 @@ def test_k8s_the_image_has_what_the_pods_need(tmp_path):
     assert image.env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
     # The GPUs a container sees are the runtime's to give (docker --gpus, the device plugin).
     assert "NVIDIA_VISIBLE_DEVICES" not in image.env
-    assert image.from_build == [("/opt/hvdtrain", "/opt/hvdtrain")]
+    # The build stage's venv (Horovod from its wheel): the project's files come after it.
+    assert image.from_build == [("/opt/hvdtrain/.venv", "/opt/hvdtrain/.venv")]
+    assert ("scripts/", "/opt/hvdtrain/scripts/") in image.project
     # mpiuser, the pods' runAsUser; no host key of the image's own.
     assert image.users == {"mpiuser": 1000} and image.host_keys_removed
     copies = {dst: open(src).read() for src, dst in image.copies}
@@ -190,6 +192,55 @@ def test_k8s_the_image_has_what_the_pods_need(tmp_path):
         dockerfile = f.read()
     runtime = dockerfile[dockerfile.rindex("\nFROM "):]
     assert "openssh-server" in runtime and "procps" in runtime  # sshd; pgrep for k8s_worker.sh
+
+
+@pytest.mark.quick
+def test_k8s_worker_without_a_job_key_makes_a_host_key_of_its_own(tmp_path):
+    """A worker started without the job's key (a container outside an MPIJob): its sshd gets
+    a host key made at start, a new one per worker, and serves with it."""
+    if os.getuid() != 0 or not os.path.exists("/usr/sbin/sshd") or not shutil.which("unshare"):
+        pytest.skip("needs root (a network namespace per worker) and Debian's sshd")
+    empty = tmp_path / "ssh"
+    empty.mkdir()
+    # The image's /etc/ssh: Debian's files without host keys, and hvdtrain's sshd_config.
+    etc_ssh = tmp_path / "etc-ssh"
+    shutil.copytree("/etc/ssh", etc_ssh, ignore=shutil.ignore_patterns("ssh_host_*"))
+    (etc_ssh / "hvdtrain").mkdir(exist_ok=True)
+    shutil.copy(os.path.join(K.DEPLOY, "ssh", "sshd_hvdtrain.conf"),
+                etc_ssh / "hvdtrain" / "sshd_config")
+    keys = []
+    for _ in range(2):
+        # Each worker in network and mount namespaces of its own (sshd binds port 2222 there).
+        p = subprocess.Popen(
+            ["unshare", "--net", "--mount", "--fork", "bash", "-c",
+             f'ip link set lo up && mount --bind {etc_ssh} /etc/ssh && exec "$@"', "-",
+             os.path.join(K.ROOT, "scripts", "k8s_worker.sh")],
+            env=dict(os.environ, HVDTRAIN_SSH_DIR=str(empty)), stderr=subprocess.PIPE,
+            text=True, start_new_session=True)
+        try:
+            lines, made = [], None
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                line = p.stderr.readline()
+                if not line:
+                    break
+                lines.append(line)
+                m = re.search(r"sshd uses a host key made now \((\S+)\)", line)
+                made = made or (m and m.group(1))
+                if made and "Server listening" in line:
+                    break
+            assert made and any("port 2222" in l for l in lines), "".join(lines)
+            keys.append(subprocess.run(["ssh-keygen", "-l", "-f", made], capture_output=True,
+                                       text=True, timeout=10).stdout.split()[1])
+            shutil.rmtree(os.path.dirname(made))
+            os.killpg(p.pid, 15)
+            assert p.wait(timeout=20) == 0
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    assert len(keys) == 2 and keys[0] != keys[1] and all(k.startswith("SHA256:") for k in keys)
+    assert os.listdir(empty) == []
 
 
 def base_job(fn):

@@ -65,7 +65,7 @@ def test_setup_rejects_an_unknown_argument():
     rc, out, err = raw(["bash", SETUP, "--chek-horovod"], dict(os.environ), timeout=30)
     assert rc == 1 and out == ""
     assert err == ("[setup] error: unknown argument --chek-horovod (scripts/setup.sh takes none, "
-                   "--wheels DIR or --check-horovod)\n")
+                   "--wheels DIR, --horovod-only or --check-horovod)\n")
 
 
 # --- TensorFlow's start-up lines ----------------------------------------------------------------

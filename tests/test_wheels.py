@@ -101,6 +101,33 @@ def test_horovod_and_hvdtrain_come_from_the_wheels(installed):
     assert os.stat(hvd_file).st_uid == uid
 
 
+def test_horovodrun_takes_the_build_record_from_the_wheel(installed):
+    """The wheel's hvdtrain_built.json answers horovodrun's "built with MPI/Gloo?" without
+    importing TensorFlow, while it names the installed op library; a record naming another
+    library is not believed (the extension is asked, as without the record)."""
+    uid, d, env, venv, site = installed
+    ask = ("import sys; from horovod.runner import launch\n"
+           "asked = []\n"
+           "def check(verbose): asked.append(1); return 'asked'\n"
+           "print(launch._recorded_build(check, 'mpi', False), "
+           "launch._recorded_build(check, 'gloo', False), len(asked), "
+           "'tensorflow' in sys.modules)")
+    p = user_run(installed, ["python", "-c", ask], timeout=60)
+    assert (p.returncode, p.stdout.split()) == (0, ["True", "True", "0", "False"]), p.stderr
+    path = os.path.join(site, "horovod", "hvdtrain_built.json")
+    record = json.load(open(path))
+    assert record["tensorflow"] == "2.21.0" and record["nccl"] is False
+    original = open(path).read()
+    try:
+        with open(path, "w") as f:
+            json.dump(dict(record, library=[*record["library"][:2], record["library"][2] + 1]), f)
+        p = user_run(installed, ["python", "-c", ask], timeout=60)
+        assert (p.returncode, p.stdout.split()) == (0, ["asked", "asked", "2", "False"]), p.stderr
+    finally:
+        with open(path, "w") as f:
+            f.write(original)
+
+
 def test_the_readme_mnist_job_trains_to_the_readme_accuracy(installed):
     uid, d, env, venv, _ = installed
     readme = open(os.path.join(ROOT, "README.md")).read()
