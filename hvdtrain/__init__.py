@@ -11,7 +11,7 @@ same code runs on Keras 2 (tf_keras). Public API: ``Task``, ``train``, ``Config`
 Keras ``fit`` path in ``hvdtrain.keras`` (see README, "Your own model").
 """
 # hvdtrain's first code: the clock of result.json's timings starts here (hvdtrain/timings.py).
-from hvdtrain import timings as _timings
+from hvdtrain.base import timings as _timings
 
 with _timings.phase("imports"):
     import os as _os
@@ -20,16 +20,16 @@ with _timings.phase("imports"):
     _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # ... and its start-up lines on a machine without a GPU, which that level does not reach
     # (hvdtrain/tflogs.py; HVDTRAIN_TF_LOGS=1 shows them).
-    from hvdtrain import tflogs as _tflogs
+    from hvdtrain.base import tflogs as _tflogs
 
     _tflogs.install()
     _timings.install()  # after tflogs: the first import of TensorFlow is timed, quiet or not
 
     from hvdtrain._version import __version__
-    from hvdtrain.config import Config, ConfigError, setting
-    from hvdtrain.optimizer import DistributedOptimizer
-    from hvdtrain.task import Task, TaskError, load_task
-    from hvdtrain.train import train
+    from hvdtrain.base.config import Config, ConfigError, setting
+    from hvdtrain.distributed.optimizer import DistributedOptimizer
+    from hvdtrain.tasks.task import Task, TaskError, load_task
+    from hvdtrain.tasks.train import train
 
 
 def preset(task: str, **overrides) -> Config:
@@ -48,7 +48,7 @@ def __getattr__(name):
     # Imported on first use: the class depends on the Keras in use, and importing hvdtrain
     # does not import TensorFlow.
     if name == "SyncBatchNormalization":
-        from hvdtrain import layers
+        from hvdtrain.distributed import layers
         return layers.SyncBatchNormalization
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

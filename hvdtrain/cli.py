@@ -21,9 +21,9 @@ import sys
 import threading
 
 from hvdtrain import distributed
-from hvdtrain.config import parse_args
-from hvdtrain.errors import RETRIED, Error, Preempted
-from hvdtrain.train import train
+from hvdtrain.base.config import parse_args
+from hvdtrain.base.errors import RETRIED, Error, Preempted
+from hvdtrain.tasks.train import train
 
 
 def report(prog: str, e: Error) -> int:

@@ -38,14 +38,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain import datasets, distributed, nest, pipeline, timings  # noqa: F401 (datasets: public)
-from hvdtrain.data import epoch_plan, steps_per_epoch
-from hvdtrain.engine import Run
-from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
+from hvdtrain import datasets, distributed  # noqa: F401 (datasets: public)
+from hvdtrain.inputs import nest, pipeline
+from hvdtrain.base import timings
+from hvdtrain.inputs.data import epoch_plan, steps_per_epoch
+from hvdtrain.engine.run import Run
+from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
                              Error, Preempted)
-from hvdtrain.fit import STOP_CHECK_EVERY, FitSettings, _Fit, fit_config, user_callbacks
-from hvdtrain.optimizer import DistributedOptimizer  # noqa: F401 (public here)
-from hvdtrain.pipeline import Batches, is_dataset
+from hvdtrain.fit.driver import STOP_CHECK_EVERY, FitSettings, _Fit, fit_config, user_callbacks
+from hvdtrain.distributed.optimizer import DistributedOptimizer  # noqa: F401 (public here)
+from hvdtrain.inputs.pipeline import Batches, is_dataset
 
 
 def init(backend: str = "auto") -> distributed.World:
@@ -119,8 +121,8 @@ def adapt(layer, data, **kwargs):
     and variance tensors, Discretization's bin boundaries). Each rank adapting on its own
     shard would give each rank another model; hk.fit refuses that before the first step.
     All ranks; returns ``layer``."""
-    from hvdtrain.errors import TaskError, user_code
-    from hvdtrain.preflight import state_attributes
+    from hvdtrain.base.errors import TaskError, user_code
+    from hvdtrain.engine.preflight import state_attributes
 
     world = distributed.current()
 

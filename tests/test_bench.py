@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from conftest import ROOT, clean_env, run
-from hvdtrain import bench, distributed
-from hvdtrain.bench import cases, report
+from hvdtrain.tools import bench
+from hvdtrain import distributed
+from hvdtrain.tools.bench import cases, report
 
 
 @pytest.mark.quick

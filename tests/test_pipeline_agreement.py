@@ -54,7 +54,7 @@ def examples(files):
 
 @pytest.mark.quick
 def test_agreement_lines_name_the_rank_and_what_differs():
-    from hvdtrain import pipeline
+    from hvdtrain.inputs import pipeline
 
     a = [("/d/part-0", 100), ("/d/part-1", 90), ("/d/part-2", 80)]
     same = pipeline.files_differ("the training dataset", [a, list(a)])
@@ -89,7 +89,7 @@ def test_by_batch_order_digest_catches_a_shuffle_seeded_by_rank(records):
     rank's own sizes from the whole count are those of its shard."""
     import tensorflow as tf
 
-    from hvdtrain import pipeline
+    from hvdtrain.inputs import pipeline
 
     def sharded(seed, batch=None):
         ds = examples(sorted(records.glob("part-*")))
@@ -122,7 +122,7 @@ def test_by_batch_order_digest_catches_a_shuffle_seeded_by_rank(records):
 def test_enumerate_over_files_is_sharded_by_batch(records):
     """A TFRecord pipeline with .enumerate(): TensorFlow's file rewrite cannot shard its
     range source (a 57-line protobuf dump); sharded by batch instead, every example once."""
-    from hvdtrain import pipeline
+    from hvdtrain.inputs import pipeline
 
     class Rank1(Twin):
         rank = 1
@@ -145,9 +145,9 @@ def test_input_changed_under_the_run_is_one_line(records, tmp_path):
 
     import tensorflow as tf
 
-    from hvdtrain import pipeline
+    from hvdtrain.inputs import pipeline
     from hvdtrain.distributed import World
-    from hvdtrain.errors import DataError, InputError
+    from hvdtrain.base.errors import DataError, InputError
 
     data = tmp_path / "data"
     shutil.copytree(records, data)
@@ -616,11 +616,11 @@ def test_resume_on_another_input_names_it_on_the_task_path(tmp_path):
     """The Task path's record holds the pipeline's files and examples per epoch at its top
     level (engine.Run.input): a checkpoint made on other files is refused naming both, as
     the task's flags are named (hk.fit's launch above: the same comparison)."""
-    from hvdtrain import checkpoint
-    from hvdtrain.config import Config
+    from hvdtrain.engine import checkpoint
+    from hvdtrain.base.config import Config
     from hvdtrain.distributed import World
-    from hvdtrain.engine import Checkpoints
-    from hvdtrain.errors import CheckpointError
+    from hvdtrain.engine.run import Checkpoints
+    from hvdtrain.base.errors import CheckpointError
 
     def record(files, examples):
         return {"task": "records", "seed": 0, "settings": {},

@@ -38,16 +38,17 @@ from typing import Optional
 
 import numpy as np
 
-from hvdtrain import checkpoint, compat, precision, timings
-from hvdtrain.config import Config, values
-from hvdtrain.distributed import Progress, World
-from hvdtrain.errors import (CheckpointError, ConfigError, Diverged, EnvError, Error,
+from hvdtrain.engine import checkpoint
+from hvdtrain.base import compat, precision, timings
+from hvdtrain.base.config import Config, values
+from hvdtrain.distributed.world import Progress, World
+from hvdtrain.base.errors import (CheckpointError, ConfigError, Diverged, EnvError, Error,
                              Preempted, RankError, RanksDiffer, RunDirBusy, RunDirHeld,
                              StorageError, TaskError,
                              argument, error_line, first_line, shown, user_code)
-from hvdtrain.optimizer import updates
-from hvdtrain.report import Reporter, ranks_differ_line, weights_agreement
-from hvdtrain.watchdog import Watchdog
+from hvdtrain.distributed.optimizer import updates
+from hvdtrain.engine.report import Reporter, ranks_differ_line, weights_agreement
+from hvdtrain.engine.watchdog import Watchdog
 
 # Where training stands, as a checkpoint or an elastic commit keeps it.
 PROGRESS_FIELDS = ("epoch", "offset", "sums", "last_record", "path")

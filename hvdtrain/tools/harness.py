@@ -2,7 +2,7 @@
 (``python -m``, ``horovodrun``, ``mpirun``), each process in its own session and bounded in
 time, its whole process group killed when the bound passes.
 
-    from hvdtrain import harness
+    from hvdtrain.tools import harness
     proc = harness.run(harness.horovodrun(2, "gloo", harness.python("hvdtrain.mnist")),
                        harness.environment(), timeout=180)
 """
@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 BIN = os.path.dirname(sys.executable)
 HOROVODRUN = os.path.join(BIN, "horovodrun")
 # A launcher's variables in this process's environment would make a child believe it is

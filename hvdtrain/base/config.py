@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from hvdtrain.errors import ConfigError, TaskError, user_code
+from hvdtrain.base.errors import ConfigError, TaskError, user_code
 
 BACKENDS = ("auto", "horovod", "single")
 PRECISIONS = ("none", "float16", "bfloat16")  # --mixed-precision: see precision.py

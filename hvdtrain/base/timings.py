@@ -1,6 +1,6 @@
 """Where a run's wall time goes: seconds per phase, from the launch to result.json.
 
-    from hvdtrain import timings
+    from hvdtrain.base import timings
     with timings.phase("data"):
         ...                         # counted as data, less any phase opened inside it
     timings.report()                # {"launcher": s, ..., "other": s, "wall": s, ...}

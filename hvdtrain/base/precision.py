@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 
-from hvdtrain import compat
+from hvdtrain.base import compat
 
 # --mixed-precision's values -> Keras' policy names.
 POLICIES = {"none": None, "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}

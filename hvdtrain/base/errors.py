@@ -255,7 +255,7 @@ def user_frame(e: BaseException) -> str:
     import os
     import traceback
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # hvdtrain/
     found = ""
     frames = traceback.extract_tb(e.__traceback__)
     if isinstance(e, SyntaxError) and e.filename:  # the error is in the file being compiled

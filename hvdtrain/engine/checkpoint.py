@@ -29,9 +29,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvdtrain.errors import CheckpointError
-from hvdtrain import files
-from hvdtrain.files import atomic_open, make_dirs, writing
+from hvdtrain.base.errors import CheckpointError
+from hvdtrain.base import files
+from hvdtrain.base.files import atomic_open, make_dirs, writing
 
 MAGIC = b"HVDTCKPT"
 VERSION = 2  # 1 (hvdtrain 0.1) hashed the payload only

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain.optimizer import apply_gradients
-from hvdtrain.precision import scale_loss, to_float32
-from hvdtrain.task import check_loss_shape, check_metric_shape
+from hvdtrain.distributed.optimizer import apply_gradients
+from hvdtrain.base.precision import scale_loss, to_float32
+from hvdtrain.tasks.task import check_loss_shape, check_metric_shape
 
 # Arrays up to this size are held on the device; larger ones are streamed even if they are
 # in memory (a tf.constant is limited to 2 GiB, and a second copy of a large array hurts).

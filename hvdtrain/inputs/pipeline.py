@@ -45,7 +45,7 @@ from typing import Optional
 
 import numpy as np
 
-from hvdtrain.errors import ConfigError, DataError, InputError
+from hvdtrain.base.errors import ConfigError, DataError, InputError
 
 # Dataset ops that read files: a pipeline with one of them can be sharded by file.
 READERS = ("TFRecordDataset", "TextLineDataset", "FixedLengthRecordDataset")

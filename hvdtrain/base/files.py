@@ -11,7 +11,7 @@ import glob
 import os
 import tempfile
 
-from hvdtrain.errors import StorageError, first_line
+from hvdtrain.base.errors import StorageError, first_line
 
 # TensorFlow's file errors give the OS's reason as text: its number, for the same line.
 ERRNO_OF = {os.strerror(n): n for n in sorted(errno.errorcode, reverse=True)}

@@ -38,8 +38,9 @@ accumulates in its own step and takes both).
 """
 from __future__ import annotations
 
-from hvdtrain import compat, distributed, precision
-from hvdtrain.errors import ConfigError
+from hvdtrain.base import compat, precision
+from hvdtrain.distributed.start import current
+from hvdtrain.base.errors import ConfigError
 
 
 def DistributedOptimizer(optimizer, op: str = "average", compression: str = "none",
@@ -64,7 +65,7 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
     optimizer is wrapped in place and returned: its state, learning-rate schedule and saved
     form stay those of its own class, so a model saved with it loads without hvdtrain.
     """
-    reduction = (world or distributed.current()).reduction(op, compression,
+    reduction = (world or current()).reduction(op, compression,
                                                            gradient_predivide_factor)
     passes = _backward_passes(optimizer, backward_passes_per_step, reduction)
     if reduction is None:  # one process: nothing to reduce

@@ -13,15 +13,18 @@ from typing import Optional
 
 import numpy as np
 
-from hvdtrain import compat, distributed, pipeline, precision, preflight, timings
-from hvdtrain.config import Config
-from hvdtrain.data import DataError, epoch_plan, steps_per_epoch, test_shard
-from hvdtrain.engine import PROGRESS_FIELDS, Run
-from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, Diverged, Preempted,  # noqa: F401
+from hvdtrain.base import compat, precision, timings
+from hvdtrain import distributed
+from hvdtrain.inputs import pipeline
+from hvdtrain.engine import preflight
+from hvdtrain.base.config import Config
+from hvdtrain.inputs.data import DataError, epoch_plan, steps_per_epoch, test_shard
+from hvdtrain.engine.run import PROGRESS_FIELDS, Run
+from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, Diverged, Preempted,  # noqa: F401
                              StepError, TaskError, step_failed)
-from hvdtrain.optimizer import DistributedOptimizer
-from hvdtrain.step import TrainStep
-from hvdtrain.task import Task, check_data, check_metrics, check_optimizer, check_task
+from hvdtrain.distributed.optimizer import DistributedOptimizer
+from hvdtrain.tasks.step import TrainStep
+from hvdtrain.tasks.task import Task, check_data, check_metrics, check_optimizer, check_task
 
 EVAL_BATCH = 1000  # evaluation has no collectives inside, so its batch is free to choose
 # --steps-per-execution 0 (auto): see _TaskRun._tune and docs/PERFORMANCE.md.

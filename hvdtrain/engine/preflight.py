@@ -8,10 +8,10 @@ every rank, naming the ranks and the differing values.
 from __future__ import annotations
 
 from hvdtrain._version import __version__
-from hvdtrain.compat import variable_name
-from hvdtrain.compat import variables as compat_variables
-from hvdtrain.config import values
-from hvdtrain.errors import RankError
+from hvdtrain.base.compat import variable_name
+from hvdtrain.base.compat import variables as compat_variables
+from hvdtrain.base.config import values
+from hvdtrain.base.errors import RankError
 
 
 class PreflightError(RankError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain.errors import DataError
+from hvdtrain.base.errors import DataError
 
 
 def is_structure(x) -> bool:

@@ -109,8 +109,8 @@ def memcpy(args) -> None:
 
 def _setup(args, rank: int, size: int):
     """Data, task and model exactly as hvdtrain builds them for these flags."""
-    from hvdtrain.compat import keras
-    from hvdtrain.data import load_mnist_format
+    from hvdtrain.base.compat import keras
+    from hvdtrain.inputs.data import load_mnist_format
     from hvdtrain.distributed import World
     from hvdtrain.mnist import MnistTask
 
@@ -123,7 +123,7 @@ def _setup(args, rank: int, size: int):
 def _train(args, rank, size, step, evaluate=None) -> dict:
     """Run ``args.epochs`` epochs of ``step(idx)`` over this rank's plans; time each epoch."""
     import tensorflow as tf
-    from hvdtrain.data import epoch_plan, steps_per_epoch
+    from hvdtrain.inputs.data import epoch_plan, steps_per_epoch
 
     n = len(args.data.x_train)
     steps = steps_per_epoch(n, args.batch, size)
@@ -149,7 +149,7 @@ def _train(args, rank, size, step, evaluate=None) -> dict:
 def plain(args) -> None:
     """(a): what a user writes without Horovod: one tf.function step, loss and accuracy."""
     import tensorflow as tf
-    from hvdtrain.compat import keras
+    from hvdtrain.base.compat import keras
 
     args.data, task, build = _setup(args, 0, 1)
     model = build()
@@ -178,7 +178,7 @@ def plain(args) -> None:
 def mwms(args) -> None:
     """(d): the same model, data and global batch under MultiWorkerMirroredStrategy."""
     import tensorflow as tf
-    from hvdtrain.compat import keras
+    from hvdtrain.base.compat import keras
     from hvdtrain.distributed import usable_cores
 
     size = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
@@ -298,7 +298,7 @@ def tfrecords(args) -> None:
     """The training set (--dataset) as ``--files`` TFRecord files of equal size in the
     directory ``--out``: each example a 784-byte image and an int64 label."""
     import tensorflow as tf
-    from hvdtrain.data import load_mnist_format
+    from hvdtrain.inputs.data import load_mnist_format
     from hvdtrain.distributed import World
 
     data = load_mnist_format(args.dataset, None, False, World(), notice=lambda m: None)
@@ -351,8 +351,8 @@ def fit(args) -> None:
 
     import tensorflow as tf
     from hvdtrain import distributed
-    from hvdtrain.compat import keras
-    from hvdtrain.data import load_mnist_format, steps_per_epoch
+    from hvdtrain.base.compat import keras
+    from hvdtrain.inputs.data import load_mnist_format, steps_per_epoch
 
     strategy = None
     if args.impl == "mwms":  # the strategy first: before any other TensorFlow op
@@ -365,7 +365,7 @@ def fit(args) -> None:
     k = keras()
     world = (distributed.World() if args.impl in ("keras", "mwms")
              else distributed.init("horovod", notice=lambda m: None))
-    from hvdtrain import engine
+    from hvdtrain.engine import run as engine
     synced = {"seconds": 0.0, "calls": 0}
     if args.no_bn_sync:  # the bench's knob for the BN sync's cost: moving statistics unsynced
         engine.MovingStatistics.sync = lambda self, global_step: None

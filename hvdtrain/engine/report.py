@@ -18,8 +18,8 @@ import socket
 import sys
 import time
 
-from hvdtrain.errors import EnvError, RunDirBusy, RunDirHeld, StorageError
-from hvdtrain.files import atomic_open, make_dirs, remove_leftovers, replacing, writing
+from hvdtrain.base.errors import EnvError, RunDirBusy, RunDirHeld, StorageError
+from hvdtrain.base.files import atomic_open, make_dirs, remove_leftovers, replacing, writing
 
 # What a run directory holds as folders: a file named like one would make every save fail.
 FOLDERS = ("checkpoints", "tensorboard")
@@ -59,8 +59,8 @@ def weights_agreement(world, model) -> dict:
 
     import numpy as np
 
-    from hvdtrain.compat import variables
-    from hvdtrain.preflight import layer_state
+    from hvdtrain.base.compat import variables
+    from hvdtrain.engine.preflight import layer_state
 
     digest = hashlib.sha256()
     for v in variables(model.weights):
@@ -284,7 +284,7 @@ class Reporter:
         remove the temporary files of writes that a killed or failed run left."""
         if self.enabled and self._lock is None:
             self._lock = RunLock(self.run_dir)
-            from hvdtrain import checkpoint
+            from hvdtrain.engine import checkpoint
 
             remove_leftovers(self.run_dir)
             checkpoint.remove_leftovers(os.path.join(self.run_dir, "checkpoints"))
@@ -307,7 +307,7 @@ class Reporter:
         """A live progress bar is worth drawing: a terminal, and no launcher. (mpirun gives
         its ranks a pseudo-terminal even when its own output is a pipe, and tags and
         interleaves their lines, so a bar's carriage returns end up in the log.)"""
-        from hvdtrain.distributed import launcher_size
+        from hvdtrain.distributed.launch import launcher_size
         return sys.stdout.isatty() and launcher_size() == 1
 
     def print(self, message: str, level: int = 1) -> None:

@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Dict, Optional
 
-from hvdtrain.errors import EXIT_FAILED, EXIT_PEER_LOST, EnvError
+from hvdtrain.base.errors import EXIT_FAILED, EXIT_PEER_LOST, EnvError
 
 INTERVAL = 1.0
 HANDSHAKE_SECONDS = 10.0  # the whole handshake of one connection

@@ -25,9 +25,9 @@ import importlib
 import os
 from typing import Callable, Dict, Optional
 
-from hvdtrain.config import Config, ConfigError, validate_settings
-from hvdtrain.data import Data
-from hvdtrain.errors import SpecError, TaskError, error_line, user_code, user_frame
+from hvdtrain.base.config import Config, ConfigError, validate_settings
+from hvdtrain.inputs.data import Data
+from hvdtrain.base.errors import SpecError, TaskError, error_line, user_code, user_frame
 
 # The built-in tasks, by the name their module is run with (python -m hvdtrain.<name>).
 BUILTIN = {"linear": "hvdtrain.linear:LinearTask", "mnist": "hvdtrain.mnist:MnistTask"}
@@ -105,7 +105,7 @@ class Task:
         ``--learning-rate``, times the world size with ``--scale-lr``; the ``config`` a task
         is handed (here and in ``load_data``/``build_model``) carries the same value in
         ``config.learning_rate``. Default: SGD with ``--momentum``."""
-        from hvdtrain.compat import keras
+        from hvdtrain.base.compat import keras
         return keras().optimizers.SGD(learning_rate=learning_rate, momentum=config.momentum)
 
     def preprocess(self, x, y):
@@ -198,7 +198,7 @@ def check_data(task: Task, data) -> None:
 
 def check_optimizer(task: Task, optimizer):
     """What ``build_optimizer`` returned: an optimizer of the Keras in use."""
-    from hvdtrain.compat import keras
+    from hvdtrain.base.compat import keras
 
     if not (hasattr(optimizer, "apply_gradients") and hasattr(optimizer, "iterations")):
         raise TaskError(f"{type(task).__name__}.build_optimizer returned "

@@ -20,13 +20,15 @@ import time
 
 import numpy as np
 
-from hvdtrain import compat, nest, pipeline, precision, preflight, timings
-from hvdtrain.config import Config, setting
-from hvdtrain.data import test_shard
-from hvdtrain.distributed import Progress
-from hvdtrain.engine import BOOKKEEPING, Run
-from hvdtrain.errors import ConfigError, TaskError, step_failed
-from hvdtrain.optimizer import StopFlags, accumulation, reduce_before_loss_scaling
+from hvdtrain.base import compat, precision, timings
+from hvdtrain.inputs import nest, pipeline
+from hvdtrain.engine import preflight
+from hvdtrain.base.config import Config, setting
+from hvdtrain.inputs.data import test_shard
+from hvdtrain.distributed.world import Progress
+from hvdtrain.engine.run import BOOKKEEPING, Run
+from hvdtrain.base.errors import ConfigError, TaskError, step_failed
+from hvdtrain.distributed.optimizer import StopFlags, accumulation, reduce_before_loss_scaling
 
 # Steps between two checks for a SIGTERM on any rank. A host allreduce every step halved
 # fit's throughput against Horovod's own Keras wrapper, and every 10 steps still cost a
