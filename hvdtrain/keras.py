@@ -20,7 +20,7 @@ the data position; a SIGTERM on any rank stopping every rank after the same step
 (checkpoint, then ``Preempted``); NaN or infinite weights or loss stopping every rank
 (``Diverged``); the dead/frozen-rank watchdog; and the same run directory (config.json,
 metrics.jsonl, tensorboard/, checkpoints/, result.json, model.keras). Only rank 0 prints:
-Keras' progress bar on a terminal, one line per epoch in a pipe. The driver is ``fit.py``.
+Keras' progress bar on a terminal, one line per epoch in a pipe. The driver is ``hvdtrain.fit``.
 
 ``hk.fit`` also takes a ``tf.data.Dataset`` of per-rank batches, sharded, counted and
 resumed by hvdtrain (``pipeline.py``; README, "Your own data").
@@ -45,7 +45,8 @@ from hvdtrain.inputs.data import epoch_plan, steps_per_epoch
 from hvdtrain.engine.run import Run
 from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
                              Error, Preempted)
-from hvdtrain.fit.driver import STOP_CHECK_EVERY, FitSettings, _Fit, fit_config, user_callbacks
+from hvdtrain.fit.driver import STOP_CHECK_EVERY, FitRun
+from hvdtrain.fit.script import FitSettings, fit_config, user_callbacks
 from hvdtrain.distributed.optimizer import DistributedOptimizer  # noqa: F401 (public here)
 from hvdtrain.inputs.pipeline import Batches, is_dataset
 
@@ -229,7 +230,7 @@ def _fit(model, train, epochs, validation_data, callbacks, validation_batch_size
     callbacks = user_callbacks(list(callbacks), world)  # some write files: rank 0's alone
     fit_settings = FitSettings(train.shuffle, train.examples, source, steps_per_epoch or 0)
     with Run(world, config, "fit", fit_settings) as run:
-        return _Fit(model, train, validation_data, run, sharded).fit(list(callbacks),
+        return FitRun(model, train, validation_data, run, sharded).fit(list(callbacks),
                                                                      validation_batch_size)
 
 

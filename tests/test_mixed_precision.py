@@ -263,7 +263,7 @@ def test_a_bad_precision_is_one_line(code, tmp_path):
     # In code: hvdtrain.train's Config, and hk.fit, where the script's policy decides.
     from hvdtrain import Config
     from hvdtrain.base.errors import ConfigError
-    from hvdtrain.fit.driver import fit_config
+    from hvdtrain.fit.script import fit_config
     with pytest.raises(ConfigError) as e:
         Config(mixed_precision="fp16").validate()
     assert str(e.value) == "--mixed-precision=fp16: choose one of none, float16, bfloat16"

@@ -368,7 +368,7 @@ def test_fit_pipeline_backward_passes_not_dividing_the_epoch_is_one_line():
     from hvdtrain.compat import keras
     from hvdtrain.distributed import World
     from hvdtrain.base.errors import ConfigError
-    from hvdtrain.fit.driver import fit_config
+    from hvdtrain.fit.script import fit_config
     from hvdtrain.distributed.optimizer import DistributedOptimizer
 
     k, world = keras(), World()
