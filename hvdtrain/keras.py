@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from hvdtrain import datasets, distributed  # noqa: F401 (datasets: public)
-from hvdtrain.inputs import nest, pipeline
+from hvdtrain.inputs import nest, pipeline, sources  # noqa: F401 (pipeline: hk.pipeline)
 from hvdtrain.base import timings
 from hvdtrain.inputs.data import epoch_plan, steps_per_epoch
 from hvdtrain.engine.run import Run
@@ -48,7 +48,8 @@ from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverg
 from hvdtrain.fit.driver import STOP_CHECK_EVERY, FitRun
 from hvdtrain.fit.script import FitSettings, fit_config, user_callbacks
 from hvdtrain.distributed.optimizer import DistributedOptimizer  # noqa: F401 (public here)
-from hvdtrain.inputs.pipeline import Batches, is_dataset
+from hvdtrain.inputs.pipeline import Batches
+from hvdtrain.inputs.sources import is_dataset
 
 
 def init(backend: str = "auto") -> distributed.World:
@@ -165,7 +166,7 @@ def _kind(value) -> str:
 def files(pattern: str) -> list:
     """The files matching ``pattern``, sorted: the same list on every rank, for a tf.data
     pipeline that hvdtrain shards by file. One line (every rank) when none matches."""
-    return pipeline.files(pattern, distributed.current())
+    return sources.files(pattern, distributed.current())
 
 
 @timings.timed("data")

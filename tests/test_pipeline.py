@@ -54,7 +54,7 @@ def test_sharding_by_file_and_by_element_covers_every_example_once(records):
     import tensorflow as tf
 
     import keras_fit_tfrecord as ex
-    from hvdtrain.inputs import pipeline
+    from hvdtrain.inputs import sharding
 
     class Rank:
         def __init__(self, rank):
@@ -63,7 +63,7 @@ def test_sharding_by_file_and_by_element_covers_every_example_once(records):
     def labels(pattern, policy, rank):
         ds = ex.pipeline(os.path.join(records, pattern), 64, True)
         ds = ds.map(lambda x, y: (tf.reduce_sum(tf.reshape(x, (-1, 784)), 1), y))
-        mine = pipeline.shard(ds, Rank(rank), policy)
+        mine = sharding.shard(ds, Rank(rank), policy)
         return np.concatenate([np.asarray(x) for x, _ in mine])  # pixel sums: an example's id
 
     sizes = file_sizes(records)

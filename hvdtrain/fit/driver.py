@@ -30,6 +30,7 @@ from hvdtrain.fit.metrics import GlobalMetrics
 from hvdtrain.fit.script import applied_optimizers, check_validation, steps_per_execution
 from hvdtrain.inputs import nest, pipeline
 from hvdtrain.inputs.data import test_shard
+from hvdtrain.inputs.sources import is_dataset
 
 # Steps between two checks for a SIGTERM on any rank. A host allreduce every step halved
 # fit's throughput against Horovod's own Keras wrapper, and every 10 steps still cost a
@@ -237,7 +238,7 @@ class FitRun:
         if self.validation_data is None:
             return None, None, batch_size
         if isinstance(self.validation_data, tuple) and len(self.validation_data) == 2 and \
-                pipeline.is_dataset(self.validation_data[0]):
+                is_dataset(self.validation_data[0]):
             # Batched by the user; its counted batches: Keras 3 warns when it runs dry.
             return (*self.validation_data, None)
         n = len(nest.leaves(self.validation_data[0])[0][1])

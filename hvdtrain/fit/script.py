@@ -14,6 +14,7 @@ from hvdtrain.base.config import Config, setting
 from hvdtrain.base.errors import ConfigError, TaskError
 from hvdtrain.distributed.optimizer import accumulation, reduce_before_loss_scaling
 from hvdtrain.inputs import nest, pipeline
+from hvdtrain.inputs.sources import is_dataset
 
 
 # Config fields that the model, the optimizer or the dataset already decide in a fit script.
@@ -162,7 +163,7 @@ def check_validation(validation_data, train, world, sharded=False):
     pipeline: this rank's shard of it."""
     if validation_data is None:
         return None
-    if pipeline.is_dataset(validation_data):
+    if is_dataset(validation_data):
         return pipeline.validation(validation_data, world, sharded)
     if not (isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3)):
         raise ConfigError("validation_data", type(validation_data).__name__,

@@ -38,279 +38,15 @@
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 from typing import Optional
 
 import numpy as np
 
 from hvdtrain.base.errors import ConfigError, DataError, InputError
-
-# Dataset ops that read files: a pipeline with one of them can be sharded by file.
-READERS = ("TFRecordDataset", "TextLineDataset", "FixedLengthRecordDataset")
-
-
-def is_dataset(obj) -> bool:
-    return hasattr(obj, "element_spec") and hasattr(obj, "as_numpy_iterator")
-
-
-def files(pattern: str, world) -> list:
-    """All ranks: the files matching ``pattern``, sorted (the same order on every rank);
-    one line when none does on some rank (``tf.data.Dataset.list_files`` raises a traceback)."""
-    import glob
-
-    def match():
-        found = sorted(glob.glob(pattern))
-        if not found:
-            raise DataError(f"{pattern}: matches no file")
-        return found
-    return world.agree(match, catch=(DataError,), merge=InputError)
-
-
-def _nodes(ds) -> list:
-    import tensorflow as tf
-
-    graph = tf.compat.v1.GraphDef.FromString(ds._as_serialized_graph().numpy())
-    return list(graph.node) + [n for f in graph.library.function for n in f.node_def]
-
-
-def reads_files(ds, nodes=None) -> bool:
-    return any(n.op.startswith(READERS) for n in (_nodes(ds) if nodes is None else nodes))
-
-
-def file_names(ds, nodes=None) -> list:
-    """The existing files a pipeline's graph names (its constant strings)."""
-    import tensorflow as tf
-
-    names = []
-    for n in (_nodes(ds) if nodes is None else nodes):
-        if n.op == "Const" and n.attr["dtype"].type == tf.string.as_datatype_enum:
-            try:
-                value = tf.io.parse_tensor(n.attr["value"].tensor.SerializeToString(), tf.string)
-            except (tf.errors.OpError, ValueError):
-                continue
-            names += [s.decode(errors="replace") for s in np.ravel(value.numpy())]
-    return [s for s in dict.fromkeys(names) if os.path.isfile(s)]
-
-
-def _cause(e) -> str:
-    """A TensorFlow op error's own message, without the function-node and op decorations,
-    its first line only (an auto-shard error goes on with a graph's protobuf dump)."""
-    text = str(getattr(e, "message", e)).split("[Op:")[0]
-    if text.startswith("{{function_node"):
-        text = text.split("}}", 1)[-1]
-    text = next((line for line in text.splitlines() if line.strip()), "")
-    return " ".join(text.split()).split("' failed with")[0] or type(e).__name__
-
-
-def file_facts(paths) -> list:
-    """[(path, size in bytes)] of ``paths`` that exist."""
-    found = []
-    for path in paths:
-        try:
-            found.append((path, os.path.getsize(path)))
-        except OSError:
-            pass
-    return found
-
-
-def describe_files(files: list) -> str:
-    """The files of the input ([(path, size)]) as a run-defining value: how many, their
-    bytes, a digest of their names (without their directory: a moved data directory is the
-    same input) and sizes."""
-    if not files:
-        return "none"
-    digest = hashlib.sha256("\n".join(f"{os.path.basename(p)} {n}" for p, n in files).encode())
-    return (f"{len(files)} files, {sum(n for _, n in files):,} bytes, sha256 "
-            f"{digest.hexdigest()[:12]}")
-
-
-def files_differ(what: str, everyone: list) -> Optional[str]:
-    """The first rank whose [(path, size)] list differs from rank 0's, and how; None when all
-    are the same."""
-    ours = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], 1):
-        if theirs == ours:
-            continue
-        mine, other = [p for p, _ in ours], [p for p, _ in theirs]
-        lacks = [p for p in mine if p not in other]
-        extra = [p for p in other if p not in mine]
-        counts = f"{len(mine)} files on rank 0, {len(other)} on rank {rank}"
-        if lacks:
-            how = f"rank {rank} lacks {lacks[0]}" + (f" and {len(lacks) - 1} more"
-                                                     if len(lacks) > 1 else "")
-        elif extra:
-            how = f"rank {rank} reads {extra[0]}, which rank 0 does not"
-        elif mine != other:
-            at = next(i for i, (a, b) in enumerate(zip(mine, other)) if a != b)
-            how = (f"rank {rank} lists them in another order (file {at}: {other[at]} where "
-                   f"rank 0 has {mine[at]}): list them sorted (hk.files)")
-        else:
-            path, a, b = next((p, a, b) for (p, a), (_, b) in zip(ours, theirs) if a != b)
-            how = f"{path} is {a:,} bytes on rank 0, {b:,} on rank {rank}"
-        return (f"{what}: the ranks read different files: {how} ({counts}); every rank "
-                "must list the same files (or shard them by hand: sharded=True)")
-    return None
-
-
-def order_differs(what: str, digests: list) -> Optional[str]:
-    """Sharded by batch, every rank reads the whole pipeline: the first rank whose batches
-    (their contents, in order) differ from rank 0's; None when all are the same."""
-    for rank, digest in enumerate(digests):
-        if digest is not None and digests[0] is not None and digest != digests[0]:
-            return (f"{what}: rank {rank} reads its batches in another order than rank 0 "
-                    "(sharded by batch, every rank keeps every size-th batch of the same "
-                    "sequence): seed every shuffle alike on every rank (shuffle(n, seed=0)), "
-                    "list the files sorted")
-    return None
-
-
-def batch_sizes_differ(what: str, largest: list, policy: str) -> Optional[str]:
-    """The first rank whose largest batch differs from rank 0's; None when all agree."""
-    for rank, n in enumerate(largest):
-        if n != largest[0]:
-            fix = ("batch every rank's shard alike" if policy == "user" else
-                   "give every rank's shard at least one whole batch")
-            return (f"{what}: rank {rank}'s batches hold {n} examples, rank 0's "
-                    f"{largest[0]}: every rank's batches must be the per-rank batch size "
-                    f"({fix})")
-    return None
-
-
-def _corrupt_file(ds) -> Optional[tuple]:
-    """(path, cause) of the first of the pipeline's files that TFRecord cannot read through."""
-    import tensorflow as tf
-
-    for path in file_names(ds):
-        try:
-            for _ in tf.data.TFRecordDataset(path).batch(4096):
-                pass
-        except tf.errors.DataLossError as e:
-            return path, _cause(e)
-    return None
-
-
-def shard(ds, world, policy: str):
-    """``ds`` as this rank's shard: policy "file", "data", "user" (sharded by hand) or
-    "none" (one process)."""
-    import tensorflow as tf
-    from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
-
-    if policy in ("user", "none") or world.size == 1:
-        return ds
-    if policy == "data":
-        # Batch k to rank k mod size. (TensorFlow's DATA rewrite failed on some pipelines
-        # here with its FILE policy's error.) Every rank reads everything, as under it.
-        return ds.shard(world.size, world.rank)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
-    return _AutoShardDataset(ds.with_options(options), world.size, world.rank, world.size)
-
-
-def _batch_len(*batch):
-    import tensorflow as tf
-
-    return tf.shape(tf.nest.flatten(batch)[0])[0]
-
-
-def _fingerprint(*batch):
-    """A batch's size and a fingerprint of its contents (8 bytes)."""
-    import tensorflow as tf
-
-    parts = [tf.reshape(tf.fingerprint(tf.reshape(t, [1, -1])), [-1])
-             for t in tf.nest.flatten(batch, expand_composites=True)]
-    whole = tf.reshape(tf.concat(parts, 0), [1, -1])
-    return _batch_len(*batch), tf.reshape(tf.fingerprint(whole), [8])
-
-
-def _count(ds, what: str, digest: bool = False):
-    """One pass over ``ds``: the size of each of its batches; one-line errors. ``digest``:
-    (sizes, a digest of the batches' contents in order, None where it cannot be made)."""
-    import tensorflow as tf
-
-    hashed = None
-    if digest:
-        try:
-            counted, hashed = ds.map(_fingerprint), hashlib.sha256()
-        except (TypeError, ValueError):  # an element fingerprint cannot take: not digested
-            counted = ds.map(_batch_len)
-    else:
-        counted = ds.map(_batch_len)
-    try:
-        sizes = []
-        for chunk in counted.batch(4096):
-            if hashed is not None:
-                chunk, prints = chunk
-                hashed.update(prints.numpy().tobytes())
-            sizes += [int(n) for n in chunk.numpy()]
-    except tf.errors.DataLossError as e:
-        found = _corrupt_file(ds)
-        raise DataError(f"{found[0]}: {found[1]}" if found else
-                        f"{what}: {_cause(e)}") from None
-    except tf.errors.OpError as e:
-        raise DataError(f"{what}: {_cause(e)}") from None
-    if digest:
-        return sizes, hashed.hexdigest()[:16] if hashed is not None else None
-    return sizes
-
-
-def _rank_sizes(sizes: list, world, batch: Optional[int]) -> list:
-    """Rank ``world.rank``'s batch sizes under the DATA policy, from the whole pipeline's
-    (``batch``: ``sizes`` are of chunks of ``batch`` x size examples, dealt out one by one)."""
-    r, n = world.rank, world.size
-    if not batch:
-        return sizes[r::n]
-    return [k for k in (min(batch, max(0, -(-(t - r) // n))) for t in sizes) if k]
-
-
-def _sharded_sizes(ds, world, sharded: bool, what: str, limit: Optional[int] = None,
-                   batch: Optional[int] = None, nodes=None):
-    """All ranks: (this rank's shard, its batch sizes (the first ``limit``), the policy
-    used, the digest of the batches' order: by batch, every rank reads the whole pipeline
-    here and digests it; else None): by file if it can be on every rank, else by element.
-    ``batch``: ``ds`` holds examples, sharded first, then batched. Errors agreed."""
-    import tensorflow as tf
-
-    def count(policy):
-        def attempt():
-            try:
-                mine = shard(ds, world, policy)
-            except tf.errors.NotFoundError as e:
-                if policy == "file" and "unshardable" in str(e):
-                    return None  # a source besides the files (enumerate's range): by batch
-                raise DataError(f"{what}: {_cause(e)}") from None
-            mine = mine.batch(batch) if batch else mine
-            if policy == "data":  # every rank reads everything: counted whole, digested
-                whole = ds.batch(batch * world.size) if batch else ds
-                n = limit and (limit if batch else limit * world.size)
-                sizes, digest = _count(whole.take(n) if n else whole, what, digest=True)
-                return mine, _rank_sizes(sizes, world, batch), digest
-            try:
-                return mine, _count(mine.take(limit) if limit else mine, what), None
-            except DataError as e:
-                if policy == "file" and "shard" in str(e):
-                    return None  # fewer files than ranks: TensorFlow says so on some ranks
-                raise
-        return world.agree(attempt, catch=(DataError, tf.errors.OpError), merge=InputError)
-
-    policy = ("user" if sharded else "none" if world.size == 1 else
-              "file" if reads_files(ds, nodes) else "data")
-    found = count(policy)
-    # Horovod: the policy must be every rank's, or ranks would read overlapping shards.
-    if policy == "file" and not all(world.allgather_object(found is not None)):
-        policy, found = "data", count("data")
-    return found[0], found[1], policy, found[2]
-
-
-def _same_files(ds, world, sharded: bool, what: str, nodes) -> list:
-    """All ranks: every rank's [(path, size)] of the files its pipeline names; refused in
-    one line (every rank) when they differ and hvdtrain shards them (or reads them whole)."""
-    everyone = world.allgather_object(file_facts(file_names(ds, nodes)))
-    problem = None if sharded else files_differ(what, everyone)
-    if problem:
-        raise InputError(problem)
-    return everyone
+from hvdtrain.inputs.sharding import same_files, sharded_sizes
+from hvdtrain.inputs.sources import (batch_sizes_differ, corrupt_file, dataset_nodes,
+                                     describe_files, error_cause, order_differs, stat_files)
 
 
 class Batches:
@@ -337,11 +73,11 @@ class Batches:
         if steps_per_epoch is not None and steps_per_epoch < 1:
             raise ConfigError("steps_per_epoch", steps_per_epoch, "must be 1 or more")
 
-        nodes = _nodes(ds)
-        everyone_files = _same_files(ds, world, sharded, what, nodes)
+        nodes = dataset_nodes(ds)
+        everyone_files = same_files(ds, world, sharded, what, nodes)
         self.files = everyone_files[world.rank]
-        self.snapshot = _stat(p for p, _ in self.files)  # this rank's view, for later looks
-        self.ds, sizes, self.policy, digest = _sharded_sizes(
+        self.snapshot = stat_files(p for p, _ in self.files)  # this rank's view, for later looks
+        self.ds, sizes, self.policy, digest = sharded_sizes(
             ds, world, sharded, what, steps_per_epoch if infinite else None, batch, nodes)
         everyone = world.allgather_object((sizes, digest))
         everyone, digests = [s for s, _ in everyone], [d for _, d in everyone]
@@ -386,7 +122,7 @@ class Batches:
     def changed(self) -> Optional[str]:
         """This rank: the first of the pipeline's files that is not as it was at the start
         (deleted, cut short, grown, rewritten, unreadable), said as ``path: how``."""
-        now = _stat(self.snapshot)
+        now = stat_files(self.snapshot)
         for path, (size, mtime) in self.snapshot.items():
             got = now.get(path)
             if isinstance(got, str):
@@ -424,11 +160,11 @@ class Batches:
                              f"of its {short.group(1)} batches {where}: its input changed "
                              f"under the running job; {STOPPED}")
         if isinstance(e, tf.errors.DataLossError):
-            found = _corrupt_file(self.ds)  # None: not a training file (validation's)
+            found = corrupt_file(self.ds)  # None: not a training file (validation's)
             return DataError(f"{found[0]}: {found[1]} {where}") if found else None
         if isinstance(e, (tf.errors.NotFoundError, tf.errors.PermissionDeniedError)) \
                 and any(path in str(e) for path in self.snapshot):
-            return DataError(f"{self.what}: {_cause(e)} {where}")
+            return DataError(f"{self.what}: {error_cause(e)} {where}")
         return None
 
     def batches(self, first_epoch: int, end_epoch: int, first_step: int = 0):
@@ -481,22 +217,6 @@ STOPPED = ("training stopped, nothing saved after it; put the input back as it w
            "the same command to resume, or train on the new input in a new run directory")
 
 
-def _stat(paths) -> dict:
-    """{path: (size, modification time in ns)}, or a string saying why there is none."""
-    found = {}
-    for path in paths:
-        try:
-            st = os.stat(path)
-            with open(path, "rb"):
-                pass
-            found[path] = (st.st_size, st.st_mtime_ns)
-        except FileNotFoundError:
-            found[path] = "deleted"
-        except OSError as e:
-            found[path] = f"unreadable ({e.strerror or e})"
-    return found
-
-
 def _numpy(x):
     import tensorflow as tf
 
@@ -508,9 +228,9 @@ def validation(ds, world, sharded: bool = False, batch: Optional[int] = None,
     """A validation dataset as (this rank's shard, its batches): each example is scored by
     exactly one rank (no rank may be empty: its part of the exact metrics would be missing).
     ``batch``: ``ds`` holds examples, to be sharded, then batched."""
-    nodes = _nodes(ds)
-    _same_files(ds, world, sharded, what, nodes)
-    mine, sizes, policy, digest = _sharded_sizes(ds, world, sharded, what, batch=batch,
+    nodes = dataset_nodes(ds)
+    same_files(ds, world, sharded, what, nodes)
+    mine, sizes, policy, digest = sharded_sizes(ds, world, sharded, what, batch=batch,
                                                  nodes=nodes)
     everyone = world.allgather_object((sum(sizes), digest))
     counts = [n for n, _ in everyone]

@@ -16,6 +16,7 @@ import numpy as np
 from hvdtrain.base import compat, precision, timings
 from hvdtrain import distributed
 from hvdtrain.inputs import pipeline
+from hvdtrain.inputs.sources import is_dataset
 from hvdtrain.engine import preflight
 from hvdtrain.base.config import Config
 from hvdtrain.inputs.data import DataError, epoch_plan, steps_per_epoch, test_shard
@@ -94,11 +95,11 @@ class _TaskRun:
         self.data = run.user(f"{type(task).__name__}.load_data", task.load_data, config, world,
                              catch=(DataError, OSError))
         check_data(task, self.data)
-        self.pipe = self._pipeline() if pipeline.is_dataset(self.data.x_train) else None
+        self.pipe = self._pipeline() if is_dataset(self.data.x_train) else None
         # A test pipeline's shards, counted now: an empty one is said before training.
         self.test = (pipeline.validation(self.data.x_test, world, batch=EVAL_BATCH,
                                          what="x_test")[0]
-                     if pipeline.is_dataset(self.data.x_test) else None)
+                     if is_dataset(self.data.x_test) else None)
         run.pipeline = self.pipe  # the engine records its input wait per epoch
         run.input = self.pipe.identity() if self.pipe is not None else {}
         self._shape()
