@@ -19,7 +19,7 @@ import pytest
 from hvdtrain.base import errors
 from hvdtrain.base.errors import EnvError, RunDirBusy, RunDirHeld, StorageError
 from hvdtrain.base.files import cannot_write
-from hvdtrain.engine.report import RunLock, lock_wait
+from hvdtrain.engine.rundir import RunLock, lock_wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.quick

@@ -651,7 +651,7 @@ def test_ranks_identical_compares_the_state_outside_the_weights():
     """The same weights with another Normalization mean on rank 1 (a layer adapted again in
     training, say): not identical, and rank 1 named."""
     from hvdtrain.compat import keras
-    from hvdtrain.engine.report import ranks_differ_line, weights_agreement
+    from hvdtrain.engine.agreement import ranks_differ_line, weights_agreement
     from test_preflight import FakeWorld
 
     k = keras()

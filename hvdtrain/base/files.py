@@ -1,4 +1,5 @@
-"""Files that readers see whole or not at all: write beside, fsync, rename, fsync the folder.
+"""Files that readers see whole or not at all: write beside, fsync, rename, fsync the folder;
+JSON that stays valid (NaN and infinities as null), written so.
 
 A write that fails (disk full, a read-only file system, a file where a directory belongs) is
 ``StorageError``: one line naming the file and the OS's reason (``writing``).
@@ -8,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import json
+import math
 import os
 import tempfile
 
@@ -109,3 +112,21 @@ def fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def finite_json(obj):
+    """``obj`` with NaN and infinities as null: result.json and metrics stay valid JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Readers see the old file or the whole new one, never half of it."""
+    with atomic_open(path) as f:
+        json.dump(finite_json(obj), f, indent=2, sort_keys=True, allow_nan=False)
+        f.write("\n")

@@ -47,7 +47,8 @@ from hvdtrain.base.errors import (CheckpointError, ConfigError, Diverged, EnvErr
                              StorageError, TaskError,
                              argument, error_line, first_line, shown, user_code)
 from hvdtrain.distributed.optimizer import updates
-from hvdtrain.engine.report import Reporter, ranks_differ_line, weights_agreement
+from hvdtrain.engine.agreement import ranks_differ_line, weights_agreement
+from hvdtrain.engine.report import Reporter
 from hvdtrain.engine.watchdog import Watchdog
 
 # Where training stands, as a checkpoint or an elastic commit keeps it.
