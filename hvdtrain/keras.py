@@ -36,20 +36,28 @@ sees the reduced gradients (README, "Mixed precision").
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import numpy as np
 
 from hvdtrain import datasets, distributed  # noqa: F401 (datasets: public)
-from hvdtrain.inputs import nest, pipeline, sources  # noqa: F401 (pipeline: hk.pipeline)
 from hvdtrain.base import timings
-from hvdtrain.inputs.data import epoch_plan, steps_per_epoch
-from hvdtrain.engine.run import Run
+from hvdtrain.base.config import Config
 from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
-                             Error, Preempted)
+                                  Error, Preempted)
+from hvdtrain.distributed.optimizer import DistributedOptimizer  # noqa: F401 (public here)
+from hvdtrain.engine.fronts import FIT_SCRIPT
+from hvdtrain.engine.run import Run
 from hvdtrain.fit.driver import STOP_CHECK_EVERY, FitRun
 from hvdtrain.fit.script import FitSettings, fit_config, user_callbacks
-from hvdtrain.distributed.optimizer import DistributedOptimizer  # noqa: F401 (public here)
+from hvdtrain.inputs import nest, pipeline, sources  # noqa: F401 (pipeline: hk.pipeline)
+from hvdtrain.inputs.data import epoch_plan, steps_per_epoch
 from hvdtrain.inputs.pipeline import Batches
 from hvdtrain.inputs.sources import is_dataset
+
+# Config's defaults: hk.fit's keyword arguments that are Config's fields default to them.
+_DEFAULT = {f.name: f.default for f in dataclasses.fields(Config)}
 
 
 def init(backend: str = "auto") -> distributed.World:
@@ -184,7 +192,10 @@ def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True,
 
 def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
         validation_batch_size: int = 256, steps_per_epoch: int = None, sharded: bool = False,
-        **settings):
+        run_dir: Optional[str] = _DEFAULT["run_dir"],
+        checkpoint_every: int = _DEFAULT["checkpoint_every"],
+        keep_checkpoints: int = _DEFAULT["keep_checkpoints"],
+        resume: Optional[bool] = _DEFAULT["resume"], **settings):
     """``model.fit`` on every rank from rank 0's state or its newest checkpoint in
     ``run_dir``; returns the History (all ranks).
 
@@ -201,11 +212,19 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
     final state, and the History is the run's. Each hk.fit of one script (two phases of
     transfer learning) needs its own ``run_dir``.
 
-    ``settings``: ``hvdtrain.Config``'s fields, by the same names and with the same defaults
-    (``run_dir=None`` is ``runs/fit-<time>``; ``checkpoint_every=100``; ``peer_timeout=30``).
+    ``run_dir``: where rank 0 writes the run (None: ``runs/fit-<time>``); ``checkpoint_every``
+    (updates between checkpoints; 0: at epoch ends only), ``keep_checkpoints``, ``resume``
+    (None: resume from the newest checkpoint if there is one; True: require one; False:
+    refuse a run_dir that holds checkpoints): ``hvdtrain.Config``'s fields of those names.
+    ``settings``: Config's other fields that a fit script may set, by the same names and with
+    the same defaults (``peer_timeout=30``, ``stop_on_divergence``, ``save_model``,
+    ``verbose``, ...); those the model, the optimizer or the dataset decide are refused
+    (``Config``'s ``fit_refusal``).
     Raises an ``hvdtrain.errors.Error`` (one line; ``Preempted`` after a SIGTERM: rerun the
     same command to resume).
     """
+    settings = dict(run_dir=run_dir, checkpoint_every=checkpoint_every,
+                    keep_checkpoints=keep_checkpoints, resume=resume, **settings)
     with timings.phase("other"):  # the run: what no named phase inside claims
         try:
             return _fit(model, train, epochs, validation_data, callbacks,
@@ -230,7 +249,7 @@ def _fit(model, train, epochs, validation_data, callbacks, validation_batch_size
     config = fit_config(model, train, epochs, world, **settings)
     callbacks = user_callbacks(list(callbacks), world)  # some write files: rank 0's alone
     fit_settings = FitSettings(train.shuffle, train.examples, source, steps_per_epoch or 0)
-    with Run(world, config, "fit", fit_settings) as run:
+    with Run(world, config, FIT_SCRIPT, fit_settings) as run:
         return FitRun(model, train, validation_data, run, sharded).fit(list(callbacks),
                                                                      validation_batch_size)
 

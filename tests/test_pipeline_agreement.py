@@ -619,7 +619,7 @@ def test_resume_on_another_input_names_it_on_the_task_path(tmp_path):
     from hvdtrain.engine import checkpoint
     from hvdtrain.base.config import Config
     from hvdtrain.distributed import World
-    from hvdtrain.engine.run import Checkpoints
+    from hvdtrain.engine.checkpoints import Checkpoints
     from hvdtrain.base.errors import CheckpointError
 
     def record(files, examples):

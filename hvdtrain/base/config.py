@@ -11,7 +11,10 @@ anything is written, with one line naming the flag and the value.
 What a field means for a run is metadata on the field, not a list of names elsewhere:
 ``defines_run`` (a resume refuses a checkpoint made with another value; on by default for a
 task's settings) and ``per_rank`` (may differ between ranks: paths, chattiness; preflight
-does not compare it).
+does not compare it); for a fit script (``hk.fit``), ``fit_refusal`` (why hk.fit does not
+take it: the model, its optimizer or the dataset decide it; the reason is the refusal's) and
+``fit_name`` (where the script sets it, as the refusals of a resume name it). A field with no
+``fit_refusal`` is one of hk.fit's keyword arguments (``fit_refusals``, ``fit_argument``).
 """
 from __future__ import annotations
 
@@ -47,35 +50,51 @@ class Config:
     # Optimisation. Gradients are averaged over workers, as SyncReplicasOptimizer does,
     # so a learning rate means the same at any worker count.
     learning_rate: float = setting(0.01, "learning rate of the task's optimizer (SGD unless "
-                                   "the task chooses its own)")
+                                   "the task chooses its own)",
+                                   fit_refusal="set it on the optimizer given to model.compile",
+                                   fit_name="the optimizer's learning_rate")
     scale_lr: bool = setting(False, "multiply the learning rate by the world size (Horovod's "
-                             "convention)")
-    momentum: float = setting(0.0, "momentum of the default SGD optimizer")
+                             "convention)", fit_refusal="scale the optimizer's learning rate by "
+                             "hk.size() in the script")
+    momentum: float = setting(0.0, "momentum of the default SGD optimizer",
+                              fit_refusal="set it on the optimizer given to model.compile",
+                              fit_name="the optimizer's momentum")
     epochs: int = setting(10, "passes over the training data", defines_run=False)
     batch_size: Optional[int] = setting(
         32, "examples per worker per step; global batch = batch_size * world size; "
-        "0 or none: each worker's whole shard per step (full-batch gradient descent)")
+        "0 or none: each worker's whole shard per step (full-batch gradient descent)",
+        fit_refusal="it is hk.dataset's batch_size", fit_name="hk.dataset's batch_size")
     accumulate_steps: int = setting(
         1, "gradient accumulation: each optimizer update (a step) averages the gradients of N "
         "micro-batches of batch_size per worker, in one allreduce; global batch per update = "
-        "N * batch_size * world size")
+        "N * batch_size * world size",
+        fit_refusal="wrap the optimizer in hk.DistributedOptimizer(optimizer, "
+                    "backward_passes_per_step=N)", fit_name="backward_passes_per_step")
     seed: int = setting(1, "seed for data order, synthetic data and initialisation (same on "
-                        "every rank)")
+                        "every rank)", fit_refusal="it is hk.dataset's seed",
+                        fit_name="hk.dataset's seed")
     mixed_precision: str = setting(
         "none", "float16 or bfloat16: build the model under Keras' mixed_<dtype> policy "
         "(16-bit compute, float32 variables, loss and metrics); float16 adds dynamic loss "
-        "scaling", choices=PRECISIONS)
+        "scaling", choices=PRECISIONS,
+        fit_refusal="set Keras' policy in the script before building the model "
+                    "(keras.mixed_precision.set_global_policy('mixed_bfloat16'))",
+        fit_name="Keras' dtype policy")
     steps_per_execution: int = setting(
         0, "synchronous steps per compiled call (fewer Python and host round trips; SIGTERM, "
         "checkpoints and resume stay on exact steps); 0: auto, calls of about 50 ms, at most "
-        "64 steps", defines_run=False)
+        "64 steps", defines_run=False,
+        fit_refusal="set it in model.compile(steps_per_execution=N)",
+        fit_name="compile's steps_per_execution")
     # Distribution.
     num_workers: Optional[int] = setting(
         None, "worker count the launch scripts start; the launcher's world size wins (a "
-        "differing count is warned about)", defines_run=False)
+        "differing count is warned about)", defines_run=False,
+        fit_refusal="the launcher decides the world size")
     backend: str = setting("auto", "auto: Horovod if importable, else one process; horovod: "
                            "require it; single: one process, plain optimizer",
-                           defines_run=False, choices=BACKENDS)
+                           defines_run=False, choices=BACKENDS,
+                           fit_refusal="hk.init(backend) decides it")
     # Fault tolerance.
     checkpoint_every: int = setting(100, "rank 0 saves a checkpoint every N synchronous steps "
                                     "(and at each epoch end); 0: only at epoch ends",
@@ -91,9 +110,11 @@ class Config:
                                   defines_run=False)
     elastic: bool = setting(False, "train under Horovod's elastic driver (horovodrun --min-np/"
                             "--max-np --host-discovery-script): workers may leave and join; "
-                            "needs --run-dir", defines_run=False)
+                            "needs --run-dir", defines_run=False,
+                            fit_refusal="elastic runs are offered for Task runs only")
     commit_every: int = setting(20, "elastic: commit the state in memory every N steps (the "
-                                "most work a lost worker costs)", defines_run=False)
+                                "most work a lost worker costs)", defines_run=False,
+                                fit_refusal="elastic runs are offered for Task runs only")
     stop_on_divergence: bool = setting(
         True, "stop with exit 1 when the loss becomes NaN or infinite, keeping the checkpoints "
         "from before it; --no-stop-on-divergence trains on", defines_run=False)
@@ -161,6 +182,19 @@ def values(obj, defines_run: Optional[bool] = None, per_rank: Optional[bool] = N
         value = getattr(obj, f.name)
         out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
+
+
+def fit_refusals() -> dict:
+    """{name: why}: Config's fields that hk.fit does not take (their ``fit_refusal``)."""
+    return {f.name: f.metadata["fit_refusal"] for f in dataclasses.fields(Config)
+            if "fit_refusal" in f.metadata}
+
+
+def fit_argument(name: str) -> str:
+    """A setting as a fit script sets it: where (a Config field's ``fit_name``: the
+    optimizer's learning_rate), else hk.fit's keyword argument of that name."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    return fields[name].metadata.get("fit_name", name) if name in fields else name
 
 
 def validate_settings(settings) -> None:

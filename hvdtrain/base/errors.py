@@ -67,27 +67,6 @@ class ConfigError(Together, ValueError):
         return self if self.call else ConfigError(self.name, self.value, self.reason, call)
 
 
-# How a fit script sets what a command line's flag sets (``argument``).
-FIT_ARGUMENTS = {"learning_rate": "the optimizer's learning_rate",
-                 "momentum": "the optimizer's momentum", "batch_size": "hk.dataset's batch_size",
-                 "seed": "hk.dataset's seed", "accumulate_steps": "backward_passes_per_step",
-                 "steps_per_execution": "compile's steps_per_execution",
-                 "mixed_precision": "Keras' dtype policy", "task": "the run"}
-
-
-# What defines a run that no flag or argument sets: a tf.data pipeline's input.
-INPUT_FACTS = {"train_files": "the training files",
-               "train_examples": "the training examples per epoch"}
-
-
-def argument(name: str, fit: bool = False) -> str:
-    """A setting as the user names it: the command line's ``--flag``, or in a fit script
-    hk.fit's argument (``run_dir``) or where the script sets it (the optimizer's)."""
-    if name in INPUT_FACTS:
-        return INPUT_FACTS[name]
-    return FIT_ARGUMENTS.get(name, name) if fit else "--" + name.replace("_", "-")
-
-
 def shown(value) -> str:
     """A setting's value as the user wrote it: a float read back from a float32 variable
     (the optimizer's learning rate, 0.10000000149011612) shown as its float32 (0.1)."""

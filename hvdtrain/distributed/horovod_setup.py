@@ -68,14 +68,8 @@ def _configure_devices(local_rank: int, local_size: int) -> None:
 # Horovod and Open MPI settings hvdtrain chooses when the user has not (measured on 2 cores,
 # 2 ranks, in docs/PERFORMANCE.md). All are read once, at hvd.init().
 HOROVOD_CYCLE_TIME_MS = "0.1"  # Horovod's default, 1 ms, is waited up to once per step
-
-
 STALL_SHUTDOWN_SECONDS = "600"  # Horovod's default, 0, waits forever on a stalled rank
-
-
 HOROVODRUN_BTL = "^openib"  # the transports horovodrun --mpi gives Open MPI (-mca btl)
-
-
 ONE_HOST_BTL = "^openib,ofi"  # ... and on one host, without libfabric's (see below)
 
 

@@ -1,6 +1,6 @@
 """The run engine: one training run's life, the same under the Task loop and under ``model.fit``.
 
-    with Run(world, config, "mnist", settings) as run:   # the watchdog; one-line errors
+    with Run(world, config, CommandLine("mnist"), settings) as run:   # the watchdog; one-line errors
         run.check_run_dir()                               # before any data is loaded
         ... load data, build the model and optimizer ...
         run.claim()                                       # rank 0 holds the run directory
@@ -33,21 +33,20 @@ exact sums over every rank.
 from __future__ import annotations
 
 import signal
-import time
 from typing import Optional
 
 import numpy as np
 
-from hvdtrain.engine import checkpoint
 from hvdtrain.base import compat, precision, timings
 from hvdtrain.base.config import Config, values
-from hvdtrain.distributed.world import Progress, World
 from hvdtrain.base.errors import (CheckpointError, ConfigError, Diverged, EnvError, Error,
-                             Preempted, RankError, RanksDiffer, RunDirBusy, RunDirHeld,
-                             StorageError, TaskError,
-                             argument, error_line, first_line, shown, user_code)
+                                  Preempted, RankError, RanksDiffer, RunDirBusy, RunDirHeld,
+                                  StorageError, TaskError, error_line, first_line, user_code)
 from hvdtrain.distributed.optimizer import updates
+from hvdtrain.distributed.world import Progress, World
 from hvdtrain.engine.agreement import ranks_differ_line, weights_agreement
+from hvdtrain.engine.checkpoints import Checkpoints
+from hvdtrain.engine.fronts import CommandLine, FitScript
 from hvdtrain.engine.report import Reporter
 from hvdtrain.engine.watchdog import Watchdog
 
@@ -65,21 +64,24 @@ INPUT_BOUND = 0.5
 class Run:
     """One run on this rank: see the module docstring for the order of calls.
 
-    ``name`` names the run (the task's, or "fit"); ``settings`` is the driver's own settings
+    ``front`` is what the run serves (``fronts.CommandLine(task name)`` or
+    ``fronts.FIT_SCRIPT``): the run's name, and how its refusals name the user's settings;
+    ``settings`` is the driver's own settings
     dataclass (a task's ``Settings``), or None. The driver sets ``global_batch`` before the
     first save (it changes with the world size in elastic runs).
     """
 
-    def __init__(self, world: World, config: Config, name: str, settings=None):
-        self.world, self.config, self.name, self.settings = world, config, name, settings
-        self.fit = name == "fit"  # a fit script: its refusals name hk.fit's arguments
+    def __init__(self, world: World, config: Config, front: CommandLine | FitScript,
+                 settings=None):
+        self.world, self.config, self.front, self.settings = world, config, front, settings
+        self.name = front.name  # the task's, or "fit"
         # Elastic runs: nothing before Horovod's driver may be a collective (a worker that
         # joins later runs the setup alone while the others wait inside the driver's sync).
         self.collective = not config.elastic
         with timings.phase("agreement"):  # the default run directory: rank 0's name for it
-            self.out = Reporter(world, config.run_dir, name, config.verbose)
+            self.out = Reporter(world, config.run_dir, front.name, config.verbose)
         self.checkpoints = Checkpoints(world, config, self.out.run_dir + "/checkpoints",
-                                       self.out.notice, self.fit)
+                                       self.out.notice, front)
         self.finished: Optional[dict] = None  # a finished run's result.json (check_run_dir)
         self.ckpt_dir = self.checkpoints.directory
         self.stop_requested = False
@@ -166,8 +168,8 @@ class Run:
         done = self.finished
         return (f"hvdtrain: {self.out.run_dir} holds a finished run ({done.get('epochs')} "
                 f"epochs, step {done.get('global_step')}): nothing to train, nothing "
-                f"overwritten; a new {argument('run_dir', self.fit)} trains again, more "
-                f"{argument('epochs', self.fit)} train on")
+                f"overwritten; a new {self.front.argument('run_dir')} trains again, more "
+                f"{self.front.argument('epochs')} train on")
 
     @timings.timed("agreement")
     def claim(self) -> None:
@@ -277,7 +279,7 @@ class Run:
             return
         differ = weights_agreement(self.world, self.model)["differ"]
         if differ:
-            raise RanksDiffer(f"{ranks_differ_line(differ, self.global_step, self.fit)}; "
+            raise RanksDiffer(f"{ranks_differ_line(differ, self.global_step, self.front.fit)}; "
                               f"training stopped ({self._kept()})")
 
     def _kept(self) -> str:
@@ -287,12 +289,7 @@ class Run:
 
     def diverged(self, what: str) -> Diverged:
         kept = self._kept()
-        if self.fit:
-            return Diverged(f"{what}: training stopped ({kept}); try a lower learning rate on "
-                            "the optimizer in a new run_dir, or stop_on_divergence=False to "
-                            "train on")
-        return Diverged(f"{what}: training stopped ({kept}); try a lower --learning-rate in a "
-                        "new --run-dir, or --no-stop-on-divergence to train on")
+        return Diverged(f"{what}: training stopped ({kept}); {self.front.diverged_advice}")
 
     def preempt(self, global_step: int) -> None:
         """After the checkpoint of a SIGTERM'd (SIGINT'd) step: every rank stops here."""
@@ -348,7 +345,7 @@ class Run:
             self.rank0_writes(self.out.result, out)
         self.out.print(timings.line(out["timings"]), level=2)
         if differ:  # the work is kept (result.json says so), and the run fails
-            raise RanksDiffer(f"{ranks_differ_line(differ, self.global_step, self.fit)}; "
+            raise RanksDiffer(f"{ranks_differ_line(differ, self.global_step, self.front.fit)}; "
                               f"result.json and the model hold rank 0's "
                               f"(ranks_identical: false)")
         return out
@@ -405,74 +402,3 @@ class MovingStatistics:
         for v, a in zip(self.weights, now):
             v.assign(mean[at:at + a.size].reshape(a.shape).astype(a.dtype))
             at += a.size
-
-
-class Checkpoints:
-    """A run's checkpoints: rank 0 finds, checks, loads and writes them (``checkpoint.py``
-    is the file format); the other ranks get what rank 0 read through the ``Run``."""
-
-    def __init__(self, world: World, config: Config, directory: str, notice, fit=False):
-        self.world, self.config, self.directory, self.notice = world, config, directory, notice
-        self.fit = fit  # refusals name hk.fit's arguments, not the command line's flags
-
-    def steps(self) -> list:
-        """The global steps of the checkpoints on disk, newest first."""
-        return [step for step, _ in checkpoint.list_checkpoints(self.directory)]
-
-    def find(self, defining: dict):
-        """Rank 0: the newest valid checkpoint's (meta, arrays, path), or None to start
-        fresh; refused when ``defining`` (the settings that define the run) differs."""
-        if not self.world.is_chief:
-            return None
-        found = checkpoint.list_checkpoints(self.directory)
-        run_dir, no_resume, resume = (("run_dir", "resume=False", "resume=True") if self.fit
-                                      else ("--run-dir", "--no-resume", "--resume"))
-        if self.config.resume is False and found:
-            raise CheckpointError(
-                f"{self.directory} holds {len(found)} checkpoint(s) and {no_resume} was given: "
-                f"choose a new {run_dir}, or drop {no_resume} to continue")
-        state = checkpoint.load_latest(self.directory, self.notice) if found else None
-        if state is None and self.config.resume:
-            raise CheckpointError(f"{resume}: no checkpoint in {self.directory}")
-        if state is not None:
-            saved, now = dict(state[0]["run"]), dict(defining)
-            saved.update(saved.pop("settings", {}))  # the driver's settings, flattened
-            now.update(now.pop("settings"))
-            # Named as the user sets them (a fit script: the optimizer's learning_rate),
-            # with the values as written (a float32 variable's 0.1, not 0.10000000149...).
-            changed = [f"{argument(k, self.fit) if k != 'task' else 'task'} "
-                       f"{shown(saved.get(k))} -> {shown(v)}" for k, v in now.items()
-                       if k in saved and saved[k] != v]
-            if changed:
-                raise CheckpointError(
-                    f"{state[2]} was made with other settings ({'; '.join(changed)}): resume "
-                    f"with the same settings, or choose a new {run_dir}")
-        return state
-
-    def load(self, found, state: list) -> Optional[dict]:
-        """Rank 0: put a found checkpoint into ``state``; return the progress fields."""
-        if found is None or not self.world.is_chief:
-            return None
-        meta, arrays, path = found
-        if len(arrays) != len(state) + 1 or any(
-                tuple(a.shape) != tuple(v.shape) for a, v in zip(arrays, state)):
-            raise CheckpointError(f"{path}: its variables do not match this model")
-        for variable, value in zip(state, arrays):
-            variable.assign(value)
-        sums = arrays[-1]  # an epoch end's sums are zero (hvdtrain <= 0.2's fit: empty)
-        return {"epoch": meta["epoch"], "offset": meta["offset"],
-                "sums": sums.tolist() if sums.size and sums.any() else None,
-                "last_record": meta.get("last_record"), "path": path}
-
-    def save(self, progress: Progress, partial_sums, state: list, global_batch: int,
-             global_step: int, record: dict, last_record) -> None:
-        """Rank 0 writes ``state``, the position and the epoch's metric sums so far."""
-        if not self.world.is_chief:
-            return
-        meta = {"epoch": progress.epoch, "offset": progress.offset,
-                "step_in_epoch": progress.offset // global_batch, "global_batch": global_batch,
-                "global_step": global_step, "world_size": self.world.size, "run": record,
-                "time": time.time(), "last_record": last_record}
-        arrays = [np.asarray(v.numpy()) for v in state] + [np.asarray(partial_sums, np.float64)]
-        names = [compat.variable_name(v) for v in state] + ["metric_sums"]
-        checkpoint.save(self.directory, arrays, names, meta, self.config.keep_checkpoints)

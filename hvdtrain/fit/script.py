@@ -10,37 +10,15 @@ import dataclasses
 import numpy as np
 
 from hvdtrain.base import compat, precision
-from hvdtrain.base.config import Config, setting
+from hvdtrain.base.config import Config, fit_refusals, setting
 from hvdtrain.base.errors import ConfigError, TaskError
 from hvdtrain.distributed.optimizer import accumulation, reduce_before_loss_scaling
 from hvdtrain.inputs import nest, pipeline
 from hvdtrain.inputs.sources import is_dataset
 
-
-# Config fields that the model, the optimizer or the dataset already decide in a fit script.
-NOT_FIT_SETTINGS = {
-    "learning_rate": "set it on the optimizer given to model.compile",
-    "scale_lr": "scale the optimizer's learning rate by hk.size() in the script",
-    "momentum": "set it on the optimizer given to model.compile",
-    "batch_size": "it is hk.dataset's batch_size",
-    "seed": "it is hk.dataset's seed",
-    "num_workers": "the launcher decides the world size",
-    "backend": "hk.init(backend) decides it",
-    "steps_per_execution": "set it in model.compile(steps_per_execution=N)",
-    "accumulate_steps": "wrap the optimizer in hk.DistributedOptimizer(optimizer, "
-                        "backward_passes_per_step=N)",
-    "mixed_precision": "set Keras' policy in the script before building the model "
-                       "(keras.mixed_precision.set_global_policy('mixed_bfloat16'))",
-    "elastic": "elastic runs are offered for Task runs only",
-    "commit_every": "elastic runs are offered for Task runs only",
-}
-
-
 # Keras callbacks that write files: rank 0 runs them, the other ranks leave them out (each
 # would write the same files). BackupAndRestore is refused: it would restore one rank alone.
 RANK0_CALLBACKS = ("ModelCheckpoint", "TensorBoard", "CSVLogger")
-
-
 REFUSED_CALLBACKS = {"BackupAndRestore": "hk.fit checkpoints and resumes by itself (run_dir, "
                                          "checkpoint_every): leave it out"}
 
@@ -79,7 +57,7 @@ def fit_config(model, train, epochs: int, world, **settings) -> Config:
     if "class_weight" in settings:
         raise ConfigError("class_weight", "...", "not supported by hk.fit (the exact global "
                           "metrics sum unweighted examples): weight the loss instead")
-    for name, why in NOT_FIT_SETTINGS.items():
+    for name, why in fit_refusals().items():
         if name in settings:
             raise ConfigError(name, settings[name], f"not an hk.fit setting: {why}")
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(Config)})

@@ -20,6 +20,7 @@ from hvdtrain.inputs.sources import is_dataset
 from hvdtrain.engine import preflight
 from hvdtrain.base.config import Config
 from hvdtrain.inputs.data import DataError, epoch_plan, steps_per_epoch, test_shard
+from hvdtrain.engine.fronts import CommandLine
 from hvdtrain.engine.run import PROGRESS_FIELDS, Run
 from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, Diverged, Preempted,  # noqa: F401
                              StepError, TaskError, step_failed)
@@ -47,7 +48,7 @@ def train(task: Task, config: Optional[Config] = None,
         config = (config or task.config()).validate()
         world = world or distributed.init(config.backend, config.num_workers,
                                           elastic=config.elastic)
-        with Run(world, config, task.name, task.settings) as run:
+        with Run(world, config, CommandLine(task.name), task.settings) as run:
             return _TaskRun(task, run).run()
 
 
