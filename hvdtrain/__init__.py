@@ -10,7 +10,7 @@ same code runs on Keras 2 (tf_keras). Public API: ``Task``, ``train``, ``Config`
 (``hvdtrain.layers``), ``hvdtrain.cli.run``, and the
 Keras ``fit`` path in ``hvdtrain.keras`` (see README, "Your own model").
 """
-# hvdtrain's first code: the clock of result.json's timings starts here (hvdtrain/timings.py).
+# hvdtrain's first code: the clock of result.json's timings starts here (hvdtrain/base/timings.py).
 from hvdtrain.base import timings as _timings
 
 with _timings.phase("imports"):
@@ -19,7 +19,7 @@ with _timings.phase("imports"):
     # TensorFlow's C++ INFO/WARNING start-up lines drown the training output; errors stay.
     _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # ... and its start-up lines on a machine without a GPU, which that level does not reach
-    # (hvdtrain/tflogs.py; HVDTRAIN_TF_LOGS=1 shows them).
+    # (hvdtrain/base/tflogs.py; HVDTRAIN_TF_LOGS=1 shows them).
     from hvdtrain.base import tflogs as _tflogs
 
     _tflogs.install()

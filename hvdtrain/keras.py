@@ -13,7 +13,7 @@
 ``hk.fit`` takes the Task path's settings by the same names and with the same defaults
 (``run_dir``, ``checkpoint_every``, ``keep_checkpoints``, ``resume``, ``peer_timeout``,
 ``stop_on_divergence``, ``save_model``, ``verbose``: ``hvdtrain.Config``) and runs on the
-same run engine (``engine.py``), so it keeps the same promises: gradients averaged by the
+same run engine (``hvdtrain.engine``), so it keeps the same promises: gradients averaged by the
 optimizer; rank 0's state (initial or restored from its newest checkpoint) broadcast before
 the first step; epoch and validation metrics exact over all ranks; rank-0 checkpoints with
 the data position; a SIGTERM on any rank stopping every rank after the same step
@@ -23,7 +23,7 @@ metrics.jsonl, tensorboard/, checkpoints/, result.json, model.keras). Only rank 
 Keras' progress bar on a terminal, one line per epoch in a pipe. The driver is ``hvdtrain.fit``.
 
 ``hk.fit`` also takes a ``tf.data.Dataset`` of per-rank batches, sharded, counted and
-resumed by hvdtrain (``pipeline.py``; README, "Your own data").
+resumed by hvdtrain (``hvdtrain.inputs.pipeline``; README, "Your own data").
 
 Keras 3 with ``jit_compile=True`` (or "auto" resolving to it on a GPU): Horovod's ops have
 no XLA kernels in this build, so ``fit`` turns it off and says so in one line on rank 0.
@@ -80,7 +80,7 @@ class Dataset:
 
     ``x``, ``y`` and ``sample_weight`` are arrays or what ``model.fit`` takes besides: dicts
     (by input or output name), tuples and lists of arrays, nested; every array holds the same
-    examples along its first axis (``nest.py``)."""
+    examples along its first axis (``hvdtrain.inputs.nest``)."""
 
     def __init__(self, x, y, batch_size, seed, shuffle, world, sample_weight=None):
         self.x, self.y, self.seed, self.shuffle, self.world = x, y, seed, shuffle, world

@@ -10,7 +10,7 @@ user sets the policy; Keras' ``compile`` adds the loss scaling.
 
 Horovod: the scaler's decision must be the same on every rank, or one rank would update
 while another skips (and a rank that skips Keras 3's reduction would hang the others). So
-the gradients are reduced *before* the scaler looks at them (``optimizer.py`` puts the
+the gradients are reduced *before* the scaler looks at them (``hvdtrain.distributed.optimizer`` puts the
 reduction outside Keras 3's ``LossScaleOptimizer``, inside Keras 2's, whose inner optimizer
 reduces in ``compute_gradients``): a non-finite gradient on any rank makes the sum non-finite
 on every rank, every rank skips, and the scale stays the same everywhere. No extra round.

@@ -10,7 +10,8 @@ imports Horovod.
 - ``horovod_world``: HorovodWorld, the gradients' ``Reduction``, elastic state;
 - ``start``: ``init()`` and ``current()``;
 - ``optimizer``: ``DistributedOptimizer`` (the averaged update) and the stop flags that ride in it;
-- ``layers``: ``SyncBatchNormalization`` (statistics over the global batch).
+- ``layers``: ``SyncBatchNormalization`` (statistics over the global batch);
+- ``statistics``: ``MovingStatistics``, the layers' moving statistics averaged over the ranks.
 
 May import: ``hvdtrain.base`` only. The optimizer wrapper, the doctor and the benchmarks
 reach Horovod through this package (``World.reduction``, ``horovod_package()``,

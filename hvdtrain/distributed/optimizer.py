@@ -28,7 +28,7 @@ they are saved with it; ``iterations`` counts updates) with the reduction at the
 Keras 2 it is Horovod's ``backward_passes_per_step`` with ``average_aggregated_gradients``
 (``iterations`` counts calls there: ``updates()`` below counts updates under either Keras).
 
-Loss scaling (float16 mixed precision, see ``precision.py``) composes with it in either
+Loss scaling (float16 mixed precision, see ``hvdtrain.base.precision``) composes with it in either
 order: ``DistributedOptimizer(LossScaleOptimizer(opt))`` is made to reduce the gradients
 before the scaler checks them, under both Keras; ``LossScaleOptimizer(DistributedOptimizer(opt))``
 (what ``compile`` makes under a ``mixed_float16`` policy) is right as it is under Keras 2 and

@@ -117,7 +117,7 @@ def facts(world, config, settings, model, steps: int, data) -> dict:
     out.update({f"setting.{k}": v for k, v in values(config, per_rank=False).items()})
     out.update({f"setting.{k}": v for k, v in values(settings, per_rank=False).items()})
     out.update(model_facts(model))
-    # A tf.data pipeline's counts are agreed when it is counted (pipeline.py).
+    # A tf.data pipeline's counts are agreed when it is counted (hvdtrain.inputs.sharding).
     out["data.train_examples"] = _examples(data.x_train)
     out["data.test_examples"] = 0 if data.x_test is None else _examples(data.x_test)
     out["steps_per_epoch"] = steps

@@ -11,7 +11,7 @@
             run.save(progress, sums) / run.epoch_end(record) / run.preempt(step) ...
         run.finish(result, model)                         # agreement, model.keras, result.json
 
-Both drivers use it: ``train.py`` (the Task path's compiled loop) and ``fit.py``
+Both drivers use it: ``hvdtrain.tasks.train`` (the Task path's compiled loop) and ``hvdtrain.fit``
 (``hvdtrain.keras.fit``, Keras' own loop); neither keeps a copy of what is here:
 - the run directory: checked before anything is loaded, held by rank 0 while the run lives;
 - checkpoints: found (``--resume``/``--no-resume``, the settings that define the run must
@@ -43,6 +43,7 @@ from hvdtrain.base.errors import (CheckpointError, ConfigError, Diverged, EnvErr
                                   Preempted, RankError, RanksDiffer, RunDirBusy, RunDirHeld,
                                   StorageError, TaskError, error_line, first_line, user_code)
 from hvdtrain.distributed.optimizer import updates
+from hvdtrain.distributed.statistics import MovingStatistics
 from hvdtrain.distributed.world import Progress, World
 from hvdtrain.engine.agreement import ranks_differ_line, weights_agreement
 from hvdtrain.engine.checkpoints import Checkpoints
@@ -375,30 +376,3 @@ def one_rank_line(e: BaseException, rank: int) -> str:
     step's), else ``rank R failed: ...``."""
     text = str(e) if isinstance(e, Error) else error_line(e)
     return text if f"on rank {rank}" in text else f"rank {rank} failed: {text}"
-
-
-class MovingStatistics:
-    """The non-trainable float weights of a model (BatchNormalization's moving mean and
-    variance, any other statistic a layer updates in training), kept the same on every rank.
-
-    Each rank's follow its own batches between two ``sync`` calls; ``sync`` replaces them by
-    their average over the ranks with one host allreduce. The run engine syncs before every
-    evaluation, checkpoint, elastic commit and the final save, once per step at most (the
-    semantics of MultiWorkerMirroredStrategy's ON_READ variables with MEAN aggregation).
-    """
-
-    def __init__(self, world: World, weights):
-        self.world = world
-        self.weights = [v for v in weights if np.asarray(v.numpy()).dtype.kind == "f"]
-        self._synced_step = None  # the global step they were last averaged at
-
-    def sync(self, global_step: int) -> None:
-        if not self.weights or self.world.size == 1 or self._synced_step == global_step:
-            return
-        self._synced_step = global_step  # the same on every rank: all skip, or none
-        now = [np.asarray(v.numpy()) for v in self.weights]
-        flat = np.concatenate([np.ravel(a).astype(np.float64) for a in now])
-        mean, at = self.world.allreduce_sum(flat) / self.world.size, 0
-        for v, a in zip(self.weights, now):
-            v.assign(mean[at:at + a.size].reshape(a.shape).astype(a.dtype))
-            at += a.size

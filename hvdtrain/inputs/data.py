@@ -1,6 +1,6 @@
 """Datasets: the linear task's synthetic data, MNIST-format loaders, and per-rank sharding.
 
-Everything here is plain numpy; ``train.py`` turns a rank's index plan into a tf.data
+Everything here is plain numpy; ``hvdtrain.tasks.train`` turns a rank's index plan into a tf.data
 pipeline. Loaders check what they read and raise ``DataError`` with one line naming the
 file and what is wrong, so a bad file never becomes a traceback or a silent wrong answer.
 """

@@ -199,7 +199,7 @@ class TrainStep:
         prefetched: index rows (in memory) or the rows' arrays read from disk (streamed)."""
         import tensorflow as tf
 
-        if not isinstance(plan, np.ndarray):  # a tf.data pipeline's batches (pipeline.py)
+        if not isinstance(plan, np.ndarray):  # a tf.data pipeline's batches (hvdtrain.inputs.pipeline)
             return iter(plan)
         if not self.streamed:
             return iter(tf.data.Dataset.from_tensor_slices(plan).prefetch(2))

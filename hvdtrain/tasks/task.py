@@ -154,7 +154,7 @@ def check_task(task: Task) -> None:
     missing = [m for m in REQUIRED if getattr(type(task), m) is getattr(Task, m)]
     if missing:
         raise TaskError(f"{type(task).__name__} does not implement {', '.join(missing)} "
-                        f"(every Task implements {', '.join(REQUIRED)}; see hvdtrain/task.py)")
+                        f"(every Task implements {', '.join(REQUIRED)}; see hvdtrain/tasks/task.py)")
 
 
 def _array_problem(name: str, a) -> Optional[str]:

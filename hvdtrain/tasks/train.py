@@ -1,8 +1,8 @@
 """The Task path's driver: shard, build, wrap, restore, train in compiled calls, evaluate.
 
-It never names a task (see ``task.py``) and never asks for a rank (see ``distributed.py``).
+It never names a task (see ``task.py``) and never asks for a rank (see ``hvdtrain.distributed``).
 A run's life around the loop (run directory, checkpoints and resume, SIGTERM, divergence,
-the watchdog, the result) is the run engine's (``engine.py``), shared with the fit path;
+the watchdog, the result) is the run engine's (``hvdtrain.engine``), shared with the fit path;
 the compiled steps are ``step.py``'s.
 """
 from __future__ import annotations
