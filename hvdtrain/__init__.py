@@ -9,6 +9,15 @@ same code runs on Keras 2 (tf_keras). Public API: ``Task``, ``train``, ``Config`
 ``setting``, ``preset``, ``world``, ``DistributedOptimizer``, ``SyncBatchNormalization``
 (``hvdtrain.layers``), ``hvdtrain.cli.run``, and the
 Keras ``fit`` path in ``hvdtrain.keras`` (see README, "Your own model").
+
+The code stands in layers, each package importing only those below it (its docstring says
+which): ``base`` (errors, settings, files, the Keras in use); ``inputs`` and
+``distributed`` (the data each rank trains on; everything rank-dependent, Horovod); ``engine``
+(one run's life, its checkpoints and run directory); the two drivers over it, ``tasks`` (the
+Task path) and ``fit`` (``hk.fit``); then the public modules here (``keras``, ``cli``,
+``mnist``, ``linear``, ``doctor``, ``datasets``; ``compat``, ``data`` and ``layers`` hand on
+their public names). ``tools`` (the test harness, the benchmarks) is for developers:
+nothing else imports it.
 """
 # hvdtrain's first code: the clock of result.json's timings starts here (hvdtrain/base/timings.py).
 from hvdtrain.base import timings as _timings

@@ -203,7 +203,7 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
     built as for one process ((x, y) or (x, y, sample_weight), Horovod's per-rank batch
     size), which hvdtrain shards (by file, else by batch; ``sharded=True``: the user did)
     and counts (every rank takes the fewest steps any rank has, or ``steps_per_epoch``,
-    required for a dataset that repeats forever): ``hvdtrain.pipeline``. ``validation_data``:
+    required for a dataset that repeats forever): ``hvdtrain.inputs.pipeline``. ``validation_data``:
     (x, y) or (x, y, sample_weight) of arrays (or dicts, tuples, lists of them, as the
     training data), or a ``tf.data.Dataset`` of batches, each example scored by one rank.
 
@@ -220,8 +220,8 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
     the same defaults (``peer_timeout=30``, ``stop_on_divergence``, ``save_model``,
     ``verbose``, ...); those the model, the optimizer or the dataset decide are refused
     (``Config``'s ``fit_refusal``).
-    Raises an ``hvdtrain.errors.Error`` (one line; ``Preempted`` after a SIGTERM: rerun the
-    same command to resume).
+    Raises an ``hk.Error`` (``hvdtrain.base.errors.Error``: one line; ``Preempted`` after a
+    SIGTERM: rerun the same command to resume).
     """
     settings = dict(run_dir=run_dir, checkpoint_every=checkpoint_every,
                     keep_checkpoints=keep_checkpoints, resume=resume, **settings)

@@ -249,7 +249,7 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if (_TimedLoader.inside > 0 and name.split(".")[0] == "matplotlib"
                 and "matplotlib" not in sys.modules):
-            raise ModuleNotFoundError(f"No module named {name!r} (yet: hvdtrain.timings)",
+            raise ModuleNotFoundError(f"No module named {name!r} (yet: hvdtrain.base.timings)",
                                       name=name)
         if name not in IMPORTED or self.busy or name in sys.modules:
             return None

@@ -131,7 +131,7 @@ class HorovodWorld(World):
             # thread, which waits up to a cycle (HOROVOD_CYCLE_TIME).
             return tensor
         # A round of its own: the training step puts its flags in the gradients' grouped
-        # allreduce instead (hvdtrain.optimizer.apply_gradients); this is for Adasum only.
+        # allreduce instead (hvdtrain.distributed.optimizer.apply_gradients); this is for Adasum only.
         return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.flags")
 
     def sum_statistics(self, tensor):

@@ -39,7 +39,7 @@ def train(task: Task, config: Optional[Config] = None,
     """Train ``task`` under ``config`` (default: the task's own defaults) on every rank and
     return the result (all ranks).
 
-    Rank 0 prints and writes the run directory. Raises an ``hvdtrain.errors.Error``: one
+    Rank 0 prints and writes the run directory. Raises an ``hvdtrain.base.errors.Error``: one
     line, with its exit status (``Preempted`` after a SIGTERM: rerun to resume).
     """
     with timings.phase("other"):  # the run: what no named phase inside claims
