@@ -9,9 +9,18 @@ same code runs on Keras 2 (tf_keras). Public API: ``Task``, ``train``, ``Config`
 ``setting``, ``preset``, ``world``, ``DistributedOptimizer``, ``SyncBatchNormalization``
 (``hvdtrain.layers``), ``hvdtrain.cli.run``, and the
 Keras ``fit`` path in ``hvdtrain.keras`` (see README, "Your own model").
+
+The code stands in layers, each package importing only those below it (its docstring says
+which): ``base`` (errors, settings, files, the Keras in use); ``inputs`` and
+``distributed`` (the data each rank trains on; everything rank-dependent, Horovod); ``engine``
+(one run's life, its checkpoints and run directory); the two drivers over it, ``tasks`` (the
+Task path) and ``fit`` (``hk.fit``); then the public modules here (``keras``, ``cli``,
+``mnist``, ``linear``, ``doctor``, ``datasets``; ``compat``, ``data`` and ``layers`` hand on
+their public names). ``tools`` (the test harness, the benchmarks) is for developers:
+nothing else imports it.
 """
-# hvdtrain's first code: the clock of result.json's timings starts here (hvdtrain/timings.py).
-from hvdtrain import timings as _timings
+# hvdtrain's first code: the clock of result.json's timings starts here (hvdtrain/base/timings.py).
+from hvdtrain.base import timings as _timings
 
 with _timings.phase("imports"):
     import os as _os
@@ -19,17 +28,17 @@ with _timings.phase("imports"):
     # TensorFlow's C++ INFO/WARNING start-up lines drown the training output; errors stay.
     _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # ... and its start-up lines on a machine without a GPU, which that level does not reach
-    # (hvdtrain/tflogs.py; HVDTRAIN_TF_LOGS=1 shows them).
-    from hvdtrain import tflogs as _tflogs
+    # (hvdtrain/base/tflogs.py; HVDTRAIN_TF_LOGS=1 shows them).
+    from hvdtrain.base import tflogs as _tflogs
 
     _tflogs.install()
     _timings.install()  # after tflogs: the first import of TensorFlow is timed, quiet or not
 
     from hvdtrain._version import __version__
-    from hvdtrain.config import Config, ConfigError, setting
-    from hvdtrain.optimizer import DistributedOptimizer
-    from hvdtrain.task import Task, TaskError, load_task
-    from hvdtrain.train import train
+    from hvdtrain.base.config import Config, ConfigError, setting
+    from hvdtrain.distributed.optimizer import DistributedOptimizer
+    from hvdtrain.tasks.task import Task, TaskError, load_task
+    from hvdtrain.tasks.train import train
 
 
 def preset(task: str, **overrides) -> Config:
@@ -48,7 +57,7 @@ def __getattr__(name):
     # Imported on first use: the class depends on the Keras in use, and importing hvdtrain
     # does not import TensorFlow.
     if name == "SyncBatchNormalization":
-        from hvdtrain import layers
+        from hvdtrain.distributed import layers
         return layers.SyncBatchNormalization
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

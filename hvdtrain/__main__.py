@@ -8,9 +8,9 @@
 """
 import sys
 
-from hvdtrain.config import parse_args
-from hvdtrain.errors import Error, SpecError
-from hvdtrain.task import BUILTIN, load_task
+from hvdtrain.base.config import parse_args
+from hvdtrain.base.errors import Error, SpecError
+from hvdtrain.tasks.task import BUILTIN, load_task
 
 USAGE = ("usage: python -m hvdtrain {linear,mnist} [flags] | run MODULE:TASK [flags] | "
          "workers TASK [flags]  (--help after the task)")

@@ -9,7 +9,7 @@ Keras, a task that breaks the Task interface's rules); 2 a bad command line or s
 the infrastructure's, after which the same command resumes: 69 a rank died or froze (the
 watchdog), 73 the run directory still locked by a run elsewhere, 74 the storage failed
 (EIO, ESTALE, ...), 75 preempted by SIGTERM after saving a checkpoint. Nothing is written
-before the settings are validated. Each status is an error class's (``hvdtrain.errors``).
+before the settings are validated. Each status is an error class's (``hvdtrain.base.errors``).
 With HVDTRAIN_EXIT_FILE set (scripts/k8s_launcher.sh sets it), a rank that ends with 1 or 2
 appends ``rank R status S`` to that file: a launcher tells hvdtrain's own 1 from mpirun's.
 
@@ -21,9 +21,9 @@ import sys
 import threading
 
 from hvdtrain import distributed
-from hvdtrain.config import parse_args
-from hvdtrain.errors import RETRIED, Error, Preempted
-from hvdtrain.train import train
+from hvdtrain.base.config import parse_args
+from hvdtrain.base.errors import RETRIED, Error, Preempted
+from hvdtrain.tasks.train import train
 
 
 def report(prog: str, e: Error) -> int:

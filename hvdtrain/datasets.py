@@ -16,7 +16,7 @@ def mnist(download: bool = False, notice=None):
     with the line saying which data was found when it is not the full MNIST (default:
     silent). ``download=True`` needs every rank (local rank 0 downloads, the others wait)."""
     from hvdtrain import distributed
-    from hvdtrain.data import load_mnist_format
+    from hvdtrain.inputs.data import load_mnist_format
 
     # Without a download no rank waits for another: no collective, no Horovod needed.
     world = distributed.current() if download else distributed.World()

@@ -25,7 +25,7 @@ import sys
 import sysconfig
 
 from hvdtrain import distributed
-from hvdtrain.errors import error_line
+from hvdtrain.base.errors import error_line
 
 SETUP = "scripts/setup.sh"
 REBUILD = (f"pip uninstall -y horovod && {SETUP} (recompiles horovod against this "
@@ -91,7 +91,7 @@ def diagnose():
         report["tensorflow"] = {"version": None, "error": error_line(e)}
         problem(f"tensorflow cannot be imported ({error_line(e)})", SETUP)
 
-    from hvdtrain import compat
+    from hvdtrain.base import compat
     report["tf_keras"] = {"version": _version("tf_keras")}
     keras = report["keras"] = {"TF_USE_LEGACY_KERAS": os.environ.get("TF_USE_LEGACY_KERAS"),
                                "KERAS_BACKEND": os.environ.get("KERAS_BACKEND"),

@@ -13,17 +13,17 @@
 ``hk.fit`` takes the Task path's settings by the same names and with the same defaults
 (``run_dir``, ``checkpoint_every``, ``keep_checkpoints``, ``resume``, ``peer_timeout``,
 ``stop_on_divergence``, ``save_model``, ``verbose``: ``hvdtrain.Config``) and runs on the
-same run engine (``engine.py``), so it keeps the same promises: gradients averaged by the
+same run engine (``hvdtrain.engine``), so it keeps the same promises: gradients averaged by the
 optimizer; rank 0's state (initial or restored from its newest checkpoint) broadcast before
 the first step; epoch and validation metrics exact over all ranks; rank-0 checkpoints with
 the data position; a SIGTERM on any rank stopping every rank after the same step
 (checkpoint, then ``Preempted``); NaN or infinite weights or loss stopping every rank
 (``Diverged``); the dead/frozen-rank watchdog; and the same run directory (config.json,
 metrics.jsonl, tensorboard/, checkpoints/, result.json, model.keras). Only rank 0 prints:
-Keras' progress bar on a terminal, one line per epoch in a pipe. The driver is ``fit.py``.
+Keras' progress bar on a terminal, one line per epoch in a pipe. The driver is ``hvdtrain.fit``.
 
 ``hk.fit`` also takes a ``tf.data.Dataset`` of per-rank batches, sharded, counted and
-resumed by hvdtrain (``pipeline.py``; README, "Your own data").
+resumed by hvdtrain (``hvdtrain.inputs.pipeline``; README, "Your own data").
 
 Keras 3 with ``jit_compile=True`` (or "auto" resolving to it on a GPU): Horovod's ops have
 no XLA kernels in this build, so ``fit`` turns it off and says so in one line on rank 0.
@@ -36,16 +36,28 @@ sees the reduced gradients (README, "Mixed precision").
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import numpy as np
 
-from hvdtrain import datasets, distributed, nest, pipeline, timings  # noqa: F401 (datasets: public)
-from hvdtrain.data import epoch_plan, steps_per_epoch
-from hvdtrain.engine import Run
-from hvdtrain.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
-                             Error, Preempted)
-from hvdtrain.fit import STOP_CHECK_EVERY, FitSettings, _Fit, fit_config, user_callbacks
-from hvdtrain.optimizer import DistributedOptimizer  # noqa: F401 (public here)
-from hvdtrain.pipeline import Batches, is_dataset
+from hvdtrain import datasets, distributed  # noqa: F401 (datasets: public)
+from hvdtrain.base import timings
+from hvdtrain.base.config import Config
+from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
+                                  Error, Preempted)
+from hvdtrain.distributed.optimizer import DistributedOptimizer  # noqa: F401 (public here)
+from hvdtrain.engine.fronts import FIT_SCRIPT
+from hvdtrain.engine.run import Run
+from hvdtrain.fit.driver import STOP_CHECK_EVERY, FitRun
+from hvdtrain.fit.script import FitSettings, fit_config, user_callbacks
+from hvdtrain.inputs import nest, pipeline, sources  # noqa: F401 (pipeline: hk.pipeline)
+from hvdtrain.inputs.data import epoch_plan, steps_per_epoch
+from hvdtrain.inputs.pipeline import Batches
+from hvdtrain.inputs.sources import is_dataset
+
+# Config's defaults: hk.fit's keyword arguments that are Config's fields default to them.
+_DEFAULT = {f.name: f.default for f in dataclasses.fields(Config)}
 
 
 def init(backend: str = "auto") -> distributed.World:
@@ -68,7 +80,7 @@ class Dataset:
 
     ``x``, ``y`` and ``sample_weight`` are arrays or what ``model.fit`` takes besides: dicts
     (by input or output name), tuples and lists of arrays, nested; every array holds the same
-    examples along its first axis (``nest.py``)."""
+    examples along its first axis (``hvdtrain.inputs.nest``)."""
 
     def __init__(self, x, y, batch_size, seed, shuffle, world, sample_weight=None):
         self.x, self.y, self.seed, self.shuffle, self.world = x, y, seed, shuffle, world
@@ -119,8 +131,8 @@ def adapt(layer, data, **kwargs):
     and variance tensors, Discretization's bin boundaries). Each rank adapting on its own
     shard would give each rank another model; hk.fit refuses that before the first step.
     All ranks; returns ``layer``."""
-    from hvdtrain.errors import TaskError, user_code
-    from hvdtrain.preflight import state_attributes
+    from hvdtrain.base.errors import TaskError, user_code
+    from hvdtrain.engine.preflight import state_attributes
 
     world = distributed.current()
 
@@ -162,7 +174,7 @@ def _kind(value) -> str:
 def files(pattern: str) -> list:
     """The files matching ``pattern``, sorted: the same list on every rank, for a tf.data
     pipeline that hvdtrain shards by file. One line (every rank) when none matches."""
-    return pipeline.files(pattern, distributed.current())
+    return sources.files(pattern, distributed.current())
 
 
 @timings.timed("data")
@@ -180,7 +192,10 @@ def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True,
 
 def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
         validation_batch_size: int = 256, steps_per_epoch: int = None, sharded: bool = False,
-        **settings):
+        run_dir: Optional[str] = _DEFAULT["run_dir"],
+        checkpoint_every: int = _DEFAULT["checkpoint_every"],
+        keep_checkpoints: int = _DEFAULT["keep_checkpoints"],
+        resume: Optional[bool] = _DEFAULT["resume"], **settings):
     """``model.fit`` on every rank from rank 0's state or its newest checkpoint in
     ``run_dir``; returns the History (all ranks).
 
@@ -188,7 +203,7 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
     built as for one process ((x, y) or (x, y, sample_weight), Horovod's per-rank batch
     size), which hvdtrain shards (by file, else by batch; ``sharded=True``: the user did)
     and counts (every rank takes the fewest steps any rank has, or ``steps_per_epoch``,
-    required for a dataset that repeats forever): ``hvdtrain.pipeline``. ``validation_data``:
+    required for a dataset that repeats forever): ``hvdtrain.inputs.pipeline``. ``validation_data``:
     (x, y) or (x, y, sample_weight) of arrays (or dicts, tuples, lists of them, as the
     training data), or a ``tf.data.Dataset`` of batches, each example scored by one rank.
 
@@ -197,11 +212,19 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
     final state, and the History is the run's. Each hk.fit of one script (two phases of
     transfer learning) needs its own ``run_dir``.
 
-    ``settings``: ``hvdtrain.Config``'s fields, by the same names and with the same defaults
-    (``run_dir=None`` is ``runs/fit-<time>``; ``checkpoint_every=100``; ``peer_timeout=30``).
-    Raises an ``hvdtrain.errors.Error`` (one line; ``Preempted`` after a SIGTERM: rerun the
-    same command to resume).
+    ``run_dir``: where rank 0 writes the run (None: ``runs/fit-<time>``); ``checkpoint_every``
+    (updates between checkpoints; 0: at epoch ends only), ``keep_checkpoints``, ``resume``
+    (None: resume from the newest checkpoint if there is one; True: require one; False:
+    refuse a run_dir that holds checkpoints): ``hvdtrain.Config``'s fields of those names.
+    ``settings``: Config's other fields that a fit script may set, by the same names and with
+    the same defaults (``peer_timeout=30``, ``stop_on_divergence``, ``save_model``,
+    ``verbose``, ...); those the model, the optimizer or the dataset decide are refused
+    (``Config``'s ``fit_refusal``).
+    Raises an ``hk.Error`` (``hvdtrain.base.errors.Error``: one line; ``Preempted`` after a
+    SIGTERM: rerun the same command to resume).
     """
+    settings = dict(run_dir=run_dir, checkpoint_every=checkpoint_every,
+                    keep_checkpoints=keep_checkpoints, resume=resume, **settings)
     with timings.phase("other"):  # the run: what no named phase inside claims
         try:
             return _fit(model, train, epochs, validation_data, callbacks,
@@ -226,8 +249,8 @@ def _fit(model, train, epochs, validation_data, callbacks, validation_batch_size
     config = fit_config(model, train, epochs, world, **settings)
     callbacks = user_callbacks(list(callbacks), world)  # some write files: rank 0's alone
     fit_settings = FitSettings(train.shuffle, train.examples, source, steps_per_epoch or 0)
-    with Run(world, config, "fit", fit_settings) as run:
-        return _Fit(model, train, validation_data, run, sharded).fit(list(callbacks),
+    with Run(world, config, FIT_SCRIPT, fit_settings) as run:
+        return FitRun(model, train, validation_data, run, sharded).fit(list(callbacks),
                                                                      validation_batch_size)
 
 

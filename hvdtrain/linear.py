@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Tuple
 
 from hvdtrain.cli import exit_now, run
-from hvdtrain.config import ConfigError, setting
-from hvdtrain.data import linear_data
-from hvdtrain.task import Task
+from hvdtrain.base.config import ConfigError, setting
+from hvdtrain.inputs.data import linear_data
+from hvdtrain.tasks.task import Task
 
 
 @dataclass
@@ -50,7 +50,7 @@ class LinearTask(Task):
         return linear_data(s.num_samples, s.true_weights, s.true_bias, config.seed)
 
     def build_model(self, config):
-        from hvdtrain.compat import keras
+        from hvdtrain.base.compat import keras
         k = keras()
         return k.Sequential([
             k.Input(shape=(self.settings.num_features,)),

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hvdtrain.cli import exit_now, run
-from hvdtrain.config import ConfigError, setting
-from hvdtrain.data import DATASETS, load_mnist_format
-from hvdtrain.task import Task
+from hvdtrain.base.config import ConfigError, setting
+from hvdtrain.inputs.data import DATASETS, load_mnist_format
+from hvdtrain.tasks.task import Task
 
 MODELS = ("softmax", "mlp")
 
@@ -65,7 +65,7 @@ class MnistTask(Task):
         return load_mnist_format(s.dataset, s.data_dir, s.download, world, notice)
 
     def build_model(self, config):
-        from hvdtrain.compat import keras
+        from hvdtrain.base.compat import keras
         k = keras()
         layers = [k.Input(shape=(784,))]
         if self.settings.model == "mlp":

@@ -22,7 +22,7 @@ np=$("$python" -m hvdtrain workers "$task" "$@")  # validates the flags, prints 
 # and exit with the first failed rank's own status: 75 after a SIGTERM, 1, or 2.
 # horovodrun also asks, in a child process of its own, whether Horovod was built with MPI or
 # Gloo by importing horovod.tensorflow: TensorFlow's start-up lines, which the ranks hold back
-# (hvdtrain/tflogs.py), then come from the launcher. Drop those too unless HVDTRAIN_TF_LOGS=1
+# (hvdtrain/base/tflogs.py), then come from the launcher. Drop those too unless HVDTRAIN_TF_LOGS=1
 # or TF_CPP_MIN_LOG_LEVEL below 2 asks for them.
 quiet=1
 if [[ "${HVDTRAIN_TF_LOGS:-0}" != 0 || "${TF_CPP_MIN_LOG_LEVEL:-2}" =~ ^[01]$ ]]; then quiet=0; fi

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from hvdtrain import harness
-from hvdtrain.harness import BIN, HOROVODRUN, ROOT, start  # noqa: F401 (the tests' names)
+from hvdtrain.tools import harness
+from hvdtrain.tools.harness import BIN, HOROVODRUN, ROOT, start  # noqa: F401 (the tests' names)
 
 KERAS2 = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
 # Every time bound a test sets (pytest-timeout's per-test bound, and each process's below) is
@@ -211,7 +211,7 @@ def no_horovod(tmp_path):
 
 def checkpoints(run_dir):
     """(global step, path) of the run directory's checkpoints, newest first."""
-    from hvdtrain import checkpoint
+    from hvdtrain.engine import checkpoint
 
     return checkpoint.list_checkpoints(os.path.join(run_dir, "checkpoints"))
 

@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from conftest import ROOT, clean_env, run
-from hvdtrain import bench, distributed
-from hvdtrain.bench import cases, report
+from hvdtrain.tools import bench
+from hvdtrain import distributed
+from hvdtrain.tools.bench import cases, report
 
 
 @pytest.mark.quick
@@ -84,7 +85,7 @@ def test_steps_per_call_report():
 
 @pytest.mark.quick
 def test_horovod_defaults_respect_the_user(monkeypatch):
-    monkeypatch.setattr(distributed, "usable_cores", lambda: 2)
+    monkeypatch.setattr(distributed.horovod_setup, "usable_cores", lambda: 2)
     environ = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "2"}
     assert distributed._horovod_defaults(environ) == {
         "HOROVOD_CYCLE_TIME": "0.1", "OMPI_MCA_mpi_yield_when_idle": "1",

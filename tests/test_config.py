@@ -6,7 +6,7 @@ import pytest
 
 import hvdtrain
 from conftest import module_cmd, run
-from hvdtrain.config import Config, ConfigError, build_parser, parse_args, values
+from hvdtrain.base.config import Config, ConfigError, build_parser, parse_args, values
 from hvdtrain.linear import LinearSettings, LinearTask
 from hvdtrain.mnist import MnistSettings, MnistTask
 

@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from hvdtrain import data as D
+from hvdtrain.inputs import data as D
 from hvdtrain.distributed import World
 
 # Data files and plans, in this process: the inner loop runs them.

@@ -8,7 +8,7 @@ import pytest
 
 import usercode
 from conftest import HOROVODRUN, module_cmd, result, run
-from hvdtrain import checkpoint as C
+from hvdtrain.engine import checkpoint as C
 
 # One small classification problem, trained by a Task (python -m hvdtrain run) and by a fit
 # script (hvdtrain.keras): the same data, model, optimizer, metric and settings.
@@ -159,7 +159,7 @@ def test_elastic_without_horovod_is_one_line(no_horovod, tmp_path):
 @pytest.mark.quick
 def test_run_elastic_of_a_world_without_horovod_is_a_launch_error():
     from hvdtrain.distributed import World
-    from hvdtrain.errors import LaunchError
+    from hvdtrain.base.errors import LaunchError
 
     with pytest.raises(LaunchError, match="--elastic needs Horovod"):
         World().run_elastic([], lambda state: None, epoch=0)

@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from hvdtrain import errors
-from hvdtrain.errors import EnvError, RunDirBusy, RunDirHeld, StorageError
-from hvdtrain.files import cannot_write
-from hvdtrain.report import RunLock, lock_wait
+from hvdtrain.base import errors
+from hvdtrain.base.errors import EnvError, RunDirBusy, RunDirHeld, StorageError
+from hvdtrain.base.files import cannot_write
+from hvdtrain.engine.rundir import RunLock, lock_wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.quick
@@ -30,7 +30,7 @@ def test_each_status_is_its_own():
             errors.EXIT_RUN_DIR_HELD, errors.EXIT_STORAGE, errors.EXIT_PREEMPTED) == (
         1, 2, 69, 73, 74, 75)
     assert set(errors.RETRIED) == {69, 73, 74, 75}
-    from hvdtrain import watchdog
+    from hvdtrain.engine import watchdog
     assert watchdog.EXIT_PEER_LOST == 69  # what a rank exits with when a peer is lost
 
 

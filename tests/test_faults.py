@@ -10,7 +10,7 @@ import pytest
 
 from conftest import (Lazy, checkpoints, finish, kill_after_first_checkpoint, launch,
                       module_cmd, rank_pids, result, run, start, wait_for)
-from hvdtrain import checkpoint as C
+from hvdtrain.engine import checkpoint as C
 
 # Linear, far from converged at the end (lr 5e-4, 1,000 small steps), so equal weights mean
 # equal trajectories, not two runs that both reached [0.1, 0.2, 0.3].

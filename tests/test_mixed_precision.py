@@ -262,8 +262,8 @@ def test_a_bad_precision_is_one_line(code, tmp_path):
     assert not os.path.exists(tmp_path / "bad")
     # In code: hvdtrain.train's Config, and hk.fit, where the script's policy decides.
     from hvdtrain import Config
-    from hvdtrain.errors import ConfigError
-    from hvdtrain.fit import fit_config
+    from hvdtrain.base.errors import ConfigError
+    from hvdtrain.fit.script import fit_config
     with pytest.raises(ConfigError) as e:
         Config(mixed_precision="fp16").validate()
     assert str(e.value) == "--mixed-precision=fp16: choose one of none, float16, bfloat16"
@@ -283,7 +283,7 @@ def test_float16_one_negotiation_round_per_step_both_paths(overflowing):
     host stop check on either path."""
     import collections
 
-    from hvdtrain.bench.cases import read_timeline
+    from hvdtrain.tools.bench.cases import read_timeline
 
     def per_step(timeline):
         """(names negotiated once per step, negotiations of the others)."""
@@ -320,8 +320,8 @@ def test_float16_loss_scaling_with_backward_passes_is_refused_in_one_line():
     """Loss scaling and hk.DistributedOptimizer's accumulation together are not offered: one
     ConfigError naming backward_passes_per_step (bfloat16 needs no scaler and accumulates)."""
     from hvdtrain.compat import keras
-    from hvdtrain.errors import ConfigError
-    from hvdtrain.optimizer import DistributedOptimizer
+    from hvdtrain.base.errors import ConfigError
+    from hvdtrain.distributed.optimizer import DistributedOptimizer
 
     k = keras()
     scaled = k.mixed_precision.LossScaleOptimizer(k.optimizers.SGD(0.1))

@@ -54,7 +54,7 @@ def test_sharding_by_file_and_by_element_covers_every_example_once(records):
     import tensorflow as tf
 
     import keras_fit_tfrecord as ex
-    from hvdtrain import pipeline
+    from hvdtrain.inputs import sharding
 
     class Rank:
         def __init__(self, rank):
@@ -63,7 +63,7 @@ def test_sharding_by_file_and_by_element_covers_every_example_once(records):
     def labels(pattern, policy, rank):
         ds = ex.pipeline(os.path.join(records, pattern), 64, True)
         ds = ds.map(lambda x, y: (tf.reduce_sum(tf.reshape(x, (-1, 784)), 1), y))
-        mine = pipeline.shard(ds, Rank(rank), policy)
+        mine = sharding.shard(ds, Rank(rank), policy)
         return np.concatenate([np.asarray(x) for x, _ in mine])  # pixel sums: an example's id
 
     sizes = file_sizes(records)
@@ -168,7 +168,7 @@ def test_sigterm_and_sigkill_mid_epoch_resume_gives_the_uninterrupted_weights(en
     it has saved a later mid-epoch checkpoint; rerun: the same weights_sha256 as the
     uninterrupted run, so each resume restored the seeded shuffle's epoch order and position
     (one chain of three launches rather than two pairs)."""
-    from hvdtrain import checkpoint as C
+    from hvdtrain.engine import checkpoint as C
 
     args = ("--data-dir", records, "--epochs", 3, "--batch-size", 32, "--checkpoint-every", 7)
     whole = str(tmp_path / "whole")
@@ -364,12 +364,12 @@ def test_fit_pipeline_backward_passes_not_dividing_the_epoch_is_one_line():
     arrays get (it named len(train.x), which a pipeline does not have: a traceback)."""
     import tensorflow as tf
 
-    from hvdtrain import pipeline
+    from hvdtrain.inputs import pipeline
     from hvdtrain.compat import keras
     from hvdtrain.distributed import World
-    from hvdtrain.errors import ConfigError
-    from hvdtrain.fit import fit_config
-    from hvdtrain.optimizer import DistributedOptimizer
+    from hvdtrain.base.errors import ConfigError
+    from hvdtrain.fit.script import fit_config
+    from hvdtrain.distributed.optimizer import DistributedOptimizer
 
     k, world = keras(), World()
     x, y = np.zeros((12, 4), np.float32), np.zeros(12, np.int64)

@@ -54,32 +54,32 @@ def examples(files):
 
 @pytest.mark.quick
 def test_agreement_lines_name_the_rank_and_what_differs():
-    from hvdtrain import pipeline
+    from hvdtrain.inputs import sources
 
     a = [("/d/part-0", 100), ("/d/part-1", 90), ("/d/part-2", 80)]
-    same = pipeline.files_differ("the training dataset", [a, list(a)])
+    same = sources.files_differ("the training dataset", [a, list(a)])
     assert same is None
-    assert pipeline.files_differ("the training dataset", [a, a[:2]]) == (
+    assert sources.files_differ("the training dataset", [a, a[:2]]) == (
         "the training dataset: the ranks read different files: rank 1 lacks /d/part-2 (3 "
         "files on rank 0, 2 on rank 1); every rank must list the same files (or shard them "
         "by hand: sharded=True)")
     assert "rank 1 lists them in another order (file 0: /d/part-1 where rank 0 has " \
-           "/d/part-0)" in pipeline.files_differ("x", [a, [a[1], a[0], a[2]]])
-    assert "/d/part-1 is 90 bytes on rank 0, 45 on rank 1" in pipeline.files_differ(
+           "/d/part-0)" in sources.files_differ("x", [a, [a[1], a[0], a[2]]])
+    assert "/d/part-1 is 90 bytes on rank 0, 45 on rank 1" in sources.files_differ(
         "x", [a, [a[0], ("/d/part-1", 45), a[2]]])
-    assert pipeline.order_differs("x", ["ab", "ab", "ab"]) is None
-    assert pipeline.order_differs("x", ["ab", "ab", "cd"]).startswith(
+    assert sources.order_differs("x", ["ab", "ab", "ab"]) is None
+    assert sources.order_differs("x", ["ab", "ab", "cd"]).startswith(
         "x: rank 2 reads its batches in another order than rank 0")
-    assert pipeline.batch_sizes_differ("x", [32, 32], "user") is None
-    assert pipeline.batch_sizes_differ("x", [32, 16], "user") == (
+    assert sources.batch_sizes_differ("x", [32, 32], "user") is None
+    assert sources.batch_sizes_differ("x", [32, 16], "user") == (
         "x: rank 1's batches hold 16 examples, rank 0's 32: every rank's batches must be the "
         "per-rank batch size (batch every rank's shard alike)")
     # The run-defining description: names (not the directory) and sizes.
     moved = [("/e/part-0", 100), ("/e/part-1", 90), ("/e/part-2", 80)]
-    assert pipeline.describe_files(a) == pipeline.describe_files(moved)
-    assert pipeline.describe_files(a).startswith("3 files, 270 bytes, sha256 ")
-    assert pipeline.describe_files(a) != pipeline.describe_files(a + [("/d/part-3", 1)])
-    assert pipeline.describe_files([]) == "none"
+    assert sources.describe_files(a) == sources.describe_files(moved)
+    assert sources.describe_files(a).startswith("3 files, 270 bytes, sha256 ")
+    assert sources.describe_files(a) != sources.describe_files(a + [("/d/part-3", 1)])
+    assert sources.describe_files([]) == "none"
 
 
 @pytest.mark.quick
@@ -89,12 +89,12 @@ def test_by_batch_order_digest_catches_a_shuffle_seeded_by_rank(records):
     rank's own sizes from the whole count are those of its shard."""
     import tensorflow as tf
 
-    from hvdtrain import pipeline
+    from hvdtrain.inputs import sharding
 
     def sharded(seed, batch=None):
         ds = examples(sorted(records.glob("part-*")))
         ds = ds.shuffle(160, seed=seed)
-        return pipeline._sharded_sizes(ds if batch else ds.batch(16), Twin(), False, "x",
+        return sharding.sharded_sizes(ds if batch else ds.batch(16), Twin(), False, "x",
                                        batch=batch)
 
     ds0, sizes, policy, digest = sharded(0)
@@ -107,14 +107,14 @@ def test_by_batch_order_digest_catches_a_shuffle_seeded_by_rank(records):
     digests = []
     for seed in (0, 0, 1):
         ds = whole.shuffle(50, seed=seed).batch(8)
-        _, sizes, policy, d = pipeline._sharded_sizes(ds, Twin(), False, "x")
+        _, sizes, policy, d = sharding.sharded_sizes(ds, Twin(), False, "x")
         assert (policy, sizes) == ("data", [8, 8, 8, 2])  # batches 0, 2, 4, 6 of 7
         digests.append(d)
     assert digests[0] == digests[1] != digests[2]
     # Examples, batched per rank after sharding (the Task path): rank 1's sizes from the
     # whole count equal its shard's own.
     for rank in (Twin(), Rank1()):
-        mine, sizes, _, _ = pipeline._sharded_sizes(whole, rank, False, "x", batch=8)
+        mine, sizes, _, _ = sharding.sharded_sizes(whole, rank, False, "x", batch=8)
         assert sizes == [int(tf.shape(x)[0]) for x, _ in mine] == [8, 8, 8, 1]
 
 
@@ -122,7 +122,7 @@ def test_by_batch_order_digest_catches_a_shuffle_seeded_by_rank(records):
 def test_enumerate_over_files_is_sharded_by_batch(records):
     """A TFRecord pipeline with .enumerate(): TensorFlow's file rewrite cannot shard its
     range source (a 57-line protobuf dump); sharded by batch instead, every example once."""
-    from hvdtrain import pipeline
+    from hvdtrain.inputs import pipeline
 
     class Rank1(Twin):
         rank = 1
@@ -145,9 +145,9 @@ def test_input_changed_under_the_run_is_one_line(records, tmp_path):
 
     import tensorflow as tf
 
-    from hvdtrain import pipeline
+    from hvdtrain.inputs import pipeline, sources
     from hvdtrain.distributed import World
-    from hvdtrain.errors import DataError, InputError
+    from hvdtrain.base.errors import DataError, InputError
 
     data = tmp_path / "data"
     shutil.copytree(records, data)
@@ -172,7 +172,7 @@ def test_input_changed_under_the_run_is_one_line(records, tmp_path):
     line = str(train.failure(short.value, 1))
     assert line.startswith(f"{files[3]}: cut short under the running job") and \
         "in epoch 2 (rank 0): training stopped" in line
-    train.snapshot = pipeline._stat(train.snapshot)  # as if it had been so from the start
+    train.snapshot = sources.stat_files(train.snapshot)  # as if it had been so from the start
     assert str(train.failure(short.value, 1)).startswith(
         "the training dataset: rank 0's shard ended after 9 of its 10 batches in epoch 2 "
         "(rank 0): its input changed under the running job")
@@ -616,11 +616,11 @@ def test_resume_on_another_input_names_it_on_the_task_path(tmp_path):
     """The Task path's record holds the pipeline's files and examples per epoch at its top
     level (engine.Run.input): a checkpoint made on other files is refused naming both, as
     the task's flags are named (hk.fit's launch above: the same comparison)."""
-    from hvdtrain import checkpoint
-    from hvdtrain.config import Config
+    from hvdtrain.engine import checkpoint
+    from hvdtrain.base.config import Config
     from hvdtrain.distributed import World
-    from hvdtrain.engine import Checkpoints
-    from hvdtrain.errors import CheckpointError
+    from hvdtrain.engine.checkpoints import Checkpoints
+    from hvdtrain.base.errors import CheckpointError
 
     def record(files, examples):
         return {"task": "records", "seed": 0, "settings": {},

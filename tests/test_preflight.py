@@ -5,7 +5,7 @@ import time
 import pytest
 
 from conftest import run
-from hvdtrain import preflight
+from hvdtrain.engine import preflight
 from hvdtrain.distributed import World
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import HOROVODRUN, ROOT, clean_env, result
-from hvdtrain import tflogs
+from hvdtrain.base import tflogs
 
 SETUP = os.path.join(ROOT, "scripts", "setup.sh")
 

@@ -266,7 +266,7 @@ class OnDisk(Xor):
 
 
 def test_streamed_input_trains_exactly_like_in_memory(world, tmp_path):
-    from hvdtrain.step import in_memory
+    from hvdtrain.tasks.step import in_memory
 
     args = dict(learning_rate=0.5, momentum=0.9, epochs=5, batch_size=16, verbose=0,
                 num_workers=1)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import HOROVODRUN, ROOT, clean_env, launch, result, run
-from hvdtrain import checkpoint as C
+from hvdtrain.engine import checkpoint as C
 from slurm_cluster import IFACE, SlurmCluster
 
 # The first test's bound also covers the module's fixtures: daemons started (the hosts, their

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import HOROVODRUN, KERAS2, clean_env, launch, module_cmd, result, run
-from hvdtrain.bench.cases import read_timeline, summarize_timeline
+from hvdtrain.tools.bench.cases import read_timeline, summarize_timeline
 
 
 def _train(env, tmp_path, np_, k):
@@ -79,7 +79,7 @@ import tensorflow as tf
 
 import hvdtrain
 from hvdtrain.compat import keras
-from hvdtrain.optimizer import apply_gradients
+from hvdtrain.distributed.optimizer import apply_gradients
 
 world = hvdtrain.world()
 k = keras()

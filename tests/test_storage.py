@@ -18,7 +18,7 @@ import pytest
 
 from conftest import (HOROVODRUN, ROOT, checkpoints, finish, launch, launch_example, result,
                       run, script_cmd, start, wait_for)
-from hvdtrain import checkpoint as C
+from hvdtrain.engine import checkpoint as C
 
 # test_faults.py's uninterrupted two-process linear run: the session's shared reference.
 LINEAR = ["--batch-size", "5", "--epochs", "10", "--learning-rate", "0.0005",
@@ -263,10 +263,11 @@ def test_a_full_disk_at_model_keras_is_one_line_and_the_rerun_writes_it(path, tm
 SITES = textwrap.dedent("""
     import json, os, subprocess, sys
     import numpy as np
-    from hvdtrain import checkpoint as C, report
+    from hvdtrain.base import files
+    from hvdtrain.engine import checkpoint as C, report
     from hvdtrain.compat import keras
     from hvdtrain.distributed import World
-    from hvdtrain.errors import StorageError
+    from hvdtrain.base.errors import StorageError
 
     disk, run_dir = sys.argv[1], sys.argv[2]
     out = report.Reporter(World(), run_dir, "t", verbose=0)
@@ -295,7 +296,7 @@ SITES = textwrap.dedent("""
                 {"global_step": 2, "epoch": 0}, 3)
         attempt(kind + " metrics", out.epoch, dict(record, epoch=2, pad=""))
         attempt(kind + " model", out.save_model, model)
-        attempt(kind + " result", report.write_json_atomic,
+        attempt(kind + " result", files.write_json_atomic,
                 os.path.join(run_dir, "result.json"), {"done": True})
 
     subprocess.run(["sh", "-c", f"cat /dev/zero > {disk}/fill"], capture_output=True)

@@ -28,7 +28,7 @@ import tensorflow as tf
 import hvdtrain
 from hvdtrain.compat import is_keras3, keras
 from hvdtrain.layers import SyncBatchNormalization
-from hvdtrain.optimizer import apply_gradients
+from hvdtrain.distributed.optimizer import apply_gradients
 
 k = keras()
 world = hvdtrain.world()

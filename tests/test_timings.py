@@ -10,9 +10,10 @@ import pytest
 
 import usercode
 from conftest import HOROVODRUN, clean_env, launch, module_cmd, result, run
-from hvdtrain import distributed, timings
+from hvdtrain import distributed
 
 # A fit script with validation (evaluation) and mid-epoch checkpoints: 256 examples, 2 epochs.
+from hvdtrain.base import timings
 FIT = textwrap.dedent("""
     import sys
     import numpy as np
@@ -214,7 +215,7 @@ def test_keras_import_defers_matplotlib_until_used(tmp_path):
             importer, p.stdout)
     # A script that turned the collector off keeps it off.
     first = ("import gc, matplotlib.pyplot as plt, hvdtrain; gc.disable(); "
-             "from hvdtrain.compat import keras; keras(); "
+             "from hvdtrain.base.compat import keras; keras(); "
              "from keras.src.visualization import plot_image_gallery as g; "
              "print(g.plt is plt, gc.isenabled(), gc.get_freeze_count())")
     p = run([sys.executable, "-c", first], env)

@@ -471,7 +471,7 @@ def test_a_failed_collectives_line_keeps_horovods_reason():
     """TensorFlow's op error as a failed broadcast of mismatched shapes raises it on 2 ranks
     (captured from one): the one line is Horovod's reason, not the "Graph execution error:"
     header, on every path that says an error in one line (errors.first_line)."""
-    from hvdtrain.errors import error_line, first_line
+    from hvdtrain.base.errors import error_line, first_line
 
     message = textwrap.dedent("""\
         Graph execution error:
@@ -633,8 +633,8 @@ def test_a_gan_with_an_undistributed_optimizer_is_refused_naming_it(two):
 
 @pytest.mark.quick
 def test_nested_inputs_are_counted_and_named_leaf_by_leaf():
-    from hvdtrain import nest
-    from hvdtrain.errors import DataError
+    from hvdtrain.inputs import nest
+    from hvdtrain.base.errors import DataError
 
     x = {"a": np.zeros((6, 2)), "b": [np.zeros((6, 1)), np.zeros((6, 3))]}
     assert nest.examples("hk.dataset", [("x", x), ("y", np.zeros(6))]) == 6
@@ -651,7 +651,7 @@ def test_ranks_identical_compares_the_state_outside_the_weights():
     """The same weights with another Normalization mean on rank 1 (a layer adapted again in
     training, say): not identical, and rank 1 named."""
     from hvdtrain.compat import keras
-    from hvdtrain.report import ranks_differ_line, weights_agreement
+    from hvdtrain.engine.agreement import ranks_differ_line, weights_agreement
     from test_preflight import FakeWorld
 
     k = keras()

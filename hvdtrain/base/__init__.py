@@ -1,0 +1,14 @@
+"""The ground floor: what every other part of hvdtrain stands on.
+
+- ``errors``: every error hvdtrain reports, in one line, with its exit status;
+- ``config``: ``Config``, the training settings every run shares, and what each field means
+  for a run (a command-line flag, a fit script's argument or not, defines the run or not);
+- ``files``: files that readers see whole or not at all, and storage errors said in one line;
+- ``compat``: which Keras hvdtrain trains with (Keras 3, or tf_keras) and its variables;
+- ``precision``: Keras' mixed-precision policies and dynamic loss scaling;
+- ``timings``: the clock of result.json's timings (started first, by ``hvdtrain/__init__``);
+- ``tflogs``: TensorFlow's start-up lines kept quiet.
+
+May import: nothing of hvdtrain outside this package. This file imports nothing, so that
+``timings`` is the first code to run.
+"""

@@ -1,0 +1,304 @@
+"""Configuration: the training settings every task shares, plus the settings each task declares.
+
+``Config`` holds what any run needs (optimisation, data order, distribution, checkpoints,
+output) and names no task. A task declares its own settings as a dataclass
+(``Task.Settings``: the linear task's synthetic data, the MNIST task's dataset and model) and
+its defaults for ``Config`` (``Task.defaults``: the seeds' learning rates and worker count).
+Every field of both is a command-line flag named after it (``learning_rate`` ->
+``--learning-rate``); ``--help`` shows each default. A bad value stops the program before
+anything is written, with one line naming the flag and the value.
+
+What a field means for a run is metadata on the field, not a list of names elsewhere:
+``defines_run`` (a resume refuses a checkpoint made with another value; on by default for a
+task's settings) and ``per_rank`` (may differ between ranks: paths, chattiness; preflight
+does not compare it); for a fit script (``hk.fit``), ``fit_refusal`` (why hk.fit does not
+take it: the model, its optimizer or the dataset decide it; the reason is the refusal's) and
+``fit_name`` (where the script sets it, as the refusals of a resume name it). A field with no
+``fit_refusal`` is one of hk.fit's keyword arguments (``fit_refusals``, ``fit_argument``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from hvdtrain.base.errors import ConfigError, TaskError, user_code
+
+BACKENDS = ("auto", "horovod", "single")
+PRECISIONS = ("none", "float16", "bfloat16")  # --mixed-precision: see precision.py
+
+
+def setting(default, help: str, defines_run: bool = True, per_rank: bool = False, **meta):
+    """A field with its CLI help and what it means for a run (see the module docstring)."""
+    meta = dict(help=help, defines_run=defines_run, per_rank=per_rank, **meta)
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Config:
+    """The training settings of one run, whatever the task.
+
+    The defaults are Keras's own (SGD at 0.01, batches of 32); a task's ``defaults`` replace
+    them (the seed tasks: their learning rates, batch sizes and two workers).
+    """
+
+    # Optimisation. Gradients are averaged over workers, as SyncReplicasOptimizer does,
+    # so a learning rate means the same at any worker count.
+    learning_rate: float = setting(0.01, "learning rate of the task's optimizer (SGD unless "
+                                   "the task chooses its own)",
+                                   fit_refusal="set it on the optimizer given to model.compile",
+                                   fit_name="the optimizer's learning_rate")
+    scale_lr: bool = setting(False, "multiply the learning rate by the world size (Horovod's "
+                             "convention)", fit_refusal="scale the optimizer's learning rate by "
+                             "hk.size() in the script")
+    momentum: float = setting(0.0, "momentum of the default SGD optimizer",
+                              fit_refusal="set it on the optimizer given to model.compile",
+                              fit_name="the optimizer's momentum")
+    epochs: int = setting(10, "passes over the training data", defines_run=False)
+    batch_size: Optional[int] = setting(
+        32, "examples per worker per step; global batch = batch_size * world size; "
+        "0 or none: each worker's whole shard per step (full-batch gradient descent)",
+        fit_refusal="it is hk.dataset's batch_size", fit_name="hk.dataset's batch_size")
+    accumulate_steps: int = setting(
+        1, "gradient accumulation: each optimizer update (a step) averages the gradients of N "
+        "micro-batches of batch_size per worker, in one allreduce; global batch per update = "
+        "N * batch_size * world size",
+        fit_refusal="wrap the optimizer in hk.DistributedOptimizer(optimizer, "
+                    "backward_passes_per_step=N)", fit_name="backward_passes_per_step")
+    seed: int = setting(1, "seed for data order, synthetic data and initialisation (same on "
+                        "every rank)", fit_refusal="it is hk.dataset's seed",
+                        fit_name="hk.dataset's seed")
+    mixed_precision: str = setting(
+        "none", "float16 or bfloat16: build the model under Keras' mixed_<dtype> policy "
+        "(16-bit compute, float32 variables, loss and metrics); float16 adds dynamic loss "
+        "scaling", choices=PRECISIONS,
+        fit_refusal="set Keras' policy in the script before building the model "
+                    "(keras.mixed_precision.set_global_policy('mixed_bfloat16'))",
+        fit_name="Keras' dtype policy")
+    steps_per_execution: int = setting(
+        0, "synchronous steps per compiled call (fewer Python and host round trips; SIGTERM, "
+        "checkpoints and resume stay on exact steps); 0: auto, calls of about 50 ms, at most "
+        "64 steps", defines_run=False,
+        fit_refusal="set it in model.compile(steps_per_execution=N)",
+        fit_name="compile's steps_per_execution")
+    # Distribution.
+    num_workers: Optional[int] = setting(
+        None, "worker count the launch scripts start; the launcher's world size wins (a "
+        "differing count is warned about)", defines_run=False,
+        fit_refusal="the launcher decides the world size")
+    backend: str = setting("auto", "auto: Horovod if importable, else one process; horovod: "
+                           "require it; single: one process, plain optimizer",
+                           defines_run=False, choices=BACKENDS,
+                           fit_refusal="hk.init(backend) decides it")
+    # Fault tolerance.
+    checkpoint_every: int = setting(100, "rank 0 saves a checkpoint every N synchronous steps "
+                                    "(and at each epoch end); 0: only at epoch ends",
+                                    defines_run=False)
+    keep_checkpoints: int = setting(3, "how many of the newest checkpoints to keep",
+                                    defines_run=False)
+    resume: Optional[bool] = setting(None, "--resume: continue from the run dir's newest valid "
+                                     "checkpoint (error if none); --no-resume: refuse a run dir "
+                                     "that holds checkpoints; unset: resume when there is one",
+                                     defines_run=False)
+    peer_timeout: float = setting(30.0, "seconds without a heartbeat before a peer counts as "
+                                  "frozen and every rank stops (0 disables the watchdog)",
+                                  defines_run=False)
+    elastic: bool = setting(False, "train under Horovod's elastic driver (horovodrun --min-np/"
+                            "--max-np --host-discovery-script): workers may leave and join; "
+                            "needs --run-dir", defines_run=False,
+                            fit_refusal="elastic runs are offered for Task runs only")
+    commit_every: int = setting(20, "elastic: commit the state in memory every N steps (the "
+                                "most work a lost worker costs)", defines_run=False,
+                                fit_refusal="elastic runs are offered for Task runs only")
+    stop_on_divergence: bool = setting(
+        True, "stop with exit 1 when the loss becomes NaN or infinite, keeping the checkpoints "
+        "from before it; --no-stop-on-divergence trains on", defines_run=False)
+    # Output.
+    run_dir: Optional[str] = setting(None, "where rank 0 writes config, metrics, TensorBoard, "
+                                     "checkpoints, the model and the result (none: "
+                                     "runs/<task>-<time>)", defines_run=False, per_rank=True)
+    save_model: bool = setting(True, "rank 0 saves the trained model as RUN_DIR/model.keras",
+                               defines_run=False)
+    verbose: int = setting(1, "0 silent, 1 progress (rank 0), 2 one line per epoch",
+                           defines_run=False, per_rank=True, choices=(0, 1, 2))
+
+    def validate(self) -> "Config":
+        """Raise ConfigError for the first bad field; return self when all are good."""
+        if self.seed < 0:
+            raise ConfigError("seed", self.seed, "must be 0 or more")
+        for name in ("learning_rate", "epochs"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(name, value, "must be a finite number greater than 0")
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ConfigError("num_workers", self.num_workers, "must be at least 1")
+        for name in ("checkpoint_every", "peer_timeout", "steps_per_execution"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(name, value, "must be 0 or more")
+        if self.accumulate_steps < 1:
+            raise ConfigError("accumulate_steps", self.accumulate_steps,
+                              "must be at least 1 (1: no accumulation)")
+        if self.commit_every < 1:
+            raise ConfigError("commit_every", self.commit_every, "must be at least 1")
+        if self.elastic and not self.run_dir:
+            raise ConfigError("elastic", True, "needs --run-dir (every worker, also one that "
+                              "joins later, must write to the same run directory)")
+        if self.elastic and self.backend == "single":
+            raise ConfigError("backend", self.backend, "--elastic needs Horovod")
+        if self.keep_checkpoints < 1:
+            raise ConfigError("keep_checkpoints", self.keep_checkpoints, "must be at least 1")
+        if self.batch_size is not None and self.batch_size < 0:
+            raise ConfigError("batch_size", self.batch_size, "must be 0 (full batch) or more")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError("momentum", self.momentum, "must be in [0, 1)")
+        if self.mixed_precision not in PRECISIONS:
+            raise ConfigError("mixed_precision", self.mixed_precision,
+                              f"choose one of {', '.join(PRECISIONS)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError("backend", self.backend,
+                              f"unknown backend; choose one of {', '.join(BACKENDS)}")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def values(obj, defines_run: Optional[bool] = None, per_rank: Optional[bool] = None) -> dict:
+    """A settings dataclass as a dict, optionally only the fields with that metadata."""
+    if obj is None:
+        return {}
+    out = {}
+    for f in dataclasses.fields(obj):
+        if defines_run is not None and f.metadata.get("defines_run", True) != defines_run:
+            continue
+        if per_rank is not None and f.metadata.get("per_rank", False) != per_rank:
+            continue
+        value = getattr(obj, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def fit_refusals() -> dict:
+    """{name: why}: Config's fields that hk.fit does not take (their ``fit_refusal``)."""
+    return {f.name: f.metadata["fit_refusal"] for f in dataclasses.fields(Config)
+            if "fit_refusal" in f.metadata}
+
+
+def fit_argument(name: str) -> str:
+    """A setting as a fit script sets it: where (a Config field's ``fit_name``: the
+    optimizer's learning_rate), else hk.fit's keyword argument of that name."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    return fields[name].metadata.get("fit_name", name) if name in fields else name
+
+
+def validate_settings(settings) -> None:
+    """Choices declared on a task's fields, then the task's own ``validate()`` if it has one."""
+    for f in dataclasses.fields(settings):
+        choices = f.metadata.get("choices")
+        if choices is not None and getattr(settings, f.name) not in choices:
+            raise ConfigError(f.name, getattr(settings, f.name),
+                              f"choose one of {', '.join(map(str, choices))}")
+    if hasattr(settings, "validate"):
+        settings.validate()
+
+
+# --- command line -------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``prog: error: --flag=value: reason``, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _optional(parse):
+    def parse_optional(text: str):
+        return None if text.lower() in ("none", "") else parse(text)
+    parse_optional.__name__ = parse.__name__  # argparse names the type in its errors
+    return parse_optional
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+_finite_float.__name__ = "float"
+
+
+def _add_fields(group, cls, defaults: dict) -> None:
+    """One flag per dataclass field; its type, choices and help come from the field."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        optional = type(None) in typing.get_args(hint)
+        base = [a for a in typing.get_args(hint) if a is not type(None)][0] if optional else hint
+        kwargs = dict(default=defaults[f.name], help=f.metadata.get("help", ""), dest=f.name)
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(base) in (tuple, list):
+            item = typing.get_args(base)[0]
+            kwargs.update(type=_finite_float if item is float else item, nargs="+")
+        else:
+            parse = _finite_float if base is float else base
+            kwargs["type"] = _optional(parse) if optional else parse
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+
+def build_parser(task, prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """The command line of ``task``: the training flags, then the task's own (if any).
+    A task whose declarations break the rules (an unknown name in ``defaults``, a setting
+    named like a training flag) is refused with a TaskError."""
+    name, known = type(task).__name__, {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(task.defaults) - known)
+    if unknown:
+        raise TaskError(f"{name}.defaults names {', '.join(map(repr, unknown))}, not a "
+                        "training setting (hvdtrain.Config's fields)")
+    clash = sorted(known & {f.name for f in dataclasses.fields(task.Settings)}
+                   if task.Settings is not None else ())
+    if clash:
+        raise TaskError(f"{name}.Settings field(s) {', '.join(map(repr, clash))} would shadow the "
+                        "training flag(s) of that name: rename them, or set the training "
+                        "value in defaults")
+    defaults = Config(**task.defaults)
+    parser = _Parser(
+        prog=prog or f"python -m hvdtrain.{task.name}",
+        description=(task.description or f"Train the {task.name} task") +
+        " with synchronous data-parallel SGD (Horovod).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_fields(parser.add_argument_group("training"), Config, dataclasses.asdict(defaults))
+    if task.Settings is not None:
+        current = getattr(task, "settings", None) or task.Settings()
+        _add_fields(parser.add_argument_group(f"{task.name} task"), task.Settings,
+                    {f.name: getattr(current, f.name) for f in dataclasses.fields(task.Settings)})
+    return parser
+
+
+def parse_args(task, argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> Config:
+    """Parse ``task``'s command line: return the Config, and set ``task.settings`` from its
+    own flags. Exit 2 with one line on a bad flag or value."""
+    parser = build_parser(task, prog)
+    parsed = vars(parser.parse_args(argv))
+    own = [f.name for f in dataclasses.fields(task.Settings)] if task.Settings else []
+    try:
+        config = Config(**{k: v for k, v in parsed.items() if k not in own}).validate()
+        if task.Settings is not None:
+            settings = task.Settings(**{k: tuple(v) if isinstance(v, list) else v
+                                        for k, v in parsed.items() if k in own})
+            with user_code(f"{type(task).__name__}.Settings.validate"):
+                validate_settings(settings)
+            task.settings = settings
+    except (ConfigError, ValueError) as e:  # the user's validate(): a ValueError is a bad value
+        parser.error(str(e))
+    return config

@@ -1,0 +1,155 @@
+"""The World interface: one process's view of the job (rank, size, chief, and the few
+collectives the loop needs: the gradients' reduction, broadcast, sums, barrier, agreement on
+errors, the elastic driver), and the single-process World, which needs no Horovod. Nothing
+else in hvdtrain asks ``rank() == 0``; it asks ``world.is_chief``."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from hvdtrain.base.errors import LaunchError, RankError
+
+
+class Progress:
+    """Where training stands (epoch, examples done in it, ...); ``commit`` is elastic's."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def commit(self) -> None:
+        pass
+
+
+# The names of World.any_true's and World.all_same's allreduces: the run's agreement questions
+# (at its start, each checkpoint, epoch record and end). A Horovod timeline lists every eager
+# allreduce as "HorovodAllreduce" whatever its name (bench.cases.summarize_timeline's
+# training_rounds tells the steps' rounds apart instead).
+QUESTIONS = ("hvdtrain.any", "hvdtrain.same")
+
+
+class World:
+    """One process's view of the job. The single-process world needs no Horovod."""
+
+    backend = "single"
+    elastic = False  # Horovod's elastic mode: the size may change after compilation
+
+    def __init__(self):
+        self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
+
+    @property
+    def is_chief(self) -> bool:
+        """Rank 0 owns printing, files, checkpoints: the seeds' chief worker."""
+        return self.rank == 0
+
+    def reduction(self, op: str = "average", compression: str = "none",
+                  gradient_predivide_factor: float = 1.0) -> Optional["Reduction"]:
+        """How an optimizer's gradients are reduced over the ranks: None in one process
+        (there is nothing to reduce); the arguments are checked all the same."""
+        reduction_ops(op, compression, gradient_predivide_factor)
+        return None
+
+    def allreduce_gradients(self, grads, op="average", compression="none",
+                            gradient_predivide_factor=1.0) -> list:
+        return list(grads)
+
+    def broadcast_variables(self, variables) -> None:
+        pass
+
+    def allreduce_sum(self, values: Sequence[float], name: str = "hvdtrain.sum") -> np.ndarray:
+        return np.asarray(values, dtype=np.float64)
+
+    def sum_in_graph(self, tensor):
+        """Sum a tensor over ranks inside a compiled step."""
+        return tensor
+
+    def sum_statistics(self, tensor):
+        """Sum a layer's batch statistics over the ranks inside a step, differentiably: the
+        gradient with respect to each rank's part is the sum of the ranks' gradients with
+        respect to the total (``hvdtrain.layers.SyncBatchNormalization``)."""
+        return tensor
+
+    def broadcast_object(self, obj):
+        return obj
+
+    def allgather_object(self, obj) -> list:
+        return [obj]
+
+    def any_true(self, flag: bool) -> bool:
+        """All ranks: whether ``flag`` is set on any rank."""
+        return any(self.allgather_object(bool(flag)))
+
+    def all_same(self, obj) -> bool:
+        """All ranks: whether every rank passed an equal ``obj`` (the same answer on every
+        rank). HorovodWorld answers from a digest of ``repr(obj)``: reprs that differ for
+        equal objects read as not the same, so a caller that acts on False checks again."""
+        everyone = self.allgather_object(obj)
+        return all(o == everyone[0] for o in everyone)
+
+    def barrier(self) -> None:
+        pass
+
+    def agree(self, fn: Callable, catch=(Exception,), merge=None):
+        """Run ``fn`` on every rank; if it raised on any, raise RankError on all of them.
+
+        Without this, a rank whose local file is corrupt exits while the others block in
+        the next collective forever. ``merge``: an error class that, raised with the same
+        message on every rank (an error in the user's code, say), is raised again as
+        itself, said once, rather than as a RankError.
+        """
+        try:
+            value, error = fn(), None
+        except catch as e:
+            value, error = None, (str(e), merge is not None and isinstance(e, merge))
+        if not self.any_true(error is not None):  # the usual case: one number's round
+            return value
+        errors = self.allgather_object(error)
+        failed = [(r, e[0]) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            same = len(failed) == self.size and len({e for _, e in failed}) == 1
+            if same and all(e[1] for e in errors):
+                raise merge(failed[0][1])  # the same error everywhere: as it was raised
+            if self.size == 1:
+                raise RankError(failed[0][1])
+            raise RankError("; ".join(f"rank {r}: {e}" for r, e in failed))
+        return value
+
+    def versions(self) -> dict:
+        """Versions of the distributed stack, for the preflight comparison."""
+        return {}
+
+    def run_elastic(self, variables, body, **progress):
+        raise LaunchError("--elastic needs Horovod under horovodrun's elastic mode "
+                          "(--min-np/--max-np with --host-discovery-script)")
+
+    def describe(self) -> str:
+        return "1 process (no Horovod)"
+
+
+OPS = ("average", "sum", "adasum")
+COMPRESSIONS = ("none", "fp16")
+
+
+def reduction_ops(op, compression, gradient_predivide_factor, hvd=None):
+    """Check a gradient reduction's settings; with Horovod, return its (op, compression).
+
+    ``op`` and ``compression`` are names (``"average"``, ``"fp16"``) or Horovod's own
+    objects (``hvd.Average``, ``hvd.Compression.fp16``).
+    """
+    if isinstance(op, str) and op.lower() not in OPS:
+        raise ValueError(f"op={op!r}: choose one of {', '.join(OPS)}")
+    if isinstance(compression, str) and compression.lower() not in COMPRESSIONS:
+        raise ValueError(f"compression={compression!r}: choose one of {', '.join(COMPRESSIONS)}")
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r}: must be > 0")
+    average = op.lower() == "average" if isinstance(op, str) else (
+        hvd is not None and op == hvd.Average)
+    if gradient_predivide_factor != 1.0 and not average:
+        raise ValueError("gradient_predivide_factor applies to op='average' only")
+    if hvd is None:
+        return op, compression
+    if isinstance(op, str):
+        op = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}[op.lower()]
+    if isinstance(compression, str):
+        compression = getattr(hvd.Compression, compression.lower())
+    return op, compression

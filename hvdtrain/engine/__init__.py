@@ -1,0 +1,17 @@
+"""The run engine: one training run's life, the same under both drivers (``hvdtrain.tasks``'
+compiled loop and ``hvdtrain.fit``'s ``model.fit``).
+
+- ``run``: ``Run``, the order of a run's calls: watchdog, SIGTERM, restore and broadcast,
+  epoch records, divergence, the result; ``fronts``: what the engine serves (a Task from the
+  command line, or a fit script), which words its refusals use;
+- ``checkpoints``: a run's checkpoints (found, checked against the run's settings, loaded,
+  saved); ``checkpoint``: the checkpoint file format;
+- ``rundir``: the run directory's policy (its default name, what may not be in it, the lock
+  that rank 0 holds); ``agreement``: every rank's weights compared at the end;
+- ``report``: the console lines and the files of the run directory, written by rank 0;
+- ``watchdog``: no rank waits forever on a dead or frozen peer;
+- ``preflight``: before step 0, the checks that every rank agrees with rank 0.
+
+May import: ``hvdtrain.base``, ``hvdtrain.distributed`` and ``hvdtrain._version``. It names
+no task and no Keras callback: the drivers call it.
+"""

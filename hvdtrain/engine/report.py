@@ -1,0 +1,214 @@
+"""What a run leaves behind: console lines and the run directory, written by rank 0 only.
+
+Run directory layout:
+    config.json      the task, the validated training settings and the task's own, plus
+                     world size, backend and Keras
+    metrics.jsonl    one JSON line per epoch: epoch, global_step, loss, metrics, samples_per_sec
+    tensorboard/     the same scalars for TensorBoard
+    model.keras      the trained model (Keras format), unless --no-save-model
+    result.json      written last (atomically): the run's outcome
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from hvdtrain.base.errors import StorageError
+from hvdtrain.base.files import (atomic_open, finite_json, make_dirs, remove_leftovers, replacing,
+                                 write_json_atomic, writing)
+from hvdtrain.engine.rundir import RunLock, default_run_dir, run_dir_problem
+
+
+def _scalars(values: dict) -> bytes:
+    """A serialized ``tf.Summary`` of scalars, each as ``tf.summary.scalar`` writes one: a
+    float32 tensor tagged for TensorBoard's scalars plugin."""
+    from tensorflow.core.framework import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+
+    plugin = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+    return summary_pb2.Summary(value=[summary_pb2.Summary.Value(
+        tag=tag, metadata=plugin, tensor=tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_FLOAT, tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+            float_val=[value])) for tag, value in values.items()]).SerializeToString()
+
+
+class Reporter:
+    """Prints and writes on the chief; does nothing on other ranks."""
+
+    def __init__(self, world, run_dir, task_name: str, verbose: int = 1):
+        self.world, self._verbose = world, verbose
+        if run_dir:
+            self.run_dir = os.path.abspath(run_dir)
+        else:  # rank 0 names the directory (its clock decides) and tells the others
+            path = default_run_dir(task_name) if world.is_chief else None
+            self.run_dir = os.path.abspath(world.broadcast_object(path))
+        self._tb = None
+        self._lock = None
+
+    def problem(self):
+        """Rank 0: why the run directory cannot be used (None if it can); creates nothing."""
+        return run_dir_problem(self.run_dir) if self.enabled else None
+
+    def finished(self, epochs: int, defining: dict):
+        """Rank 0: the result.json of a finished run in the run directory that trained at
+        least ``epochs`` epochs (early stopping included) with the settings ``defining``
+        (``Run.record(defines_run=True)``; config.json has them), else None: the same command
+        again must not train it again and overwrite its result; more epochs train on, and
+        other settings are refused by the checkpoints' comparison."""
+        if not self.enabled:
+            return None
+        try:
+            with open(os.path.join(self.run_dir, "result.json")) as f:
+                done = json.load(f)
+            with open(os.path.join(self.run_dir, "config.json")) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            return None  # none, or unreadable: the checkpoints decide, as before
+        same = all(saved.get(k) == v for k, v in defining.items() if k != "settings") and all(
+            saved.get("settings", {}).get(k) == v for k, v in defining["settings"].items())
+        return done if same and done.get("epochs", 0) >= epochs else None
+
+    def claim(self) -> None:
+        """Rank 0: create the run directory and hold it for this run (RunDirBusy if taken);
+        remove the temporary files of writes that a killed or failed run left."""
+        if self.enabled and self._lock is None:
+            self._lock = RunLock(self.run_dir)
+            from hvdtrain.engine import checkpoint
+
+            remove_leftovers(self.run_dir)
+            checkpoint.remove_leftovers(os.path.join(self.run_dir, "checkpoints"))
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world.is_chief  # asked each time: an elastic reset can change rank 0
+
+    @property
+    def verbose(self) -> int:
+        return self._verbose if self.enabled else 0
+
+    @property
+    def interactive(self) -> bool:
+        """A live progress bar is worth drawing: a terminal, and no launcher. (mpirun gives
+        its ranks a pseudo-terminal even when its own output is a pipe, and tags and
+        interleaves their lines, so a bar's carriage returns end up in the log.)"""
+        from hvdtrain.distributed.launch import launcher_size
+        return sys.stdout.isatty() and launcher_size() == 1
+
+    def print(self, message: str, level: int = 1) -> None:
+        if self.verbose >= level:
+            _whole_line(sys.stdout, message)
+
+    def notice(self, message: str) -> None:
+        """A one-line notice on stderr (rank 0), shown even at verbose 0."""
+        if self.enabled:
+            _whole_line(sys.stderr, message)
+
+    def start(self, config_dict: dict, completed_epochs: int = 0) -> None:
+        """Create the run directory; keep only the metrics of epochs a resume starts after."""
+        if not self.enabled:
+            return
+        with writing(self.run_dir):
+            make_dirs(self.run_dir)
+        write_json_atomic(os.path.join(self.run_dir, "config.json"), config_dict)
+        metrics = os.path.join(self.run_dir, "metrics.jsonl")
+        if os.path.exists(metrics):
+            # Epochs after the checkpoint will be trained (and logged) again; a line cut short
+            # (its write killed, or the disk full) is an epoch after it.
+            with open(metrics) as f:
+                kept = [l for l in f if _epoch(l) is not None and _epoch(l) <= completed_epochs]
+            with atomic_open(metrics) as f:
+                f.writelines(kept)
+        import tensorflow as tf
+
+        if self._tb is None:
+            board = os.path.join(self.run_dir, "tensorboard")
+            with writing(board, also=(tf.errors.OpError,)):
+                self._tb = tf.summary.create_file_writer(board)
+
+    def records(self) -> list:
+        """Rank 0: metrics.jsonl's records, in order ([] if none)."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def epoch(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        line = json.dumps(finite_json(record), sort_keys=True, allow_nan=False) + "\n"
+        with writing(path), open(path, "a") as f:
+            size = f.tell()
+            try:
+                f.write(line)
+                f.flush()
+            except OSError:
+                f.truncate(size)  # no half line (the disk full): the file as it was
+                raise
+        import tensorflow as tf
+
+        with writing(os.path.join(self.run_dir, "tensorboard"), also=(tf.errors.OpError,)):
+            with self._tb.as_default(step=record["global_step"]):
+                # The epoch's scalars in one Summary, written by one op (what
+                # tf.summary.scalar writes, value by value, at one op each).
+                tf.summary.experimental.write_raw_pb(_scalars(
+                    {k: v for k, v in record.items()
+                     if k not in ("epoch", "epochs", "global_step") and isinstance(v, float)}))
+            self._tb.flush()
+
+    def save_model(self, model):
+        """Rank 0: the trained model as RUN_DIR/model.keras (keras.models.load_model opens it,
+        without hvdtrain); returns the path (None on other ranks)."""
+        if not self.enabled:
+            return None
+        path = os.path.join(self.run_dir, "model.keras")
+        try:
+            with replacing(path, suffix=".keras") as tmp:  # Keras saves only to *.keras
+                model.save(tmp)
+            return path
+        except StorageError:
+            raise  # the disk, not the model: one line naming model.keras
+        except Exception as e:  # noqa: BLE001 (a model Keras cannot save whole)
+            # A subclassed model without get_config, say: the training must not be lost
+            # with it. Its weights alone load into the same model built in code.
+            # Keras' reason, its first sentence, on one line (it breaks it over lines).
+            why = " ".join(str(e).split()).split(". ")[0] or "no reason given"
+            weights = os.path.join(self.run_dir, "model.weights.h5")
+            with replacing(weights, suffix=".weights.h5") as tmp:  # Keras' required suffix
+                model.save_weights(tmp)
+            self.notice(f"hvdtrain: warning: model.keras not saved: Keras cannot save this "
+                        f"{type(model).__name__} whole ({type(e).__name__}: {why}); its weights are in "
+                        f"{weights} (model.load_weights opens them in the model built in code)")
+            return weights
+
+    def result(self, result: dict) -> None:
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            import tensorflow as tf
+
+            with writing(os.path.join(self.run_dir, "tensorboard"), also=(tf.errors.OpError,)):
+                self._tb.close()
+        write_json_atomic(os.path.join(self.run_dir, "result.json"), result)
+
+
+def _epoch(line: str):
+    """A metrics.jsonl line's epoch; None for a blank line or one cut short."""
+    try:
+        return json.loads(line)["epoch"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _whole_line(stream, message: str) -> None:
+    """``message`` and its newline in one write: ``print`` writes them apart, and a launcher
+    that tags its ranks' output (mpirun's ``[1,0]<stdout>:``) then tags the newline alone."""
+    stream.write(message + "\n")
+    stream.flush()

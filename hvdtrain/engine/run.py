@@ -1,0 +1,378 @@
+"""The run engine: one training run's life, the same under the Task loop and under ``model.fit``.
+
+    with Run(world, config, CommandLine("mnist"), settings) as run:   # the watchdog; one-line errors
+        run.check_run_dir()                               # before any data is loaded
+        ... load data, build the model and optimizer ...
+        run.claim()                                       # rank 0 holds the run directory
+        progress = run.restore(model, optimizer)          # newest checkpoint, or a fresh start
+        run.broadcast()                                   # every rank from rank 0's state
+        run.start(progress.epoch)                         # config.json, metrics.jsonl kept
+        ... the driver trains, asking run.stop_requested (or run.should_stop()) and calling
+            run.save(progress, sums) / run.epoch_end(record) / run.preempt(step) ...
+        run.finish(result, model)                         # agreement, model.keras, result.json
+
+Both drivers use it: ``hvdtrain.tasks.train`` (the Task path's compiled loop) and ``hvdtrain.fit``
+(``hvdtrain.keras.fit``, Keras' own loop); neither keeps a copy of what is here:
+- the run directory: checked before anything is loaded, held by rank 0 while the run lives;
+- checkpoints: found (``--resume``/``--no-resume``, the settings that define the run must
+  match), restored on rank 0, broadcast; saved by rank 0 with the data position (``epoch``,
+  ``offset`` in examples) and the epoch's metric sums so far over every rank; committed in
+  memory for elastic runs;
+- SIGTERM and SIGINT: a flag every rank's driver reduces, so every rank stops after the same
+  step; then a checkpoint and ``Preempted`` (exit 75);
+- storage: rank 0's failed write (``StorageError``) is every rank's, at the write;
+- divergence: NaN or infinite weights are never checkpointed (``Diverged``, exit 1);
+- the result: every rank's weights compared, the model saved, result.json written last;
+- errors: an error raised on every rank together (``errors.Together``) ends the run quietly;
+  one rank's error stops the others through the watchdog; a failed collective becomes one
+  line naming the rank.
+
+Only rank 0 reads and writes files (``report.Reporter``); the partial sums it saves are the
+exact sums over every rank.
+"""
+from __future__ import annotations
+
+import signal
+from typing import Optional
+
+import numpy as np
+
+from hvdtrain.base import compat, precision, timings
+from hvdtrain.base.config import Config, values
+from hvdtrain.base.errors import (CheckpointError, ConfigError, Diverged, EnvError, Error,
+                                  Preempted, RankError, RanksDiffer, RunDirBusy, RunDirHeld,
+                                  StorageError, TaskError, error_line, first_line, user_code)
+from hvdtrain.distributed.optimizer import updates
+from hvdtrain.distributed.statistics import MovingStatistics
+from hvdtrain.distributed.world import Progress, World
+from hvdtrain.engine.agreement import ranks_differ_line, weights_agreement
+from hvdtrain.engine.checkpoints import Checkpoints
+from hvdtrain.engine.fronts import CommandLine, FitScript
+from hvdtrain.engine.report import Reporter
+from hvdtrain.engine.watchdog import Watchdog
+
+# Where training stands, as a checkpoint or an elastic commit keeps it.
+PROGRESS_FIELDS = ("epoch", "offset", "sums", "last_record", "path")
+# Keys of an epoch's record that are bookkeeping, not a metric (result.json's final_* skip them).
+BOOKKEEPING = ("epoch", "epochs", "global_step", "samples_per_sec", "seconds", "world_size",
+               "input_wait")
+# The signals that preempt a run: a checkpoint at a step every rank agrees on, exit 75.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# An epoch whose steps waited for input this share of its time (slowest rank) is input-bound.
+INPUT_BOUND = 0.5
+
+
+class Run:
+    """One run on this rank: see the module docstring for the order of calls.
+
+    ``front`` is what the run serves (``fronts.CommandLine(task name)`` or
+    ``fronts.FIT_SCRIPT``): the run's name, and how its refusals name the user's settings;
+    ``settings`` is the driver's own settings
+    dataclass (a task's ``Settings``), or None. The driver sets ``global_batch`` before the
+    first save (it changes with the world size in elastic runs).
+    """
+
+    def __init__(self, world: World, config: Config, front: CommandLine | FitScript,
+                 settings=None):
+        self.world, self.config, self.front, self.settings = world, config, front, settings
+        self.name = front.name  # the task's, or "fit"
+        # Elastic runs: nothing before Horovod's driver may be a collective (a worker that
+        # joins later runs the setup alone while the others wait inside the driver's sync).
+        self.collective = not config.elastic
+        with timings.phase("agreement"):  # the default run directory: rank 0's name for it
+            self.out = Reporter(world, config.run_dir, front.name, config.verbose)
+        self.checkpoints = Checkpoints(world, config, self.out.run_dir + "/checkpoints",
+                                       self.out.notice, front)
+        self.finished: Optional[dict] = None  # a finished run's result.json (check_run_dir)
+        self.ckpt_dir = self.checkpoints.directory
+        self.stop_requested = False
+        self.last_record: Optional[dict] = None  # the newest finished epoch's (kept in checkpoints)
+        self.global_batch = 0
+        self.model = self.optimizer = None
+        self.state: list = []  # model and optimizer variables: what a checkpoint holds
+        self.moving = MovingStatistics(world, [])
+        self._handlers: dict = {}  # the signal handlers the run replaced while it trains
+        self.stop_signal = None  # the name of the one that stopped it
+        self.pipeline = None  # the driver's pipeline.Batches, for a tf.data input
+        self.input: dict = {}  # what defines the input besides the settings (its files)
+        self._said_input_bound = False
+
+    # --- the run's frame: watchdog, SIGTERM, errors ---------------------------------------------
+    @timings.timed("agreement")  # the watchdog's handshake
+    def __enter__(self) -> "Run":
+        # Elastic runs survive a lost worker by design: Horovod's driver, not the watchdog, acts.
+        self.dog = Watchdog(self.world, 0 if self.config.elastic else
+                            self.config.peer_timeout).start()
+        return self
+
+    def __exit__(self, kind, e, tb) -> bool:
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+        self._handlers = {}
+        self.out.release()
+        _stop_watching(self.dog, self.world, e)
+        return False
+
+    def _on_signal(self, signum, frame) -> None:
+        if not self.stop_requested:
+            self.stop_signal = signal.Signals(signum).name
+        self.stop_requested = True
+
+    def rank0_writes(self, fn, *args):
+        """Rank 0's ``fn(*args)`` (the run directory's files); its ``StorageError`` (disk
+        full, read-only, ...) raised on every rank at once, so all stop together with one
+        line (a one-number allreduce: the others wait for the write; the message is
+        broadcast only when there is one)."""
+        value, error = None, None
+        try:
+            value = fn(*args)
+        except StorageError as e:
+            error = str(e)
+        if self.collective and self.world.any_true(error is not None):
+            error = self.world.broadcast_object(error)
+        if error is not None:
+            raise StorageError(error)
+        return value
+
+    def agree(self, fn, catch, merge=None):
+        """``fn()`` on every rank, failing on all if it failed on one (``World.agree``); alone
+        in elastic runs."""
+        return self.world.agree(fn, catch=catch, merge=merge) if self.collective else fn()
+
+    def user(self, what: str, fn, *args, catch=()):
+        """The user's ``fn(*args)`` on every rank: an exception from it (or ``catch``) on any
+        rank stops every rank with one line naming it and the user's file and line."""
+        def call():
+            with user_code(what):
+                return fn(*args)
+        return self.agree(call, catch=(TaskError,) + tuple(catch), merge=TaskError)
+
+    # --- before training ----------------------------------------------------------------------
+    @timings.timed("agreement")
+    def check_run_dir(self) -> None:
+        """A file in its place, no permission or a finished run in it: refused before anything
+        is loaded (it would fail late, or be overwritten)."""
+        # A finished run is every rank's decision (rank 0 reads it): not in elastic runs,
+        # which take no collective here, and resume from their checkpoints as before.
+        # --no-resume is refused by the checkpoints as before.
+        finished = self.collective and self.config.resume is not False
+        problem = (self.out.problem(), self.out.finished(
+            self.config.epochs, self.record(defines_run=True)) if finished else None)
+        if self.collective:
+            problem = self.world.broadcast_object(problem)
+        problem, self.finished = problem
+        if problem:
+            raise ConfigError("run_dir", self.out.run_dir, problem)
+
+    def unchanged(self) -> str:
+        """A rerun of a finished run (``finished``): what the driver says instead of training."""
+        done = self.finished
+        return (f"hvdtrain: {self.out.run_dir} holds a finished run ({done.get('epochs')} "
+                f"epochs, step {done.get('global_step')}): nothing to train, nothing "
+                f"overwritten; a new {self.front.argument('run_dir')} trains again, more "
+                f"{self.front.argument('epochs')} train on")
+
+    @timings.timed("agreement")
+    def claim(self) -> None:
+        """Everything is checked: rank 0 takes the run directory for this run (a second run
+        on it is refused while this one lives)."""
+        def take():  # rank 0's StorageError (the lock file) said as the others' saves are,
+            try:     # and a lock held elsewhere too: both are every rank's exit status
+                self.out.claim()
+            except (StorageError, RunDirHeld, EnvError) as e:
+                return type(e).__name__, str(e)
+            return None
+        error = self.agree(take, catch=(RunDirBusy, OSError))
+        if self.collective:
+            error = self.world.broadcast_object(error)
+        if error is not None:
+            kind, message = error
+            raise {"RunDirHeld": RunDirHeld, "EnvError": EnvError}.get(kind, StorageError)(message)
+
+    @timings.timed("checkpoints")
+    def restore(self, model, optimizer, others=()) -> Progress:
+        """Rank 0 loads its newest valid checkpoint into ``model`` and ``optimizer`` (built)
+        and any ``others`` the model applies (a GAN's); every rank gets the position to start
+        from. From here on SIGTERM and SIGINT stop the run at a step boundary instead of
+        killing (interrupting) the process."""
+        self.model, self.optimizer = model, optimizer
+        self.state = (compat.variables(model.variables) + list(optimizer.variables)
+                      + precision.scaler_state(optimizer)
+                      + [v for o in others for v in o.variables])
+        self.moving = MovingStatistics(self.world,
+                                       compat.variables(model.non_trainable_weights))
+        find = lambda: self.checkpoints.find(self.record(defines_run=True))  # noqa: E731
+        found = self.agree(find, catch=(CheckpointError,))
+        load = lambda: self.checkpoints.load(found, self.state)  # noqa: E731
+        fields = self.agree(load, catch=(CheckpointError,))
+        if self.collective:
+            fields = self.world.broadcast_object(fields)
+        for signum in STOP_SIGNALS:
+            self._handlers.setdefault(signum, signal.signal(signum, self._on_signal))
+        return Progress(**(fields or dict.fromkeys(PROGRESS_FIELDS)))
+
+    @timings.timed("agreement")
+    def broadcast(self) -> None:
+        # Horovod: every rank starts from rank 0's state, initial or restored.
+        self.world.broadcast_variables(self.state)
+
+    def record(self, defines_run: Optional[bool] = None) -> dict:
+        """The run's name and settings (all, or only those that define the run): what
+        config.json shows, what a checkpoint keeps, what a resume compares."""
+        return {"task": self.name, **values(self.config, defines_run=defines_run),
+                "settings": values(self.settings, defines_run=defines_run), **self.input}
+
+    @timings.timed("results")
+    def start(self, completed_epochs: int) -> None:
+        """config.json; metrics.jsonl keeps the epochs a resume starts after."""
+        self.rank0_writes(self.out.start, {**self.record(), "world_size": self.world.size,
+                                           "backend": self.world.backend,
+                                           "keras": compat.describe()},
+                          completed_epochs or 0)
+
+    # --- while training -----------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        return updates(self.optimizer)  # optimizer updates, also when accumulating
+
+    def should_stop(self) -> bool:
+        """All ranks: did SIGTERM or SIGINT reach any rank? (A host allreduce of its own: the
+        Task loop puts this flag in the step's gradient round instead.)"""
+        return self.world.allreduce_sum([float(self.stop_requested)])[0] > 0
+
+    def sync_state(self) -> None:
+        """All ranks: the model's moving statistics averaged over the ranks (once a step)."""
+        self.moving.sync(self.global_step)
+
+    @timings.timed("checkpoints")
+    def save(self, progress: Progress, partial_sums) -> None:
+        """All ranks (the divergence check is everyone's decision); rank 0 writes the
+        state, the position and ``partial_sums``: the epoch's metric sums so far over every
+        rank (zeros at an epoch's end). Never after the input changed under the run."""
+        if self.pipeline is not None:
+            self.pipeline.check_unchanged(f"by step {self.global_step}")
+        self.sync_state()
+        self.check_weights()
+        self.check_agreement()
+        self.rank0_writes(self.checkpoints.save, progress, partial_sums, self.state,
+                          self.global_batch, self.global_step, self.record(), self.last_record)
+
+    @timings.timed("checkpoints")
+    def commit(self, progress: Progress, partial_sums) -> None:
+        """Elastic: remember this step in memory; may raise Horovod's hosts-updated interrupt."""
+        self.sync_state()
+        progress.sums, progress.last_record = list(partial_sums), self.last_record
+        progress.commit()
+
+    def check_weights(self) -> None:
+        """Every rank holds the same weights, so every rank decides the same here: a
+        checkpoint of NaN weights would make the "last good" one useless."""
+        if self.config.stop_on_divergence and not all(
+                np.isfinite(v.numpy()).all() for v in self.model.trainable_variables):
+            raise self.diverged(f"the weights became NaN or infinite by step {self.global_step}")
+
+    def check_agreement(self) -> None:
+        """All ranks, before each checkpoint: the ranks hold one model (weights and layers'
+        state). Synchronous updates keep them so; a variable a train_step or callback
+        updates by hand on each rank alone does not, and rank 0's checkpoint would then
+        speak for N different models."""
+        if self.world.size == 1:
+            return
+        differ = weights_agreement(self.world, self.model)["differ"]
+        if differ:
+            raise RanksDiffer(f"{ranks_differ_line(differ, self.global_step, self.front.fit)}; "
+                              f"training stopped ({self._kept()})")
+
+    def _kept(self) -> str:
+        newest = self.checkpoints.steps()
+        return (f"the newest checkpoint, from before it, is step {newest[0]} in "
+                f"{self.ckpt_dir}" if newest else "no checkpoint was saved before it")
+
+    def diverged(self, what: str) -> Diverged:
+        kept = self._kept()
+        return Diverged(f"{what}: training stopped ({kept}); {self.front.diverged_advice}")
+
+    def preempt(self, global_step: int) -> None:
+        """After the checkpoint of a SIGTERM'd (SIGINT'd) step: every rank stops here."""
+        # The process is ending with 75: a second SIGTERM (srun sends its own when the job
+        # is cancelled) or Ctrl-C must not turn that into a death by signal (143) or an
+        # interrupt, now or on the way out, so they stay ignored.
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        self._handlers = {}
+        # Nobody exits (and gets the job killed) before the save; the signal the ranks saw.
+        seen = [s for s in self.world.allgather_object(
+            self.stop_signal if self.stop_requested else None) if s] or ["SIGTERM"]
+        raise Preempted(f"stopped by {seen[0]} at step {global_step}; checkpoint saved in "
+                        f"{self.ckpt_dir}; run the same command to resume")
+
+    @timings.timed("results")
+    def epoch_end(self, record: dict) -> None:
+        """All ranks. An epoch's record: metrics.jsonl and TensorBoard (rank 0); kept for
+        checkpoints. With a tf.data input, the share of the epoch spent waiting for it."""
+        if self.pipeline is not None:
+            record["input_wait"] = share = self.pipeline.wait_share(record["seconds"])
+            if share > INPUT_BOUND and not self._said_input_bound:
+                self._said_input_bound = True
+                self.out.notice(f"hvdtrain: input-bound: epoch {record['epoch']}'s steps waited "
+                                f"for input {share:.0%} of its time (slowest rank); parallel "
+                                "map/interleave, prefetch or cache would speed it up")
+        self.last_record = record
+        self.rank0_writes(self.out.epoch, record)
+
+    # --- after training -----------------------------------------------------------------------
+    def finish(self, result: dict, model) -> dict:
+        """result.json: the common fields, the driver's ``result``, every rank's weights
+        compared, and model.keras (unless ``save_model`` is off). All ranks."""
+        last = self.last_record or {}
+        out = {"task": self.name, "backend": self.world.backend, "world_size": self.world.size,
+               "global_step": self.global_step, "epochs": self.config.epochs,
+               "keras": compat.describe(),
+               **{f"final_{k}": v for k, v in last.items() if k not in BOOKKEEPING},
+               **result}
+        scale = precision.loss_scale(self.optimizer)
+        if scale is not None:  # float16: the scale the run ended with (the same on every rank)
+            out["loss_scale"] = scale
+        with timings.phase("results"):
+            self.sync_state()  # the driver synced before evaluating; a no-op unless it did not
+            agreed = weights_agreement(self.world, model)
+            differ = agreed.pop("differ")
+            out.update(agreed)
+        if self.config.save_model:
+            with timings.phase("model_save"):
+                out["model"] = self.rank0_writes(self.out.save_model, model)
+        with timings.phase("results"):
+            out["timings"] = timings.report()  # rank 0's goes into the file
+            self.rank0_writes(self.out.result, out)
+        self.out.print(timings.line(out["timings"]), level=2)
+        if differ:  # the work is kept (result.json says so), and the run fails
+            raise RanksDiffer(f"{ranks_differ_line(differ, self.global_step, self.front.fit)}; "
+                              f"result.json and the model hold rank 0's "
+                              f"(ranks_identical: false)")
+        return out
+
+
+def _stop_watching(dog: Watchdog, world: World, e: Optional[BaseException]) -> None:
+    """End the watchdog as the run ended: normally, together, or on this rank alone."""
+    if e is None or getattr(e, "together", False):
+        dog.close()  # every rank ended here together; nobody waits for anyone
+    elif isinstance(e, Exception) and "Horovod" in str(e):
+        # A collective failed because a peer is gone; the watchdog, which names that peer,
+        # usually ends this process first. When Horovod's error wins the race, give the
+        # watchdog's verdict a moment to arrive, then say it in one line.
+        dog.await_verdict(5.0)
+        dog.abort(error_line(e))
+        raise RankError(f"rank {world.rank}: a collective failed (a peer is gone?): "
+                        f"{first_line(str(e))}") from None
+    else:
+        # This rank alone: stop the others too. Rank 0 says the line, once (for another
+        # rank's error, the verdict it relays; for its own, its report).
+        if dog.abort(one_rank_line(e, world.rank)) and isinstance(e, Error):
+            e.said = True
+
+
+def one_rank_line(e: BaseException, rank: int) -> str:
+    """The line that says one rank's error: its own text when it names the rank (a failed
+    step's), else ``rank R failed: ...``."""
+    text = str(e) if isinstance(e, Error) else error_line(e)
+    return text if f"on rank {rank}" in text else f"rank {rank} failed: {text}"

@@ -1,0 +1,14 @@
+"""The fit path: a ``model.compile`` / ``model.fit`` script over the run engine
+(``hvdtrain.keras.fit``, ``hk.fit``, calls it).
+
+- ``script``: what a fit script gives (the compiled model, its optimizers, the callbacks,
+  the validation data, the settings), checked, and the run's ``Config`` made from it;
+- ``metrics``: the epoch and validation metrics made exact over all ranks;
+- ``driver``: ``FitRun``, one ``hk.fit`` on this rank: restore, broadcast, ``model.fit``,
+  checkpoints and stops at the same step on every rank, the result;
+- ``callback``: the Keras side: the callback that hands Keras' events to the driver, and
+  Keras 3's compiled calls cut to an epoch's last steps.
+
+May import: ``hvdtrain.base``, ``hvdtrain.inputs``, ``hvdtrain.distributed``,
+``hvdtrain.engine``. Not ``hvdtrain.tasks``: the two drivers stand side by side.
+"""

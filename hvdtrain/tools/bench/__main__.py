@@ -1,0 +1,148 @@
+"""``python -m hvdtrain.bench``: run the comparisons side by side, write JSON, Markdown, PNGs.
+
+    python -m hvdtrain.bench                       # every case (about 16 minutes on 2 cores,
+                                                   # plus keras_speed's 36 launches and
+                                                   # pipeline's 6: about 42 more)
+    python -m hvdtrain.bench --quick               # the headline cases, smaller: allreduce,
+                                                   # throughput, tta, fit (a few minutes;
+                                                   # the time is printed at the end)
+    python -m hvdtrain.bench --smoke --cases fit   # each case at its smallest, on the bundled
+                                                   # 4,000-digit sample: checks that it runs,
+                                                   # its numbers mean nothing (the tests')
+    python -m hvdtrain.bench --cases allreduce,tta --out /tmp/b
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+
+from hvdtrain.tools import bench
+from hvdtrain.tools.bench import cases, report
+from hvdtrain.distributed import usable_cores
+
+CASES = ("allreduce", "throughput", "steps", "tta", "timeline", "fit", "keras_speed",
+         "pipeline")
+# --quick without --cases: the comparisons the README leads with (Horovod's allreduce, training
+# throughput against plain TensorFlow and MultiWorkerMirroredStrategy, time to accuracy, the
+# fit path against Horovod's Keras wrapper).
+QUICK_CASES = ("allreduce", "throughput", "tta", "fit")
+KIB = 1024
+
+
+def settings(level: str) -> dict:
+    """What each case measures at ``level`` ("full", "quick" or "smoke"). The models are
+    hvdtrain's: the seed's softmax regression and the mlp with a wider hidden layer
+    (784 -> 1024 -> 10, 0.8 M parameters, 3.2 MB of gradients per step)."""
+    softmax = {"label": "softmax", "model": "softmax", "hidden_units": 256, "lr": 0.5,
+               "dataset": "fashion_mnist"}
+    mlp = {"label": "mlp-1024", "model": "mlp", "hidden_units": 1024, "lr": 0.05,
+           "dataset": "fashion_mnist"}
+    if level == "smoke":  # every launch of a case once, as small as it goes: 4,000 digits
+        softmax, mlp = (dict(s, dataset="mnist") for s in (softmax, mlp))
+        return {"sizes": [4 * KIB, 64 * KIB], "scale": 0.05, "specs": [softmax],
+                "batches": [1000], "epochs": 2, "repeats": 1,
+                "tta": (softmax, 500, 0.5, 2), "timeline": (softmax, 500, 1),
+                "fit": (250, 2, 1), "steps": ([softmax], 500, 2, (1, 0), 1),
+                "keras_speed": (500, 2, 1, (8,), ("k3",), 64, 4, 3),
+                "pipeline": (250, 2, 1), "dataset": "mnist"}
+    if level == "quick":
+        return {"sizes": [4 * KIB, 256 * KIB, 4 << 20], "scale": 0.2,
+                "specs": [softmax], "batches": [4096], "epochs": 3, "repeats": 1,
+                "tta": (softmax, 512, 0.80, 4), "timeline": (softmax, 512, 2),
+                "fit": (256, 3, 1), "steps": ([softmax], 256, 3, (1, 16, 0), 1),
+                "keras_speed": (256, 2, 1, (64,), ("k3",), 256, 100, 12),
+                "pipeline": (64, 3, 1)}
+    return {"sizes": [4 * KIB << (2 * i) for i in range(8)], "scale": 1.0,  # 4 KiB .. 64 MiB
+            "specs": [softmax, mlp], "batches": [256, 1024, 4096], "epochs": 3, "repeats": 2,
+            "tta": (softmax, 512, 0.80, 6), "timeline": (softmax, 512, 2),
+            "fit": (64, 4, 2),  # model.fit: batch per rank, epochs, repeats
+            # --steps-per-execution sweep: models, global batch, epochs, values, repeats
+            "steps": ([softmax, mlp], 256, 3, (1, 4, 16, 64, 0), 2),
+            # issue 17's Keras targets: global batch, epochs, repeats (softmax epochs are
+            # short: 0.05-0.5 s, hence more epochs, the fastest counting); quick:
+            # steps_per_execution 64 only, Keras 3 only for the one-process pair and the
+            # paired fits, a smaller BN mlp, 12 paired epochs (full: 30)
+            "keras_speed": (256, 6, 2),
+            # issue 18's pipeline targets: batch per rank, epochs, repeats (mlp-256, 8 files)
+            "pipeline": (64, 4, 2)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hvdtrain.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
+    level = p.add_mutually_exclusive_group()
+    level.add_argument("--quick", action="store_true",
+                       help=f"smaller settings, and by default only {','.join(QUICK_CASES)}: "
+                       "a few minutes on 2 cores")
+    level.add_argument("--smoke", action="store_true",
+                       help="each case at its smallest on the bundled 4,000-digit sample: "
+                       "checks that the cases run; the numbers mean nothing")
+    p.add_argument("--cases", help=f"comma-separated subset of {','.join(CASES)} (default: "
+                   f"all; with --quick, {','.join(QUICK_CASES)})")
+    p.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")],
+                   help="allreduce sizes in bytes, comma-separated (default: 4 KiB to 64 MiB)")
+    args = p.parse_args(argv)
+    cases_arg = args.cases or ",".join(QUICK_CASES if args.quick else CASES)
+    chosen = [c.strip() for c in cases_arg.split(",") if c.strip()]
+    unknown = set(chosen) - set(CASES)
+    if unknown:
+        p.error(f"--cases: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CASES)}")
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.join(out, "raw"), exist_ok=True)
+    level = "smoke" if args.smoke else "quick" if args.quick else "full"
+    s = settings(level)
+    s["sizes"] = args.sizes or s["sizes"]
+    cases.DATASET = s.get("dataset", cases.DATASET)
+    command = "python -m hvdtrain.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    results = {"command": command, "quick": args.quick, "level": level,
+               "started": time.strftime("%F %T"),
+               "machine": f"{platform.node()}: {usable_cores()} cores, "
+                          f"{platform.processor() or platform.machine()}, Python "
+                          f"{platform.python_version()}"}
+    tick = time.perf_counter()
+    try:
+        results["core_speed"] = bench.core_speed()
+        bench.progress("single core: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                   results["core_speed"].items()))
+        for case in chosen:
+            bench.progress(f"case {case} ...")
+            if case == "allreduce":
+                results[case] = cases.allreduce(out, s["sizes"], s["scale"])
+            elif case == "throughput":
+                results[case] = cases.throughput(out, s["specs"], s["batches"], s["epochs"],
+                                                 s["repeats"])
+            elif case == "steps":
+                results[case] = cases.steps_per_call(out, *s["steps"])
+            elif case == "tta":
+                results[case] = cases.tta(out, *s["tta"])
+            elif case == "timeline":
+                results[case] = cases.timeline(out, *s["timeline"])
+            elif case == "fit":
+                results[case] = cases.fit(out, *s["fit"])
+            elif case == "keras_speed":
+                results[case] = cases.keras_speed(out, *s["keras_speed"])
+            elif case == "pipeline":
+                results[case] = cases.pipeline(out, *s["pipeline"])
+    except bench.BenchError as e:
+        print(f"python -m hvdtrain.bench: error: {e}", file=sys.stderr)
+        return 1
+    results["seconds"] = time.perf_counter() - tick
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    text = report.markdown(results, command)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(text)
+    made = report.plots(results, out)
+    print(text)
+    bench.progress(f"done in {results['seconds']:.0f}s: {out}/results.json, results.md"
+                   + "".join(f", {os.path.basename(m)}" for m in made))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
