@@ -8,6 +8,7 @@ moment it exists. tests/docs_pages.py renders a page through ``render`` as mkdoc
 The modules are loaded without ``hvdtrain/__init__.py`` (which sets up TensorFlow's logging):
 ``hvdtrain.config`` and the two task modules need only the standard library and numpy.
 """
+import contextlib
 import dataclasses
 import os
 import sys
@@ -17,16 +18,26 @@ import typing
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@contextlib.contextmanager
 def _modules():
-    if "hvdtrain" not in sys.modules:
+    """hvdtrain.config and the two tasks; loaded under a bare package (and forgotten after)
+    unless hvdtrain is already imported, so that a process that imports hvdtrain later gets
+    the real package."""
+    import importlib
+    before, bare = set(sys.modules), "hvdtrain" not in sys.modules
+    if bare:
         package = types.ModuleType("hvdtrain")
         package.__path__ = [os.path.join(ROOT, "hvdtrain")]
         sys.modules["hvdtrain"] = package
-    import importlib
-    config = importlib.import_module("hvdtrain.config")
-    linear = importlib.import_module("hvdtrain.linear")
-    mnist = importlib.import_module("hvdtrain.mnist")
-    return config, linear.LinearTask, mnist.MnistTask
+    try:
+        config = importlib.import_module("hvdtrain.config")
+        linear = importlib.import_module("hvdtrain.linear")
+        mnist = importlib.import_module("hvdtrain.mnist")
+        yield config, linear.LinearTask, mnist.MnistTask
+    finally:
+        for name in (set(sys.modules) - before) if bare else ():
+            if name == "hvdtrain" or name.startswith("hvdtrain."):
+                del sys.modules[name]
 
 
 def _flag(f, hint):
@@ -59,7 +70,11 @@ def _default(f):
 
 
 def settings_table():
-    config, linear, mnist = _modules()
+    with _modules() as (config, linear, mnist):
+        return _settings_table(config, linear, mnist)
+
+
+def _settings_table(config, linear, mnist):
     hints = typing.get_type_hints(config.Config)
     rows = ["| flag | default | linear | mnist | defines the run | meaning |",
             "| --- | --- | --- | --- | --- | --- |"]
@@ -78,7 +93,11 @@ def settings_table():
 
 
 def task_settings_table():
-    _, linear, mnist = _modules()
+    with _modules() as (_, linear, mnist):
+        return _task_settings_table(linear, mnist)
+
+
+def _task_settings_table(linear, mnist):
     rows = ["| task | flag | default | meaning |", "| --- | --- | --- | --- |"]
     for task in (linear, mnist):
         hints = typing.get_type_hints(task.Settings)
