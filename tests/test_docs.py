@@ -39,7 +39,7 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     assert not warnings, "\n".join(warnings)
     # The generated settings table made it into the page, one row per Config field.
     import dataclasses
-    sys.path.insert(0, ROOT)
+
     from hvdtrain.config import Config
     html = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
     for f in dataclasses.fields(Config):
@@ -113,3 +113,28 @@ def test_no_page_tells_the_projects_history(page):
     text = readme_text() if page == "README.md" else docs_text(page[len("docs/"):])
     found = [m.group(0) for m in HISTORY.finditer(text)]
     assert not found, found
+
+
+def test_the_tasks_guide_command_lines_parse(tmp_path):
+    """The Tasks guide's command-line block, each line run with --help (the flags parsed, the
+    task found, nothing trained); `workers` prints its count. xor.py is the README's Task
+    example, which tests/test_examples.py trains."""
+    text = docs_text("guides/tasks.md")
+    section = text[text.index("## The command line"):]
+    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "xor.py").write_text(python_block(readme_text(), "## Your own model"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    lines = [l.split("  #")[0].split() for l in block.splitlines() if l.strip()]
+    assert len(lines) == 4
+    for words in lines:
+        assert words[:3] == ["python", "-m", words[2]] and words[2].startswith("hvdtrain")
+        argv = [sys.executable, *words[1:]]
+        if "workers" not in words and "--help" not in words:
+            argv.append("--help")
+        p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, (words, p.stderr[-2000:])
+        if "workers" in words:
+            assert p.stdout.strip() == "2", p.stdout
+        else:
+            assert "--learning-rate" in p.stdout, p.stdout[-500:]
