@@ -29,7 +29,7 @@ def mkdocs_command():
 
 
 def test_the_site_builds_with_warnings_as_errors(tmp_path):
-    p = subprocess.run([*mkdocs_command(), "build", "--strict", "--clean", "-q",
+    p = subprocess.run([*mkdocs_command(), "build", "--strict", "--clean",
                         "-f", os.path.join(ROOT, "mkdocs.yml"), "-d", str(tmp_path / "site")],
                        cwd=ROOT, capture_output=True, text=True, timeout=240,
                        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
