@@ -268,8 +268,8 @@ def test_gradient_tape_example(tmp_path):
 
 
 def test_keras_fit_example_with_callbacks(tmp_path):
-    """examples/horovod_keras_mnist.py as the Horovod scripts guide prints it: DistributedOptimizer and
-    Horovod's callbacks in fit."""
+    """examples/horovod_keras_mnist.py as the Horovod scripts guide prints it:
+    DistributedOptimizer and Horovod's callbacks in fit."""
     env = clean_env(tmp_path / "home")
     p = run(launch_example(2, "horovod_keras_mnist.py", *printed("horovod_keras_mnist.py")),
             env, timeout=240, cwd=tmp_path)
