@@ -18,7 +18,7 @@
 # The user is mpiuser (uid 1000), whom the MPI Operator's keys are mounted for
 # (sshAuthMountPath: /home/mpiuser/.ssh). An MPIJob's workers run Debian's sshd as that user on
 # port 2222 (scripts/k8s_worker.sh); the image has no host key: each job's key is its workers'
-# host key, or k8s_worker.sh makes one when the worker starts (docs/CLUSTER.md, "Kubernetes").
+# host key, or k8s_worker.sh makes one when the worker starts (docs/guides/clusters/kubernetes.md).
 #
 # Where no registry is reachable, make the base from Debian's packages (scripts/base_image.sh)
 # and pass it as BASE_IMAGE. Behind a TLS-intercepting proxy, give pip its CA for the build:

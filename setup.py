@@ -1,12 +1,12 @@
 """hvdtrain: synchronous data-parallel SGD for TensorFlow, with Horovod.
 
-The pins are the combination measured to build and train (see README, "Supported
-versions"): Horovod 0.28.1 is the last release; scripts/setup.sh compiles it against
+The pins are the combination measured to build and train (docs/reference/versions.md):
+Horovod 0.28.1 is the last release; scripts/setup.sh compiles it against
 TensorFlow 2.21 with two small kept patches (scripts/patches/; the second matters to GPU
 builds only). Keras 3 is the default;
 tf-keras gives Keras 2 to users who set TF_USE_LEGACY_KERAS=1.
 
-``pip install .`` installs what training needs; the test and bench tools are extras.
+``pip install .`` installs what training needs; the test, bench and docs tools are extras.
 Horovod is not a requirement here: it is compiled against the TensorFlow already installed
 (``scripts/setup.sh``, which also writes it as a wheel with ``--wheels DIR``), and hvdtrain
 trains in one process without it. constraints.txt holds the exact versions the tests pass with.
@@ -60,6 +60,8 @@ setup(
                  "kubernetes-validate>=1.29,<2",
                  "jsonschema>=4.18,<5", "PyYAML>=6"],
         "bench": ["matplotlib>=3.8"],  # python -m hvdtrain.bench's PNG plots
+        # The documentation site (mkdocs.yml, docs/): mkdocs build --strict in the quick tests.
+        "docs": ["mkdocs-material>=9.5,<10"],
     },
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.__main__:main"]},
 )

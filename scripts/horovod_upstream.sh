@@ -18,8 +18,9 @@
 # sets it with tf.keras.backend.set_value). Then it runs
 # examples/tensorflow2/tensorflow2_mnist.py and tensorflow2_keras_mnist.py with horovodrun
 # -np 2, changed only in: the digits come from hvdtrain.datasets.mnist() instead of a download,
-# the step counts are cut; and under Keras 3 the Keras 2-only code the README's "Your Horovod
-# scripts" lists is left out (`experimental_run_tf_function=False`, `opt.variables()`).
+# the step counts are cut; and under Keras 3 the Keras 2-only code that
+# docs/guides/horovod-scripts.md lists is left out (`experimental_run_tf_function=False`,
+# `opt.variables()`).
 # Needs pytest's `parameterized` and `mock` (pip install parameterized mock; Horovod's tests
 # import them). About 10 minutes on 2 cores, and as much again for the elastic files.
 set -uo pipefail

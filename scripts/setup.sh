@@ -182,7 +182,7 @@ fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
 # The locked stack (setup.py's pins, at constraints.txt's versions) plus what Horovod's build
-# needs in the same env; the dev tools (test, bench extras) too: this venv runs the tests.
+# needs in the same env; the dev tools (test, bench, docs extras) too: this venv runs the tests.
 stamp="$venv/.hvdtrain-deps"
 want=$( (cat "$root/setup.py" "$constraints"; echo "gpu=$gpu mode=$mode") | sha1sum | cut -c1-16)
 if [[ ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
@@ -211,7 +211,7 @@ PY
         ((${#reqs[@]} > 2)) || die "no install_requires found in $root/setup.py"
         pip install -c "$constraints" "${reqs[@]}"
     else
-        pip install -c "$constraints" -e "${root}[mpi,test,bench]"
+        pip install -c "$constraints" -e "${root}[mpi,test,bench,docs]"
     fi
     echo "$want" >"$stamp"
 fi

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from conftest import HOROVODRUN, KERAS2, ROOT, clean_env, launch_example, run
+from docs_pages import docs_text
 
 pytestmark = [pytest.mark.keras2, pytest.mark.timeout(300)]
 PROBE = os.path.join(ROOT, "tests", "horovod_api_probe.py")
@@ -245,12 +246,12 @@ def test_broadcast_global_variables_refused_in_eager_with_the_way_out(probe):
 
 def printed(script):
     """The arguments of ``horovodrun -np 2 python examples/SCRIPT ...`` as its docstring
-    prints it (and the README, where it does)."""
+    prints it (and the Horovod scripts guide, where it does)."""
     pattern = rf"^\s*horovodrun -np 2 python examples/{re.escape(script)}(.*)$"
     args = re.search(pattern, open(os.path.join(ROOT, "examples", script)).read(), re.M)
-    readme = re.search(pattern, open(os.path.join(ROOT, "README.md")).read(), re.M)
+    readme = re.search(pattern, docs_text("guides/horovod-scripts.md"), re.M)
     if readme:
-        assert readme.group(1) == args.group(1), "README and the docstring print other commands"
+        assert readme.group(1) == args.group(1), "the guide and the docstring print other commands"
     return args.group(1).split()
 
 
@@ -267,8 +268,8 @@ def test_gradient_tape_example(tmp_path):
 
 
 def test_keras_fit_example_with_callbacks(tmp_path):
-    """examples/horovod_keras_mnist.py as the README prints it: DistributedOptimizer and
-    Horovod's callbacks in fit."""
+    """examples/horovod_keras_mnist.py as the Horovod scripts guide prints it:
+    DistributedOptimizer and Horovod's callbacks in fit."""
     env = clean_env(tmp_path / "home")
     p = run(launch_example(2, "horovod_keras_mnist.py", *printed("horovod_keras_mnist.py")),
             env, timeout=240, cwd=tmp_path)
@@ -291,8 +292,8 @@ def test_a_jit_compiled_keras_step_trains_without_xla(probe):
     assert r["jit_compile"] == [False, False]
     assert len(r["said"]) == 1, r["said"]
     assert "Horovod's ops have no XLA kernels" in r["said"][0]
-    # The README prints the line as it is.
-    assert "\n" + r["said"][0] + "\n" in open(os.path.join(ROOT, "README.md")).read()
+    # The Horovod scripts guide prints the line as it is.
+    assert "\n" + r["said"][0] + "\n" in docs_text("guides/horovod-scripts.md")
 
 
 def test_a_collective_in_a_users_xla_function_is_refused_in_one_line(probe):

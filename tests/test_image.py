@@ -1,8 +1,8 @@
-"""The Dockerfile and the README's container commands, read as a builder reads them.
+"""The Dockerfile and the install guide's container commands, read as a builder reads them.
 
-Building the images takes podman and minutes (done by hand; the README says what it measured):
-these checks hold what makes the build cheap to repeat and the image safe to run, and they
-hold the README's commands to the Dockerfile and scripts/base_image.sh they name.
+Building the images takes podman and minutes (done by hand; the GPUs guide says what it
+measured): these checks hold what makes the build cheap to repeat and the image safe to run,
+and they hold the guide's commands to the Dockerfile and scripts/base_image.sh they name.
 """
 import os
 import re
@@ -12,6 +12,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT
+from docs_pages import docs_text
 from test_setup_sh import as_user, user_tempdir
 
 pytestmark = pytest.mark.quick
@@ -40,8 +41,8 @@ def stages():
 
 
 def readme_container_blocks():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme[readme.index("### A container"):]
+    readme = docs_text("guides/install.md")
+    section = readme[readme.index("## A container"):]
     section = section[:section.index("\n## ")]
     return re.findall(r"```\n(.*?)```", section, re.S)
 
@@ -100,8 +101,7 @@ def test_the_readme_container_commands_name_what_the_image_and_scripts_have():
     assert built and f"BASE_IMAGE={default}" in built[0]
     # The proxy's CA line names the same build argument and mount point.
     assert re.search(r"-v /etc/ssl/certs/ca-certificates.crt:/run/build-ca.crt:ro "
-                     r"--build-arg PIP_CERT=/run/build-ca.crt", open(os.path.join(
-                         ROOT, "README.md")).read())
+                     r"--build-arg PIP_CERT=/run/build-ca.crt", docs_text("guides/install.md"))
 
 
 def test_base_image_refuses_a_user_without_root_in_one_line():

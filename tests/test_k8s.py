@@ -43,6 +43,7 @@ import pytest
 import yaml
 
 import k8s_manifests as K
+from docs_pages import docs_text
 
 pytestmark = pytest.mark.k8s
 
@@ -392,9 +393,9 @@ def test_k8s_one_node_smoke_keeps_every_pod_with_the_first():
 
 
 def documented_status_command():
-    """The MPIJob status command of docs/CLUSTER.md: its -o jsonpath= argument."""
-    with open(os.path.join(K.ROOT, "docs", "CLUSTER.md")) as f:
-        (cmd,) = re.findall(r"^kubectl get mpijob \S+ -o jsonpath='([^']+)'$", f.read(), re.M)
+    """The MPIJob status command of the Kubernetes guide: its -o jsonpath= argument."""
+    (cmd,) = re.findall(r"^kubectl get mpijob \S+ -o jsonpath='([^']+)'$",
+                        docs_text("guides/clusters/kubernetes.md"), re.M)
     return cmd
 
 

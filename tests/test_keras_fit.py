@@ -11,6 +11,7 @@ import pytest
 
 from conftest import (ROOT, finish, launch_example, rank_pids, result, run, script_cmd, start,
                       wait_for)
+from docs_pages import docs_text
 from hvdtrain.engine import checkpoint as C
 
 EXAMPLE = "keras_fit_mnist.py"
@@ -169,7 +170,7 @@ def code_lines(path):
 
 
 def test_the_port_changes_few_lines_of_the_plain_script(env, tmp_path):
-    """The plain single-process Keras script runs, and the README's diff size is true."""
+    """The plain single-process Keras script runs, and the fit guide's diff size is true."""
     import difflib
     from conftest import ROOT
 
@@ -182,6 +183,6 @@ def test_the_port_changes_few_lines_of_the_plain_script(env, tmp_path):
     diff = [l for l in difflib.unified_diff(plain, ported, lineterm="", n=0)
             if l[:1] in "+-" and l[:3] not in ("+++", "---")]
     removed, added = sum(l[0] == "-" for l in diff), sum(l[0] == "+" for l in diff)
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = docs_text("guides/keras-fit.md")
     claim = (f"{removed} of its {len(plain)} code lines replaced by {added}")
     assert claim in readme, claim

@@ -134,7 +134,8 @@ RANK_LINE = re.compile(r"^\[[\d,]+\]<(stdout|stderr)>:(.*)$")
 def test_every_rank_starts_with_hvdtrains_own_line(tmp_path):
     """horovodrun -np 2 python -m hvdtrain.mnist: no rank prints a TensorFlow line. horovodrun
     itself imports horovod.tensorflow in a child to ask how Horovod was built: its lines, with
-    no rank prefix, are TensorFlow's start-up lines and nothing else (README names them)."""
+    no rank prefix, are TensorFlow's start-up lines and nothing else (named in
+    docs/reference/startup-lines.md)."""
     rc, out, err = raw([HOROVODRUN, "-np", "2", sys.executable, "-m", "hvdtrain.mnist",
                         "--epochs", "1", "--no-download", "--run-dir", str(tmp_path / "r")],
                        quiet_env(tmp_path), timeout=180)

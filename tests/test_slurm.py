@@ -2,7 +2,7 @@
 
 The cluster (tests/slurm_cluster.py) is SLURM 22.05 with munge, slurmctld and a slurmd on each
 of two nodes, nodeA and nodeB: network namespaces joined by a veth, each with 2 CPUs. Every
-job is submitted as docs/CLUSTER.md says, `sbatch [flags] scripts/slurm_job.sh TASK [flags]`,
+job is submitted as the SLURM guide (docs/guides/clusters/slurm.md) says, `sbatch [flags] scripts/slurm_job.sh TASK [flags]`,
 from a test directory (HVDTRAIN_ROOT names the checkout), and must reproduce a horovodrun or
 mpirun run of the same settings on this machine: world size 2, ranks identical, the same
 weights. Preemption: `scancel --signal=TERM` ends the job with status 75 and a checkpoint, each

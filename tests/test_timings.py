@@ -125,7 +125,7 @@ def test_launchers_are_recognised():
     assert start <= mine <= timings._now() and since in ("process", "launcher")
 
 
-# --- the cuts (docs/PERFORMANCE.md, "Where a short run's time goes") -------------------------
+# --- the cuts (docs/performance/startup.md, "Where a short run's time goes") -----------
 
 @pytest.mark.quick
 def test_horovodrun_transports_on_one_host_leave_libfabric_out():

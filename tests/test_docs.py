@@ -1,0 +1,140 @@
+"""The README and the documentation site (mkdocs.yml, docs/): the site builds with warnings
+as errors (a broken link or anchor, a page left out of the navigation), the README stays a
+short front door, what the README prints is what the examples and the guides hold, and no
+page speaks of the project's own history (that is CHANGELOG.md's)."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from docs_pages import ROOT, docs_pages, docs_text, readme_text
+
+pytestmark = pytest.mark.quick
+README_LINES = 300
+
+
+def mkdocs_command():
+    """HVDTRAIN_MKDOCS names another mkdocs (a venv of its own); else this venv's, which the
+    docs extra installs (scripts/setup.sh)."""
+    if os.environ.get("HVDTRAIN_MKDOCS"):
+        return shlex.split(os.environ["HVDTRAIN_MKDOCS"])
+    try:
+        import mkdocs  # noqa: F401
+    except ImportError:
+        pytest.fail("mkdocs is not installed: pip install -e '.[docs]' (scripts/setup.sh does)")
+    return [sys.executable, "-m", "mkdocs"]
+
+
+def test_the_site_builds_with_warnings_as_errors(tmp_path):
+    p = subprocess.run([*mkdocs_command(), "build", "--strict", "--clean",
+                        "-f", os.path.join(ROOT, "mkdocs.yml"), "-d", str(tmp_path / "site")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    warnings = [l for l in out.splitlines() if re.match(r"\s*(WARNING|ERROR)\b", l)]
+    assert not warnings, "\n".join(warnings)
+    # The generated settings table made it into the page, one row per Config field.
+    import dataclasses
+
+    from hvdtrain.config import Config
+    html = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
+    for f in dataclasses.fields(Config):
+        assert "--" + f.name.replace("_", "-") in html, f.name
+
+
+def test_the_readme_is_a_short_front_door():
+    lines = readme_text().splitlines()
+    assert len(lines) <= README_LINES, len(lines)
+    # Its links into the docs point at pages that exist (GitHub renders them; mkdocs does not
+    # build the README).
+    for target in re.findall(r"\]\((docs/[^)#]+)", readme_text()):
+        assert os.path.exists(os.path.join(ROOT, target)), target
+
+
+def test_every_page_is_in_the_navigation():
+    nav = open(os.path.join(ROOT, "mkdocs.yml")).read()
+    for page in docs_pages():
+        assert page in nav, page
+
+
+def test_the_readme_fit_diff_is_the_examples_diff():
+    """The README's before/after of a Keras fit script: each removed line is a line of the
+    plain script, each added line one of its hvdtrain port."""
+    block = re.search(r"```diff\n(.*?)```", readme_text(), re.S).group(1)
+    examples = os.path.join(ROOT, "examples")
+    plain = open(os.path.join(examples, "keras_mnist_plain.py")).read().splitlines()
+    ported = open(os.path.join(examples, "keras_fit_mnist.py")).read().splitlines()
+    removed = [l[1:] for l in block.splitlines() if l.startswith("-")]
+    added = [l[1:] for l in block.splitlines() if l.startswith("+")]
+    assert removed and added
+    for line in removed:
+        assert line in plain and line not in ported, line
+    for line in added:
+        assert line in ported and line not in plain, line
+
+
+def python_block(text, heading):
+    section = text[text.index(heading):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readme_task_example_is_the_guides():
+    """tests/test_examples.py runs the README's Task example as printed; the Tasks guide
+    prints the same."""
+    assert (python_block(readme_text(), "## Your own model") ==
+            python_block(docs_text("guides/tasks.md"), "# Tasks and the command line"))
+
+
+def test_the_readme_commands_name_what_exists():
+    """Each `python -m MODULE` and `python examples/X.py --flag` of the README and the
+    getting-started page names a module or example that exists, and flags it parses."""
+    for text in (readme_text(), docs_text("getting-started.md"), docs_text("index.md")):
+        for module in re.findall(r"python -m (hvdtrain[\w.]*)", text):
+            path = os.path.join(ROOT, *module.split("."))
+            assert os.path.exists(path + ".py") or os.path.exists(
+                os.path.join(path, "__main__.py")), module
+        for script, args in re.findall(r"python (examples/\w+\.py)([^\n#]*)", text):
+            source = open(os.path.join(ROOT, script)).read()
+            for flag in re.findall(r"(--[\w-]+)", args):
+                assert f'"{flag}"' in source, (script, flag)
+
+
+HISTORY = re.compile(r"(?<!horovod)#\d{2,}\b|\b[Ii]ssues? \d+|\b[Rr]ound \d\b|"
+                     r"\b(this|later|other|previous|earlier) sessions?\b|"
+                     r"\bprevious (stack|commit|main)\b|\bthe commit before\b")
+
+
+@pytest.mark.parametrize("page", ["README.md"] + [f"docs/{p}" for p in docs_pages()])
+def test_no_page_tells_the_projects_history(page):
+    text = readme_text() if page == "README.md" else docs_text(page[len("docs/"):])
+    found = [m.group(0) for m in HISTORY.finditer(text)]
+    assert not found, found
+
+
+def test_the_tasks_guide_command_lines_parse(tmp_path):
+    """The Tasks guide's command-line block, each line run with --help (the flags parsed, the
+    task found, nothing trained); `workers` prints its count. xor.py is the README's Task
+    example, which tests/test_examples.py trains."""
+    text = docs_text("guides/tasks.md")
+    section = text[text.index("## The command line"):]
+    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "xor.py").write_text(python_block(readme_text(), "## Your own model"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    lines = [l.split("  #")[0].split() for l in block.splitlines() if l.strip()]
+    assert len(lines) == 4
+    for words in lines:
+        assert words[:3] == ["python", "-m", words[2]] and words[2].startswith("hvdtrain")
+        argv = [sys.executable, *words[1:]]
+        if "workers" not in words and "--help" not in words:
+            argv.append("--help")
+        p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, (words, p.stderr[-2000:])
+        if "workers" in words:
+            assert p.stdout.strip() == "2", p.stdout
+        else:
+            assert "--learning-rate" in p.stdout, p.stdout[-500:]
