@@ -40,10 +40,24 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     # The generated settings table made it into the page, one row per Config field.
     import dataclasses
 
-    from hvdtrain.config import Config
+    from hvdtrain.base.config import Config
     html = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
     for f in dataclasses.fields(Config):
         assert "--" + f.name.replace("_", "-") in html, f.name
+
+
+def test_the_fit_guide_says_which_settings_hk_fit_takes():
+    """The Keras fit guide's table, generated from Config's fit_refusal metadata: each field
+    refused by hk.fit with its reason, or taken by its name."""
+    import dataclasses
+
+    from hvdtrain.base.config import Config, fit_refusals
+    text, refused = docs_text("guides/keras-fit.md"), fit_refusals()
+    assert refused
+    for f in dataclasses.fields(Config):
+        row = (f"| `{f.name}` | refused |" if f.name in refused
+               else f"| `{f.name}` | `{f.name}=` |")
+        assert row in text, f.name
 
 
 def test_the_readme_is_a_short_front_door():

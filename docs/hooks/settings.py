@@ -1,13 +1,19 @@
 """mkdocs hook: the settings tables of docs/reference/cli.md, generated from the code.
 
-A page writes ``{{ settings_table }}`` (every field of ``hvdtrain.config.Config``: its flag,
-default, the built-in tasks' defaults, and its help) or ``{{ task_settings_table }}`` (the
-built-in tasks' own settings). Nothing is copied by hand, so a new field is documented the
-moment it exists. tests/docs_pages.py renders a page through ``render`` as mkdocs does.
+A page writes ``{{ settings_table }}`` (every field of ``hvdtrain.base.config.Config``: its
+flag, default, the built-in tasks' defaults, whether ``hk.fit`` takes it, and its help),
+``{{ task_settings_table }}`` (the built-in tasks' own settings) or ``{{ fit_settings_table }}``
+(each field as a fit script sets it: an argument of ``hk.fit``, or refused with the reason,
+from the fields' ``fit_refusal`` and ``fit_name`` metadata). Nothing is copied by hand, so a
+new field is documented the moment it exists. tests/docs_pages.py renders a page through
+``render`` as mkdocs does.
 
 The modules are loaded without ``hvdtrain/__init__.py`` (which sets up TensorFlow's logging):
-``hvdtrain.config`` and the two task modules need only the standard library and numpy.
+``hvdtrain.base.config``, the two task modules and what they import need only the standard
+library and numpy (TensorFlow and Horovod are imported on first use). ``hk.fit``'s named
+arguments are read from hvdtrain/keras.py's source, which imports TensorFlow.
 """
+import ast
 import contextlib
 import dataclasses
 import os
@@ -20,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @contextlib.contextmanager
 def _modules():
-    """hvdtrain.config and the two tasks; loaded under a bare package (and forgotten after)
+    """hvdtrain.base.config and the two tasks; loaded under a bare package (and forgotten after)
     unless hvdtrain is already imported, so that a process that imports hvdtrain later gets
     the real package."""
     import importlib
@@ -30,7 +36,7 @@ def _modules():
         package.__path__ = [os.path.join(ROOT, "hvdtrain")]
         sys.modules["hvdtrain"] = package
     try:
-        config = importlib.import_module("hvdtrain.config")
+        config = importlib.import_module("hvdtrain.base.config")
         linear = importlib.import_module("hvdtrain.linear")
         mnist = importlib.import_module("hvdtrain.mnist")
         yield config, linear.LinearTask, mnist.MnistTask
@@ -76,8 +82,9 @@ def settings_table():
 
 def _settings_table(config, linear, mnist):
     hints = typing.get_type_hints(config.Config)
-    rows = ["| flag | default | linear | mnist | defines the run | meaning |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    refused = config.fit_refusals()
+    rows = ["| flag | default | linear | mnist | defines the run | hk.fit | meaning |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for f in dataclasses.fields(config.Config):
         default = _default(f)
         tasks = [_value(t.defaults.get(f.name, default)) for t in (linear, mnist)]
@@ -87,8 +94,9 @@ def _settings_table(config, linear, mnist):
         help_ = f.metadata.get("help", "")
         if "choices" in f.metadata:
             help_ += " (choices: " + ", ".join(map(str, f.metadata["choices"])) + ")"
+        fit = "no" if f.name in refused else "yes"
         rows.append(f"| {_flag(f, hints[f.name])} | {_value(default)} | {tasks[0]} | "
-                    f"{tasks[1]} | {defines} | {_cell(help_)} |")
+                    f"{tasks[1]} | {defines} | {fit} | {_cell(help_)} |")
     return "\n".join(rows)
 
 
@@ -110,8 +118,48 @@ def _task_settings_table(linear, mnist):
     return "\n".join(rows)
 
 
+def fit_named_arguments():
+    """{name: required}: the arguments that ``hvdtrain.keras.fit`` names in its signature
+    (the others come in through ``**settings``), read from the source without importing it."""
+    with open(os.path.join(ROOT, "hvdtrain", "keras.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "fit":
+            args = node.args
+            positional = args.posonlyargs + args.args
+            required = {a.arg: i < len(positional) - len(args.defaults)
+                        for i, a in enumerate(positional)}
+            required.update({a.arg: d is None for a, d in zip(args.kwonlyargs, args.kw_defaults)})
+            return required
+    raise LookupError("hvdtrain/keras.py defines no fit()")
+
+
+def fit_settings_table():
+    with _modules() as (config, _, _):
+        return _fit_settings_table(config, fit_named_arguments())
+
+
+def _fit_settings_table(config, named):
+    refused = config.fit_refusals()
+    rows = ["| setting | hk.fit | how a fit script sets it |", "| --- | --- | --- |"]
+    for f in dataclasses.fields(config.Config):
+        if f.name in refused:
+            where, name = refused[f.name], config.fit_argument(f.name)
+            if name != f.name and name not in where:
+                where += f" ({name})"
+            rows.append(f"| `{f.name}` | refused | {_cell(where)} |")
+        elif named.get(f.name):
+            rows.append(f"| `{f.name}` | `{f.name}=` | an argument of hk.fit, required |")
+        else:
+            how = "an argument of hk.fit" if f.name in named else "a keyword (`**settings`)"
+            rows.append(f"| `{f.name}` | `{f.name}=` | {how}, default "
+                        f"{_cell(_value(_default(f)))} |")
+    return "\n".join(rows)
+
+
 MARKERS = {"{{ settings_table }}": settings_table,
-           "{{ task_settings_table }}": task_settings_table}
+           "{{ task_settings_table }}": task_settings_table,
+           "{{ fit_settings_table }}": fit_settings_table}
 
 
 def render(markdown):
