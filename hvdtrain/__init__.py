@@ -8,7 +8,7 @@ Keras 3 is the default; with ``TF_USE_LEGACY_KERAS=1`` set before the program st
 same code runs on Keras 2 (tf_keras). Public API: ``Task``, ``train``, ``Config``,
 ``setting``, ``preset``, ``world``, ``DistributedOptimizer``, ``SyncBatchNormalization``
 (``hvdtrain.layers``), ``hvdtrain.cli.run``, and the
-Keras ``fit`` path in ``hvdtrain.keras`` (see README, "Your own model").
+Keras ``fit`` path in ``hvdtrain.keras`` (see docs/guides/keras-fit.md).
 
 The code stands in layers, each package importing only those below it (its docstring says
 which): ``base`` (errors, settings, files, the Keras in use); ``inputs`` and

@@ -61,7 +61,7 @@ def exit_now(status: int) -> None:
     hvdtrain's own command line owns its process, and when ``run`` returns, everything the
     run writes is written and closed. Tearing down TensorFlow's and Keras' thousands of
     modules took 1.4-2.1 s of each process's exit on 2 cores: as long as the README's first
-    command trains (docs/PERFORMANCE.md, "Where a short run's time goes").
+    command trains (docs/performance/startup.md, "Where a short run's time goes").
     """
     shutdown = getattr(threading, "_shutdown", None)  # what Python's own exit calls first
     if shutdown is None:  # not CPython: its ordinary exit

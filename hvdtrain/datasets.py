@@ -2,7 +2,7 @@
 
     (x_train, y_train), (x_test, y_test) = hk.datasets.mnist()    # hvdtrain.keras as hk
 
-Found without the network where possible, as the MNIST task finds its data (README, "Data"):
+Found without the network where possible, as the MNIST task finds its data (docs/guides/data.md):
 ``~/.keras/datasets/mnist.npz`` (Keras' own cache), else with ``download=True`` one download
 per host, else the 5,000 digits bundled with hvdtrain (4,000 to train, 1,000 to test). The
 same arrays on every rank: ``hk.dataset`` shards them.

@@ -23,7 +23,7 @@ metrics.jsonl, tensorboard/, checkpoints/, result.json, model.keras). Only rank 
 Keras' progress bar on a terminal, one line per epoch in a pipe. The driver is ``hvdtrain.fit``.
 
 ``hk.fit`` also takes a ``tf.data.Dataset`` of per-rank batches, sharded, counted and
-resumed by hvdtrain (``hvdtrain.inputs.pipeline``; README, "Your own data").
+resumed by hvdtrain (``hvdtrain.inputs.pipeline``; docs/guides/data.md).
 
 Keras 3 with ``jit_compile=True`` (or "auto" resolving to it on a GPU): Horovod's ops have
 no XLA kernels in this build, so ``fit`` turns it off and says so in one line on rank 0.
@@ -32,7 +32,7 @@ Metrics must keep sums as state (Mean, accuracy, AUC, ... do), or their global v
 Mixed precision: set Keras' policy in the script before building the model
 (``keras.mixed_precision.set_global_policy("mixed_bfloat16")``); under ``mixed_float16``
 the loss scaler that ``compile`` adds is composed with the distributed optimizer so that it
-sees the reduced gradients (README, "Mixed precision").
+sees the reduced gradients (docs/guides/mixed-precision.md).
 """
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ import sys
 import threading
 import time
 
-# Every phase, in the order of a run, and what it counts (README, docs/PERFORMANCE.md).
+# Every phase, in the order of a run, and what it counts (docs/reference/run-directory.md,
+# docs/performance/startup.md).
 PHASES = {
     "launcher": "the launcher's own start before this process began (horovodrun's, "
                 "mpirun's): 0 without one",
@@ -222,8 +223,8 @@ class _TimedLoader(importlib.abc.Loader):
             # were 0.5-0.9 s of the 2.8-3.2 s of CPU that importing Keras 3 and Horovod's
             # module took. Frozen after (gc.freeze: every object the process holds then, most
             # of them theirs; the collector never passes over them again), else the passes
-            # come back later, inside the run (docs/PERFORMANCE.md). What freezing keeps that
-            # a collection would have freed: 4,000 objects after TensorFlow's import.
+            # come back later, inside the run (docs/performance/startup.md). What freezing
+            # keeps that a collection would have freed: 4,000 objects after TensorFlow's import.
             _TimedLoader.collecting = gc.isenabled()
             gc.disable()
         _TimedLoader.inside += 1

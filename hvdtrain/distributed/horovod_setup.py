@@ -66,7 +66,7 @@ def _configure_devices(local_rank: int, local_size: int) -> None:
 
 
 # Horovod and Open MPI settings hvdtrain chooses when the user has not (measured on 2 cores,
-# 2 ranks, in docs/PERFORMANCE.md). All are read once, at hvd.init().
+# 2 ranks, in docs/performance/reproduce.md, "The knobs"). All are read once, at hvd.init().
 HOROVOD_CYCLE_TIME_MS = "0.1"  # Horovod's default, 1 ms, is waited up to once per step
 STALL_SHUTDOWN_SECONDS = "600"  # Horovod's default, 0, waits forever on a stalled rank
 HOROVODRUN_BTL = "^openib"  # the transports horovodrun --mpi gives Open MPI (-mca btl)
@@ -81,7 +81,7 @@ def _horovod_defaults(environ=os.environ) -> dict:
     made the small softmax steps 2-6x faster on 2 processes and did not change the mlp's
     throughput measurably. A rank alone sends nothing per step, but a 0.1 ms cycle still
     wakes the thread 10,000 times a second: one process of the compute-bound mlp (batch 4096)
-    ran 12 % slower than with 1 ms (docs/PERFORMANCE.md), so one rank keeps Horovod's 1 ms.
+    ran 12 % slower than with 1 ms (docs/performance/speed.md), so one rank keeps Horovod's 1 ms.
     OMPI_MCA_mpi_yield_when_idle: when the local ranks take every core, a rank waiting in MPI
     must yield its core instead of spinning, or it steals it from a peer's compute (the mlp's
     2-process throughput doubled). Open MPI turns it on itself only when oversubscribed.

@@ -34,7 +34,7 @@ class HorovodWorld(World):
     def alone(self) -> bool:
         """One rank that stays one (not elastic): each collective is the identity, and the
         host ones below skip Horovod (TensorFlow ops and a background-thread round each: 0.2 s
-        of a one-process run's agreement on 2 cores, docs/PERFORMANCE.md)."""
+        of a one-process run's agreement on 2 cores, docs/performance/startup.md)."""
         return self.size == 1 and not self.elastic
 
     def run_elastic(self, variables, body, **progress):

@@ -222,7 +222,7 @@ def download_mnist(cache_dir: str = KERAS_CACHE, timeout: float = 20.0) -> str:
 
 def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, world,
                       notice=print) -> Data:
-    """Find the dataset without network where possible; see the README's "Data" section.
+    """Find the dataset without network where possible; see docs/guides/data.md.
 
     Order: ``data_dir``; the Keras cache; (MNIST) a download by one process per host while
     the others wait; (MNIST) the bundled 5,000-digit sample, announced by ``notice``.

@@ -29,7 +29,7 @@ from hvdtrain.tasks.step import TrainStep
 from hvdtrain.tasks.task import Task, check_data, check_metrics, check_optimizer, check_task
 
 EVAL_BATCH = 1000  # evaluation has no collectives inside, so its batch is free to choose
-# --steps-per-execution 0 (auto): see _TaskRun._tune and docs/PERFORMANCE.md.
+# --steps-per-execution 0 (auto): see _TaskRun._tune and docs/performance/speed.md.
 AUTO_CALL_SECONDS = 0.05
 AUTO_MAX_STEPS = 64
 

@@ -27,9 +27,9 @@ from hvdtrain.distributed import usable_cores
 
 CASES = ("allreduce", "throughput", "steps", "tta", "timeline", "fit", "keras_speed",
          "pipeline")
-# --quick without --cases: the comparisons the README leads with (Horovod's allreduce, training
-# throughput against plain TensorFlow and MultiWorkerMirroredStrategy, time to accuracy, the
-# fit path against Horovod's Keras wrapper).
+# --quick without --cases: the comparisons docs/performance/index.md leads with (Horovod's
+# allreduce, training throughput against plain TensorFlow and MultiWorkerMirroredStrategy,
+# time to accuracy, the fit path against Horovod's Keras wrapper).
 QUICK_CASES = ("allreduce", "throughput", "tta", "fit")
 KIB = 1024
 

@@ -29,7 +29,7 @@ from hvdtrain.tools.bench import BenchError, progress
 
 WORKERS = "hvdtrain.tools.bench.workers"
 NP = 2  # processes of the distributed variants (this machine has 2 cores)
-CONTROLLER = "mpi"  # horovodrun's controller for (c); see docs/PERFORMANCE.md
+CONTROLLER = "mpi"  # horovodrun's controller for (c); see docs/performance/reproduce.md
 
 
 def _load(path):
@@ -471,7 +471,8 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
       Horovod's own Keras fit (its ``DistributedOptimizer``, the rank's shard as arrays, a
       ModelCheckpoint on rank 0) of a second model, so that both meet the same moments of a
       shared machine; the ratio is the median over every epoch pair after the first of all
-      launches (separate launches differ by more than the sides do: docs/PERFORMANCE.md);
+      launches (separate launches differ by more than the sides do:
+      docs/performance/startup.md);
     - bn: ``hk.fit`` of the mlp with BatchNormalization (784-``bn_units``-BN-10, Keras 3, 2
       processes, a checkpoint every ``bn_every`` steps), its moving statistics synced
       (hvdtrain's way, the sync's own seconds timed) or not (the bench's knob).
