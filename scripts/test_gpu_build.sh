@@ -15,7 +15,7 @@
 #   - the build record says the compiler came from PyPI, and the doctor reports the build
 #     (CUDA runtime, NCCL, compiler, the cubins read from the library) and "no GPU" in one line;
 #   - horovodrun -np 2 python -m hvdtrain.linear on CPU ranks learns the seed's weights;
-#   - Horovod's own API (tests/test_horovod_api.py) under Keras 3, on CPU ranks. Keras 2 is
+#   - Horovod's own API (tests/runs/test_horovod_api.py) under Keras 3, on CPU ranks. Keras 2 is
 #     not run again here: its difference is in Horovod's Python layer, which both builds share
 #     and the CPU build's Keras 2 pass tests; this build differs in its library.
 # Measured: 14 min with a new venv on a loaded 2-core machine (4.5 min of CPU; 4.2 GB of CUDA
@@ -98,9 +98,9 @@ assert r["world_size"] == 2 and r["backend"] == "horovod" and r["ranks_identical
 assert all(abs(w - t) < 1e-3 for w, t in zip(r["weights"], (0.1, 0.2, 0.3))), r["weights"]
 assert abs(r["bias"] - 0.4) < 1e-3, r["bias"]
 PY
-# Horovod's own API on this build (tests/test_horovod_api.py: its tape, optimizer, callbacks,
+# Horovod's own API on this build (tests/runs/test_horovod_api.py: its tape, optimizer, callbacks,
 # SyncBatchNormalization, elastic state, and Horovod's two TF2 examples) under Keras 3.
 cd "$root"
-python -m pytest -q -p no:cacheprovider tests/test_horovod_api.py ||
-    fail "Horovod's API under Keras 3 (tests/test_horovod_api.py)"
+python -m pytest -q -p no:cacheprovider tests/runs/test_horovod_api.py ||
+    fail "Horovod's API under Keras 3 (tests/runs/test_horovod_api.py)"
 echo "== GPU build test passed in $((SECONDS - start)) s"

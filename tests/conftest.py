@@ -44,22 +44,30 @@ def clean_env(home, **extra):
 # pytest-xdist (scripts/test.sh runs the suite on HVDTRAIN_TEST_WORKERS workers, --dist
 # loadgroup): each module is one group, so its module-scoped launches run once, on one worker.
 # These modules are one group together: they compare against the same session references
-# (test_faults' linear run, the multi-host one), and the ones that build network namespaces,
-# daemons and pods (multi-host, SLURM, Kubernetes) never run beside each other.
+# (faults/test_faults' linear run, the multi-host one), and the ones that build network
+# namespaces, daemons and pods (multi-host, SLURM, Kubernetes) never run beside each other.
 SHARED = {"test_faults": "references", "test_storage": "references",
           "test_multiprocess": "references", "test_multihost": "references",
           "test_slurm": "references", "test_k8s": "references"}
-LONGEST = ("references", "test_users2", "test_pipeline", "test_mixed_precision", "test_bench",
-           "test_accumulate", "test_models", "test_hardening", "test_horovod_api",
-           "test_wheels")
+LONGEST = ("references", "test_keras_fit_patterns", "test_pipeline", "test_mixed_precision",
+           "test_bench", "test_accumulate", "test_models", "test_no_silent_failure",
+           "test_horovod_api", "test_wheels")
+# The tiers are tests/'s folders; each test gets its folder's marker (pytest -m runs, ...).
+# The helpers (this file, the clusters' harnesses, the scripts the tests launch) stay here,
+# importable from every folder (pytest.ini's pythonpath).
+TESTS = os.path.dirname(os.path.abspath(__file__))
+TIERS = ("unit", "runs", "faults", "clusters")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group into the test's id
 def pytest_collection_modifyitems(config, items):
-    """Each test's xdist group (above); HVDTRAIN_TEST_TIME_SCALE: each test's pytest-timeout
-    bound (its own marker's, or pytest.ini's) times the scale."""
+    """Each test's tier marker and xdist group (above); HVDTRAIN_TEST_TIME_SCALE: each test's
+    pytest-timeout bound (its own marker's, or pytest.ini's) times the scale."""
     groups = {}
     for item in items:
+        tier = os.path.relpath(item.path, TESTS).split(os.sep)[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
         module = item.path.stem
         groups[item] = SHARED.get(module, module)
         item.add_marker(pytest.mark.xdist_group(groups[item]))

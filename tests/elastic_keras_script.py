@@ -8,7 +8,7 @@ tensorflow2_keras_mnist_elastic.py writes it (a warm-up step, KerasState, its th
 
 The process that starts as rank 1 SIGKILLs itself in epoch 1 before batch 5 (once: it
 leaves MARKER). While the job has one worker, rank 0 waits at each epoch's end (at most 120
-s) for the driver to announce a host, which tests/test_elastic.py adds to the hosts file.
+s) for the driver to announce a host, which tests/faults/test_elastic.py adds to the hosts file.
 Every process appends JSON lines to LOG: each commit (the weights it commits), each reset
 (the weights restored), each start of ``train`` (the weights synced), and the end.
 Nothing of hvdtrain is imported.

@@ -7,7 +7,7 @@ Nothing of hvdtrain is imported: this is ``import horovod.tensorflow as hvd`` an
 TF_USE_LEGACY_KERAS=1), on the Horovod that scripts/setup.sh builds and patches. Each probe
 computes what Horovod returned and, next to it, what it should be, computed here from every
 rank's inputs (allgathered) without the API under test; rank 0 writes them to
-OUT_DIR/probe.json and tests/test_horovod_api.py asserts on the numbers. A probe that raises
+OUT_DIR/probe.json and tests/runs/test_horovod_api.py asserts on the numbers. A probe that raises
 records its error line instead, so that one broken API fails its own test only.
 """
 import contextlib

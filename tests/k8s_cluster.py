@@ -1,4 +1,4 @@
-"""An MPIJob's pods, emulated one by one on this machine, for tests/test_k8s.py.
+"""An MPIJob's pods, emulated one by one on this machine, for tests/clusters/test_k8s.py.
 
 What the MPI Operator, the kubelet and the cluster network do for an MPIJob, the parts its
 launcher and workers can tell, is done here by hand from the rendered MPIJob:

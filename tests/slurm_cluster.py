@@ -1,4 +1,4 @@
-"""A real two-node SLURM cluster on one machine, for tests/test_slurm.py.
+"""A real two-node SLURM cluster on one machine, for tests/clusters/test_slurm.py.
 
 Debian's SLURM 22.05 (slurmctld, slurmd, slurm-client, munge; scripts/setup.sh installs
 them), run as root without systemd, every file under one test directory:

@@ -1,6 +1,6 @@
-"""Users' own scripts, round 2 (issue 30): the inputs and the state Keras users bring.
+"""Users' own scripts: the inputs and the state Keras users bring.
 
-One 2-rank launch (horovodrun --gloo) runs every scenario of ``users2.py`` in turn (each its
+One 2-rank launch (horovodrun --gloo) runs every scenario of ``patterns.py`` in turn (each its
 own hk.fit or Task run, its outcome written per rank as JSON), shared by the tests below; the
 one-process references run in this interpreter. Scenarios:
 - ``dicts``: a two-input two-output functional model fed dicts (x, y, sample_weight, and
@@ -359,8 +359,8 @@ AGAIN = ("two_phase", "early", "grown", "lr_changed")  # run again, as the same 
 
 @pytest.fixture(scope="module")
 def code(tmp_path_factory):
-    base = tmp_path_factory.mktemp("users2")
-    return usercode.write(base, {"users2": SCENARIOS}), base
+    base = tmp_path_factory.mktemp("patterns")
+    return usercode.write(base, {"patterns": SCENARIOS}), base
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +369,7 @@ def two(code):
     folder, base = code
     out = base / "two"
     out.mkdir()
-    p = run(usercode.two_ranks(folder / "users2.py", out, *NAMES),
+    p = run(usercode.two_ranks(folder / "patterns.py", out, *NAMES),
             usercode.env_with(folder, base), timeout=240)
     assert p.returncode == 0, p.stderr[-4000:]
     outcomes = {}
@@ -386,7 +386,7 @@ def again(code, two):
     _, out, _ = two
     before = {name: {str(f): f.read_bytes() for f in out.glob(f"{name}/**/result.json")}
               for name in AGAIN}
-    p = run(usercode.two_ranks(folder / "users2.py", out, "again", *AGAIN),
+    p = run(usercode.two_ranks(folder / "patterns.py", out, "again", *AGAIN),
             usercode.env_with(folder, base), timeout=180)
     assert p.returncode == 0, p.stderr[-4000:]
     outcomes = {name: [json.load(open(out / f"{name}.again.rank{r}.json")) for r in (0, 1)]
@@ -396,16 +396,16 @@ def again(code, two):
 
 @pytest.fixture(scope="module")
 def scenarios(code):
-    """users2.py imported in this process (one process: Horovod of size 1)."""
+    """patterns.py imported in this process (one process: Horovod of size 1)."""
     folder, _ = code
     sys.path.insert(0, str(folder))
     try:
-        import users2
-        users2.hk.init()
-        yield users2
+        import patterns
+        patterns.hk.init()
+        yield patterns
     finally:
         sys.path.remove(str(folder))
-        sys.modules.pop("users2", None)
+        sys.modules.pop("patterns", None)
 
 
 def weights(run_dir):

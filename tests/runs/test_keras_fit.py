@@ -72,8 +72,8 @@ def test_example_two_ranks_and_one_identical_weights_and_run_dir(env, tmp_path):
 
 
 # Keras 3 only: under Keras 2 the fit path's 2 ranks = 1 process at the same global batch is
-# test_sync_bn's (BN model, weights to 1e-6) and test_users2's (Adam and an embedding), its
-# global epoch metrics test_epoch_metrics_are_global_not_rank_zeros' below.
+# test_sync_bn's (BN model, weights to 1e-6) and test_keras_fit_patterns' (Adam and an
+# embedding), its global epoch metrics test_epoch_metrics_are_global_not_rank_zeros' below.
 def test_two_ranks_match_one_on_full_batch_sgd(env, tmp_path):
     """(b) The same global batch (every example, one step an epoch): np=2 == np=1."""
     args = ("--epochs", 3, "--batch-size", 0, "--optimizer", "sgd", "--lr", 0.5, "--no-scale-lr")

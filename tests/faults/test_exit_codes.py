@@ -21,7 +21,7 @@ from hvdtrain.base.errors import EnvError, RunDirBusy, RunDirHeld, StorageError
 from hvdtrain.base.files import cannot_write
 from hvdtrain.engine.rundir import RunLock, lock_wait
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.quick
 
 

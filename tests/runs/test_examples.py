@@ -51,7 +51,8 @@ def test_conv_task_alone_and_on_two_ranks(env, tmp_path):
 
 
 # Keras 3 only: under Keras 2 the Task path's 2 ranks = 1 process is test_multiprocess' (SGD,
-# unconverged), test_sync_bn's (BN) and test_users2's (Adam's slots, an embedding).
+# unconverged), test_sync_bn's (BN) and test_keras_fit_patterns' (Adam's slots, an
+# embedding).
 def test_conv_task_two_ranks_equal_one_on_full_batches(env, tmp_path):
     """Adam on the full batch: the mean gradient over two equal shards is the one-process
     gradient, so two ranks take the one-process steps (to float rounding)."""

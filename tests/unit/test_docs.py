@@ -97,7 +97,7 @@ def python_block(text, heading):
 
 
 def test_the_readme_task_example_is_the_guides():
-    """tests/test_examples.py runs the README's Task example as printed; the Tasks guide
+    """tests/runs/test_examples.py runs the README's Task example as printed; the Tasks guide
     prints the same."""
     assert (python_block(readme_text(), "## Your own model") ==
             python_block(docs_text("guides/tasks.md"), "# Tasks and the command line"))
@@ -132,7 +132,7 @@ def test_no_page_tells_the_projects_history(page):
 def test_the_tasks_guide_command_lines_parse(tmp_path):
     """The Tasks guide's command-line block, each line run with --help (the flags parsed, the
     task found, nothing trained); `workers` prints its count. xor.py is the README's Task
-    example, which tests/test_examples.py trains."""
+    example, which tests/runs/test_examples.py trains."""
     text = docs_text("guides/tasks.md")
     section = text[text.index("## The command line"):]
     block = re.search(r"```\n(.*?)```", section, re.S).group(1)
