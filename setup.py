@@ -54,7 +54,7 @@ setup(
         # hvd.init(comm=MPI.COMM_WORLD) and the allreduce benchmark's reference.
         "mpi": ["mpi4py==4.1.2"],
         # kubernetes-validate: the Kubernetes API schemas for deploy/kubernetes/'s objects;
-        # jsonschema: the MPIJob CRD's own schema (tests/test_k8s.py).
+        # jsonschema: the MPIJob CRD's own schema (tests/clusters/test_k8s.py).
         # pytest-xdist: scripts/test.sh's passes on two workers.
         "test": ["pytest>=7,<9", "pytest-timeout>=2.2", "pytest-xdist>=3.5,<4",
                  "kubernetes-validate>=1.29,<2",

@@ -39,6 +39,8 @@ with _timings.phase("imports"):
     from hvdtrain.distributed.optimizer import DistributedOptimizer
     from hvdtrain.tasks.task import Task, TaskError, load_task
     from hvdtrain.tasks.train import train
+    # hvdtrain.compat (the Keras in use, for a user's code) after `import hvdtrain` alone.
+    from hvdtrain import compat  # noqa: F401
 
 
 def preset(task: str, **overrides) -> Config:

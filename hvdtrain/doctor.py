@@ -32,7 +32,7 @@ REBUILD = (f"pip uninstall -y horovod && {SETUP} (recompiles horovod against thi
            "TensorFlow with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 and scripts/patches/ applied)")
 PATCH_MARKER = "hvdtrain_patches.txt"  # in hvdtrain's Horovod wheel: the patches it was built with
 PATCH_FILES = "hvdtrain_patch_files.txt"  # ... and each patch's files' sha256 as built
-# The patches hvdtrain needs in Horovod 0.28.1 (scripts/patches/, tests/test_doctor.py keeps
+# The patches hvdtrain needs in Horovod 0.28.1 (scripts/patches/, tests/unit/test_doctor.py keeps
 # this list equal to it), so that an installed wheel is checked without the repository.
 PATCHES = ("horovod-0.28.1-gcc14.patch",
            "horovod-0.28.1-gpu-stream-handle.patch",

@@ -8,7 +8,7 @@
 # Keras passes to run.
 #
 # Not part of scripts/test.sh: Horovod's tests are not in its sdist, and CI has no network to
-# fetch them (tests/test_horovod_api.py checks the same APIs in the project's own code).
+# fetch them (tests/runs/test_horovod_api.py checks the same APIs in the project's own code).
 # Prints each file's pytest summary and failed tests per Keras: the parallel files under
 # `horovodrun -np 2 -H localhost:2 --gloo pytest` (Adasum's under the MPI controller, which it
 # needs), the elastic integration files with plain pytest one file at a time (pytest-forked,

@@ -2,7 +2,7 @@
 # The main process of an hvdtrain MPIJob launcher pod (deploy/kubernetes/), in the hvdtrain
 # images: scripts/launch_cluster.sh (Open MPI's mpirun) over the hostfile the Kubeflow MPI
 # Operator mounts, one rank per slot. Tested pod by pod in network namespaces:
-# tests/test_k8s.py.
+# tests/clusters/test_k8s.py.
 #
 #   k8s_launcher.sh TASK [hvdtrain flags]     (--run-dir DIR on the job's claim: required)
 #

@@ -3,7 +3,7 @@
 # hvdtrain images: Debian's sshd, which the launcher's mpirun reaches to start its daemon
 # (orted) and this pod's ranks, and the SIGTERM that Kubernetes sends to a pod's PID 1 (pod
 # deletion, node drain, preemption, a suspended MPIJob) passed on to those ranks.
-# Tested pod by pod in network namespaces: tests/test_k8s.py.
+# Tested pod by pod in network namespaces: tests/clusters/test_k8s.py.
 #
 #   k8s_worker.sh [sshd flags]     the container's command: sshd -De -f
 #                                  /etc/ssh/hvdtrain/sshd_config (port 2222) [flags]

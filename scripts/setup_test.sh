@@ -2,12 +2,12 @@
 # The system packages hvdtrain's tests need beyond a user's set-up (scripts/setup.sh); run by
 # scripts/test.sh after it. As root on Debian/Ubuntu, apt-get installs what is missing (only
 # then); otherwise one install line, and exit 2. HVDTRAIN_SKIP_APT=1: never apt-get.
-#   slurmctld slurmd slurm-client munge: tests/test_slurm.py runs scripts/slurm_job.sh on a
+#   slurmctld slurmd slurm-client munge: tests/clusters/test_slurm.py runs scripts/slurm_job.sh on a
 #       two-node SLURM 22.05 cluster of its own (the daemons run only while those tests do);
 #       srun --mpi=pmix loads libpmix.so from libpmix-dev, which libopenmpi-dev brings
-#   openssh-server openssh-client iproute2: tests/test_multihost.py runs an sshd per host in
+#   openssh-server openssh-client iproute2: tests/clusters/test_multihost.py runs an sshd per host in
 #       network namespaces, reached by horovodrun -H and mpirun over ssh
-#   procps: ps and pgrep (the fault tests find ranks); shellcheck: tests/test_scripts.py
+#   procps: ps and pgrep (the fault tests find ranks); shellcheck: tests/runs/test_scripts.py
 #   dataset-fashion-mnist (optional, not in every distribution): the full Fashion-MNIST test
 set -euo pipefail
 

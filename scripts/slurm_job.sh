@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # hvdtrain as a SLURM batch job: srun (or mpirun) starts one process per task on every node.
-# Tested under SLURM 22.05 (Debian's slurmctld/slurmd, two nodes): tests/test_slurm.py.
+# Tested under SLURM 22.05 (Debian's slurmctld/slurmd, two nodes): tests/clusters/test_slurm.py.
 #
 #   sbatch scripts/slurm_job.sh                                   # MNIST, 2 nodes x 1 task
 #   sbatch scripts/slurm_job.sh linear --epochs 5                 # TASK and hvdtrain flags
