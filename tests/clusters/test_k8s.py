@@ -211,25 +211,25 @@ def test_k8s_worker_without_a_job_key_makes_a_host_key_of_its_own(tmp_path):
                 etc_ssh / "hvdtrain" / "sshd_config")
     keys = []
     for _ in range(2):
-        # Each worker in network and mount namespaces of its own (sshd binds port 2222 there).
+        # Each worker in network, mount and PID namespaces of its own, as in a pod: sshd binds
+        # port 2222 there, and the ranks k8s_worker.sh waits for at SIGTERM are the pod's
+        # (none), not those of a test running beside this one.
         p = subprocess.Popen(
-            ["unshare", "--net", "--mount", "--fork", "bash", "-c",
+            ["unshare", "--net", "--mount", "--pid", "--mount-proc", "--fork", "bash", "-c",
              f'ip link set lo up && mount --bind {etc_ssh} /etc/ssh && exec "$@"', "-",
              os.path.join(K.ROOT, "scripts", "k8s_worker.sh")],
             env=dict(os.environ, HVDTRAIN_SSH_DIR=str(empty)), stderr=subprocess.PIPE,
             text=True, start_new_session=True)
         try:
             lines, made = [], None
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                line = p.stderr.readline()
-                if not line:
-                    break
-                lines.append(line)
-                m = re.search(r"sshd uses a host key made now \((\S+)\)", line)
-                made = made or (m and m.group(1))
-                if made and "Server listening" in line:
-                    break
+            reader = threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True)
+            reader.start()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (
+                    made and any("Server listening" in l for l in lines)):
+                time.sleep(0.1)
+                m = re.search(r"sshd uses a host key made now \((\S+)\)", "".join(lines))
+                made = m and m.group(1)
             assert made and any("port 2222" in l for l in lines), "".join(lines)
             keys.append(subprocess.run(["ssh-keygen", "-l", "-f", made], capture_output=True,
                                        text=True, timeout=10).stdout.split()[1])
