@@ -177,21 +177,29 @@ class Network:
 
 
 # --- the image ----------------------------------------------------------------------------------
+def dockerfile_lines(dockerfile):
+    """The Dockerfile's instructions, one line each: continuations joined, comments and blank
+    lines dropped."""
+    lines, cont = [], ""
+    with open(dockerfile) as f:
+        for raw in f:
+            line = raw.rstrip("\n")
+            if not cont and line.lstrip().startswith("#"):
+                continue
+            if line.endswith("\\"):
+                cont += line[:-1] + " "
+                continue
+            if (cont + line).strip():
+                lines.append((cont + line).strip())
+            cont = ""
+    return lines
+
+
 class Image:
     """What the Dockerfile's final stage gives a container: ENV, WORKDIR, the COPYed files."""
 
     def __init__(self, dockerfile=os.path.join(ROOT, "Dockerfile")):
-        lines, cont = [], ""
-        with open(dockerfile) as f:
-            for raw in f:
-                line = raw.rstrip("\n")
-                if not cont and line.lstrip().startswith("#"):
-                    continue
-                if line.endswith("\\"):
-                    cont += line[:-1] + " "
-                    continue
-                lines.append(cont + line)
-                cont = ""
+        lines = dockerfile_lines(dockerfile)
         last = max(i for i, l in enumerate(lines) if l.split()[:1] == ["FROM"])
         self.env, self.workdir, self.copies, self.from_build = dict(DEBIAN_ENV), "/", [], []
         self.project = []  # COPY of the checkout's files: (source, destination)

@@ -12,6 +12,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT
+from k8s_cluster import dockerfile_lines
 from docs_pages import docs_text
 from test_setup_sh import as_user, user_tempdir
 
@@ -21,17 +22,8 @@ DOCKERFILE = os.path.join(ROOT, "Dockerfile")
 
 def stages():
     """[(FROM line, [(instruction, arguments)])] with continuations joined, comments dropped."""
-    out, cont = [], ""
-    for raw in open(DOCKERFILE):
-        line = raw.rstrip("\n")
-        if not cont and line.lstrip().startswith("#"):
-            continue
-        if line.endswith("\\"):
-            cont += line[:-1] + " "
-            continue
-        line, cont = (cont + line).strip(), ""
-        if not line:
-            continue
+    out = []
+    for line in dockerfile_lines(DOCKERFILE):
         word, _, rest = line.partition(" ")
         if word == "FROM":
             out.append((rest, []))

@@ -504,6 +504,19 @@ def finish(run, timeout=120):
     return rc
 
 
+def run_again(cluster, tmp_path, claim, timeout):
+    """The next set of pods in tmp_path/pods-again (the same claim and command), run to the
+    launcher's end and deleted: (its status, the pods' logs)."""
+    again = job_run(cluster, tmp_path / "pods-again", claim, JOB)
+    try:
+        again.start()
+        rc = finish(again, timeout)
+        again.delete(GRACE)
+    finally:
+        again.remove()
+    return rc, again.logs()
+
+
 def check_trained(r):
     assert (r["world_size"], r["backend"], r["ranks_identical"]) == (WORKERS, "horovod", True)
     assert r["global_step"] == STEPS
@@ -606,14 +619,7 @@ def test_k8s_emulated_pod_deletion_gives_75_then_new_pods_resume(cluster, uninte
         assert "passing it to this pod's ranks" in w.log(), w.log()
 
     # The next set of pods (new addresses, new key pair, the same claim and command).
-    again = job_run(cluster, tmp_path / "pods-again", claim, JOB)
-    try:
-        again.start()
-        rc = finish(again, 240)
-        again.delete(GRACE)
-    finally:
-        again.remove()
-    logs = again.logs()
+    rc, logs = run_again(cluster, tmp_path, claim, 240)
     assert rc == 0, logs
     assert f"ckpt-{step:09d}.hvdt at epoch" in logs, logs  # resumed from the SIGTERM's checkpoint
     r = result(run_dir)
@@ -685,15 +691,10 @@ def test_k8s_emulated_node_crash_is_retried_and_resumes(cluster, uninterrupted, 
 
     # The Job's retry: a new launcher pod and worker-0 re-created (new addresses and key pair
     # here for every pod), the same claim and command; the lock still held.
-    again = job_run(cluster, tmp_path / "pods-again", claim, JOB)
     try:
-        again.start()
-        rc = finish(again, 300)
-        again.delete(GRACE)
+        rc, logs = run_again(cluster, tmp_path, claim, 300)
     finally:
-        again.remove()
         lease.join(10)
-    logs = again.logs()
     assert rc == 0, logs
     assert f"is locked by a run elsewhere ({holder}): waiting up to 120 s" in logs, logs
     assert lease.held is not None and lease.held < 110, lease.held  # waited out, not refused
