@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from docs_pages import ROOT, docs_pages, docs_text, readme_text
+from docs_pages import ROOT, block, docs_pages, docs_text, readme_text
 
 pytestmark = pytest.mark.quick
 README_LINES = 300
@@ -78,12 +78,12 @@ def test_every_page_is_in_the_navigation():
 def test_the_readme_fit_diff_is_the_examples_diff():
     """The README's before/after of a Keras fit script: each removed line is a line of the
     plain script, each added line one of its hvdtrain port."""
-    block = re.search(r"```diff\n(.*?)```", readme_text(), re.S).group(1)
+    diff = block("README.md", "-from hvdtrain import datasets").text
     examples = os.path.join(ROOT, "examples")
     plain = open(os.path.join(examples, "keras_mnist_plain.py")).read().splitlines()
     ported = open(os.path.join(examples, "keras_fit_mnist.py")).read().splitlines()
-    removed = [l[1:] for l in block.splitlines() if l.startswith("-")]
-    added = [l[1:] for l in block.splitlines() if l.startswith("+")]
+    removed = [l[1:] for l in diff.splitlines() if l.startswith("-")]
+    added = [l[1:] for l in diff.splitlines() if l.startswith("+")]
     assert removed and added
     for line in removed:
         assert line in plain and line not in ported, line
@@ -91,16 +91,11 @@ def test_the_readme_fit_diff_is_the_examples_diff():
         assert line in ported and line not in plain, line
 
 
-def python_block(text, heading):
-    section = text[text.index(heading):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
 def test_the_readme_task_example_is_the_guides():
     """tests/runs/test_examples.py runs the README's Task example as printed; the Tasks guide
     prints the same."""
-    assert (python_block(readme_text(), "## Your own model") ==
-            python_block(docs_text("guides/tasks.md"), "# Tasks and the command line"))
+    assert (block("README.md", "import keras\n").text ==
+            block("guides/tasks.md", "import keras\n").text)
 
 
 def test_the_readme_commands_name_what_exists():
@@ -133,14 +128,11 @@ def test_the_tasks_guide_command_lines_parse(tmp_path):
     """The Tasks guide's command-line block, each line run with --help (the flags parsed, the
     task found, nothing trained); `workers` prints its count. xor.py is the README's Task
     example, which tests/runs/test_examples.py trains."""
-    text = docs_text("guides/tasks.md")
-    section = text[text.index("## The command line"):]
-    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
-    (tmp_path / "xor.py").write_text(python_block(readme_text(), "## Your own model"))
+    lines = block("guides/tasks.md", "python -m hvdtrain.mnist --help").commands()
+    (tmp_path / "xor.py").write_text(block("README.md", "import keras\n").text)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
-    lines = [l.split("  #")[0].split() for l in block.splitlines() if l.strip()]
     assert len(lines) == 4
-    for words in lines:
+    for words in map(str.split, lines):
         assert words[:3] == ["python", "-m", words[2]] and words[2].startswith("hvdtrain")
         argv = [sys.executable, *words[1:]]
         if "workers" not in words and "--help" not in words:
@@ -152,3 +144,4 @@ def test_the_tasks_guide_command_lines_parse(tmp_path):
             assert p.stdout.strip() == "2", p.stdout
         else:
             assert "--learning-rate" in p.stdout, p.stdout[-500:]
+
