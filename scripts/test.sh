@@ -13,7 +13,8 @@
 #                                   # only, no GPU build; a few minutes
 #   scripts/test.sh -k multiprocess # pytest arguments pass through (to both pytest passes)
 #
-# Each pass's time and the total are printed at the end. HVDTRAIN_TEST_TIME_SCALE=N multiplies
+# Each pass's time and the total are printed at the end. HVDTRAIN_SETUP=0 skips the set-up
+# (the environment is ready; the test of this script's --quick runs it so). HVDTRAIN_TEST_TIME_SCALE=N multiplies
 # every test's time bound (a slower or busier machine than these 2 cores).
 #
 # The pytest passes run on HVDTRAIN_TEST_WORKERS pytest-xdist workers (default 2, 1 on one
@@ -29,8 +30,10 @@ times=()
 timed() {  # timed NAME START: one line of the closing summary
     times+=("$(printf '%-14s %4d s (%d min %02d s)' "$1" $((SECONDS - $2)) $(((SECONDS - $2) / 60)) $(((SECONDS - $2) % 60)))")
 }
-"$root/scripts/setup.sh"
-"$root/scripts/setup_test.sh"  # the tests' own system packages (SLURM, sshd, shellcheck)
+if [[ "${HVDTRAIN_SETUP:-1}" == 1 ]]; then  # 0: the environment is set up already
+    "$root/scripts/setup.sh"
+    "$root/scripts/setup_test.sh"  # the tests' own system packages (SLURM, sshd, shellcheck)
+fi
 timed setup "$start"
 venv=${HVDTRAIN_VENV:-$root/.venv}
 cd "$root"

@@ -3,11 +3,14 @@
 No assertion is on a timing: the machine may be busy; only shapes and formulas are checked.
 """
 import json
+import os
+import shlex
 import sys
 
 import pytest
 
 from conftest import ROOT, clean_env, run
+from docs_pages import block
 from hvdtrain.tools import bench
 from hvdtrain import distributed
 from hvdtrain.tools.bench import cases, report
@@ -96,6 +99,40 @@ def test_horovod_defaults_respect_the_user(monkeypatch):
     user = {"HOROVOD_CYCLE_TIME": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}
     assert distributed._horovod_defaults(user) == {} and user["HOROVOD_CYCLE_TIME"] == "5"
+
+
+def bench_plan(command):
+    """The bench's reading of a printed ``python -m hvdtrain.bench ...`` command line."""
+    from hvdtrain.tools.bench.__main__ import plan
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "hvdtrain.bench"], command
+    return plan(words[3:])
+
+
+@pytest.mark.quick
+def test_the_performance_pages_commands_run_the_cases_they_say():
+    """Each bench command of the performance pages, read by the bench as it reads its command
+    line: the cases, the level and the output directory the page says (running them takes
+    from minutes to an hour; the --smoke runs below run each case)."""
+    from hvdtrain.tools.bench.__main__ import CASES, QUICK_CASES
+    everything, quick, one = block("performance/reproduce.md",
+                                   "python -m hvdtrain.bench --out bench-out").commands()
+    assert (bench_plan(everything).chosen, bench_plan(everything).level) == (list(CASES), "full")
+    assert (bench_plan(quick).chosen, bench_plan(quick).level) == (list(QUICK_CASES), "quick")
+    assert bench_plan(one).chosen == ["keras_speed"] and bench_plan(one).level == "full"
+    pages = {"index.md": list(CASES), "input-pipelines.md": ["pipeline"],
+             "keras-paths.md": ["keras_speed"]}
+    held = [block("performance/index.md", "python -m hvdtrain.bench --out bench-out"),
+            block("performance/input-pipelines.md", "python -m hvdtrain.bench --cases pipeline"),
+            block("performance/keras-paths.md", "python -m hvdtrain.bench --cases keras_speed")]
+    for page_block in held:
+        (command,) = page_block.commands()
+        args = bench_plan(command)
+        assert args.chosen == pages[os.path.basename(page_block.page)], page_block
+        assert args.out == os.path.abspath("bench-out") and args.level == "full", page_block
+    with pytest.raises(SystemExit) as e:  # a case that is not one: exit 2 (argparse's)
+        bench_plan("python -m hvdtrain.bench --cases keras_sped")
+    assert e.value.code == 2
 
 
 @pytest.fixture(scope="module")

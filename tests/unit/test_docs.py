@@ -5,6 +5,7 @@ page speaks of the project's own history (that is CHANGELOG.md's)."""
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -145,3 +146,104 @@ def test_the_tasks_guide_command_lines_parse(tmp_path):
         else:
             assert "--learning-rate" in p.stdout, p.stdout[-500:]
 
+
+
+def test_the_test_commands_are_what_ci_and_the_inner_loop_run(tmp_path):
+    """The README's and the Development page's test commands: `scripts/test.sh` is what CI
+    runs (.ci/run); `scripts/test.sh --quick`, run as printed (the set-up skipped: this
+    environment is set up), selects exactly the quick tier, a strict part of the suite."""
+    quick, full = block("README.md", "scripts/test.sh --quick").commands()
+    assert block("development.md", "scripts/test.sh\n").commands() == [full]
+    assert block("development.md", "scripts/test.sh --quick").commands() == [quick]
+    ci = [shlex.split(l) for l in open(os.path.join(ROOT, ".ci", "run")) if l.startswith("exec ")]
+    assert len(ci) == 1 and ci[0][1:3] == ["bash", *full.split()], ci
+    env = dict(os.environ, HVDTRAIN_SETUP="0", HVDTRAIN_TEST_WORKERS="1")
+    env.pop("PYTEST_ADDOPTS", None)
+
+    def collected(argv):
+        p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=180)
+        assert p.returncode == 0, (argv, p.stdout[-2000:], p.stderr[-2000:])
+        return p.stdout, {l for l in p.stdout.splitlines() if "::" in l}
+
+    out, by_script = collected(["bash", "-c", quick + " --collect-only -q -p no:cacheprovider"])
+    assert "quick pass" in out, out[-500:]  # its closing summary
+    _, marked = collected([sys.executable, "-m", "pytest", "-m", "quick", "--collect-only",
+                           "-q", "-p", "no:cacheprovider"])
+    _, everything = collected([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                               "-p", "no:cacheprovider"])
+    assert by_script == marked and 0 < len(marked) < len(everything), (
+        len(by_script), len(marked), len(everything))
+
+
+def test_the_documentation_commands_install_serve_and_build(tmp_path):
+    """The Development page's documentation block: the docs extra resolves from what is
+    installed (pip's --dry-run, offline); `mkdocs serve` serves the site on 127.0.0.1:8000 (in
+    a network namespace of its own, so the port is free); `mkdocs build --strict -d site`
+    builds it (into a temporary folder instead of site/)."""
+    install, serve, build = block("development.md", 'pip install -e ".[docs]"').commands()
+    words = shlex.split(install)
+    assert words[:2] == ["pip", "install"]
+    p = subprocess.run([sys.executable, "-m", *words, "--dry-run", "--no-index",
+                        "--no-build-isolation"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "Would install hvdtrain" in p.stdout, p.stdout + p.stderr
+    words = shlex.split(build)
+    assert words[:3] == ["mkdocs", "build", "--strict"]
+    site = tmp_path / "site"
+    p = subprocess.run([*mkdocs_command(), *words[1:], "-d", str(site)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert (site / "index.html").exists() and not os.path.exists(os.path.join(ROOT, "site"))
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("mkdocs serve: needs root for a network namespace of its own")
+    assert serve == "mkdocs serve"
+    driver = f"""
+import subprocess, sys, time, urllib.request
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+server = subprocess.Popen({[*mkdocs_command(), "serve"]!r}, cwd={ROOT!r},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+try:
+    for _ in range(240):
+        try:
+            page = urllib.request.urlopen("http://127.0.0.1:8000/getting-started/", timeout=2)
+            print(page.status, page.read().decode().count("Getting started"))
+            break
+        except OSError:
+            time.sleep(0.5)
+finally:
+    server.terminate()
+    server.wait(timeout=30)
+"""
+    p = subprocess.run(["unshare", "--net", "--fork", sys.executable, "-c", driver],
+                       capture_output=True, text=True, timeout=180,
+                       env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    status, mentions = p.stdout.split()
+    assert status == "200" and int(mentions) > 0, p.stdout
+
+
+def test_the_cli_pages_summary_lines_run(tmp_path):
+    """The command-line page's summary, each line with its placeholders filled in (TASK:
+    linear; package.module:Class: the README's Task example; [flags]: --help, or for
+    `workers`, --num-workers 3, which it prints)."""
+    lines = block("reference/cli.md", "python -m hvdtrain.mnist [flags]").commands()
+    assert len(lines) == 6
+    (tmp_path / "xor.py").write_text(block("README.md", "import keras\n").text)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    for line in lines:
+        filled = (line.replace("package.module:Class", "xor:Xor").replace("TASK", "linear"))
+        words = shlex.split(filled)
+        assert words[:2] == ["python", "-m"], line
+        if "workers" in words:
+            words = [w for w in words if w != "[flags]"] + ["--num-workers", "3"]
+        else:
+            words = [w for w in words if w != "[flags]"] + ["--help"]
+        p = subprocess.run([sys.executable, *words[1:]], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (line, p.stderr[-2000:])
+        if "workers" in words:
+            assert p.stdout.strip() == "3", p.stdout
+        else:
+            assert "usage: " in p.stdout, (line, p.stdout[-500:])

@@ -72,7 +72,10 @@ def settings(level: str) -> dict:
             "pipeline": (64, 4, 2)}
 
 
-def main(argv=None) -> int:
+def plan(argv=None) -> argparse.Namespace:
+    """The command line read: its flags, plus ``chosen`` (the cases to run, in order),
+    ``level`` ("full", "quick" or "smoke") and ``out`` (the output directory, absolute).
+    Exits 2 with one line on an unknown case, as argparse does on a bad flag."""
     p = argparse.ArgumentParser(prog="python -m hvdtrain.bench", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     level = p.add_mutually_exclusive_group()
@@ -88,13 +91,19 @@ def main(argv=None) -> int:
                    help="allreduce sizes in bytes, comma-separated (default: 4 KiB to 64 MiB)")
     args = p.parse_args(argv)
     cases_arg = args.cases or ",".join(QUICK_CASES if args.quick else CASES)
-    chosen = [c.strip() for c in cases_arg.split(",") if c.strip()]
-    unknown = set(chosen) - set(CASES)
+    args.chosen = [c.strip() for c in cases_arg.split(",") if c.strip()]
+    unknown = set(args.chosen) - set(CASES)
     if unknown:
         p.error(f"--cases: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CASES)}")
-    out = os.path.abspath(args.out)
+    args.out = os.path.abspath(args.out)
+    args.level = "smoke" if args.smoke else "quick" if args.quick else "full"
+    return args
+
+
+def main(argv=None) -> int:
+    args = plan(argv)
+    chosen, out, level = args.chosen, args.out, args.level
     os.makedirs(os.path.join(out, "raw"), exist_ok=True)
-    level = "smoke" if args.smoke else "quick" if args.quick else "full"
     s = settings(level)
     s["sizes"] = args.sizes or s["sizes"]
     cases.DATASET = s.get("dataset", cases.DATASET)
