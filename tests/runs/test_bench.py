@@ -13,7 +13,7 @@ from conftest import ROOT, clean_env, run
 from docs_pages import block
 from hvdtrain.tools import bench
 from hvdtrain import distributed
-from hvdtrain.tools.bench import cases, report
+from hvdtrain.tools.bench import cases, fit_cases, report
 
 
 @pytest.mark.quick
@@ -168,9 +168,9 @@ def test_fit_case_report():
            "samples_per_sec": {"hk_k3": 900.0, "hk_k2": 1100.0, "hvd_k2": 1000.0,
                                "hvd_k3": 800.0},
            "ratios": {"hk_k3/hvd_k3": 1.125, "hk_k3/hvd_k2": 0.9, "hk_k2/hvd_k2": 1.1},
-           "variants": {k: v[0] for k, v in cases.FIT_VARIANTS.items()}}
-    text = report.markdown({"machine": "m", "fit": dict(fit, counts=cases.FIT_COUNTS)}, "cmd")
-    assert cases.FIT_COUNTS in text and "inside the timed epoch" in text
+           "variants": {k: v[0] for k, v in fit_cases.FIT_VARIANTS.items()}}
+    text = report.markdown({"machine": "m", "fit": dict(fit, counts=fit_cases.FIT_COUNTS)}, "cmd")
+    assert fit_cases.FIT_COUNTS in text and "inside the timed epoch" in text
     assert "| hvdtrain.keras fit, Keras 3 | 900 |" in text
     assert "| Horovod's keras wrapper + broadcast callback, Keras 2 | 1,000 |" in text
     assert "| Horovod's keras wrapper + broadcast callback, Keras 3 | 800 |" in text
@@ -307,7 +307,7 @@ def _pipeline(tfrecord=90.0, hk_mwms=130.0):
             "hidden_units": 256, "samples_per_sec": s,
             "ratios": {"tfrecord/arrays": s["hk_tfrecord"] / s["hk_arrays"],
                        "hk/mwms": s["hk_tfrecord"] / s["mwms_tfrecord"]},
-            "variants": dict(cases.PIPELINE_VARIANTS)}
+            "variants": dict(fit_cases.PIPELINE_VARIANTS)}
 
 
 @pytest.mark.quick
@@ -335,7 +335,7 @@ def test_pipeline_case_through_the_real_launchers(smoke):
     proc, out = smoke
     assert proc.returncode == 0, proc.stderr[-3000:]
     pl = json.loads((out / "results.json").read_text())["pipeline"]
-    assert set(pl["samples_per_sec"]) == set(cases.PIPELINE_VARIANTS)
+    assert set(pl["samples_per_sec"]) == set(fit_cases.PIPELINE_VARIANTS)
     assert all(v > 0 for v in pl["samples_per_sec"].values())
     s = pl["samples_per_sec"]
     assert pl["ratios"]["hk/mwms"] == pytest.approx(s["hk_tfrecord"] / s["mwms_tfrecord"])

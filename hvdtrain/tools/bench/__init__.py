@@ -4,12 +4,14 @@ Every comparison runs side by side in one invocation (the machine's load changes
 invocations, a ratio measured in one run does not), and the suite writes ``results.json``,
 ``results.md`` (tables and the acceptance ratios) and PNG plots into ``--out``.
 
-Modules: ``workers`` (the entry points each benchmark process runs), ``cases`` (the launches:
-allreduce, throughput, time to accuracy, timeline), ``report`` (tables, ratios, plots).
+Modules: ``workers`` and ``fit_workers`` (the entry points each benchmark process runs),
+``cases`` (the launches of Horovod's and TensorFlow's comparisons: allreduce, throughput,
+steps per call, time to accuracy, timeline), ``fit_cases`` (those of the Keras fit paths:
+fit, keras_speed, pipeline), ``report`` (tables, ratios, plots).
 """
 from __future__ import annotations
 
-import os
+import json
 import socket
 import subprocess
 import sys
@@ -38,6 +40,20 @@ def busbw(nbytes: float, seconds: float, nranks: int) -> float:
 def env(**extra) -> dict:
     """The environment of every benchmark process (``harness.environment``)."""
     return harness.environment(**extra)
+
+
+def keras_env(keras2: bool) -> dict:
+    """``env()`` for a process on Keras 2 (tf_keras, TF_USE_LEGACY_KERAS=1) or Keras 3."""
+    environ = env(**({"TF_USE_LEGACY_KERAS": "1"} if keras2 else {}))
+    if not keras2:
+        environ.pop("TF_USE_LEGACY_KERAS", None)
+    return environ
+
+
+def write_json(path: str, obj) -> None:
+    """A benchmark process's result, one JSON object."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
 
 
 def run(cmd: list, environ: dict = None, timeout: float = 600) -> float:

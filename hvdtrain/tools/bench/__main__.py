@@ -22,7 +22,7 @@ import sys
 import time
 
 from hvdtrain.tools import bench
-from hvdtrain.tools.bench import cases, report
+from hvdtrain.tools.bench import cases, fit_cases, report
 from hvdtrain.distributed import usable_cores
 
 CASES = ("allreduce", "throughput", "steps", "tta", "timeline", "fit", "keras_speed",
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.join(out, "raw"), exist_ok=True)
     s = settings(level)
     s["sizes"] = args.sizes or s["sizes"]
-    cases.DATASET = s.get("dataset", cases.DATASET)
+    fit_cases.DATASET = s.get("dataset", fit_cases.DATASET)
     command = "python -m hvdtrain.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     results = {"command": command, "quick": args.quick, "level": level,
                "started": time.strftime("%F %T"),
@@ -132,11 +132,11 @@ def main(argv=None) -> int:
             elif case == "timeline":
                 results[case] = cases.timeline(out, *s["timeline"])
             elif case == "fit":
-                results[case] = cases.fit(out, *s["fit"])
+                results[case] = fit_cases.fit(out, *s["fit"])
             elif case == "keras_speed":
-                results[case] = cases.keras_speed(out, *s["keras_speed"])
+                results[case] = fit_cases.keras_speed(out, *s["keras_speed"])
             elif case == "pipeline":
-                results[case] = cases.pipeline(out, *s["pipeline"])
+                results[case] = fit_cases.pipeline(out, *s["pipeline"])
     except bench.BenchError as e:
         print(f"python -m hvdtrain.bench: error: {e}", file=sys.stderr)
         return 1
