@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from hvdtrain.distributed import World
 from hvdtrain.tools import harness
 from hvdtrain.tools.harness import BIN, HOROVODRUN, ROOT, start  # noqa: F401 (the tests' names)
 
@@ -27,6 +28,26 @@ NOISE = ("cuda", "absl::", "E0000", "cpu_feature_guard", "oneDNN", "AVX", "cuIni
 NO_DAC = (["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
           if os.geteuid() == 0 else [])
 
+
+
+# The fault tests' linear job (faults/test_faults.py; SLURM's "long" reference runs it too):
+# linear, far from converged at the end (lr 5e-4, 1,000 small steps), so equal weights mean
+# equal trajectories, not two runs that both reached [0.1, 0.2, 0.3].
+LINEAR_EPOCHS = 10
+LINEAR = ["--batch-size", "5", "--epochs", str(LINEAR_EPOCHS), "--learning-rate", "0.0005",
+          "--checkpoint-every", "100", "--verbose", "0"]
+
+
+class FakeWorld(World):
+    """Rank 0 of a world whose allgather answers with this rank's object followed by
+    ``others`` (the other ranks' answers): the agreement checks, in one process."""
+
+    def __init__(self, others):
+        super().__init__()
+        self.others = others
+
+    def allgather_object(self, obj):
+        return [obj] + self.others
 
 def clean_env(home, **extra):
     # No Keras cache, no download attempt: tests never depend on this machine's state.

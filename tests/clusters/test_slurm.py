@@ -53,7 +53,7 @@ def reference(tmp_path_factory, references):
     The linear runs are the session's shared references (the multi-host tests and the fault
     tests compare against the same two; "long"'s checkpoints are the fault tests' every 100
     steps: where a run saves does not change its weights)."""
-    from test_faults import LINEAR as FAULTS_LINEAR
+    from conftest import LINEAR as FAULTS_LINEAR
     base = tmp_path_factory.mktemp("reference")
     env = clean_env(base / "home", PYTHONPATH=os.pathsep.join([ROOT, EXAMPLES]))
     out = {}

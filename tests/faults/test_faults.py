@@ -8,15 +8,11 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (Lazy, checkpoints, finish, kill_after_first_checkpoint, launch,
-                      module_cmd, rank_pids, result, run, start, wait_for)
+from conftest import (LINEAR, LINEAR_EPOCHS, Lazy, checkpoints, finish,
+                      kill_after_first_checkpoint, launch, module_cmd, rank_pids, result, run,
+                      start, wait_for)
 from hvdtrain.engine import checkpoint as C
 
-# Linear, far from converged at the end (lr 5e-4, 1,000 small steps), so equal weights mean
-# equal trajectories, not two runs that both reached [0.1, 0.2, 0.3].
-LINEAR_EPOCHS = 10
-LINEAR = ["--batch-size", "5", "--epochs", str(LINEAR_EPOCHS), "--learning-rate", "0.0005",
-          "--checkpoint-every", "100", "--verbose", "0"]
 MNIST = ["--batch-size", "20", "--epochs", "5", "--learning-rate", "0.5", "--no-download",
          "--checkpoint-every", "50", "--verbose", "0"]
 

@@ -4,9 +4,8 @@ import time
 
 import pytest
 
-from conftest import run
+from conftest import FakeWorld, run
 from hvdtrain.engine import preflight
-from hvdtrain.distributed import World
 
 
 def mpmd(env_args_per_rank, task):
@@ -40,15 +39,6 @@ def test_disagreeing_ranks_stop_before_step_0(task, a, b, expect, env, tmp_path)
     for fragment in expect:
         assert fragment in errors[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
-class FakeWorld(World):
-    def __init__(self, others):
-        super().__init__()
-        self.others = others
-
-    def allgather_object(self, obj):
-        return [obj] + self.others
 
 
 @pytest.mark.quick

@@ -281,7 +281,7 @@ def test_task_path_streamed_micro_batches_train_like_in_memory(tmp_path):
     of 16 to 1e-5 (SGD with momentum: the same mean gradient, the same update)."""
     import hvdtrain
     from hvdtrain import distributed
-    from test_single import OnDisk, Xor
+    from xor_task import OnDisk, Xor
 
     world = distributed.init("auto")
     args = dict(learning_rate=0.5, momentum=0.9, epochs=5, verbose=0, num_workers=1)

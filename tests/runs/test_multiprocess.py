@@ -78,7 +78,7 @@ def test_fashion_mnist_full_dataset(env, tmp_path):
 
 
 def test_corrupt_data_stops_every_rank_with_one_line(env, tmp_path):
-    from test_data import corrupt, make_idx_dir
+    from idx_files import corrupt, make_idx_dir
 
     make_idx_dir(tmp_path)
     corrupt(tmp_path / "train-images-idx3-ubyte.gz", "truncate")

@@ -129,3 +129,23 @@ def test_the_layout_block_names_what_the_repository_holds():
         assert here <= files, (top, here - files)  # each one named exists
         assert files <= here, (top, files - here)  # each one there is named
     assert named
+
+
+def test_no_test_module_imports_one_of_another_tier():
+    """A tier runs alone (pytest tests/runs): what a test shares with another folder's tests is
+    in a helper at tests/'s root, never imported from another folder's test module."""
+    tests = os.path.join(ROOT, "tests")
+    tier_of = {}
+    for tier in ("unit", "runs", "faults", "clusters"):
+        for f in os.listdir(os.path.join(tests, tier)):
+            if f.startswith("test_") and f.endswith(".py"):
+                tier_of[f[:-3]] = tier
+    crossing = []
+    for module, tier in tier_of.items():
+        path = os.path.join(tests, tier, module + ".py")
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            crossing += [f"{tier}/{module} imports {tier_of[n]}/{n}" for n in names
+                         if n in tier_of and tier_of[n] != tier]
+    assert len(tier_of) > 30 and not crossing, crossing

@@ -1,40 +1,16 @@
 """Loaders on real and corrupt files, the bundled sample, and the per-rank shard plan."""
 import gzip
 import os
-import struct
 
 import numpy as np
 import pytest
 
 from hvdtrain.inputs import data as D
 from hvdtrain.distributed import World
+from idx_files import corrupt, make_idx_dir, write_idx
 
 # Data files and plans, in this process: the inner loop runs them.
 pytestmark = pytest.mark.quick
-
-
-def write_idx(path, array, compress=True):
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(">" + "I" * array.ndim,
-                                                                    *array.shape)
-    raw = header + array.astype(np.uint8).tobytes()
-    with (gzip.open if compress else open)(path, "wb") as f:
-        f.write(raw)
-
-
-def make_idx_dir(directory, n_train=60, n_test=20, compress=True):
-    rng = np.random.default_rng(0)
-    arrays = {
-        "train": (rng.integers(0, 256, (n_train, 28, 28)), rng.integers(0, 10, n_train)),
-        "test": (rng.integers(0, 256, (n_test, 28, 28)), rng.integers(0, 10, n_test)),
-    }
-    for split, (xname, yname) in D.IDX_FILES.items():
-        x, y = arrays[split]
-        suffix = "" if compress else ".gz"
-        write_idx(os.path.join(directory, xname.removesuffix(suffix) if not compress else xname),
-                  x, compress)
-        write_idx(os.path.join(directory, yname if compress else yname.removesuffix(".gz")),
-                  y, compress)
-    return arrays
 
 
 @pytest.mark.parametrize("compress", [True, False])
@@ -53,18 +29,6 @@ def test_npz_round_trip(tmp_path):
     np.savez(tmp_path / "mnist.npz", x_train=x, y_train=y, x_test=x[:5], y_test=y[:5])
     data = D.load_dir(str(tmp_path), "mnist")
     assert len(data.x_train) == 30 and len(data.y_test) == 5
-
-
-def corrupt(path, how):
-    raw = open(path, "rb").read()
-    if how == "truncate":
-        raw = raw[: len(raw) // 2]
-    elif how == "flip":
-        mid = len(raw) // 2  # inside the deflate stream, past the header's file name
-        raw = raw[:mid] + bytes([raw[mid] ^ 0xFF]) + raw[mid + 1:]
-    elif how == "empty":
-        raw = b""
-    open(path, "wb").write(raw)
 
 
 @pytest.mark.parametrize("victim, how, message", [
