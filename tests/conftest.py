@@ -3,8 +3,10 @@
 Every process a test starts runs in its own session and is killed, with its children,
 when the test's time bound passes, so a hang fails the test instead of the suite.
 """
+import glob
 import json
 import os
+import shlex
 import sys
 
 import pytest
@@ -200,6 +202,28 @@ def launch_example(np, name, *args):
     return script_cmd(np, os.path.join(ROOT, "examples", name), *args)
 
 
+def as_printed(line):
+    """A documented command line (``docs_pages.Block.commands()``) as a shell splits it. Its
+    ``python``, ``horovodrun`` and ``mpirun`` are the PATH's: clean_env puts this venv's
+    first, as ``source .venv/bin/activate`` does."""
+    return shlex.split(line)
+
+
+def checkout_like(path):
+    """``path`` made a directory in which a documented command that names the checkout's
+    files (``examples/...``, ``scripts/...``) runs as in the checkout: those two folders linked
+    from it, nothing else, so what the command writes (``runs/...``) stays in ``path``."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("examples", "scripts"):
+        os.symlink(os.path.join(ROOT, name), path / name)
+    return path
+
+
+def default_run_dirs(cwd, task):
+    """The run directories a run without --run-dir made in ``cwd``: runs/<task>-<time>."""
+    return sorted(glob.glob(os.path.join(glob.escape(str(cwd)), "runs", f"{task}-*")))
+
+
 class References:
     """Uninterrupted runs computed once per session and shared by every test (of any module)
     that compares against the same command: ``references.run("gloo", 2, "linear", *args)``
@@ -222,6 +246,16 @@ class References:
 
     def run(self, launcher, np, task, *args):
         return result(self.run_dir(launcher, np, task, *args))
+
+    def printed(self, line):
+        """A documented command line run as printed (``as_printed``), in a directory of its
+        own (``checkout_like``), the first time; (its finished process, that directory)
+        every time. The README's main command is the two-host runs' reference too."""
+        if line not in self.done:
+            cwd = checkout_like(self.base / f"printed{len(self.done)}")
+            proc = run(as_printed(line), clean_env(self.base / "home"), timeout=300, cwd=cwd)
+            self.done[line] = (proc, cwd)
+        return self.done[line]
 
 
 @pytest.fixture(scope="session")

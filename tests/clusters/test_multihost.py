@@ -6,15 +6,20 @@ its own UTS namespace named after it, and sees its own /etc/hosts (``ip netns ex
 bind-mounts /etc/netns/NS/hosts), so each rank has a host name that resolves to its veth
 address, as on real machines. The launcher runs on hostA, like a cluster's first node:
 
-- Open MPI's ``mpirun -H hostA,hostB``, whose launch agent (``plm_rsh_agent``) enters
-  hostB's namespace with a fresh environment instead of ssh-ing to it;
-- ``scripts/launch_cluster.sh`` with a hostfile and the same agent;
-- ``horovodrun --gloo -H hostA:1,hostB:1``, which reaches hostB through a real sshd the
-  test runs there (its own host and user keys; the client settings a cluster would keep
-  in ~/.ssh/config go to a test-made config through an ``ssh`` wrapper on PATH).
+- the README's cluster commands as printed, for these two hosts (one process on each: ``-np
+  2``, a hostfile of ``hostA slots=1`` and ``hostB slots=1``, ``-H hostA:1,hostB:1``, the veth
+  for eth0): Open MPI's ``mpirun --hostfile hosts -x PATH``, whose launch agent
+  (``plm_rsh_agent``) enters hostB's namespace with a fresh login environment instead of
+  ssh-ing to it, and ``horovodrun -H`` (MPI, and ``--gloo`` as the MPI guide prints it), which
+  reaches hostB through a real sshd the test runs there (its own host and user keys; the
+  client settings a cluster would keep in ~/.ssh/config go to a test-made config through an
+  ``ssh`` wrapper on PATH); each must end with the README's one-host two-process run's
+  weights, bit for bit (tests/runs/test_multiprocess.py runs it: the session's reference);
+- ``scripts/launch_cluster.sh`` with a hostfile and the same agent, on the linear task: the
+  weights must equal the one-host two-process run's within 1e-5 (2 epochs, not yet
+  converged).
 
-The weights must equal the one-host two-process run's within 1e-5 (2 epochs, not yet
-converged), the traffic must have crossed the veth, and rank 1 must have reached rank 0's
+Each run's traffic must have crossed the veth, and rank 1 must have reached rank 0's
 watchdog (no "watchdog unreachable" warning).
 """
 import os
@@ -24,7 +29,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import HOROVODRUN, ROOT, clean_env, module_cmd, result, run
+from conftest import ROOT, as_printed, clean_env, default_run_dirs, result, run
+from docs_pages import block
 from netns import Hosts
 
 # The first test's bound also covers the module's fixtures: daemons started (the hosts, their
@@ -37,7 +43,8 @@ IFACE = "hvdt0"  # the veth's name in both namespaces
 
 AGENT = """#!/bin/sh
 # Open MPI launch agent: "AGENT [options] HOST COMMAND..." runs COMMAND on HOST, as ssh
-# would: in HOST's namespaces, with a fresh login environment.
+# would: in HOST's namespaces, with a fresh login environment (PYTHONPATH: the checkout
+# under test, which a cluster's hosts would have installed in the venv).
 echo "$*" >> {log}
 while [ $# -gt 0 ]; do case $1 in -*) shift ;; *) break ;; esac; done
 host=$1; shift
@@ -45,7 +52,7 @@ case $host in {cases}
   *) echo "agent: unknown host $host" >&2; exit 255 ;;
 esac
 exec ip netns exec "$ns" unshare --uts env -i PATH=/usr/local/bin:/usr/bin:/bin HOME="$HOME" \\
-    sh -c "hostname $host && $*"
+    PYTHONPATH={root} sh -c "hostname $host && $*"
 """
 
 SSH_CONFIG = """Host {hosts}
@@ -67,7 +74,7 @@ class Cluster(Hosts):
     def create(self):
         super().create()
         cases = " ".join(f"{h}|{HOSTS[h]}) ns={ns} ;;" for h, ns in self.ns.items())
-        self.agent.write_text(AGENT.format(log=self.agent_log, cases=cases))
+        self.agent.write_text(AGENT.format(log=self.agent_log, cases=cases, root=ROOT))
         self.agent.chmod(0o755)
         return self
 
@@ -101,6 +108,44 @@ def reference(references):
     return r
 
 
+@pytest.fixture(scope="module")
+def readme_run(references):
+    """The README's main command on this host (``horovodrun -np 2 python -m hvdtrain.mnist``),
+    which the README's cluster commands must reproduce on two: the session's shared run."""
+    line = block("README.md", "horovodrun -np 2 python -m hvdtrain.mnist").commands()[0]
+    p, cwd = references.printed(line)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run_dir, = default_run_dirs(cwd, "mnist")
+    return result(run_dir)
+
+
+def for_two_hosts(line):
+    """A README cluster command for the two hosts here: its 8 processes on node1 and node2 (4
+    each) one on each of hostA and hostB, its eth0 the veth between them; nothing else
+    changes."""
+    words = as_printed(line)
+    assert "-np" in words, line
+    for flag, printed, here in (("-np", "8", "2"), ("-H", "node1:4,node2:4", "hostA:1,hostB:1"),
+                                ("--network-interface", "eth0", IFACE)):
+        if flag in words:
+            assert words[words.index(flag) + 1] == printed, (flag, line)
+            words[words.index(flag) + 1] = here
+    return words
+
+
+def check_readme_run(p, cwd, readme_run, cluster, rx_before):
+    """A README cluster command's two-host run ended as the one-host run did."""
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "watchdog unreachable" not in p.stderr and "hvdtrain: warning" not in p.stderr, p.stderr
+    run_dir, = default_run_dirs(cwd, "mnist")
+    r = result(run_dir)
+    assert (r["world_size"], r["global_step"], r["ranks_identical"]) == (2, 200, True)
+    # The same weights, bit for bit: two ranks' sums are the same in any order.
+    assert r["weights_sha256"] == readme_run["weights_sha256"]
+    assert r["test_accuracy"] == readme_run["test_accuracy"]
+    assert cluster.rx_bytes("hostB") - rx_before > 10_000  # the ranks talked over the veth
+
+
 def check_two_host_run(p, run_dir, reference, cluster, rx_before):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "watchdog unreachable" not in p.stderr and "hvdtrain: warning" not in p.stderr, p.stderr
@@ -118,18 +163,16 @@ def mpi_env(cluster, tmp_path):
     return clean_env(tmp_path / "home", OMPI_MCA_plm_rsh_agent=str(cluster.agent))
 
 
-def test_mpirun_across_two_hosts(cluster, reference, tmp_path):
-    env = mpi_env(cluster, tmp_path)
+def test_the_readmes_mpirun_across_two_hosts(cluster, readme_run, tmp_path):
+    """``mpirun -np 8 --hostfile hosts -x PATH python -m hvdtrain.mnist``, for two hosts; a
+    fresh login environment on hostB: -x PATH is what finds the venv's python there."""
+    line = block("README.md", "mpirun -np 8 --hostfile hosts").commands()[0]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "hosts").write_text("hostA slots=1\nhostB slots=1\n")  # "node1 slots=4", here
     rx = cluster.rx_bytes("hostB")
-    cmd = ["mpirun", "-np", "2", "-H", "hostA,hostB", "--allow-run-as-root",
-           "--bind-to", "none", "--map-by", "slot", "--mca", "plm_rsh_agent", str(cluster.agent),
-           "--mca", "pml", "ob1", "--mca", "btl", "^openib",
-           "--mca", "btl_tcp_if_include", IFACE, "--mca", "oob_tcp_if_include", IFACE,
-           "-x", "PATH", "-x", "PYTHONPATH", "-x", "HOME", "-x", "TF_CPP_MIN_LOG_LEVEL",
-           "-x", "PYTHONUNBUFFERED",
-           *module_cmd("linear", "--run-dir", str(tmp_path / "r"), *ARGS)]
-    p = run(cluster.on("hostA", cmd), env)
-    check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
+    p = run(cluster.on("hostA", for_two_hosts(line)), mpi_env(cluster, tmp_path), cwd=cwd)
+    check_readme_run(p, cwd, readme_run, cluster, rx)
     assert "Horovod over mpi" in p.stdout
     launched = cluster.agent_log.read_text().splitlines()
     assert any(l.startswith("hostB ") and " orted " in l for l in launched), launched
@@ -146,16 +189,26 @@ def test_launch_cluster_script_across_two_hosts(cluster, reference, tmp_path):
     check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
 
 
-def test_horovodrun_gloo_across_two_hosts_over_ssh(cluster, reference, tmp_path):
-    cluster.start_sshd("hostB")
+@pytest.mark.parametrize("controller", ["mpi", "gloo"])
+def test_the_readmes_horovodrun_across_two_hosts_over_ssh(cluster, readme_run, tmp_path,
+                                                           controller):
+    """``horovodrun -np 8 -H node1:4,node2:4 --network-interface eth0 python -m
+    hvdtrain.mnist``, for two hosts: as printed (MPI underneath), and with ``--gloo``."""
+    if cluster.sshd_log is None:
+        cluster.start_sshd("hostB")
+    line = block("README.md", "mpirun -np 8 --hostfile hosts").commands()[1]
+    words = for_two_hosts(line)
+    assert words[0] == "horovodrun"
+    if controller == "gloo":
+        words.insert(1, "--gloo")
     env = clean_env(tmp_path / "home")
     env["PATH"] = f"{cluster.bin}{os.pathsep}{env['PATH']}"  # the ssh wrapper first
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    accepted = cluster.sshd_log.read_text().count("Accepted publickey")
     rx = cluster.rx_bytes("hostB")
-    cmd = [HOROVODRUN, "--gloo", "-np", "2", "-H", "hostA:1,hostB:1",
-           "--network-interface", IFACE,
-           *module_cmd("linear", "--run-dir", str(tmp_path / "r"), *ARGS)]
-    p = run(cluster.on("hostA", cmd), env)
-    check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
-    assert "Horovod over gloo" in p.stdout
-    # horovodrun checked ssh, then started its task service and rank 1 on hostB over it.
-    assert cluster.sshd_log.read_text().count("Accepted publickey") >= 2
+    p = run(cluster.on("hostA", words), env, cwd=cwd)
+    check_readme_run(p, cwd, readme_run, cluster, rx)
+    assert f"Horovod over {controller}" in p.stdout
+    # horovodrun checked ssh, then started rank 1 on hostB over it (MPI: mpirun's daemon).
+    assert cluster.sshd_log.read_text().count("Accepted publickey") - accepted >= 2

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from conftest import HOROVODRUN, ROOT, finish, module_cmd, rank_pids, result, run, start, wait_for
+from conftest import (HOROVODRUN, ROOT, as_printed, checkout_like, finish, module_cmd, rank_pids,
+                      result, run, start, wait_for)
+from docs_pages import block
 
 EPOCHS, COMMIT = 30, 20
 # Two workers train an epoch in about 0.3 s here (TensorFlow 2.21): 10 epochs could end
@@ -87,6 +89,25 @@ def test_added_worker_joins_and_the_run_finishes_with_two(env, tmp_path):
     logged = epochs_logged(run_dir)
     assert [e["epoch"] for e in logged] == list(range(1, JOIN_EPOCHS + 1))
     assert logged[0]["world_size"] == 1 and logged[-1]["world_size"] == 2
+
+
+def test_the_faults_guides_elastic_command_as_printed(env, tmp_path):
+    """The Preemption and faults guide's elastic command, run as printed in a checkout: with
+    no hosts file, scripts/discover_hosts.sh names this machine twice and the two workers
+    train every epoch together."""
+    line, = block("guides/faults.md", "horovodrun -np 2 --min-np 1 --max-np 2").commands()
+    assert "HVDTRAIN_HOSTS_FILE" not in env
+    cwd = checkout_like(tmp_path / "checkout")
+    p = run(as_printed(line), env, timeout=180, cwd=str(cwd))
+    assert p.returncode == 0, p.stderr[-3000:]
+    run_dir = cwd / "runs" / "elastic"
+    r = result(run_dir)
+    assert (r["task"], r["world_size"], r["ranks_identical"]) == ("mnist", 2, True)
+    assert r["global_step"] == 10 * 4000 // 200 and 0.5 < r["test_accuracy"] <= 1.0
+    assert json.load(open(run_dir / "config.json"))["elastic"] is True
+    assert [(e["epoch"], e["world_size"]) for e in epochs_logged(run_dir)] == [
+        (epoch, 2) for epoch in range(1, 11)]
+    assert "Horovod over gloo" in p.stdout and "resumed" not in p.stderr
 
 
 def test_elastic_needs_a_run_dir(env):

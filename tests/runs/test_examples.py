@@ -1,14 +1,14 @@
 """The examples a user copies, run exactly as they are: examples/conv_task.py (the Task path)
 and the README's own-model example, alone and under horovodrun -np 2."""
 import os
-import re
 import signal
 
 import numpy as np
 import pytest
 
-from conftest import (ROOT, finish, keras_flavour, rank_pids, result, run, script_cmd, start,
-                      wait_for)
+from conftest import (ROOT, as_printed, default_run_dirs, finish, keras_flavour, rank_pids,
+                      result, run, script_cmd, start, wait_for)
+from docs_pages import block
 
 CONV = os.path.join(ROOT, "examples", "conv_task.py")
 SMALL = ["--train-examples", "1024", "--filters", "4", "--verbose", "0"]
@@ -92,25 +92,28 @@ def test_conv_task_resume_after_sigterm_equals_the_uninterrupted_run(env, tmp_pa
     assert_same_weights(weights(run_dir), weights(tmp_path / "ref"), atol=0)
 
 
-def readme_example():
-    """The README's own-model example: the python block under "## Your own model"."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = text[text.index("## Your own model"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
 def test_readme_user_model_example_runs_as_printed(env, tmp_path):
-    script = tmp_path / "xor.py"
-    script.write_text(readme_example())
-    one = run(alone(str(script), "--run-dir", str(tmp_path / "one")), env, cwd=str(tmp_path))
+    """The README's Task example saved as xor.py, and the three commands under it run as
+    printed in that directory (the Tasks guide prints the same example and commands:
+    tests/unit/test_docs.py)."""
+    (tmp_path / "xor.py").write_text(block("README.md", "import keras\n").text)
+    alone, two_, by_name = block("README.md", "python xor.py").commands()
+    one = run(as_printed(alone), env, cwd=str(tmp_path))
     assert one.returncode == 0, one.stderr
-    two_ = run(two(str(script), "--run-dir", str(tmp_path / "two")), env, cwd=str(tmp_path))
+    two_ = run(as_printed(two_), env, cwd=str(tmp_path))
     assert two_.returncode == 0, two_.stderr
-    a, b = result(tmp_path / "one"), result(tmp_path / "two")
-    assert a["task"] == b["task"] == "xor" and (a["world_size"], b["world_size"]) == (1, 2)
+    runs = {r["world_size"]: r for r in map(result, default_run_dirs(tmp_path, "xor"))}
+    a, b = runs[1], runs[2]
+    assert a["task"] == b["task"] == "xor" and len(runs) == 2
+    assert (a["epochs"], b["epochs"]) == (40, 60)  # the task's default; the flag's
+    assert (a["global_step"], b["global_step"]) == (40 * 256 // 16, 60 * 256 // 32)
     assert a["test_accuracy"] == b["test_accuracy"] == 1.0 and b["ranks_identical"] is True
     # A user task that sets no worker count is not warned about one.
     assert "--num-workers" not in one.stderr + two_.stderr
+    helped = run(as_printed(by_name), env, cwd=str(tmp_path))
+    assert helped.returncode == 0, helped.stderr
+    assert "Train the xor task" in helped.stdout and "(default: 40)" in helped.stdout
+    assert len(default_run_dirs(tmp_path, "xor")) == 2  # --help trained nothing
 
 
 def test_tfrecord_example_alone_as_printed(env, tmp_path):

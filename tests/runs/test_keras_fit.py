@@ -3,15 +3,16 @@
 Small dense model, bundled MNIST sample, few epochs: each test bounds its processes' time.
 """
 import json
+import math
 import os
 import signal
 
 import numpy as np
 import pytest
 
-from conftest import (ROOT, finish, launch_example, rank_pids, result, run, script_cmd, start,
-                      wait_for)
-from docs_pages import docs_text
+from conftest import (ROOT, as_printed, checkout_like, finish, launch_example, rank_pids, result,
+                      run, script_cmd, start, wait_for)
+from docs_pages import block, docs_text
 from hvdtrain.engine import checkpoint as C
 
 EXAMPLE = "keras_fit_mnist.py"
@@ -39,36 +40,63 @@ def fit(env, np_, run_dir, *args, timeout=150):
 @pytest.mark.keras2
 @pytest.mark.quick
 def test_example_two_ranks_and_one_identical_weights_and_run_dir(env, tmp_path):
-    """(a) np=2 and np=1 both train; the two ranks end with the same weights (digests)."""
+    """(a) np=2 and np=1 both train; the two ranks end with the same weights (digests). The
+    one process is the README's one-process command, as printed."""
+    one = block("README.md", "horovodrun -np 2 python examples/keras_fit_mnist.py").commands()[1]
+    assert one == "python examples/keras_fit_mnist.py --epochs 1 --model dense"
     for np_ in (2, 1):
-        run_dir = str(tmp_path / f"np{np_}")
-        args = ("--epochs", 2, "--batch-size", 64)
         if np_ == 2:
+            run_dir, epochs, batch = str(tmp_path / "np2"), 2, 64
             # The example compiled with jit_compile=True (what Keras 3's "auto" is on a GPU):
             # the step runs without XLA, said once (Horovod's ops have no XLA kernels).
             source = open(os.path.join(ROOT, "examples", EXAMPLE)).read()
             assert source.count("jit_compile=False") == 1
             script = tmp_path / "keras_fit_mnist_xla.py"
             script.write_text(source.replace("jit_compile=False", "jit_compile=True"))
-            proc = run(script_cmd(2, str(script), *DENSE, "--run-dir", run_dir, *args), env,
-                       150)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        else:
-            proc = fit(env, np_, run_dir, *args)
+            proc = run(script_cmd(2, str(script), *DENSE, "--run-dir", run_dir, "--epochs",
+                                  epochs, "--batch-size", batch), env, 150)
+        else:  # its defaults: a batch of 128, run dir runs/keras_fit_mnist
+            cwd = checkout_like(tmp_path / "np1")
+            proc = run(as_printed(one), env, 150, cwd=str(cwd))
+            run_dir, epochs, batch = str(cwd / "runs" / "keras_fit_mnist"), 1, 128
+        assert proc.returncode == 0, proc.stderr[-3000:]
         said = (proc.stdout + proc.stderr).count("jit_compile turned off")
         assert said == (1 if np_ == 2 else 0), proc.stderr[-3000:]
         res = result(run_dir)
         assert res["world_size"] == np_ and res["ranks_identical"] is True
-        assert res["global_step"] == 2 * (4000 // (64 * np_))
+        assert res["global_step"] == epochs * (4000 // (batch * np_))
         records = metrics(run_dir)
-        assert [r["epoch"] for r in records] == [1, 2]
-        assert records[-1]["val_accuracy"] > 0.7 and records[-1]["loss"] < records[0]["loss"]
+        assert [r["epoch"] for r in records] == list(range(1, epochs + 1))
+        assert records[-1]["val_accuracy"] > 0.7 and records[-1]["val_loss"] < math.log(10)
+        assert epochs == 1 or records[-1]["loss"] < records[0]["loss"]
         # Only rank 0 prints: one line per epoch in a pipe.
-        assert proc.stdout.count("Epoch 2/2") == 1, proc.stdout
+        assert proc.stdout.count(f"Epoch {epochs}/{epochs}") == 1, proc.stdout
         assert os.listdir(os.path.join(run_dir, "tensorboard"))
         assert C.list_checkpoints(os.path.join(run_dir, "checkpoints"))[0][0] == res["global_step"]
         model, _ = weights(run_dir)  # model.keras opens with plain load_model
         assert model.count_params() == 7850
+
+
+def test_the_readme_two_process_fit_command_as_printed(env, tmp_path):
+    """The README's (and the Keras fit guide's) first fit command, as printed: the example's
+    conv net, 5 epochs on two ranks, the run directory it names."""
+    two = block("README.md", "horovodrun -np 2 python examples/keras_fit_mnist.py").commands()[0]
+    assert two == "horovodrun -np 2 python examples/keras_fit_mnist.py --epochs 5 --run-dir runs/fit"
+    cwd = checkout_like(tmp_path)
+    proc = run(as_printed(two), env, 240, cwd=str(cwd))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = str(cwd / "runs" / "fit")
+    res = result(run_dir)
+    assert (res["world_size"], res["ranks_identical"]) == (2, True)
+    assert res["global_step"] == 5 * (4000 // (128 * 2))  # the example's batch, per rank
+    records = metrics(run_dir)
+    assert [r["epoch"] for r in records] == [1, 2, 3, 4, 5]
+    assert records[-1]["loss"] < records[0]["loss"] and records[-1]["val_accuracy"] > 0.9
+    assert proc.stdout.count("Epoch 5/5") == 1, proc.stdout  # rank 0 alone
+    assert sorted(n for n in os.listdir(run_dir) if not n.startswith(".")) == [  # .lock
+        "checkpoints", "config.json", "metrics.jsonl", "model.keras", "result.json", "tensorboard"]
+    model, _ = weights(run_dir)
+    assert any("conv" in layer.name for layer in model.layers)
 
 
 # Keras 3 only: under Keras 2 the fit path's 2 ranks = 1 process at the same global batch is

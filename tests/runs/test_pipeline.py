@@ -10,6 +10,7 @@ import pytest
 
 from conftest import (ROOT, checkpoints, finish, kill_when, launch_example, rank_pids,
                       result, run, script_cmd, start, wait_for)
+from docs_pages import block
 
 EXAMPLE = "keras_fit_tfrecord.py"
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -199,6 +200,59 @@ def test_sigterm_and_sigkill_mid_epoch_resume_gives_the_uninterrupted_weights(en
     assert r["global_step"] == reference["global_step"]
     assert r["weights_sha256"] == reference["weights_sha256"]
     assert r["train_examples"] == reference["train_examples"]
+
+
+# The Keras fit guide's snippet, then Your own data's tf.data snippet, in one script of two
+# ranks, each after what it leaves to the reader (its names, defined here as any script
+# would). Keras 3's or Keras 2's, as the pass trains with (hvdtrain.compat).
+SNIPPETS = """
+import sys
+sys.path.insert(0, {examples!r})
+import hvdtrain.keras as hk
+import tensorflow as tf
+from hvdtrain.compat import keras as compat_keras
+from keras_fit_tfrecord import parse
+
+keras = compat_keras()
+(x_train, y_train), (x_test, y_test) = hk.datasets.mnist()
+x_train, x_test = (x.reshape(-1, 784).astype("float32") / 255.0 for x in (x_train, x_test))
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(10, activation="softmax")])
+# keras-fit.md
+{fit}
+# what Your own data's snippet leaves to the reader: a model on parse's images, compiled
+AUTOTUNE = tf.data.AUTOTUNE
+model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(1e-3 * hk.size())),
+              loss="sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=False)
+test_ds = tf.data.TFRecordDataset("data/test.tfrecord").map(parse).batch(256)
+# data.md
+{data}
+"""
+
+
+def test_the_guides_fit_snippets_run_as_printed(env, tmp_path, records):
+    """The Keras fit guide's lines that change (arrays through hk.dataset) and Your own
+    data's tf.data pipeline over TFRecord files, each executed as printed on two ranks, in a
+    directory whose data/ holds the example's files: each trains its 5 epochs into the run
+    directory it names."""
+    fit_lines = block("guides/keras-fit.md", "import hvdtrain.keras as hk\n").text
+    data_lines = block("guides/data.md", "files = tf.data.Dataset.from_tensor_slices(").text
+    script = tmp_path / "snippets.py"
+    script.write_text(SNIPPETS.format(examples=os.path.join(ROOT, "examples"), fit=fit_lines,
+                                      data=data_lines))
+    os.symlink(records, tmp_path / "data")
+    proc = run(script_cmd(2, script), env, 240, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fit = result(tmp_path / "runs" / "fit")
+    assert (fit["world_size"], fit["ranks_identical"]) == (2, True)
+    assert fit["global_step"] == 5 * (4000 // (128 * 2)) and fit["final_val_accuracy"] > 0.8
+    data = result(tmp_path / "runs" / "tfrecord")
+    steps, trained, _ = planned(file_sizes(records), 64)
+    assert (data["world_size"], data["ranks_identical"], data["sharding"]) == (2, True, "file")
+    assert data["global_step"] == 5 * steps and data["train_examples"] == trained
+    assert data["final_val_accuracy"] > 0.8, data
 
 
 BAD = """

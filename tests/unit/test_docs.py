@@ -99,6 +99,36 @@ def test_the_readme_task_example_is_the_guides():
             block("guides/tasks.md", "import keras\n").text)
 
 
+def test_the_launch_commands_are_the_readmes():
+    """Getting started's and the site's home page's three ways to launch are the README's
+    Run and cluster commands, which tests/runs/test_multiprocess.py runs as printed (the
+    cluster's: tests/clusters/test_multihost.py, on two hosts)."""
+    run = block("README.md", "horovodrun -np 2 python -m hvdtrain.mnist").commands()
+    cluster = block("README.md", "mpirun -np 8 --hostfile hosts").commands()
+    assert len(run) == len(cluster) == 2
+    three = [run[0], cluster[0], run[1]]
+    assert block("getting-started.md", "horovodrun -np 2 python -m hvdtrain.mnist ").commands() \
+        == three
+    assert block("index.md", "horovodrun -np 2 python -m hvdtrain.mnist ").commands() == three
+
+
+def test_the_output_sample_is_the_readmes():
+    """Getting started prints the README's output sample, which tests/runs/test_multiprocess.py
+    compares with what the README's first command prints."""
+    assert (block("getting-started.md", "hvdtrain: no MNIST found").text ==
+            block("README.md", "hvdtrain: no MNIST found").text)
+
+
+def test_the_guides_commands_are_the_readmes():
+    """The Keras fit guide's and the Tasks guide's run commands are the README's, which
+    tests/runs/test_keras_fit.py and tests/runs/test_examples.py run as printed."""
+    assert (block("guides/keras-fit.md", "horovodrun -np 2 python examples/keras_fit_mnist.py")
+            .commands() ==
+            block("README.md", "horovodrun -np 2 python examples/keras_fit_mnist.py").commands())
+    assert (block("guides/tasks.md", "python xor.py").commands() ==
+            block("README.md", "python xor.py").commands())
+
+
 def test_the_readme_commands_name_what_exists():
     """Each `python -m MODULE` and `python examples/X.py --flag` of the README and the
     getting-started page names a module or example that exists, and flags it parses."""
