@@ -83,6 +83,16 @@ class Cluster(Hosts):
         self.sshd_log = super().start_sshd(host, d)
 
 
+def horovodrun_args(argv):
+    """What horovodrun's own parser makes of its arguments ARGV (it exits on a bad one)."""
+    from horovod.runner import launch
+    saved, sys.argv = sys.argv, ["horovodrun", *argv]
+    try:
+        return launch.parse_args()
+    finally:
+        sys.argv = saved
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("cluster"))
