@@ -16,8 +16,14 @@ address, as on real machines. The launcher runs on hostA, like a cluster's first
 The weights must equal the one-host two-process run's within 1e-5 (2 epochs, not yet
 converged), the traffic must have crossed the veth, and rank 1 must have reached rank 0's
 watchdog (no "watchdog unreachable" warning).
+
+The launch_cluster.sh and horovodrun commands are the MPI guide's (docs/guides/clusters/mpi.md),
+with this test's hosts, interface, task and flags; its other commands are run with DRY_RUN or a
+recording horovodrun, and its horovodrun lines parsed by horovodrun's own parser.
 """
 import os
+import re
+import shlex
 import shutil
 import sys
 
@@ -25,6 +31,7 @@ import numpy as np
 import pytest
 
 from conftest import HOROVODRUN, ROOT, clean_env, module_cmd, result, run
+from docs_pages import block
 from netns import Hosts
 
 # The first test's bound also covers the module's fixtures: daemons started (the hosts, their
@@ -83,6 +90,14 @@ class Cluster(Hosts):
         self.sshd_log = super().start_sshd(host, d)
 
 
+GUIDE = "guides/clusters/mpi.md"
+# The guide's overview, its launch_cluster.sh block and its horovodrun block.
+OVERVIEW = block(GUIDE, "# one host, the configured number of workers").commands()
+LAUNCH_CLUSTER_BLOCK = block(GUIDE, "# hosts: one line per host")
+LAUNCH_CLUSTER = LAUNCH_CLUSTER_BLOCK.commands()
+HOROVODRUN_LINES = block(GUIDE, "horovodrun -np 8 -H node1:4,node2:4 ").commands()
+
+
 def horovodrun_args(argv):
     """What horovodrun's own parser makes of its arguments ARGV (it exits on a bad one)."""
     from horovod.runner import launch
@@ -91,6 +106,89 @@ def horovodrun_args(argv):
         return launch.parse_args()
     finally:
         sys.argv = saved
+
+
+def slots(hosts):
+    """The slots of horovodrun's -H: "node1:4,node2:4" has 8."""
+    return sum(int(h.split(":")[1]) for h in hosts.split(","))
+
+
+def guide_horovodrun(line, hosts, iface, command):
+    """The guide's horovodrun LINE for this test: its flags in its order, with these hosts,
+    their slots as -np and this interface, and the test's command for the guide's."""
+    words = shlex.split(line)
+    assert words[0] == "horovodrun", words
+    flags, out = iter(words[1:words.index("python")]), [HOROVODRUN]
+    for word in flags:
+        out.append(word)
+        value = {"-np": str(slots(hosts)), "-H": hosts, "--network-interface": iface}.get(word)
+        if value is not None:
+            next(flags)
+            out.append(value)
+    return out + command
+
+
+@pytest.mark.timeout(120)
+def test_the_mpi_guides_commands(tmp_path):
+    """The guide's overview repeats its launch_cluster.sh and horovodrun lines. Its DRY_RUN
+    line, run as printed where a hostfile of its comment's form is, prints the mpirun command
+    the guide describes (the task's 2 workers, the hostfile, no binding, slots filled host by
+    host, plain TCP, the environment forwarded), and its IFACE line (dry, the data directory
+    one of this machine) the interface for MPI's data and control, NCCL and Gloo.
+    launch_local.sh, as printed, starts the task's configured 2 workers through horovodrun (a
+    recording one). Each horovodrun line parses, -np its hosts' slots, and its module exists;
+    the Gloo one is the other with --gloo."""
+    local, cluster, hvdrun = OVERVIEW
+    assert cluster == LAUNCH_CLUSTER[0] and hvdrun == HOROVODRUN_LINES[0]
+    host_line = re.search(r'"(\w+ slots=\d+)"', LAUNCH_CLUSTER_BLOCK.text).group(1)
+    (tmp_path / "hosts").write_text(f"{host_line}\n{host_line.replace('1', '2', 1)}\n")
+    (tmp_path / "scripts").symlink_to(os.path.join(ROOT, "scripts"))
+    env = clean_env(tmp_path / "home", PYTHON=sys.executable)
+
+    def printed(line):
+        p = run(["bash", "-c", line], env, timeout=60, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        return shlex.split(p.stdout)
+    dry = LAUNCH_CLUSTER[1]
+    assert dry.startswith("DRY_RUN=1 ") and dry.endswith(" hosts mnist"), dry
+    words = printed(dry)
+    assert words[:17] == ["mpirun", "-np", "2", "--hostfile", "hosts", "--bind-to", "none",
+                          "--map-by", "slot", "-x", "NCCL_DEBUG=WARN", "--mca", "pml", "ob1",
+                          "--mca", "btl", "^openib"], words
+    assert words[-4:] == [sys.executable, "-m", "hvdtrain", "mnist"], words
+    assert {"PATH", "PYTHONPATH"} <= {words[i + 1] for i, w in enumerate(words) if w == "-x"}
+    assert "btl_tcp_if_include" not in words
+    data = tmp_path / "mnist"
+    data.mkdir()
+    iface_line = cluster.replace("/shared/mnist", str(data))
+    iface = re.match(r"IFACE=(\w+) ", iface_line).group(1)
+    words = printed("DRY_RUN=1 " + iface_line)
+    for setting in (["--mca", "btl_tcp_if_include", iface], ["--mca", "oob_tcp_if_include", iface],
+                    ["-x", f"NCCL_SOCKET_IFNAME={iface}"], ["-x", f"HOROVOD_GLOO_IFACE={iface}"]):
+        assert " ".join(setting) in " ".join(words), (setting, words)
+    assert words[-6:] == [sys.executable, "-m", "hvdtrain", "mnist", "--data-dir", str(data)]
+
+    fake = tmp_path / "fake"  # PYTHON's directory: this interpreter, and a horovodrun that records
+    fake.mkdir()
+    (fake / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (fake / "horovodrun").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >{tmp_path}/horovodrun.args\n')
+    for f in ("python", "horovodrun"):
+        (fake / f).chmod(0o755)
+    assert local.startswith("scripts/launch_local.sh "), local
+    p = run(["bash", "-c", local], dict(env, PYTHON=str(fake / "python")), timeout=60,
+            cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "horovodrun.args").read_text().split() == [
+        "-np", "2", str(fake / "python"), "-m", "hvdtrain", *shlex.split(local)[1:]]
+
+    for line in HOROVODRUN_LINES:
+        words = shlex.split(line)
+        args = horovodrun_args(words[1:])
+        assert args.num_proc == slots(args.hosts) and args.nics == {iface}, line
+        assert args.command[:2] == ["python", "-m"] and os.path.exists(
+            os.path.join(ROOT, *args.command[2].split(".")) + ".py"), line
+    plain, gloo = map(shlex.split, HOROVODRUN_LINES)
+    assert horovodrun_args(gloo[1:]).use_gloo and [w for w in gloo if w != "--gloo"] == plain
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +246,13 @@ def test_mpirun_across_two_hosts(cluster, reference, tmp_path):
 def test_launch_cluster_script_across_two_hosts(cluster, reference, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("hostA slots=1\nhostB slots=1\n")
+    # The guide's command: its variable for this test's interface, its script from this
+    # checkout, this test's hostfile, task and flags.
+    variable, script, hosts, *_ = shlex.split(LAUNCH_CLUSTER[0])
+    assert (variable.split("=")[0], script, hosts) == ("IFACE", "scripts/launch_cluster.sh", "hosts")
     env = dict(mpi_env(cluster, tmp_path), IFACE=IFACE, PYTHON=sys.executable)
     rx = cluster.rx_bytes("hostB")
-    cmd = ["bash", os.path.join(ROOT, "scripts", "launch_cluster.sh"), str(hostfile), "linear",
+    cmd = ["bash", os.path.join(ROOT, script), str(hostfile), "linear",
            "--run-dir", str(tmp_path / "r"), *ARGS]
     p = run(cluster.on("hostA", cmd), env)
     check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
@@ -161,9 +263,11 @@ def test_horovodrun_gloo_across_two_hosts_over_ssh(cluster, reference, tmp_path)
     env = clean_env(tmp_path / "home")
     env["PATH"] = f"{cluster.bin}{os.pathsep}{env['PATH']}"  # the ssh wrapper first
     rx = cluster.rx_bytes("hostB")
-    cmd = [HOROVODRUN, "--gloo", "-np", "2", "-H", "hostA:1,hostB:1",
-           "--network-interface", IFACE,
-           *module_cmd("linear", "--run-dir", str(tmp_path / "r"), *ARGS)]
+    # The guide's Gloo line, with these hosts, their slots, this interface and task.
+    cmd = guide_horovodrun(HOROVODRUN_LINES[1], "hostA:1,hostB:1", IFACE,
+                           module_cmd("linear", "--run-dir", str(tmp_path / "r"), *ARGS))
+    assert cmd[:8] == [HOROVODRUN, "--gloo", "-np", "2", "-H", "hostA:1,hostB:1",
+                       "--network-interface", IFACE], cmd
     p = run(cluster.on("hostA", cmd), env)
     check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
     assert "Horovod over gloo" in p.stdout
