@@ -178,13 +178,15 @@ def test_the_gpu_guides_commands_are_what_ci_and_these_tests_run():
     assert check == GPU_CHECK_LINE
     words = shlex.split(build)
     ci = open(os.path.join(ROOT, "scripts", "test_gpu_build.sh")).read()
-    (line,) = [l for l in ci.splitlines() if re.match(r"HVDTRAIN_GPU=1 .*scripts/setup\.sh\" --wheels", l)]
+    (line,) = [l for l in ci.splitlines()
+               if re.match(r"HVDTRAIN_GPU=1 .*scripts/setup\.sh\" --wheels", l)]
     ci_words = shlex.split(line)
     assert [w for w in ci_words if "=" not in w][0] == '$root/' + words[-1], line
     assert set(words[:-1]) <= set(ci_words), line  # HVDTRAIN_GPU=1
     assert [w.split("=")[0] for w in ci_words if "=" in w and w not in words] == [
         "HVDTRAIN_VENV", "HVDTRAIN_SKIP_APT"] and ci_words[-2] == "--wheels", line
-    assert '"$root/scripts/test_gpu_build.sh"' in open(os.path.join(ROOT, "scripts", "test.sh")).read()
+    test_sh = open(os.path.join(ROOT, "scripts", "test.sh")).read()
+    assert '"$root/scripts/test_gpu_build.sh"' in test_sh
     controller = shlex.split(GPU_CHECK_GLOO)
     assert controller[1:] == shlex.split(GPU_CHECK_LINE), GPU_CHECK_GLOO
     name, value = controller[0].split("=")

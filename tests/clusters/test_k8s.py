@@ -50,7 +50,6 @@ pytestmark = pytest.mark.k8s
 
 OVERLAYS = K.overlays()
 RUNS = "/opt/hvdtrain/runs"  # the claim's mount path in every pod
-GUIDE = "guides/clusters/kubernetes.md"
 
 
 def rendered(name):
@@ -73,7 +72,7 @@ def test_k8s_the_guides_folder_tree_is_the_tree():
     """The guide's picture of deploy/kubernetes/: every folder it names exists, every folder
     with files in it is named, the kustomizations are those found, the files it names exist,
     and its workers, processes, GPUs and access modes are the manifests'."""
-    tree = block(GUIDE, "deploy/kubernetes/\n").text.splitlines()
+    tree = block("guides/clusters/kubernetes.md", "deploy/kubernetes/\n").text.splitlines()
     assert tree[0] == "deploy/kubernetes/"
     rows = [re.fullmatch(r"  (\S+)/ +(\S.*)", line).groups() for line in tree[1:]]
     named = {folder: what for folder, what in rows}
@@ -84,8 +83,8 @@ def test_k8s_the_guides_folder_tree_is_the_tree():
             } == set(OVERLAYS)
     for folder, what in named.items():
         for name in re.findall(r"[\w/-]+\.(?:sh|md)\b", what):
-            assert (os.path.exists(os.path.join(K.DEPLOY, folder, name))
-                    or os.path.exists(os.path.join(K.ROOT, "scripts", os.path.basename(name)))), name
+            assert (os.path.exists(os.path.join(K.DEPLOY, folder, name)) or os.path.exists(
+                os.path.join(K.ROOT, "scripts", os.path.basename(name)))), name
         m = re.search(r"\b(\d+) workers(?: of (\d+) (process|GPUs))?", what)
         if m:
             spec = K.mpijob(rendered(folder))["spec"]
@@ -391,12 +390,13 @@ def test_k8s_the_required_edits_are_caught_one_line_each(tmp_path):
         assert len(left[name]) == 2 and all("is the placeholder" in e for e in left[name])
     # The guide's command as printed, from the checkout's root with its venv's python: these
     # edits, one line each, and exit 1.
-    (command,) = block(GUIDE, "python tests/k8s_manifests.py ").commands()
+    (command,) = block("guides/clusters/kubernetes.md", "python tests/k8s_manifests.py ").commands()
     words = shlex.split(command)
     assert words[:2] == ["python", "tests/k8s_manifests.py"] and len(words) > 2, words
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     p = subprocess.run(words, cwd=K.ROOT, env=env, capture_output=True, text=True, timeout=60)
-    printed = [f"{d}: {e}" for d in words[2:] for e in left[os.path.relpath(d, "deploy/kubernetes")]]
+    printed = [f"{d}: {e}" for d in words[2:]
+               for e in left[os.path.relpath(d, "deploy/kubernetes")]]
     assert (p.returncode, p.stdout.splitlines(), p.stderr) == (1, printed, ""), p.stdout + p.stderr
     tree = tmp_path / "kubernetes"
     shutil.copytree(K.DEPLOY, tree)
@@ -437,7 +437,8 @@ def test_k8s_one_node_smoke_keeps_every_pod_with_the_first():
 
 def documented_status_command():
     """The MPIJob status command of the Kubernetes guide: its -o jsonpath= argument."""
-    (cmd,) = block(GUIDE, "kubectl get mpijob hvdtrain-smoke -o jsonpath=").commands()
+    (cmd,) = block("guides/clusters/kubernetes.md",
+                   "kubectl get mpijob hvdtrain-smoke -o jsonpath=").commands()
     words = shlex.split(cmd)
     assert words[:4] == ["kubectl", "get", "mpijob", SMOKE["metadata"]["name"]], words
     assert words[4:6] == ["-o", words[5]] and words[5].startswith("jsonpath="), words
@@ -497,9 +498,11 @@ def test_k8s_the_guides_kubectl_commands_name_what_the_manifests_make():
     operator_file = re.search(r"`(deploy/v2beta1/[\w-]+\.yaml)`", provenance).group(1)
     (claim,) = rendered("claim")
     group = SMOKE["apiVersion"].split("/")[0]
-    blocks = [block(GUIDE, "kubectl apply --server-side -f "), block(GUIDE, "kubectl get sc "),
-              block(GUIDE, "kubectl apply -k deploy/kubernetes/overlays/smoke "),
-              block(GUIDE, "kubectl delete mpijob hvdtrain ")]
+    blocks = [block("guides/clusters/kubernetes.md", "kubectl apply --server-side -f "),
+              block("guides/clusters/kubernetes.md", "kubectl get sc "),
+              block("guides/clusters/kubernetes.md",
+                    "kubectl apply -k deploy/kubernetes/overlays/smoke "),
+              block("guides/clusters/kubernetes.md", "kubectl delete mpijob hvdtrain ")]
     seen = set()
     for b in blocks:
         commands = [shlex.split(c) for c in b.commands()]
@@ -586,7 +589,8 @@ def test_k8s_the_documented_status_command_shows_the_conditions(tmp_path):
 # --- the emulation ------------------------------------------------------------------------------
 # What the guide's first command of a run applies (`kubectl apply -k .../overlays/smoke`): the
 # MPIJob the emulation runs.
-SMOKE_APPLY = shlex.split(block(GUIDE, "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
+SMOKE_APPLY = shlex.split(block("guides/clusters/kubernetes.md",
+                                "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
 SMOKE = K.mpijob(K.render(os.path.join(K.ROOT, SMOKE_APPLY[SMOKE_APPLY.index("-k") + 1])))
 RUN_DIR = containers(SMOKE, "Launcher")[0]["args"][2]  # --run-dir's value
 GRACE = 60    # the test's bound on a pod's termination (the manifest's 120 s)

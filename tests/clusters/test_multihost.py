@@ -90,12 +90,13 @@ class Cluster(Hosts):
         self.sshd_log = super().start_sshd(host, d)
 
 
-GUIDE = "guides/clusters/mpi.md"
 # The guide's overview, its launch_cluster.sh block and its horovodrun block.
-OVERVIEW = block(GUIDE, "# one host, the configured number of workers").commands()
-LAUNCH_CLUSTER_BLOCK = block(GUIDE, "# hosts: one line per host")
+OVERVIEW = block("guides/clusters/mpi.md",
+                 "# one host, the configured number of workers").commands()
+LAUNCH_CLUSTER_BLOCK = block("guides/clusters/mpi.md", "# hosts: one line per host")
 LAUNCH_CLUSTER = LAUNCH_CLUSTER_BLOCK.commands()
-HOROVODRUN_LINES = block(GUIDE, "horovodrun -np 8 -H node1:4,node2:4 ").commands()
+HOROVODRUN_LINES = block("guides/clusters/mpi.md",
+                         "horovodrun -np 8 -H node1:4,node2:4 ").commands()
 
 
 def horovodrun_args(argv):
@@ -171,7 +172,8 @@ def test_the_mpi_guides_commands(tmp_path):
     fake = tmp_path / "fake"  # PYTHON's directory: this interpreter, and a horovodrun that records
     fake.mkdir()
     (fake / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
-    (fake / "horovodrun").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >{tmp_path}/horovodrun.args\n')
+    (fake / "horovodrun").write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$@" >{tmp_path}/horovodrun.args\n')
     for f in ("python", "horovodrun"):
         (fake / f).chmod(0o755)
     assert local.startswith("scripts/launch_local.sh "), local
@@ -249,7 +251,8 @@ def test_launch_cluster_script_across_two_hosts(cluster, reference, tmp_path):
     # The guide's command: its variable for this test's interface, its script from this
     # checkout, this test's hostfile, task and flags.
     variable, script, hosts, *_ = shlex.split(LAUNCH_CLUSTER[0])
-    assert (variable.split("=")[0], script, hosts) == ("IFACE", "scripts/launch_cluster.sh", "hosts")
+    assert (variable.split("=")[0], script, hosts) == (
+        "IFACE", "scripts/launch_cluster.sh", "hosts")
     env = dict(mpi_env(cluster, tmp_path), IFACE=IFACE, PYTHON=sys.executable)
     rx = cluster.rx_bytes("hostB")
     cmd = ["bash", os.path.join(ROOT, script), str(hostfile), "linear",

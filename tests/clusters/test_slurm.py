@@ -2,11 +2,11 @@
 
 The cluster (tests/slurm_cluster.py) is SLURM 22.05 with munge, slurmctld and a slurmd on each
 of two nodes, nodeA and nodeB: network namespaces joined by a veth, each with 2 CPUs. Every
-job is submitted as the SLURM guide (docs/guides/clusters/slurm.md) says, `sbatch [flags] scripts/slurm_job.sh TASK [flags]`
-(its own lines' sbatch flags and tasks, with this test's task flags), from a test directory
-(HVDTRAIN_ROOT names the checkout), and must reproduce a horovodrun or
-mpirun run of the same settings on this machine: world size 2, ranks identical, the same
-weights. Preemption: `scancel --signal=TERM` ends the job with status 75 and a checkpoint, each
+job is submitted as the SLURM guide (docs/guides/clusters/slurm.md) says, `sbatch [flags]
+scripts/slurm_job.sh TASK [flags]` (its own lines' sbatch flags and tasks, with this test's
+task flags), from a test directory (HVDTRAIN_ROOT names the checkout), and must reproduce a
+horovodrun or mpirun run of the same settings on this machine: world size 2, ranks identical,
+the same weights. Preemption: `scancel --signal=TERM` ends the job with status 75 and a checkpoint, each
 time; submitting the same command again resumes, as does `scontrol requeue`, to the
 uninterrupted run's weights.
 """
@@ -46,7 +46,8 @@ CONV = ["--train-examples", "256", "--filters", "4", "--epochs", "1", "--batch-s
 # linear and its flags; one node; mpirun over ib0; a named job with a Task and a run directory;
 # GPUs.
 GUIDE = submissions()
-# The first line of a job's output, as the guide shows it for a job submitted from /home/me/hvdtrain.
+# The first line of a job's output, as the guide shows it for a job submitted from
+# /home/me/hvdtrain.
 BANNER = block("guides/clusters/slurm.md", "slurm_job.sh: linear on 2 processes").text.strip()
 
 
@@ -186,7 +187,7 @@ def test_linear_on_two_nodes(slurm, reference, tmp_path, launcher):
     flags, args = guide_submission(1) if launcher == "srun" else guide_submission(3, IFACE=IFACE)
     assert args[0] == "linear" and job_variables(flags).get("LAUNCHER", "srun") == launcher
     rx = slurm.rx_bytes("nodeB")
-    job = submit(slurm, tmp_path, env, "linear", *LINEAR, sbatch=flags)  # the #SBATCH lines' resources
+    job = submit(slurm, tmp_path, env, "linear", *LINEAR, sbatch=flags)  # #SBATCH's resources
     info, out = finished(slurm, job, tmp_path)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out
     run_dir = tmp_path / "runs" / "hvdtrain-linear"  # the job name's, not the job id's

@@ -35,19 +35,18 @@ from hvdtrain.doctor import PATCHES
 pytestmark = pytest.mark.timeout(900)  # the first test includes the fixture, a build if uncached
 SITE = sysconfig.get_paths()["purelib"]
 EXACT = 1e-6
-INSTALL = "guides/install.md"
 # A cluster without root: module load; setup.sh --wheels ~/hvdtrain-wheels; a venv on a shared
 # directory; pip install -c the lock and the wheels into it; its doctor.
-CLUSTER = block(INSTALL, "module load gcc cmake openmpi").commands()
+CLUSTER = block("guides/install.md", "module load gcc cmake openmpi").commands()
 # An existing environment: pip install --no-deps DIR/*.whl; the doctor.
-EXISTING = block(INSTALL, "pip install --no-deps DIR/*.whl").commands()
+EXISTING = block("guides/install.md", "pip install --no-deps DIR/*.whl").commands()
 # Root on Debian: setup.sh, source .venv/bin/activate, the doctor, the optional dataset; the
 # README's first three lines, and the getting-started page's setup.sh && a 2-rank MNIST job.
-ROOT_INSTALL = block(INSTALL, "scripts/setup.sh ").commands()
+ROOT_INSTALL = block("guides/install.md", "scripts/setup.sh ").commands()
 README = block("README.md", "scripts/setup.sh\nsource .venv/bin/activate").commands()
 GETTING_STARTED = block("getting-started.md", "scripts/setup.sh && PATH=").commands()
 # An image of one's own: COPY the wheels in, RUN pip install -c the lock and the wheels.
-IMAGE = block(INSTALL, "COPY hvdtrain-wheels/ /tmp/wheels/").text.splitlines()
+IMAGE = block("guides/install.md", "COPY hvdtrain-wheels/ /tmp/wheels/").text.splitlines()
 
 
 def guide_line(line, wheels, venv):
@@ -86,7 +85,7 @@ def test_the_install_blocks_are_one_set_up():
                       "command -v mpicxx", "command -v mpirun"):
         assert looks_for in setup_sh, looks_for
     assert re.search(r"module load .*# the site's names: mpicxx and mpirun on PATH",
-                     block(INSTALL, "module load gcc cmake openmpi").text)
+                     block("guides/install.md", "module load gcc cmake openmpi").text)
     copy, run_line = IMAGE
     (source, target) = re.fullmatch(r"COPY (\S+)/ (\S+)/", copy).groups()
     assert source == os.path.basename(words[-1]), (source, words)
