@@ -21,8 +21,14 @@ address, as on real machines. The launcher runs on hostA, like a cluster's first
 
 Each run's traffic must have crossed the veth, and rank 1 must have reached rank 0's
 watchdog (no "watchdog unreachable" warning).
+
+The launch_cluster.sh command is the MPI guide's (docs/guides/clusters/mpi.md), with this test's
+hosts, interface, task and flags; the guide's other commands are run with DRY_RUN or a recording
+horovodrun, and its horovodrun lines parsed by horovodrun's own parser.
 """
 import os
+import re
+import shlex
 import shutil
 import sys
 
@@ -88,6 +94,94 @@ class Cluster(Hosts):
         (self.bin / "ssh").write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {d}/ssh_config "$@"\n')
         (self.bin / "ssh").chmod(0o755)
         self.sshd_log = super().start_sshd(host, d)
+
+
+# The guide's overview, its launch_cluster.sh block and its horovodrun block.
+OVERVIEW = block("guides/clusters/mpi.md",
+                 "# one host, the configured number of workers").commands()
+LAUNCH_CLUSTER_BLOCK = block("guides/clusters/mpi.md", "# hosts: one line per host")
+LAUNCH_CLUSTER = LAUNCH_CLUSTER_BLOCK.commands()
+HOROVODRUN_LINES = block("guides/clusters/mpi.md",
+                         "horovodrun -np 8 -H node1:4,node2:4 ").commands()
+
+
+def horovodrun_args(argv):
+    """What horovodrun's own parser makes of its arguments ARGV (it exits on a bad one)."""
+    from horovod.runner import launch
+    saved, sys.argv = sys.argv, ["horovodrun", *argv]
+    try:
+        return launch.parse_args()
+    finally:
+        sys.argv = saved
+
+
+def slots(hosts):
+    """The slots of horovodrun's -H: "node1:4,node2:4" has 8."""
+    return sum(int(h.split(":")[1]) for h in hosts.split(","))
+
+
+@pytest.mark.timeout(120)
+def test_the_mpi_guides_commands(tmp_path):
+    """The guide's overview repeats its launch_cluster.sh and horovodrun lines. Its DRY_RUN
+    line, run as printed where a hostfile of its comment's form is, prints the mpirun command
+    the guide describes (the task's 2 workers, the hostfile, no binding, slots filled host by
+    host, plain TCP, the environment forwarded), and its IFACE line (dry, the data directory
+    one of this machine) the interface for MPI's data and control, NCCL and Gloo.
+    launch_local.sh, as printed, starts the task's configured 2 workers through horovodrun (a
+    recording one). Each horovodrun line parses, -np its hosts' slots, and its module exists;
+    the Gloo one is the other with --gloo."""
+    local, cluster, hvdrun = OVERVIEW
+    assert cluster == LAUNCH_CLUSTER[0] and hvdrun == HOROVODRUN_LINES[0]
+    host_line = re.search(r'"(\w+ slots=\d+)"', LAUNCH_CLUSTER_BLOCK.text).group(1)
+    (tmp_path / "hosts").write_text(f"{host_line}\n{host_line.replace('1', '2', 1)}\n")
+    (tmp_path / "scripts").symlink_to(os.path.join(ROOT, "scripts"))
+    env = clean_env(tmp_path / "home", PYTHON=sys.executable)
+
+    def printed(line):
+        p = run(["bash", "-c", line], env, timeout=60, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        return shlex.split(p.stdout)
+    dry = LAUNCH_CLUSTER[1]
+    assert dry.startswith("DRY_RUN=1 ") and dry.endswith(" hosts mnist"), dry
+    words = printed(dry)
+    assert words[:17] == ["mpirun", "-np", "2", "--hostfile", "hosts", "--bind-to", "none",
+                          "--map-by", "slot", "-x", "NCCL_DEBUG=WARN", "--mca", "pml", "ob1",
+                          "--mca", "btl", "^openib"], words
+    assert words[-4:] == [sys.executable, "-m", "hvdtrain", "mnist"], words
+    assert {"PATH", "PYTHONPATH"} <= {words[i + 1] for i, w in enumerate(words) if w == "-x"}
+    assert "btl_tcp_if_include" not in words
+    data = tmp_path / "mnist"
+    data.mkdir()
+    iface_line = cluster.replace("/shared/mnist", str(data))
+    iface = re.match(r"IFACE=(\w+) ", iface_line).group(1)
+    words = printed("DRY_RUN=1 " + iface_line)
+    for setting in (["--mca", "btl_tcp_if_include", iface], ["--mca", "oob_tcp_if_include", iface],
+                    ["-x", f"NCCL_SOCKET_IFNAME={iface}"], ["-x", f"HOROVOD_GLOO_IFACE={iface}"]):
+        assert " ".join(setting) in " ".join(words), (setting, words)
+    assert words[-6:] == [sys.executable, "-m", "hvdtrain", "mnist", "--data-dir", str(data)]
+
+    fake = tmp_path / "fake"  # PYTHON's directory: this interpreter, and a horovodrun that records
+    fake.mkdir()
+    (fake / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (fake / "horovodrun").write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$@" >{tmp_path}/horovodrun.args\n')
+    for f in ("python", "horovodrun"):
+        (fake / f).chmod(0o755)
+    assert local.startswith("scripts/launch_local.sh "), local
+    p = run(["bash", "-c", local], dict(env, PYTHON=str(fake / "python")), timeout=60,
+            cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "horovodrun.args").read_text().split() == [
+        "-np", "2", str(fake / "python"), "-m", "hvdtrain", *shlex.split(local)[1:]]
+
+    for line in HOROVODRUN_LINES:
+        words = shlex.split(line)
+        args = horovodrun_args(words[1:])
+        assert args.num_proc == slots(args.hosts) and args.nics == {iface}, line
+        assert args.command[:2] == ["python", "-m"] and os.path.exists(
+            os.path.join(ROOT, *args.command[2].split(".")) + ".py"), line
+    plain, gloo = map(shlex.split, HOROVODRUN_LINES)
+    assert horovodrun_args(gloo[1:]).use_gloo and [w for w in gloo if w != "--gloo"] == plain
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +275,14 @@ def test_the_readmes_mpirun_across_two_hosts(cluster, readme_run, tmp_path):
 def test_launch_cluster_script_across_two_hosts(cluster, reference, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("hostA slots=1\nhostB slots=1\n")
+    # The guide's command: its variable for this test's interface, its script from this
+    # checkout, this test's hostfile, task and flags.
+    variable, script, hosts, *_ = shlex.split(LAUNCH_CLUSTER[0])
+    assert (variable.split("=")[0], script, hosts) == (
+        "IFACE", "scripts/launch_cluster.sh", "hosts")
     env = dict(mpi_env(cluster, tmp_path), IFACE=IFACE, PYTHON=sys.executable)
     rx = cluster.rx_bytes("hostB")
-    cmd = ["bash", os.path.join(ROOT, "scripts", "launch_cluster.sh"), str(hostfile), "linear",
+    cmd = ["bash", os.path.join(ROOT, script), str(hostfile), "linear",
            "--run-dir", str(tmp_path / "r"), *ARGS]
     p = run(cluster.on("hostA", cmd), env)
     check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
@@ -193,14 +292,15 @@ def test_launch_cluster_script_across_two_hosts(cluster, reference, tmp_path):
 def test_the_readmes_horovodrun_across_two_hosts_over_ssh(cluster, readme_run, tmp_path,
                                                            controller):
     """``horovodrun -np 8 -H node1:4,node2:4 --network-interface eth0 python -m
-    hvdtrain.mnist``, for two hosts: as printed (MPI underneath), and with ``--gloo``."""
+    hvdtrain.mnist``, for two hosts: as the README prints it (MPI underneath), and as the MPI
+    guide prints it with ``--gloo``."""
     if cluster.sshd_log is None:
         cluster.start_sshd("hostB")
-    line = block("README.md", "mpirun -np 8 --hostfile hosts").commands()[1]
+    # MPI: the README's line; Gloo: the MPI guide's Gloo line (the README's with --gloo).
+    line = (block("README.md", "mpirun -np 8 --hostfile hosts").commands()[1]
+            if controller == "mpi" else HOROVODRUN_LINES[1])
     words = for_two_hosts(line)
-    assert words[0] == "horovodrun"
-    if controller == "gloo":
-        words.insert(1, "--gloo")
+    assert words[0] == "horovodrun" and ("--gloo" in words) == (controller == "gloo")
     env = clean_env(tmp_path / "home")
     env["PATH"] = f"{cluster.bin}{os.pathsep}{env['PATH']}"  # the ssh wrapper first
     cwd = tmp_path / "cwd"

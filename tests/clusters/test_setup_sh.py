@@ -12,6 +12,7 @@ import tempfile
 import pytest
 
 from conftest import ROOT, run
+from docs_pages import block
 
 SETUP = os.path.join(ROOT, "scripts", "setup.sh")
 SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
@@ -94,6 +95,8 @@ def test_a_missing_tool_is_one_line_per_system_and_nothing_changes(user_dir):
     assert "[setup] missing: cmake 3.13+" in lines, out
     assert [l.split("#")[0].strip() for l in lines if "install" in l and "#" in l] == [
         "apt-get install cmake", "dnf install cmake"], out
+    # What the install guide shows for this case, line for line, and nothing else.
+    assert (p.stdout, p.stderr) == (block("guides/install.md", "[setup] missing: ").text, "")
     # Nothing made: no venv (not even half of one), no cache, no wheel directory; no sudo,
     # no apt-get, no dnf called.
     assert sorted(os.listdir(d)) == before, out

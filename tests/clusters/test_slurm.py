@@ -2,15 +2,17 @@
 
 The cluster (tests/slurm_cluster.py) is SLURM 22.05 with munge, slurmctld and a slurmd on each
 of two nodes, nodeA and nodeB: network namespaces joined by a veth, each with 2 CPUs. Every
-job is submitted as the SLURM guide (docs/guides/clusters/slurm.md) says, `sbatch [flags] scripts/slurm_job.sh TASK [flags]`,
-from a test directory (HVDTRAIN_ROOT names the checkout), and must reproduce a horovodrun or
-mpirun run of the same settings on this machine: world size 2, ranks identical, the same
-weights. Preemption: `scancel --signal=TERM` ends the job with status 75 and a checkpoint, each
+job is submitted as the SLURM guide (docs/guides/clusters/slurm.md) says, `sbatch [flags]
+scripts/slurm_job.sh TASK [flags]` (its own lines' sbatch flags and tasks, with this test's
+task flags), from a test directory (HVDTRAIN_ROOT names the checkout), and must reproduce a
+horovodrun or mpirun run of the same settings on this machine: world size 2, ranks identical,
+the same weights. Preemption: `scancel --signal=TERM` ends the job with status 75 and a checkpoint, each
 time; submitting the same command again resumes, as does `scontrol requeue`, to the
 uninterrupted run's weights.
 """
 import os
 import re
+import shlex
 import sys
 import time
 
@@ -18,8 +20,10 @@ import numpy as np
 import pytest
 
 from conftest import HOROVODRUN, ROOT, clean_env, launch, result, run
+from docs_pages import block
 from hvdtrain.engine import checkpoint as C
 from slurm_cluster import IFACE, SlurmCluster
+from test_cluster_scripts import job_variables, submissions
 
 # The first test's bound also covers the module's fixtures: daemons started (the hosts, their
 # sshd or SLURM's), and the reference runs. Twice pytest.ini's.
@@ -36,6 +40,45 @@ MNIST = ["--batch-size", "50", "--epochs", "1", "--learning-rate", "0.5", "--no-
          "--verbose", "0"]
 CONV = ["--train-examples", "256", "--filters", "4", "--epochs", "1", "--batch-size", "32",
         "--verbose", "0"]
+
+
+# The guide's submissions, [(sbatch's flags, slurm_job.sh's arguments)], in its order: MNIST;
+# linear and its flags; one node; mpirun over ib0; a named job with a Task and a run directory;
+# GPUs.
+GUIDE = submissions()
+# The first line of a job's output, as the guide shows it for a job submitted from
+# /home/me/hvdtrain.
+BANNER = block("guides/clusters/slurm.md", "slurm_job.sh: linear on 2 processes").text.strip()
+
+
+def guide_submission(i, **values):
+    """The guide's i-th submission: its sbatch flags, its --export's values replaced by
+    VALUES; its task and arguments."""
+    flags, args = GUIDE[i]
+    out = []
+    for flag in flags:
+        if flag.startswith("--export="):
+            variables = dict(job_variables([flag]), **values)
+            flag = "--export=ALL," + ",".join(f"{k}={v}" for k, v in variables.items())
+        out.append(flag)
+    return out, args
+
+
+def guide_test_only_sample():
+    """[(sbatch's words, what it prints, its exit status)] of the guide's --test-only block."""
+    lines = block("guides/clusters/slurm.md", "$ sbatch --test-only ").text.splitlines()
+    out = []
+    for command, printed in zip(lines[::2], lines[1::2]):
+        assert command.startswith("$ sbatch "), command
+        status = re.fullmatch(r"(.*?)\s+\(exit (\d+)\)", printed)
+        out.append((shlex.split(command[2:]), status.group(1) if status else printed,
+                    int(status.group(2)) if status else 0))
+    return out
+
+
+def as_submitted(words):
+    """A guide's sbatch line as this test runs it: the script by its path in the checkout."""
+    return [SLURM_JOB if w == "scripts/slurm_job.sh" else w for w in words]
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +179,15 @@ def test_the_cluster(slurm):
 # (One node, both ranks on nodeA: the requeue and the mpirun preemption tests below.)
 @pytest.mark.parametrize("launcher", ["srun", "mpirun"])
 def test_linear_on_two_nodes(slurm, reference, tmp_path, launcher):
-    env = job_env(tmp_path, LAUNCHER=launcher, IFACE=IFACE)
+    """The guide's `sbatch scripts/slurm_job.sh linear --epochs 5` (srun), and its
+    `sbatch --export=ALL,LAUNCHER=mpirun,IFACE=ib0 scripts/slurm_job.sh linear` with this
+    cluster's interface (mpirun); this test's flags for linear's. The first line of the output
+    is the guide's, but for the run directory and launcher."""
+    env = job_env(tmp_path)
+    flags, args = guide_submission(1) if launcher == "srun" else guide_submission(3, IFACE=IFACE)
+    assert args[0] == "linear" and job_variables(flags).get("LAUNCHER", "srun") == launcher
     rx = slurm.rx_bytes("nodeB")
-    job = submit(slurm, tmp_path, env, "linear", *LINEAR)  # the #SBATCH lines' resources
+    job = submit(slurm, tmp_path, env, "linear", *LINEAR, sbatch=flags)  # #SBATCH's resources
     info, out = finished(slurm, job, tmp_path)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out
     run_dir = tmp_path / "runs" / "hvdtrain-linear"  # the job name's, not the job id's
@@ -146,8 +195,8 @@ def test_linear_on_two_nodes(slurm, reference, tmp_path, launcher):
     assert info["NodeList"] == "nodeA,nodeB"
     assert slurm.rx_bytes("nodeB") - rx > 10_000  # the ranks talked over the veth
     banner = [l for l in out.splitlines() if l.startswith("slurm_job.sh:")]
-    assert banner == ["slurm_job.sh: linear on 2 processes, 2 nodes (nodeA,nodeB), "
-                      f"{launcher}; GPUs per node: none; run dir {run_dir}"], out
+    assert banner == [BANNER.replace("/home/me/hvdtrain", str(tmp_path)).replace(
+        "), srun; ", f"), {launcher}; ")], out
     assert "could not find environment variable" not in out, out  # no -x for unset names
 
 
@@ -161,10 +210,14 @@ def test_mnist_with_srun(slurm, reference, tmp_path):
 
 
 def test_user_task_with_mpirun_and_its_own_run_dir(slurm, reference, tmp_path):
-    """examples/conv_task.py's Task by name; --run-dir given: the banner shows that one."""
+    """The guide's `sbatch --job-name=conv scripts/slurm_job.sh mypackage.tasks:MyTask
+    --run-dir /shared/r1`, with examples/conv_task.py's Task and a run directory here:
+    the banner shows that one."""
     env = job_env(tmp_path, LAUNCHER="mpirun", IFACE=IFACE)
+    flags, (spec, *args) = guide_submission(4)
+    assert ":" in spec and args[0] == "--run-dir" and len(args) == 2, (spec, args)
     job = submit(slurm, tmp_path, env, "conv_task:ConvTask", "--run-dir", str(tmp_path / "mine"),
-                 *CONV, sbatch=("--job-name=conv",))
+                 *CONV, sbatch=flags)
     info, out = finished(slurm, job, tmp_path)
     assert info["ExitCode"] == "0:0", out
     r = result(tmp_path / "mine")
@@ -210,7 +263,8 @@ def test_scancel_term_gives_75_each_time_and_resubmitting_resumes(slurm, referen
     assert_same_run(result(run_dir), reference["long"])
 
 
-ONE_NODE = ("--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1")
+ONE_NODE = tuple(guide_submission(2)[0])  # the guide's one-node line's flags
+assert ONE_NODE == ("--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"), ONE_NODE
 
 
 def test_mpirun_on_one_node_scancel_batch_term_gives_75_then_resumes(slurm, reference, tmp_path):
@@ -277,11 +331,15 @@ def test_a_rank_that_dies_before_hvd_init_ends_the_job(slurm, tmp_path, launcher
 @pytest.mark.parametrize("flag", ["--cpus-per-task=8", "--nodes=3"])
 def test_a_request_the_nodes_cannot_hold(slurm, tmp_path, flag):
     """More CPUs per task than a node has, or more nodes than there are: sbatch --test-only
-    refuses it in one line; sbatch alone queues it for ever, so the script never runs."""
+    refuses it in the guide's one line and status (its example, and the same with --nodes=3);
+    sbatch alone queues it for ever, so the script never runs. Without the flag, --test-only
+    prints the guide's other line (the job number and the time are this cluster's)."""
     env = job_env(tmp_path)
-    p = slurm.client("sbatch", "--test-only", flag, SLURM_JOB, "linear", env=env, cwd=tmp_path)
-    assert p.returncode != 0
-    assert p.stderr.strip() == "allocation failure: Requested node configuration is not available"
+    (refused, says, status), (fits, starts, fits_status) = guide_test_only_sample()
+    assert "--cpus-per-task=8" in refused, refused
+    words = as_submitted([flag if w == "--cpus-per-task=8" else w for w in refused])
+    p = slurm.client(*words, env=env, cwd=tmp_path)
+    assert (p.returncode, p.stderr.strip()) == (status, says), p.stdout + p.stderr
     job = submit(slurm, tmp_path, env, "linear", sbatch=(flag,))
     try:
         deadline = time.monotonic() + 10  # the scheduler's first look at it sets the reason
@@ -294,5 +352,8 @@ def test_a_request_the_nodes_cannot_hold(slurm, tmp_path, flag):
         assert info["Reason"] in ("PartitionConfig", "PartitionNodeLimit"), info
     finally:
         slurm.client("scancel", job)
-    ok = slurm.client("sbatch", "--test-only", SLURM_JOB, "linear", env=env, cwd=tmp_path)
-    assert ok.returncode == 0 and "to start at" in ok.stderr, ok.stderr
+    ok = slurm.client(*as_submitted(fits), env=env, cwd=tmp_path)
+    # The job number and its start time are this cluster's.
+    shape = lambda line: re.sub(r"(Job )\d+( to start at )\S+", r"\1N\2T", line)  # noqa: E731
+    assert shape(starts) != starts, starts
+    assert (ok.returncode, shape(ok.stderr.strip())) == (fits_status, shape(starts)), ok.stderr

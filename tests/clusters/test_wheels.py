@@ -1,32 +1,112 @@
-"""The wheels of `scripts/setup.sh --wheels DIR`, installed elsewhere as a user would.
+"""The wheels of `scripts/setup.sh --wheels DIR`, installed elsewhere as a user would, with the
+install guide's commands (docs/guides/install.md: a cluster without root, an existing
+environment, the image snippet) and the README's and getting-started page's.
 
 setup.sh writes Horovod's wheel (from the build cache, which holds this venv's build) and
-hvdtrain's. An unprivileged uid with no account and a HOME of its own (setpriv) makes a new
-venv at another path and `pip install --no-deps` the two wheels into it; the pinned stack
-(TensorFlow, Keras, ...) is this venv's, reached through a directory of links to its
-site-packages without horovod and hvdtrain (a .pth file): no compile, no download, and only
-the wheels bring Horovod and hvdtrain. From that venv, with no PYTHONPATH and outside the
-checkout: the README's 2-rank MNIST job trains to the README's accuracy, Horovod's API probe
-(a plain Horovod script) passes under Keras 3, and the doctor lists every patch; after one
-patched file is changed, it names that patch.
+hvdtrain's, as the guide's cluster block runs it. An unprivileged uid with no account and a
+HOME of its own (setpriv) makes a new venv at another path (the guide's `python3.X -m venv`)
+and installs the two wheels into it as the guide's "existing environment" does, `pip install
+--no-deps DIR/*.whl`, then runs the guide's `pip install -c DIR/constraints.txt DIR/*.whl`
+(with --no-index: no network here), which must find the whole locked stack already there. The
+pinned stack (TensorFlow, Keras, ...) is this venv's, reached through a directory of links to
+its site-packages without horovod and hvdtrain (a .pth file): no compile, no download, and
+only the wheels bring Horovod and hvdtrain. From that venv, with no PYTHONPATH and outside the
+checkout: the getting-started page's 2-rank MNIST job trains to the README's accuracy,
+Horovod's API probe (a plain Horovod script) passes under Keras 3, and the doctor (activated
+as the README says) lists every patch; after one patched file is changed, it names that patch.
 """
 import glob
 import json
 import os
 import re
+import shlex
 import shutil
+import subprocess
 import sys
 import sysconfig
 
 import pytest
 
 from conftest import ROOT, run
+from docs_pages import block
 from test_setup_sh import as_user, user_tempdir
 from hvdtrain.doctor import PATCHES
 
 pytestmark = pytest.mark.timeout(900)  # the first test includes the fixture, a build if uncached
 SITE = sysconfig.get_paths()["purelib"]
 EXACT = 1e-6
+# A cluster without root: module load; setup.sh --wheels ~/hvdtrain-wheels; a venv on a shared
+# directory; pip install -c the lock and the wheels into it; its doctor.
+CLUSTER = block("guides/install.md", "module load gcc cmake openmpi").commands()
+# An existing environment: pip install --no-deps DIR/*.whl; the doctor.
+EXISTING = block("guides/install.md", "pip install --no-deps DIR/*.whl").commands()
+# Root on Debian: setup.sh, source .venv/bin/activate, the doctor, the optional dataset; the
+# README's first three lines, and the getting-started page's setup.sh && a 2-rank MNIST job.
+ROOT_INSTALL = block("guides/install.md", "scripts/setup.sh ").commands()
+README = block("README.md", "scripts/setup.sh\nsource .venv/bin/activate").commands()
+GETTING_STARTED = block("getting-started.md", "scripts/setup.sh && PATH=").commands()
+# An image of one's own: COPY the wheels in, RUN pip install -c the lock and the wheels.
+IMAGE = block("guides/install.md", "COPY hvdtrain-wheels/ /tmp/wheels/").text.splitlines()
+
+
+def guide_line(line, wheels, venv):
+    """A line of the install guide with this test's paths for its wheel directory and venv."""
+    for printed, here in (("~/hvdtrain-wheels", wheels), ("DIR", wheels),
+                          ("/shared/envs/hvdtrain", venv)):
+        line = line.replace(printed, here)
+    return line
+
+
+def dists(site):
+    return {n for n in os.listdir(site) if n.endswith(".dist-info")}
+
+
+def test_the_install_blocks_are_one_set_up():
+    """The README's and the getting-started page's set-up is the guide's root block: setup.sh
+    (which the fixture below runs, as the cluster block does, with --wheels), the venv
+    activated, the doctor; the existing environment's and the cluster's doctor are the same
+    command; the image snippet installs what the cluster block installs, from a copy of the
+    same wheel directory. The cluster block's `module load` cannot run here (no environment
+    modules): the modules it loads are the tools setup.sh checks for, by the names its
+    messages give."""
+    assert README == ROOT_INSTALL[:3]
+    setup, _, job = GETTING_STARTED[0].partition(" && ")
+    assert setup == ROOT_INSTALL[0] == "scripts/setup.sh" and job
+    words = shlex.split(CLUSTER[1])
+    assert [w for w in words if "=" not in w][:2] == [ROOT_INSTALL[0], "--wheels"], words
+    assert ROOT_INSTALL[1:3] == ["source .venv/bin/activate", EXISTING[1]]
+    assert CLUSTER[4] == f"/shared/envs/hvdtrain/bin/{EXISTING[1]}"
+    # The modules: a compiler, cmake and an MPI, the build tools setup.sh looks for on PATH
+    # (the site's module names; the comment names the MPI's commands).
+    module, load, *modules = shlex.split(CLUSTER[0])
+    setup_sh = open(os.path.join(ROOT, "scripts", "setup.sh")).read()
+    assert (module, load, modules) == ("module", "load", ["gcc", "cmake", "openmpi"]), CLUSTER[0]
+    for looks_for in ("command -v c++ || command -v g++", "command -v cmake",
+                      "command -v mpicxx", "command -v mpirun"):
+        assert looks_for in setup_sh, looks_for
+    assert re.search(r"module load .*# the site's names: mpicxx and mpirun on PATH",
+                     block("guides/install.md", "module load gcc cmake openmpi").text)
+    copy, run_line = IMAGE
+    (source, target) = re.fullmatch(r"COPY (\S+)/ (\S+)/", copy).groups()
+    assert source == os.path.basename(words[-1]), (source, words)
+    pip = guide_line(CLUSTER[3], target, "VENV")
+    assert pip.startswith("VENV/bin/pip install "), CLUSTER[3]
+    assert run_line == f"RUN {pip[len('VENV/bin/'):]} && rm -rf {target}", run_line
+
+
+@pytest.mark.skipif(subprocess.run(["dpkg-query", "-W", "dataset-fashion-mnist"],
+                                   capture_output=True).returncode != 0,
+                    reason="dataset-fashion-mnist not installed (not in every distribution)")
+def test_the_optional_dataset_package_is_where_hvdtrain_reads():
+    """The root block's optional `apt-get install dataset-fashion-mnist`: the package holds
+    the IDX files hvdtrain reads for --dataset fashion_mnist, where it reads them."""
+    from hvdtrain.inputs.data import FASHION_SYSTEM_DIR, IDX_FILES
+    apt, install, package = shlex.split(ROOT_INSTALL[3])
+    assert (apt, install) == ("apt-get", "install")
+    files = subprocess.run(["dpkg", "-L", package], capture_output=True, text=True,
+                           timeout=30).stdout.split()
+    assert {os.path.join(FASHION_SYSTEM_DIR, f) for split in IDX_FILES.values()
+            for f in split} <= set(files)
 
 
 def user_python():
@@ -41,18 +121,24 @@ def user_python():
 
 @pytest.fixture(scope="module")
 def installed():
-    """(uid, directory, user's env, venv) after the wheels are built and installed."""
+    """(uid, directory, user's env, venv, its site-packages) after the guide's cluster block
+    built the wheels and made the venv, and its existing-environment block installed them."""
     uid, d = user_tempdir("hvdtrain-wheels-")
     try:
-        wheels = os.path.join(d, "wheels")
-        env = dict(os.environ, HVDTRAIN_VENV=sys.prefix, HVDTRAIN_SKIP_APT="1")
-        p = run(["bash", os.path.join(ROOT, "scripts", "setup.sh"), "--wheels", wheels], env,
-                timeout=900)
+        # The guide's `PYTHON=python3.X scripts/setup.sh --wheels ~/hvdtrain-wheels`, here on
+        # this venv (whose Python it keeps), without apt.
+        wheels, venv = os.path.join(d, "hvdtrain-wheels"), os.path.join(d, ".venv")
+        *assignments, script, flag, directory = shlex.split(guide_line(CLUSTER[1], wheels, venv))
+        assert (script, flag, directory) == ("scripts/setup.sh", "--wheels", wheels)
+        env = dict(os.environ, HVDTRAIN_VENV=sys.prefix, HVDTRAIN_SKIP_APT="1",
+                   **dict(a.split("=", 1) for a in assignments))
+        p = run(["bash", os.path.join(ROOT, script), flag, directory], env, timeout=900)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         names = sorted(os.path.basename(w) for w in glob.glob(os.path.join(wheels, "*.whl")))
         assert len(names) == 2 and re.fullmatch(
             r"horovod-0\.28\.1\+hvdtrain\.\d+-cp\d+-cp\d+-linux_\w+\.whl", names[0]), names
         assert names[1].startswith("hvdtrain-") and names[1].endswith("-py3-none-any.whl")
+        assert os.path.exists(os.path.join(wheels, "constraints.txt"))
 
         # The locked stack, without horovod and hvdtrain: links into this venv's site-packages.
         stack = os.path.join(d, "stack")
@@ -60,24 +146,36 @@ def installed():
         for name in os.listdir(SITE):
             if not re.match(r"(horovod|hvdtrain|__editable__|_hvdtrain|.*\.pth$)", name, re.I):
                 os.symlink(os.path.join(SITE, name), os.path.join(stack, name))
-        home, venv = os.path.join(d, "home"), os.path.join(d, "venv")
+        home = os.path.join(d, "home")
         os.mkdir(home)
         os.chown(home, uid, uid)
         user_env = {"HOME": home, "USER": "hvdtrain-test", "LANG": "C.UTF-8", "TMPDIR": d,
                     "PATH": f"{venv}/bin:/usr/local/bin:/usr/bin:/bin",
                     "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONUNBUFFERED": "1"}
-        base = user_python()
-        p = run(as_user(uid, [base, "-m", "venv", venv]), user_env, timeout=120, cwd=d)
+        # The guide's `python3.X -m venv /shared/envs/hvdtrain` (this Python's minor version).
+        python, *make = shlex.split(guide_line(CLUSTER[2], wheels, venv))
+        assert re.fullmatch(r"python3\.\d+", python) and make == ["-m", "venv", venv], CLUSTER[2]
+        p = run(as_user(uid, [user_python(), *make]), user_env, timeout=120, cwd=d)
         assert p.returncode == 0, p.stderr
         user_site = run(as_user(uid, [f"{venv}/bin/python", "-c",
                                       "import sysconfig; print(sysconfig.get_paths()['purelib'])"]),
                         user_env, timeout=60, cwd=d).stdout.strip()
         with open(os.path.join(user_site, "hvdtrain-stack.pth"), "w") as f:
             f.write(stack + "\n")
-        p = run(as_user(uid, [f"{venv}/bin/python", "-m", "pip", "install", "--no-deps",
-                              "--no-index", *glob.glob(os.path.join(wheels, "*.whl"))]),
-                user_env, timeout=300, cwd=d)
+        # An environment that holds TensorFlow: the guide's `pip install --no-deps DIR/*.whl`,
+        # with its pip (the venv's bin first on PATH), "Horovod and hvdtrain, nothing else".
+        before = dists(user_site)
+        p = run(as_user(uid, ["bash", "-c", guide_line(EXISTING[0], wheels, venv)]), user_env,
+                timeout=300, cwd=d)
         assert p.returncode == 0, p.stdout + p.stderr
+        assert sorted(n.split("-")[0] for n in dists(user_site) - before) == [
+            "horovod", "hvdtrain"] and before <= dists(user_site)
+        # The cluster block's `pip install -c DIR/constraints.txt DIR/*.whl` (the image
+        # snippet's too): with --no-index, it must find the locked stack and the wheels there,
+        # and install nothing.
+        p = run(as_user(uid, ["bash", "-c", guide_line(CLUSTER[3], wheels, venv) + " --no-index"]),
+                user_env, timeout=300, cwd=d)
+        assert p.returncode == 0 and "Successfully installed" not in p.stdout, p.stdout + p.stderr
         yield uid, d, user_env, venv, user_site
     finally:
         shutil.rmtree(d)
@@ -128,15 +226,20 @@ def test_horovodrun_takes_the_build_record_from_the_wheel(installed):
             f.write(original)
 
 
-def test_the_readme_mnist_job_trains_to_the_readme_accuracy(installed):
+def test_the_getting_started_mnist_job_trains_to_the_readme_accuracy(installed):
+    """The getting-started page's job after setup.sh, as printed, where .venv is (the
+    command puts its bin on PATH): two ranks, the README's accuracy, its run directory under
+    runs/."""
     uid, d, env, venv, _ = installed
     readme = open(os.path.join(ROOT, "README.md")).read()
     accuracy = re.search(r"^Test accuracy: (0\.\d{4})$", readme, re.M).group(1)
-    run_dir = os.path.join(d, "mnist")
-    p = user_run(installed, ["horovodrun", "-np", "2", "python", "-m", "hvdtrain.mnist",
-                             "--run-dir", run_dir])
+    job = GETTING_STARTED[0].partition(" && ")[2]
+    assert job.startswith("PATH=$PWD/.venv/bin:$PATH ") and venv == os.path.join(d, ".venv")
+    p = run(as_user(uid, ["bash", "-c", job]), dict(env, PATH="/usr/local/bin:/usr/bin:/bin"),
+            timeout=240, cwd=d)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"Test accuracy: {accuracy}" in p.stdout, p.stdout[-2000:]
+    (run_dir,) = glob.glob(os.path.join(d, "runs", "mnist-*"))
     r = json.load(open(os.path.join(run_dir, "result.json")))
     assert (r["world_size"], r["backend"], r["ranks_identical"]) == (2, "horovod", True)
     assert f"{r['test_accuracy']:.4f}" == accuracy
@@ -162,16 +265,21 @@ def test_the_horovod_api_probe_passes_under_keras_3(installed):
 
 
 def test_the_doctor_lists_every_patch_and_names_a_changed_one(installed):
+    """The README's `source .venv/bin/activate` and doctor, as printed where .venv is: all
+    good, every patch listed. One patched file changed: the cluster block's doctor (the venv's
+    python) names its patch, and only that one."""
     uid, d, env, venv, site = installed
-    p = user_run(installed, ["python", "-m", "hvdtrain.doctor", "--json"], timeout=120)
-    r = json.loads(p.stdout)
-    assert p.returncode == 0 and r["ok"] is True, p.stdout
-    assert r["horovod"]["patches"] == list(PATCHES) and r["horovod"]["patches_changed"] == {}
-    # One patched file changed: the doctor names its patch, and only that one.
+    p = run(as_user(uid, ["bash", "-c", "\n".join(README[1:])]),
+            dict(env, PATH="/usr/local/bin:/usr/bin:/bin"), timeout=120, cwd=d)
+    out = p.stdout.splitlines()
+    assert p.returncode == 0 and out[-1] == "all good", p.stdout + p.stderr
+    (horovod,) = [l for l in out if l.split()[:1] == ["horovod"]]
+    assert horovod.split("; hvdtrain patches: ")[1].split(", ") == list(PATCHES), horovod
+    assert f"({venv}/bin/python)" in out[0]  # the activated venv's
     changed = os.path.join(site, "horovod", "tensorflow", "sync_batch_norm.py")
     with open(changed, "a") as f:
         f.write("\n# changed after the build\n")
-    p = user_run(installed, ["python", "-m", "hvdtrain.doctor"], timeout=120)
+    p = user_run(installed, shlex.split(guide_line(CLUSTER[4], "", venv)), timeout=120)
     assert p.returncode == 1, p.stdout
     problems = [l for l in p.stdout.splitlines() if l.startswith("problem:")]
     assert problems == ["problem: horovod's files of patch "

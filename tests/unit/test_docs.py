@@ -277,3 +277,36 @@ def test_the_cli_pages_summary_lines_run(tmp_path):
             assert p.stdout.strip() == "3", p.stdout
         else:
             assert "usage: " in p.stdout, (line, p.stdout[-500:])
+
+
+def held_blocks():
+    """(page, first) of every block(PAGE, FIRST) call with literal strings in tests/."""
+    import ast
+    held = {}
+    tests = os.path.join(ROOT, "tests")
+    for folder, dirs, files in os.walk(tests):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if not name.endswith(".py") or name == "docs_pages.py":
+                continue
+            path = os.path.join(folder, name)
+            for node in ast.walk(ast.parse(open(path).read())):
+                func = getattr(node, "func", None)
+                if (isinstance(node, ast.Call) and len(node.args) == 2
+                        and getattr(func, "id", getattr(func, "attr", None)) == "block"
+                        and all(isinstance(a, ast.Constant) and isinstance(a.value, str)
+                                for a in node.args)):
+                    held.setdefault(tuple(a.value for a in node.args), []).append(
+                        os.path.relpath(path, tests))
+    return held
+
+
+def test_every_code_block_is_held_by_a_test():
+    """Every command and code block a reader copies from the README or the site is executed or
+    checked by a test, which names it with docs_pages.block(PAGE, FIRST): a block no test
+    names fails here, with where it is."""
+    from docs_pages import all_pages, block, code_blocks
+    held = held_blocks()
+    bound = {repr(block(page, first)) for page, first in held}  # each names exactly one block
+    loose = [repr(b) for page in all_pages() for b in code_blocks(page) if repr(b) not in bound]
+    assert not loose, "no test holds these blocks:\n" + "\n".join(loose)

@@ -1,16 +1,24 @@
-"""python -m hvdtrain.doctor: this machine passes; each known bad combination, made real in
-a child process, gives exit 1 and exactly one fix line."""
+"""python -m hvdtrain.doctor: this machine passes, with the commands and the report the cluster
+guide prints; each known bad combination, made real in a child process, gives exit 1 and
+exactly one fix line."""
 import ctypes
 import importlib.util
 import json
 import os
+import re
+import shlex
+import shutil
 import sys
 import sysconfig
 
+import pytest
 
 from conftest import ROOT, clean_env, run
+from docs_pages import block
 
 DOCTOR = [sys.executable, "-m", "hvdtrain.doctor"]
+# The cluster guide's doctor commands: `python -m hvdtrain.doctor`, then with --json.
+GUIDE = block("guides/clusters/index.md", "python -m hvdtrain.doctor").commands()
 
 # A sitecustomize that changes one attribute of a module right after it is first imported,
 # so the doctor meets a real installation that differs in exactly that respect. ``value``
@@ -58,10 +66,27 @@ def patched(tmp_path, module, attribute, value, prelude=""):
     return clean_env(tmp_path / "home", PYTHONPATH=f"{shim}{os.pathsep}{ROOT}")
 
 
-def test_this_machine_is_well(env):
-    p, problems, fixes = doctor(env, "--json")
+def guide_command(line):
+    """A documented doctor command as printed: `python` is the one on PATH, this venv's
+    (conftest's environment puts its bin first)."""
+    words = shlex.split(line)
+    assert words[:3] == ["python", "-m", "hvdtrain.doctor"], line
+    return words
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """The guide's `python -m hvdtrain.doctor --json` on this machine: (process, report)."""
+    env = clean_env(tmp_path_factory.mktemp("doctor") / "home")
+    assert os.path.samefile(shutil.which("python", path=env["PATH"]), sys.executable)
+    assert guide_command(GUIDE[1])[3:] == ["--json"]
+    p = run(guide_command(GUIDE[1]), env, timeout=120)
+    return p, json.loads(p.stdout) if p.returncode == 0 else None
+
+
+def test_this_machine_is_well(report):
+    p, r = report
     assert p.returncode == 0, p.stdout + p.stderr
-    r = json.loads(p.stdout)
     assert r["ok"] is True and r["problems"] == []
     assert r["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
     assert r["tensorflow"]["version"] == "2.21.0"
@@ -90,10 +115,25 @@ def test_this_machine_is_well(env):
     assert all(os.access(r["launchers"][n], os.X_OK) for n in ("horovodrun", "mpirun"))
 
 
+# The report's lines whose values are this machine's own: Python's version and path, the MPI
+# library's version string, the launchers' paths. The guide's sample shows them for a checkout
+# at /home/me/hvdtrain.
+MACHINE = ("python", "mpi", "launchers")
+SAMPLE_VENV = "/home/me/hvdtrain/.venv"
+
+
+def label(line):
+    return line[:14].strip()  # doctor._line: two spaces, the name in 11 columns, a space
+
+
 def test_text_report(env):
-    p, problems, fixes = doctor(env)
-    assert p.returncode == 0 and (problems, fixes) == ([], [])
+    """The guide's `python -m hvdtrain.doctor` as printed: exit 0, and the report of its
+    sample: the same lines in the same order, equal to the character but for this machine's
+    own values, which must have the sample's form (only digits and the venv's path differ)."""
+    p = run(guide_command(GUIDE[0]), env, timeout=120)
     out = p.stdout.splitlines()
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not [l for l in out if l.startswith(("problem:", "fix:"))], p.stdout
     assert out[-1] == "all good"
     assert any(l.split()[:2] == ["tensorflow", "2.21.0"] for l in out)
     assert any(l.split()[:2] == ["keras", "keras"] and l.split()[2].startswith("3.") for l in out)
@@ -108,6 +148,54 @@ def test_text_report(env):
         assert [l for l in out if "gpus" in l.split()[:1]] == [
             "  gpus        none visible: no NVIDIA driver (libcuda.so.1 not found)"]
         assert "cuInit" not in p.stdout + p.stderr
+
+    sample = block("guides/clusters/index.md", "  python ").text.splitlines()
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+
+    def form(line):
+        return re.sub(r"\d+", "N", line.replace(venv, "VENV").replace(SAMPLE_VENV, "VENV"))
+    assert [label(l) for l in out] == [label(l) for l in sample], (out, sample)
+    for got, shown in zip(out, sample):
+        if label(got) in MACHINE:
+            assert form(got) == form(shown), (got, shown)
+        elif label(got) != "gpus" or not has_driver():  # a driver: the GPUs of this machine
+            assert got == shown
+
+
+def test_the_gpu_build_sample_is_what_the_doctor_prints_for_it(report, monkeypatch):
+    """The guide's report of CI's GPU build on a machine without a GPU is what the doctor's
+    render prints for this machine's Horovod built as setup.sh builds it for GPUs: NCCL and
+    CUDA in, kernels by the nvcc setup.sh pins for setup.sh's default architectures (PTX for
+    the newest, as Horovod's CMake compiles them), TensorFlow's own CUDA version (its
+    build_info), the CUDA runtime and NCCL that scripts/test_gpu_build.sh (CI's GPU build)
+    requires the doctor to report, and no driver."""
+    from hvdtrain import doctor as D
+    p, r = report
+    assert r is not None, p.stdout + p.stderr
+    sample = block("guides/clusters/index.md", "  horovod ").text.splitlines()
+    text = "\n".join(sample)
+    ci = open(os.path.join(ROOT, "scripts", "test_gpu_build.sh")).read()
+    expect = re.findall(r'"([^"]+)"', re.search(r"^expect=\((.*?)\)$", ci, re.M | re.S).group(1))
+    assert len(expect) == 4 and all(e in text for e in expect), expect
+    setup = open(os.path.join(ROOT, "scripts", "setup.sh")).read()
+    nvcc = re.search(r"nvidia-cuda-nvcc==((\d+\.\d+)\.\d+)", setup)
+    archs = re.search(r"HOROVOD_BUILD_CUDA_CC_LIST:-([\d,]+)\}", setup).group(1).split(",")
+    tf_dir = importlib.util.find_spec("tensorflow").submodule_search_locations[0]
+    build_info = open(os.path.join(tf_dir, "python", "platform", "build_info.py")).read()
+    runtime, nccl = re.search(r"CUDA runtime (\S+) .*, NCCL (\S+) \(", text).groups()
+
+    def no_driver(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(D.ctypes, "CDLL", no_driver)
+    horovod = dict(r["horovod"], built=dict(r["horovod"]["built"], nccl=True, cuda=True),
+                   gpu_build={"cuda_runtime_wheel": runtime, "nccl": nccl, "nccl_built": nccl,
+                              "cuda_runtime": re.search(r"'cuda_version', '([\d.]+)'",
+                                                        build_info).group(1),
+                              "compiler": f"release {nvcc.group(2)}, V{nvcc.group(1)}",
+                              "cubin": [f"sm_{a}" for a in archs], "ptx": [f"sm_{archs[-1]}"]})
+    gpu = dict(r, horovod=horovod, gpus=[], driver=None, no_gpu=D.cuda_driver()[1])
+    shown = {label(l) for l in sample}
+    assert [l for l in D.render(gpu, []).splitlines() if label(l) in shown] == sample
 
 
 def test_a_framework_counts_only_when_built_and_installed(tmp_path):
