@@ -210,7 +210,8 @@ def download_mnist(cache_dir: str = KERAS_CACHE, timeout: float = 20.0) -> str:
     """Fetch Keras' mnist.npz into the cache atomically (temporary file, hash check, rename)."""
     os.makedirs(cache_dir, exist_ok=True)
     target = os.path.join(cache_dir, "mnist.npz")
-    with atomic_open(target, "wb") as out, urllib.request.urlopen(MNIST_URL, timeout=timeout) as r:
+    # The URL first: a network error is the download's (URLError), not the cache's storage.
+    with urllib.request.urlopen(MNIST_URL, timeout=timeout) as r, atomic_open(target, "wb") as out:
         digest = hashlib.sha256()
         for chunk in iter(lambda: r.read(1 << 20), b""):
             digest.update(chunk)

@@ -22,7 +22,7 @@ GPU_CHECK = os.path.join(ROOT, "scripts", "gpu_check.sh")
 # The SLURM guide's submissions: [(sbatch's flags, slurm_job.sh's arguments)].
 SBATCH = block("guides/clusters/slurm.md", "sbatch scripts/slurm_job.sh ")
 # The GPUs guide's check as printed (run from the checkout's root), and its comment's variant.
-GPU_GUIDE = block("guides/gpus.md", "bash scripts/gpu_check.sh ")
+GPU_GUIDE = block("guides/gpus.md", "scripts/gpu_check.sh ")
 (GPU_CHECK_LINE,) = GPU_GUIDE.commands()
 GPU_CHECK_GLOO = re.search(r"#\s*or (.+)$", GPU_GUIDE.text.splitlines()[0]).group(1).strip()
 

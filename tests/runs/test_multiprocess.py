@@ -67,10 +67,6 @@ def test_mnist_two_workers_on_the_bundled_sample(env, tmp_path):
 RANK0 = "[1,0]<stdout>:"
 EPOCH = re.compile(r"Epoch (\d+)/(\d+)  step (\d+)  loss ([\d.]+)  accuracy ([\d.]+)  "
                    r"([\d,]+) samples/s")
-# The download's failure, as the README prints it and as hvdtrain names it today: the
-# URLError is raised inside the atomic write of mnist.npz (hvdtrain/inputs/data.py,
-# download_mnist), whose OSError-to-StorageError conversion renames it.
-DOWNLOAD = ("download (URLError)", "download (StorageError)")
 
 
 def sample_differences(sample, stdout, cwd):
@@ -126,9 +122,6 @@ def test_the_readme_run_commands_as_printed(references, env, tmp_path):
     assert f"Test accuracy: {r['test_accuracy']:.4f}" in p.stdout
     sample = block("README.md", "hvdtrain: no MNIST found").text
     wrong = sample_differences(sample, p.stdout, cwd)
-    bug = [w for w in wrong if DOWNLOAD[0] in w and DOWNLOAD[1] in w]
-    if bug:  # the same check without it: nothing else may differ
-        wrong = sample_differences(sample.replace(*DOWNLOAD), p.stdout, cwd)
     assert not wrong, "\n".join(wrong)
     q = run(as_printed(one), env, cwd=checkout_like(tmp_path / "one"))
     assert q.returncode == 0, q.stderr[-3000:]
@@ -136,10 +129,6 @@ def test_the_readme_run_commands_as_printed(references, env, tmp_path):
     r = result(run_dir)
     assert (r["world_size"], r["dataset"], r["global_step"]) == (1, "mnist_sample", 10 * 40)
     assert 0.5 < r["test_accuracy"] <= 1.0 and "mnist on 1 process," in q.stdout
-    if bug:
-        pytest.xfail(f"the README's output sample says {DOWNLOAD[0]}, the run {DOWNLOAD[1]}: "
-                     "hvdtrain/inputs/data.py's download_mnist opens the URL inside the "
-                     "atomic write, which turns its URLError (an OSError) into StorageError")
 
 
 def test_fashion_mnist_full_dataset(env, tmp_path):
