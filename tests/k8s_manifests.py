@@ -3,7 +3,7 @@
 - ``render(dir)``: a small kustomize for the features deploy/kubernetes/ uses (``resources``,
   ``images``, ``patches`` as RFC 6902 JSON patches with a kind/name target, ``namePrefix``,
   ``nameSuffix``); anything else in a kustomization.yaml is refused, not ignored. Where
-  ``kubectl`` is installed, tests/clusters/test_k8s.py checks that ``kubectl kustomize`` renders the
+  ``kubectl`` is installed, tests/clusters/test_k8s_manifests.py checks that ``kubectl kustomize`` renders the
   same objects.
 - ``operator_objects(mpijob)``: the Service, ConfigMap (hostfile, discover_hosts.sh), ssh
   Secret, worker Pods and launcher Job that the Kubeflow MPI Operator (v0.8.2,

@@ -1,0 +1,383 @@
+"""deploy/kubernetes/ offline: hvdtrain as an MPIJob of the Kubeflow MPI Operator
+(kubeflow.org/v2beta1), checked without a cluster (pure Python, about 20 s).
+
+Every kustomization renders (tests/k8s_manifests.py's renderer, checked against ``kubectl
+kustomize`` where kubectl is installed); every MPIJob validates against the operator's CRD
+schema (deploy/kubernetes/schema/, jsonschema, strict as the API server's field validation) and
+passes the operator's own validation; the pods and Job the operator makes of it, and the claim,
+validate against the Kubernetes API schemas (kubernetes-validate, strict); the settings a
+restartable job needs are there; and a broken copy of the manifests (a wrong type, a missing
+required field, an unknown field, a bad enum, a restart policy the operator refuses) fails the
+same check. The pod-by-pod emulation is tests/clusters/test_k8s.py; the Kubernetes guide's
+commands against these manifests, tests/clusters/test_k8s_guide.py.
+"""
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+
+import k8s_manifests as K
+from docs_pages import block
+
+pytestmark = pytest.mark.k8s
+
+OVERLAYS = K.overlays()
+RUNS = "/opt/hvdtrain/runs"  # the claim's mount path in every pod
+
+
+def rendered(name):
+    return K.render(OVERLAYS[name])
+
+
+def containers(job, role):
+    return job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]["containers"]
+
+
+@pytest.mark.quick
+# --- offline ------------------------------------------------------------------------------------
+def test_k8s_every_kustomization_is_found():
+    assert set(OVERLAYS) == {"base", "claim", "claim-one-node", "overlays/cpu", "overlays/gpu",
+                             "overlays/smoke", "overlays/smoke-one-node"}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_k8s_manifests_validate(name):
+    docs = rendered(name)
+    assert docs and K.check(docs) == []
+    if not name.startswith("claim"):
+        made = K.operator_objects(K.mpijob(docs))
+        assert len(made["workers"]) == K.mpijob(docs)["spec"]["mpiReplicaSpecs"]["Worker"][
+            "replicas"]
+
+
+@pytest.mark.quick
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_k8s_renderer_matches_kubectl_kustomize(name):
+    p = subprocess.run(["kubectl", "kustomize", OVERLAYS[name]], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert [d for d in yaml.safe_load_all(p.stdout) if d] == rendered(name)
+
+
+JOBS = ["overlays/cpu", "overlays/gpu", "overlays/smoke", "overlays/smoke-one-node"]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", JOBS)
+def test_k8s_what_a_restartable_job_needs(name):
+    job = K.mpijob(rendered(name))
+    spec = job["spec"]
+    specs = spec["mpiReplicaSpecs"]
+    assert (spec["mpiImplementation"], spec["sshAuthMountPath"]) == ("OpenMPI",
+                                                                     "/home/mpiuser/.ssh")
+    # A fresh launcher pod for every retry, enough of them for a spot fleet's reclaims, the
+    # job's wall-clock time the real bound, workers removed at the end.
+    assert specs["Launcher"]["restartPolicy"] == "Never"
+    assert specs["Worker"]["restartPolicy"] == "OnFailure"
+    assert 10 <= spec["runPolicy"]["backoffLimit"] <= 50
+    assert 3600 <= spec["runPolicy"]["activeDeadlineSeconds"]
+    assert spec["runPolicy"]["cleanPodPolicy"] == "Running"
+    (launcher,), (worker,) = containers(job, "Launcher"), containers(job, "Worker")
+    for role in ("Launcher", "Worker"):
+        pod = specs[role]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] >= 60  # the SIGTERM checkpoint's time
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+                  if "persistentVolumeClaim" in v}
+        mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+        assert claims[mounts[RUNS]] == "hvdtrain-runs"
+    (claim,) = rendered("claim")
+    assert claim["metadata"]["name"] == "hvdtrain-runs"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    # The launcher's TASK and flags: --run-dir on the claim, and hvdtrain's own parser takes them.
+    task, *flags = launcher["args"]
+    run_dir = flags[flags.index("--run-dir") + 1]
+    assert run_dir.startswith(RUNS + "/")
+    p = subprocess.run([sys.executable, "-m", "hvdtrain", "workers", task, *flags],
+                       capture_output=True, text=True, timeout=60, cwd=K.ROOT)
+    assert p.returncode == 0, p.stderr
+    # The commands are this checkout's scripts at the image's path.
+    for c, script in ((launcher, "k8s_launcher.sh"), (worker, "k8s_worker.sh")):
+        assert c["command"] == [f"/opt/hvdtrain/scripts/{script}"]
+        assert os.access(os.path.join(K.ROOT, "scripts", script), os.X_OK)
+    # Ready once an ssh login runs a command (not an open port).
+    assert worker["readinessProbe"]["exec"]["command"] == [
+        "/opt/hvdtrain/scripts/k8s_worker.sh", "probe"]
+    # Not root, no capability, nothing to escalate to: the "restricted" Pod Security Standard.
+    for role, c in (("Launcher", launcher), ("Worker", worker)):
+        pod = specs[role]["template"]["spec"]
+        assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"][
+            "runAsNonRoot"] is True and pod["securityContext"]["seccompProfile"] == {
+            "type": "RuntimeDefault"}
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                        "capabilities": {"drop": ["ALL"]}}
+        assert pod["imagePullSecrets"] == [{"name": "hvdtrain-pull"}]
+    # Images pinned by digest; the launcher on the CPU image, in the GPU overlay too.
+    images = {i["name"]: i for i in yaml.safe_load(open(os.path.join(
+        OVERLAYS["overlays/gpu" if name == "overlays/gpu" else "overlays/cpu"],
+        "kustomization.yaml")))["images"]}
+    cpu = {i["name"]: i for i in yaml.safe_load(open(os.path.join(
+        OVERLAYS["overlays/cpu"], "kustomization.yaml")))["images"]}["hvdtrain"]
+    assert images["hvdtrain-launcher"] == dict(cpu, name="hvdtrain-launcher")
+    for c, i in ((launcher, images["hvdtrain-launcher"]), (worker, images["hvdtrain"])):
+        assert c["image"] == f"{i['newName']}@{i['digest']}"
+    # GPUs: one slot per GPU; the CPU overlays ask for none.
+    gpus = worker.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+    if name == "overlays/gpu":
+        assert (gpus, spec["slotsPerWorker"]) == (4, 4)
+    else:
+        assert (gpus, spec["slotsPerWorker"]) == (None, 1)
+
+@pytest.mark.quick
+
+def test_k8s_the_image_has_what_the_pods_need(tmp_path):
+    from k8s_cluster import Image
+    image = Image()
+    assert image.workdir == "/opt/hvdtrain"
+    assert image.env["PATH"].startswith("/opt/hvdtrain/.venv/bin:")
+    assert image.env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
+    # The GPUs a container sees are the runtime's to give (docker --gpus, the device plugin).
+    assert "NVIDIA_VISIBLE_DEVICES" not in image.env
+    # The build stage's venv (Horovod from its wheel): the project's files come after it.
+    assert image.from_build == [("/opt/hvdtrain/.venv", "/opt/hvdtrain/.venv")]
+    assert ("scripts/", "/opt/hvdtrain/scripts/") in image.project
+    # mpiuser, the pods' runAsUser; no host key of the image's own.
+    assert image.users == {"mpiuser": 1000} and image.host_keys_removed
+    copies = {dst: open(src).read() for src, dst in image.copies}
+    sshd = copies["/etc/ssh/hvdtrain/sshd_config"]
+    for line in ("Port 2222", "StrictModes no", "UsePAM no", "PasswordAuthentication no"):
+        assert re.search(f"^{line}$", sshd, re.M), line
+    assert not re.search(r"^HostKey", sshd, re.M)  # the job's key: k8s_worker.sh gives it
+    # What the Dockerfile's build checks: this sshd takes the file with a key given to it
+    # (as root it also wants its privilege separation directory, which the image makes).
+    if os.getuid() == 0 and not os.path.isdir("/run/sshd"):
+        return
+    key = tmp_path / "key"
+    assert subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(key)]
+                          ).returncode == 0
+    p = subprocess.run(["/usr/sbin/sshd", "-t", "-f", os.path.join(
+        K.DEPLOY, "ssh", "sshd_hvdtrain.conf"), "-o", f"HostKey={key}"],
+        capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    client = copies["/etc/ssh/ssh_config.d/hvdtrain.conf"]
+    assert "StrictHostKeyChecking no" in client and "UserKnownHostsFile /dev/null" in client
+    assert re.search(r"^Host \*\.svc .*\n\s+Port 2222$", client, re.M)
+    with open(os.path.join(K.ROOT, "Dockerfile")) as f:
+        dockerfile = f.read()
+    runtime = dockerfile[dockerfile.rindex("\nFROM "):]
+    assert "openssh-server" in runtime and "procps" in runtime  # sshd; pgrep for k8s_worker.sh
+
+
+@pytest.mark.quick
+def test_k8s_worker_without_a_job_key_makes_a_host_key_of_its_own(tmp_path):
+    """A worker started without the job's key (a container outside an MPIJob): its sshd gets
+    a host key made at start, a new one per worker, and serves with it."""
+    if os.getuid() != 0 or not os.path.exists("/usr/sbin/sshd") or not shutil.which("unshare"):
+        pytest.skip("needs root (a network namespace per worker) and Debian's sshd")
+    empty = tmp_path / "ssh"
+    empty.mkdir()
+    # The image's /etc/ssh: Debian's files without host keys, and hvdtrain's sshd_config.
+    etc_ssh = tmp_path / "etc-ssh"
+    shutil.copytree("/etc/ssh", etc_ssh, ignore=shutil.ignore_patterns("ssh_host_*"))
+    (etc_ssh / "hvdtrain").mkdir(exist_ok=True)
+    shutil.copy(os.path.join(K.DEPLOY, "ssh", "sshd_hvdtrain.conf"),
+                etc_ssh / "hvdtrain" / "sshd_config")
+    keys = []
+    for _ in range(2):
+        # Each worker in network, mount and PID namespaces of its own, as in a pod: sshd binds
+        # port 2222 there, and the ranks k8s_worker.sh waits for at SIGTERM are the pod's
+        # (none), not those of a test running beside this one.
+        p = subprocess.Popen(
+            ["unshare", "--net", "--mount", "--pid", "--mount-proc", "--fork", "bash", "-c",
+             f'ip link set lo up && mount --bind {etc_ssh} /etc/ssh && exec "$@"', "-",
+             os.path.join(K.ROOT, "scripts", "k8s_worker.sh")],
+            env=dict(os.environ, HVDTRAIN_SSH_DIR=str(empty)), stderr=subprocess.PIPE,
+            text=True, start_new_session=True)
+        try:
+            lines, made = [], None
+            reader = threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True)
+            reader.start()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (
+                    made and any("Server listening" in l for l in lines)):
+                time.sleep(0.1)
+                m = re.search(r"sshd uses a host key made now \((\S+)\)", "".join(lines))
+                made = m and m.group(1)
+            assert made and any("port 2222" in l for l in lines), "".join(lines)
+            keys.append(subprocess.run(["ssh-keygen", "-l", "-f", made], capture_output=True,
+                                       text=True, timeout=10).stdout.split()[1])
+            shutil.rmtree(os.path.dirname(made))
+            os.killpg(p.pid, 15)
+            assert p.wait(timeout=20) == 0
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    assert len(keys) == 2 and keys[0] != keys[1] and all(k.startswith("SHA256:") for k in keys)
+    assert os.listdir(empty) == []
+
+
+def base_job(fn):
+    """A breakage of base/mpijob.yaml: ``fn(mpijob, worker pod spec)``."""
+    def edit(docs):
+        fn(docs, docs["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"])
+    return "base/mpijob.yaml", edit
+
+
+def gpu_limit(docs):
+    (op,) = [op for op in docs if op["path"].endswith("containers/0/resources")]
+    op["value"]["limits"]["nvidia.com/gpu"] = "four"
+
+
+BREAKAGES = {
+    # a wrong field type
+    "slots as a string": (*base_job(lambda j, w: j["spec"].update(slotsPerWorker="4")),
+                          "spec.slotsPerWorker: '4' is not of type 'integer'"),
+    "grace period as a string": (
+        *base_job(lambda j, w: w.update(terminationGracePeriodSeconds="120")),
+        "terminationGracePeriodSeconds: '120' is not of type 'integer'"),
+    "a GPU count that is no quantity": ("overlays/gpu/workers.yaml", gpu_limit,
+                                        "nvidia.com/gpu: 'four' does not match"),
+    # a missing required field
+    "no replica specs": (*base_job(lambda j, w: j["spec"].pop("mpiReplicaSpecs")),
+                         "spec: 'mpiReplicaSpecs' is a required property"),
+    "a container without a name": (*base_job(lambda j, w: w["containers"][0].pop("name")),
+                                   "containers.0: 'name' is a required property"),
+    "a claim volume without its claim": (
+        *base_job(lambda j, w: w["volumes"][0]["persistentVolumeClaim"].pop("claimName")),
+        "'claimName' is a required property"),
+    # an unknown field, a value outside an enum, values the operator refuses
+    "a misspelt field": (*base_job(lambda j, w: j["spec"]["runPolicy"].update(backofLimit=3)),
+                         "'backofLimit' was unexpected"),
+    "an MPI the CRD does not know": (
+        *base_job(lambda j, w: j["spec"].update(mpiImplementation="OpenMpi")),
+        "'OpenMpi' is not one of ['OpenMPI', 'Intel', 'MPICH']"),
+    "restart policy ExitCode": (
+        *base_job(lambda j, w: j["spec"]["mpiReplicaSpecs"]["Launcher"].update(
+            restartPolicy="ExitCode")),
+        "restartPolicy: 'ExitCode' not supported (Never, OnFailure)"),
+    "a job name too long for its pods' DNS names": (
+        *base_job(lambda j, w: j["metadata"].update(name="h" * 60)), "is not a DNS-1035 label"),
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("breakage", sorted(BREAKAGES))
+def test_k8s_a_broken_copy_fails_the_same_check(tmp_path, breakage):
+    """A copy of deploy/kubernetes/ with one file broken: its kustomization, rendered, fails
+    the check the real one passes."""
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K.DEPLOY, tree)
+    name, edit, message = BREAKAGES[breakage]
+    path = tree / name
+    docs = yaml.safe_load(path.read_text())
+    edit(docs)
+    path.write_text(yaml.safe_dump(docs))
+    assert K.check(K.render(os.path.join(K.DEPLOY, os.path.dirname(name)))) == []
+    errors = K.check(K.render(str(path.parent)))
+    assert any(message in e for e in errors), errors
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("field, value, message", [
+    ("accessModes", "ReadWriteMany", "spec.accessModes: 'ReadWriteMany' is not of type 'array'"),
+    ("resources", None,
+     "spec: Additional properties are not allowed ('resourcesz' was unexpected)"),
+])
+def test_k8s_a_broken_claim_fails_the_same_check(tmp_path, field, value, message):
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K.DEPLOY, tree)
+    path = tree / "claim" / "pvc.yaml"
+    pvc = yaml.safe_load(path.read_text())
+    if value is None:
+        pvc["spec"][field + "z"] = pvc["spec"].pop(field)
+    else:
+        pvc["spec"][field] = value
+    path.write_text(yaml.safe_dump(pvc))
+    errors = K.check(K.render(str(tree / "claim")))
+    assert errors and all(message in e for e in errors), errors
+
+
+def filled_in(tree):
+    """A copy's required edits made: storage classes, the registry, the images' digests."""
+    for claim in ("claim", "claim-one-node"):
+        path = tree / claim / "pvc.yaml"
+        pvc = yaml.safe_load(path.read_text())
+        pvc["spec"]["storageClassName"] = "efs-sc"
+        path.write_text(yaml.safe_dump(pvc))
+    for overlay in ("cpu", "gpu"):
+        path = tree / "overlays" / overlay / "kustomization.yaml"
+        k = yaml.safe_load(path.read_text())
+        for i in k["images"]:
+            i["newName"] = "ghcr.io/acme/hvdtrain"
+            i["digest"] = "sha256:" + ("ab" if i["name"] == "hvdtrain" and overlay == "gpu"
+                                       else "cd") * 32
+        path.write_text(yaml.safe_dump(k))
+
+
+@pytest.mark.quick
+def test_k8s_the_required_edits_are_caught_one_line_each(tmp_path):
+    """The shipped claim and images are placeholders the check refuses; filled in, nothing is
+    left; a claim without a storage class is one line, from the command a user runs."""
+    names = ("claim", "claim-one-node", "overlays/cpu", "overlays/gpu", "overlays/smoke",
+             "overlays/smoke-one-node")
+    left = {name: K.deploy_errors(rendered(name)) for name in names}
+    assert left["claim"] == ["PersistentVolumeClaim hvdtrain-runs: spec.storageClassName is "
+                             "'REPLACE-WITH-AN-RWX-CLASS': name a storage class of your cluster "
+                             "that gives ReadWriteMany volumes (kubectl get sc)"]
+    assert len(left["claim-one-node"]) == 1 and "ReadWriteOnce" in left["claim-one-node"][0]
+    for name in names[2:]:
+        assert len(left[name]) == 2 and all("is the placeholder" in e for e in left[name])
+    # The guide's command as printed, from the checkout's root with its venv's python: these
+    # edits, one line each, and exit 1.
+    (command,) = block("guides/clusters/kubernetes.md", "python tests/k8s_manifests.py ").commands()
+    words = shlex.split(command)
+    assert words[:2] == ["python", "tests/k8s_manifests.py"] and len(words) > 2, words
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    p = subprocess.run(words, cwd=K.ROOT, env=env, capture_output=True, text=True, timeout=60)
+    printed = [f"{d}: {e}" for d in words[2:]
+               for e in left[os.path.relpath(d, "deploy/kubernetes")]]
+    assert (p.returncode, p.stdout.splitlines(), p.stderr) == (1, printed, ""), p.stdout + p.stderr
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K.DEPLOY, tree)
+    filled_in(tree)
+    for name in names:
+        docs = K.render(str(tree / name))
+        assert K.check(docs) == [] and K.deploy_errors(docs) == [], name
+    path = tree / "claim" / "pvc.yaml"
+    pvc = yaml.safe_load(path.read_text())
+    del pvc["spec"]["storageClassName"]  # the cluster's default class would decide
+    path.write_text(yaml.safe_dump(pvc))
+    p = subprocess.run([sys.executable, os.path.join(K.ROOT, "tests", "k8s_manifests.py"),
+                        str(tree / "claim"), str(tree / "overlays" / "gpu")],
+                       capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout.splitlines()) == (1, [
+        f"{tree / 'claim'}: PersistentVolumeClaim hvdtrain-runs: spec.storageClassName is "
+        "missing: name a storage class of your cluster that gives ReadWriteMany volumes "
+        "(kubectl get sc)"]), p.stdout + p.stderr
+
+
+@pytest.mark.quick
+def test_k8s_one_node_smoke_keeps_every_pod_with_the_first():
+    job = K.mpijob(rendered("overlays/smoke-one-node"))
+    (claim,) = rendered("claim-one-node")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    made = K.operator_objects(job)
+    pods = [made["launcher"]["spec"]["template"]] + made["workers"]
+    for pod in pods:
+        (term,) = pod["spec"]["affinity"]["podAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        # The label the operator puts on every pod of this job, this one included (what
+        # lets the scheduler place the first one anywhere).
+        for k, v in term["labelSelector"]["matchLabels"].items():
+            assert pod["metadata"]["labels"][k] == v
+    assert job["metadata"]["name"] == "hvdtrain-smoke"
