@@ -74,7 +74,7 @@ SHARED = {"test_faults": "references", "test_storage": "references",
           "test_slurm": "references", "test_k8s": "references"}
 LONGEST = ("references", "test_keras_fit_patterns", "test_pipeline", "test_mixed_precision",
            "test_bench", "test_accumulate", "test_models", "test_no_silent_failure",
-           "test_horovod_api", "test_wheels")
+           "test_watchdog", "test_horovod_api", "test_wheels")
 # The tiers are tests/'s folders; each test gets its folder's marker (pytest -m runs, ...).
 # The helpers (this file, the clusters' harnesses, the scripts the tests launch) stay here,
 # importable from every folder (pytest.ini's pythonpath).
