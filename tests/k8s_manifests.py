@@ -23,6 +23,7 @@ import copy
 import json
 import os
 import re
+import shlex
 
 import yaml
 
@@ -147,6 +148,28 @@ def overlays() -> dict:
 def mpijob(docs: list) -> dict:
     (job,) = [d for d in docs if d["kind"] == "MPIJob"]
     return job
+
+
+# The claim's mount path in every pod.
+RUNS = "/opt/hvdtrain/runs"
+
+
+def rendered(name: str) -> list:
+    """The objects of the kustomization ``name`` (a key of ``overlays()``, e.g. "overlays/cpu")."""
+    return render(os.path.join(DEPLOY, name))
+
+
+def containers(job: dict, role: str) -> list:
+    """The containers of an MPIJob's ``role`` ("Launcher" or "Worker")."""
+    return job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]["containers"]
+
+
+def applied_job(command: str) -> dict:
+    """The MPIJob that ``kubectl apply -k DIR`` (a line of the Kubernetes guide, DIR from the
+    checkout's root) applies."""
+    words = shlex.split(command)
+    assert words[:3] == ["kubectl", "apply", "-k"], command
+    return mpijob(render(os.path.join(ROOT, words[3])))
 
 
 # --- what the operator makes of an MPIJob -------------------------------------------------------

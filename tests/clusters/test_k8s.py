@@ -25,7 +25,6 @@ import glob
 import json
 import os
 import re
-import shlex
 import threading
 import time
 
@@ -36,25 +35,13 @@ from docs_pages import block
 
 pytestmark = pytest.mark.k8s
 
-OVERLAYS = K.overlays()
-RUNS = "/opt/hvdtrain/runs"  # the claim's mount path in every pod
-
-
-def rendered(name):
-    return K.render(OVERLAYS[name])
-
-
-def containers(job, role):
-    return job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]["containers"]
-
 
 # --- the emulation ------------------------------------------------------------------------------
 # What the guide's first command of a run applies (`kubectl apply -k .../overlays/smoke`): the
 # MPIJob the emulation runs.
-SMOKE_APPLY = shlex.split(block("guides/clusters/kubernetes.md",
-                                "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
-SMOKE = K.mpijob(K.render(os.path.join(K.ROOT, SMOKE_APPLY[SMOKE_APPLY.index("-k") + 1])))
-RUN_DIR = containers(SMOKE, "Launcher")[0]["args"][2]  # --run-dir's value
+SMOKE = K.applied_job(block("guides/clusters/kubernetes.md",
+                            "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
+RUN_DIR = K.containers(SMOKE, "Launcher")[0]["args"][2]  # --run-dir's value
 GRACE = 60    # the test's bound on a pod's termination (the manifest's 120 s)
 
 
@@ -64,9 +51,9 @@ def three_workers(job, epochs=4):
     ``epochs`` epochs instead of 10 (two cores run the three ranks)."""
     job = copy.deepcopy(job)
     job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] = 3
-    args = containers(job, "Launcher")[0]["args"]
+    args = K.containers(job, "Launcher")[0]["args"]
     args[args.index("--epochs") + 1] = str(epochs)
-    containers(job, "Launcher")[0].setdefault("env", []).append(
+    K.containers(job, "Launcher")[0].setdefault("env", []).append(
         {"name": "OMPI_MCA_routed_radix", "value": "1"})
     return job
 
@@ -87,7 +74,7 @@ def cluster():
 
 
 def on_claim(claim):
-    return claim / os.path.relpath(RUN_DIR, RUNS)
+    return claim / os.path.relpath(RUN_DIR, K.RUNS)
 
 
 def checkpoint_steps(run_dir):
@@ -174,7 +161,7 @@ def uninterrupted(cluster, tmp_path_factory):
     try:
         run.start()
         # PID 1 of the launcher pod is the MPIJob's command and args, exactly.
-        cmd = containers(JOB, "Launcher")[0]
+        cmd = K.containers(JOB, "Launcher")[0]
         assert launcher_argv(run)[-len(cmd["args"]) - 1:] == cmd["command"] + cmd["args"]
         creds = {p.name: credentials(p.pid1()) for p in run.pods.values()}
         addresses = {name: cluster.hosts[name][1] for name in run.pods}
@@ -334,7 +321,7 @@ def test_k8s_emulated_permanent_error_is_not_run_again(cluster, tmp_path):
     """hvdtrain's exit 2 (a flag it refuses): the launcher records it on the claim, and the next
     launcher pod with the same arguments exits 2 at once, without reaching a worker."""
     job = copy.deepcopy(SMOKE)
-    containers(job, "Launcher")[0]["args"] += ["--epochs", "-1"]
+    K.containers(job, "Launcher")[0]["args"] += ["--epochs", "-1"]
     claim = tmp_path / "claim"
     claim.mkdir()
     statuses = []

@@ -20,21 +20,11 @@ from docs_pages import block
 pytestmark = pytest.mark.k8s
 
 OVERLAYS = K.overlays()
-RUNS = "/opt/hvdtrain/runs"  # the claim's mount path in every pod
-
-
-def rendered(name):
-    return K.render(OVERLAYS[name])
-
-
-def containers(job, role):
-    return job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]["containers"]
 
 
 # What the guide's first command of a run applies (`kubectl apply -k .../overlays/smoke`).
-SMOKE_APPLY = shlex.split(block("guides/clusters/kubernetes.md",
-                                "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
-SMOKE = K.mpijob(K.render(os.path.join(K.ROOT, SMOKE_APPLY[SMOKE_APPLY.index("-k") + 1])))
+SMOKE = K.applied_job(block("guides/clusters/kubernetes.md",
+                            "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
 
 
 @pytest.mark.quick
@@ -57,15 +47,15 @@ def test_k8s_the_guides_folder_tree_is_the_tree():
                 os.path.join(K.ROOT, "scripts", os.path.basename(name)))), name
         m = re.search(r"\b(\d+) workers(?: of (\d+) (process|GPUs))?", what)
         if m:
-            spec = K.mpijob(rendered(folder))["spec"]
+            spec = K.mpijob(K.rendered(folder))["spec"]
             assert spec["mpiReplicaSpecs"]["Worker"]["replicas"] == int(m.group(1)), folder
             if m.group(2):
                 assert spec["slotsPerWorker"] == int(m.group(2)), folder
             if m.group(3) == "GPUs":
-                (worker,) = containers(K.mpijob(rendered(folder)), "Worker")
+                (worker,) = K.containers(K.mpijob(K.rendered(folder)), "Worker")
                 assert worker["resources"]["limits"]["nvidia.com/gpu"] == int(m.group(2))
         for mode in re.findall(r"ReadWrite\w+", what):
-            assert rendered(folder)[0]["spec"]["accessModes"] == [mode], folder
+            assert K.rendered(folder)[0]["spec"]["accessModes"] == [mode], folder
     assert "2 workers" in named["base"] and "ReadWriteMany" in named["claim"]
 
 
@@ -130,7 +120,7 @@ def test_k8s_the_guides_kubectl_commands_name_what_the_manifests_make():
     provenance = open(os.path.join(K.DEPLOY, "schema", "PROVENANCE.md")).read()
     release = re.search(r'\("Prepare (v[\d.]+)"', provenance).group(1)
     operator_file = re.search(r"`(deploy/v2beta1/[\w-]+\.yaml)`", provenance).group(1)
-    (claim,) = rendered("claim")
+    (claim,) = K.rendered("claim")
     group = SMOKE["apiVersion"].split("/")[0]
     blocks = [block("guides/clusters/kubernetes.md", "kubectl apply --server-side -f "),
               block("guides/clusters/kubernetes.md", "kubectl get sc "),
@@ -148,7 +138,7 @@ def test_k8s_the_guides_kubectl_commands_name_what_the_manifests_make():
             if "-k" in words:
                 path = os.path.relpath(os.path.join(K.ROOT, words[words.index("-k") + 1]), K.DEPLOY)
                 assert path in OVERLAYS, words
-                block_jobs.update({d["metadata"]["name"]: d for d in rendered(path)
+                block_jobs.update({d["metadata"]["name"]: d for d in K.rendered(path)
                                    if d["kind"] == "MPIJob"})
         for words in commands:
             if have_kubectl and words[1] not in flags:
@@ -157,7 +147,7 @@ def test_k8s_the_guides_kubectl_commands_name_what_the_manifests_make():
             seen.add(verb)
             if verb in ("apply", "delete") and "-k" in given:
                 assert args == [], words
-                made = {d["metadata"]["name"]: d for d in rendered(os.path.relpath(
+                made = {d["metadata"]["name"]: d for d in K.rendered(os.path.relpath(
                     os.path.join(K.ROOT, given["-k"]), K.DEPLOY)) if d["kind"] == "MPIJob"}
                 if verb == "apply":
                     jobs.update(made)
@@ -189,7 +179,7 @@ def test_k8s_the_guides_kubectl_commands_name_what_the_manifests_make():
                 assert names == want[kind], (words, list(jobs))
     assert seen == {"apply", "get", "describe", "logs", "delete"}
     # The claim's required edit names the same command for the classes.
-    assert "(kubectl get sc)" in K.deploy_errors(rendered("claim"))[0]
+    assert "(kubectl get sc)" in K.deploy_errors(K.rendered("claim"))[0]
 
 
 @pytest.mark.quick

@@ -29,15 +29,6 @@ from docs_pages import block
 pytestmark = pytest.mark.k8s
 
 OVERLAYS = K.overlays()
-RUNS = "/opt/hvdtrain/runs"  # the claim's mount path in every pod
-
-
-def rendered(name):
-    return K.render(OVERLAYS[name])
-
-
-def containers(job, role):
-    return job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]["containers"]
 
 
 @pytest.mark.quick
@@ -50,7 +41,7 @@ def test_k8s_every_kustomization_is_found():
 @pytest.mark.quick
 @pytest.mark.parametrize("name", sorted(OVERLAYS))
 def test_k8s_manifests_validate(name):
-    docs = rendered(name)
+    docs = K.rendered(name)
     assert docs and K.check(docs) == []
     if not name.startswith("claim"):
         made = K.operator_objects(K.mpijob(docs))
@@ -65,7 +56,7 @@ def test_k8s_renderer_matches_kubectl_kustomize(name):
     p = subprocess.run(["kubectl", "kustomize", OVERLAYS[name]], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0, p.stderr
-    assert [d for d in yaml.safe_load_all(p.stdout) if d] == rendered(name)
+    assert [d for d in yaml.safe_load_all(p.stdout) if d] == K.rendered(name)
 
 
 JOBS = ["overlays/cpu", "overlays/gpu", "overlays/smoke", "overlays/smoke-one-node"]
@@ -74,7 +65,7 @@ JOBS = ["overlays/cpu", "overlays/gpu", "overlays/smoke", "overlays/smoke-one-no
 @pytest.mark.quick
 @pytest.mark.parametrize("name", JOBS)
 def test_k8s_what_a_restartable_job_needs(name):
-    job = K.mpijob(rendered(name))
+    job = K.mpijob(K.rendered(name))
     spec = job["spec"]
     specs = spec["mpiReplicaSpecs"]
     assert (spec["mpiImplementation"], spec["sshAuthMountPath"]) == ("OpenMPI",
@@ -86,21 +77,21 @@ def test_k8s_what_a_restartable_job_needs(name):
     assert 10 <= spec["runPolicy"]["backoffLimit"] <= 50
     assert 3600 <= spec["runPolicy"]["activeDeadlineSeconds"]
     assert spec["runPolicy"]["cleanPodPolicy"] == "Running"
-    (launcher,), (worker,) = containers(job, "Launcher"), containers(job, "Worker")
+    (launcher,), (worker,) = K.containers(job, "Launcher"), K.containers(job, "Worker")
     for role in ("Launcher", "Worker"):
         pod = specs[role]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] >= 60  # the SIGTERM checkpoint's time
         claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
                   if "persistentVolumeClaim" in v}
         mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
-        assert claims[mounts[RUNS]] == "hvdtrain-runs"
-    (claim,) = rendered("claim")
+        assert claims[mounts[K.RUNS]] == "hvdtrain-runs"
+    (claim,) = K.rendered("claim")
     assert claim["metadata"]["name"] == "hvdtrain-runs"
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     # The launcher's TASK and flags: --run-dir on the claim, and hvdtrain's own parser takes them.
     task, *flags = launcher["args"]
     run_dir = flags[flags.index("--run-dir") + 1]
-    assert run_dir.startswith(RUNS + "/")
+    assert run_dir.startswith(K.RUNS + "/")
     p = subprocess.run([sys.executable, "-m", "hvdtrain", "workers", task, *flags],
                        capture_output=True, text=True, timeout=60, cwd=K.ROOT)
     assert p.returncode == 0, p.stderr
@@ -329,7 +320,7 @@ def test_k8s_the_required_edits_are_caught_one_line_each(tmp_path):
     left; a claim without a storage class is one line, from the command a user runs."""
     names = ("claim", "claim-one-node", "overlays/cpu", "overlays/gpu", "overlays/smoke",
              "overlays/smoke-one-node")
-    left = {name: K.deploy_errors(rendered(name)) for name in names}
+    left = {name: K.deploy_errors(K.rendered(name)) for name in names}
     assert left["claim"] == ["PersistentVolumeClaim hvdtrain-runs: spec.storageClassName is "
                              "'REPLACE-WITH-AN-RWX-CLASS': name a storage class of your cluster "
                              "that gives ReadWriteMany volumes (kubectl get sc)"]
@@ -367,8 +358,8 @@ def test_k8s_the_required_edits_are_caught_one_line_each(tmp_path):
 
 @pytest.mark.quick
 def test_k8s_one_node_smoke_keeps_every_pod_with_the_first():
-    job = K.mpijob(rendered("overlays/smoke-one-node"))
-    (claim,) = rendered("claim-one-node")
+    job = K.mpijob(K.rendered("overlays/smoke-one-node"))
+    (claim,) = K.rendered("claim-one-node")
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     made = K.operator_objects(job)
     pods = [made["launcher"]["spec"]["template"]] + made["workers"]
