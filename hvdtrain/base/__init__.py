@@ -7,7 +7,8 @@
 - ``compat``: which Keras hvdtrain trains with (Keras 3, or tf_keras) and its variables;
 - ``precision``: Keras' mixed-precision policies and dynamic loss scaling;
 - ``timings``: the clock of result.json's timings (started first, by ``hvdtrain/__init__``);
-- ``tflogs``: TensorFlow's start-up lines kept quiet.
+- ``tflogs``: TensorFlow's start-up lines kept quiet;
+- ``importhooks``: a module's loader wrapped at its first import (``timings``' and ``tflogs``').
 
 May import: nothing of hvdtrain outside this package. This file imports nothing, so that
 ``timings`` is the first code to run.

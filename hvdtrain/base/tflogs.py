@@ -23,12 +23,12 @@ drivers" line (no driver at all): on a machine with a driver, a failing cuInit i
 What a process writes to stderr in that window is delayed, not lost, unless the process
 dies in it (a crash while TensorFlow loads: run with HVDTRAIN_TF_LOGS=1 to see it).
 """
-import importlib.abc
-import importlib.util
 import os
 import re
 import sys
 import tempfile
+
+from hvdtrain.base.importhooks import WrappedLoader, WrappingFinder
 
 # absl's prefix: severity, date, time, thread, file:line]
 _ABSL = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ (?P<file>[\w.]+):\d+\] (?P<msg>.*)$")
@@ -111,13 +111,7 @@ class _Held:
         return False
 
 
-class _QuietLoader(importlib.abc.Loader):
-    def __init__(self, real):
-        self.real = real
-
-    def create_module(self, spec):
-        return self.real.create_module(spec)
-
+class _QuietLoader(WrappedLoader):
     def exec_module(self, module):
         uninstall()  # once: this is TensorFlow's import itself
         module.__loader__ = module.__spec__.loader = self.real  # as if never wrapped
@@ -131,23 +125,14 @@ class _QuietLoader(importlib.abc.Loader):
                 pass
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder(WrappingFinder):
     """Wraps the loader of the "tensorflow" spec that the other finders find. Stays in place
     until TensorFlow is executed: a find_spec() alone (an "is it installed?") imports nothing."""
 
-    busy = False
+    loader = _QuietLoader
 
-    def find_spec(self, name, path=None, target=None):
-        if name != "tensorflow" or self.busy:
-            return None
-        self.busy = True  # importlib.util.find_spec asks this finder again
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            self.busy = False
-        if spec is not None and spec.loader is not None:
-            spec.loader = _QuietLoader(spec.loader)
-        return spec
+    def wants(self, name):
+        return name == "tensorflow"
 
 
 def install():

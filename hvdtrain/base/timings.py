@@ -29,12 +29,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import importlib.abc
 import importlib.util
 import os
 import sys
 import threading
 import time
+
+from hvdtrain.base.importhooks import WrappedLoader, WrappingFinder
 
 # Every phase, in the order of a run, and what it counts (docs/reference/run-directory.md,
 # docs/performance/startup.md).
@@ -205,13 +206,7 @@ def _hand_deferred_modules() -> None:
             setattr(module, attr, _OnFirstUse(name))
 
 
-class _TimedLoader(importlib.abc.Loader):
-    def __init__(self, real):
-        self.real = real
-
-    def create_module(self, spec):
-        return self.real.create_module(spec)
-
+class _TimedLoader(WrappedLoader):
     inside = 0  # how many of IMPORTED are executing now (matplotlib is not found inside them)
     collecting = True  # was Python's garbage collector on before the outermost of them?
 
@@ -240,28 +235,22 @@ class _TimedLoader(importlib.abc.Loader):
                 _hand_deferred_modules()
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder(WrappingFinder):
     """Wraps the loader of each of IMPORTED that the other finders find, to time its
     execution (once: an imported module is not looked for again); finds no matplotlib while
     they execute (unless it was imported before), for DEFERRED to import on first use."""
 
-    busy = False
+    loader = _TimedLoader
+
+    def wants(self, name):
+        return name in IMPORTED and name not in sys.modules
 
     def find_spec(self, name, path=None, target=None):
         if (_TimedLoader.inside > 0 and name.split(".")[0] == "matplotlib"
                 and "matplotlib" not in sys.modules):
             raise ModuleNotFoundError(f"No module named {name!r} (yet: hvdtrain.base.timings)",
                                       name=name)
-        if name not in IMPORTED or self.busy or name in sys.modules:
-            return None
-        self.busy = True  # importlib.util.find_spec asks this finder again
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            self.busy = False
-        if spec is not None and spec.loader is not None:
-            spec.loader = _TimedLoader(spec.loader)
-        return spec
+        return super().find_spec(name, path, target)
 
 
 CLOCK = Clock()
