@@ -262,6 +262,18 @@ def ranks_lines(stderr, text):
     return [l for l in stderr.splitlines() if "<stderr>:" in l and text in l]
 
 
+
+def said_once_that_rank_1s_file_was_cut(p, path, size):
+    """Rank 1's file at PATH, SIZE bytes, cut to a quarter (at a record boundary, 838 bytes a
+    record) in epoch 2: one line naming it, said once by rank 0 (the watchdog took it there),
+    no traceback on any rank."""
+    line = (f"{path}: cut short under the running job ({size:,} -> {size // 4 - size // 4 % 838:,}"
+            " bytes) in epoch 2 (rank 1): training stopped, nothing saved after it")
+    said = ranks_lines(p.stderr, line)
+    assert [l.split("]")[0] for l in said] == ["[0"], p.stderr[-3000:]
+    assert said[0].startswith(f"[0]<stderr>:hvdtrain: error: rank 1 failed: {line}"), said
+    assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
+
 @pytest.fixture(scope="module")
 def fit_runs(tmp_path_factory):
     """The example's TFRecord files, the script, and one launch: the uninterrupted 2-epoch
@@ -583,12 +595,7 @@ def test_task_path_file_cut_inside_an_epoch_stops_every_rank_with_one_line(fit_r
     run_dir = tmp_path / "run"
     p = task_launch(task_runs, tmp_path, "CutInside", run_dir, RECORDS=data, GONE=path)
     assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
-    line = (f"{path}: cut short under the running job ({size:,} -> {size // 4 - size // 4 % 838:,}"
-            " bytes) in epoch 2 (rank 1): training stopped, nothing saved after it")
-    said = ranks_lines(p.stderr, line)  # once, by rank 0 (the watchdog took it there)
-    assert [l.split("]")[0] for l in said] == ["[0"], p.stderr[-3000:]
-    assert said[0].startswith(f"[0]<stderr>:hvdtrain: error: rank 1 failed: {line}"), said
-    assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
+    said_once_that_rank_1s_file_was_cut(p, path, size)
     assert not (run_dir / "result.json").exists()
     assert [step for step, _ in checkpoints(run_dir)] == [task_runs["result"]["global_step"] // 2]
 
@@ -602,12 +609,7 @@ def test_file_cut_inside_an_epoch_stops_every_rank_with_one_line(fit_runs):
     from conftest import checkpoints
 
     _, run_dir, path, size, p = cut_run(fit_runs, "cut_inside")
-    line = (f"{path}: cut short under the running job ({size:,} -> {size // 4 - size // 4 % 838:,}"
-            " bytes) in epoch 2 (rank 1): training stopped, nothing saved after it")
-    said = ranks_lines(p.stderr, line)  # once, by rank 0 (the watchdog took it there)
-    assert [l.split("]")[0] for l in said] == ["[0"], p.stderr[-3000:]
-    assert said[0].startswith(f"[0]<stderr>:hvdtrain: error: rank 1 failed: {line}"), said
-    assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
+    said_once_that_rank_1s_file_was_cut(p, path, size)
     steps = fit_runs["result"]["global_step"] // 2
     assert [step for step, _ in checkpoints(run_dir)] == [steps]  # epoch 1's alone
 
