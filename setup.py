@@ -27,7 +27,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.10,<3.14",  # TensorFlow 2.21's range
+    # Keras 3.15 and NumPy 2.4 need 3.11; TensorFlow 2.21 has no 3.14 wheel.
+    python_requires=">=3.11,<3.14",
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
     package_data={"hvdtrain": ["resources/*.gz", "resources/*.md"]},
     install_requires=[

@@ -9,7 +9,7 @@
 #                                      # hvdtrain and its test tools (the images' build stage)
 #   scripts/setup.sh --check-horovod   # exit 0 if the venv's Horovod needs no rebuild
 #
-# First it checks what the build needs: Python 3.10-3.13 (with venv and its headers), a C++
+# First it checks what the build needs: Python 3.11-3.13 (with venv and its headers), a C++
 # compiler, make, cmake, mpicxx (Open MPI or MPICH: the one first on PATH, e.g. a site's
 # `module load`), patch (and patchelf for HVDTRAIN_GPU=1). When something is missing: as root
 # on Debian/Ubuntu, apt-get installs it; otherwise one install line per system, and exit 2
@@ -17,7 +17,7 @@
 # Environment knobs:
 #   HVDTRAIN_VENV=DIR           where the virtual environment lives (default: .venv)
 #   PYTHON=python3.12           interpreter for a new venv (default: the first of python3.11,
-#                               3.12, 3.13, 3.10, python3 that is 3.10-3.13; a conda env's works)
+#                               3.12, 3.13, python3 that is 3.11-3.13; a conda env's works)
 #   HVDTRAIN_BUILD_CACHE=DIR    the build cache (default ~/.cache/hvdtrain; 0 turns it off): the
 #                               finished Horovod wheel of each build, readable by the group
 #   HVDTRAIN_SKIP_APT=1         never run apt-get, also as root: only report what is missing
@@ -103,18 +103,29 @@ if [[ $mode == check ]]; then
 fi
 
 # --- what the build needs, checked before anything is changed ----------------------------
-# Python: the venv's if there is one, else PYTHON, else the first 3.10-3.13 on PATH.
-py_ok() { "$1" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 13))' 2>/dev/null; }
+# Python: the venv's if there is one, else PYTHON, else the first 3.11-3.13 on PATH. The lock
+# (constraints.txt) holds for 3.11.0 and later: Keras 3.15 and NumPy 2.4 need 3.11
+# (tests/unit/test_lock.py checks every pin's Requires-Python against this range), and
+# TensorFlow 2.21 has no wheel for 3.14.
+py_range="3.11-3.13"
+py_ok() { "$1" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 13))' 2>/dev/null; }
+py_version() { "$1" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo "unknown"; }
 if [[ -x "$venv/bin/python" ]]; then
     python=$venv/bin/python
-    py_ok "$python" || die "$venv holds Python $("$python" -V 2>&1); TensorFlow 2.21 needs 3.10-3.13: remove $venv or set HVDTRAIN_VENV"
+    py_ok "$python" || die "$venv holds Python $(py_version "$python"); hvdtrain's locked stack needs $py_range: remove $venv or set HVDTRAIN_VENV"
+    # PYTHON names the interpreter of a new venv; an existing one keeps its own. Another
+    # minor version asked for is not what the user would get: say so (same minor: its ABI).
+    if [[ -n "${PYTHON:-}" ]] && command -v "$PYTHON" >/dev/null &&
+        [[ $(py_version "$PYTHON" | cut -d. -f1,2) != $(py_version "$python" | cut -d. -f1,2) ]]; then
+        die "PYTHON=$PYTHON is Python $(py_version "$PYTHON"), but $venv holds Python $(py_version "$python"): remove $venv for a new one, or unset PYTHON"
+    fi
 elif [[ -n "${PYTHON:-}" ]]; then
     python=$PYTHON
     command -v "$python" >/dev/null || die "PYTHON=$python not found"
-    py_ok "$python" || die "PYTHON=$python is Python $("$python" -V 2>&1 | cut -d' ' -f2); TensorFlow 2.21 needs 3.10-3.13"
+    py_ok "$python" || die "PYTHON=$python is Python $(py_version "$python"); hvdtrain's locked stack needs $py_range (TensorFlow 2.21, Keras 3.15, NumPy 2.4)"
 else
     python=""
-    for p in python3.11 python3.12 python3.13 python3.10 python3; do
+    for p in python3.11 python3.12 python3.13 python3; do
         if command -v "$p" >/dev/null && py_ok "$p"; then python=$p; break; fi
     done
 fi
@@ -124,7 +135,7 @@ pyver=$([[ -n "$python" ]] && "$python" -c 'import sys; print("%d.%d" % sys.vers
 missing=() dnf_note=""
 need() { missing+=("$1|$2|$3"); }
 if [[ -z "$python" ]]; then
-    need "Python 3.10-3.13 (or PYTHON=/path/to/python3.1x)" "python3 python3-venv python3-dev" "python3.11 python3.11-devel"
+    need "Python $py_range (or PYTHON=/path/to/python3.1x)" "python3 python3-venv python3-dev" "python3.11 python3.11-devel"
 else
     if [[ ! -x "$venv/bin/python" ]] && ! "$python" -c 'import venv, ensurepip' 2>/dev/null; then
         need "$python's venv module" "python$pyver-venv" "python$pyver"
@@ -181,6 +192,59 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
+# pip install -c constraints.txt ARGS..., its output kept: when pip refuses, one line says
+# what (the pinned package, its version and the Python it needs, where that is the cause),
+# not pip's ResolutionImpossible alone. The full output stays in $venv/.hvdtrain-pip.log.
+locked_install() {
+    local log_file="$venv/.hvdtrain-pip.log"
+    # Not -q: the conflict's explanation is in pip's normal output.
+    if "$venv/bin/python" -m pip --disable-pip-version-check install -c "$constraints" "$@" \
+            >"$log_file" 2>&1; then
+        grep '^WARNING' "$log_file" >&2 || true  # what -q would have shown
+        return 0
+    fi
+    die "$(refused "$log_file")"
+}
+# The one line for a failed locked install. pip names a pin it cannot find ("No matching
+# distribution found for X==V", or "no matching distributions available for your
+# environment: X, Y" in a conflict); asking pip for that pin alone makes it say which
+# Python each of its versions needs ("Ignored the following versions that require a
+# different python version: V Requires-Python >=3.11.5").
+refused() {
+    local log_file=$1 name pin spec why=() names out
+    names=$( { sed -n 's/.*No matching distribution found for \([A-Za-z0-9_.-]*\).*/\1/p' "$log_file"
+               sed -n 's/.*The user requested (constraint) \([A-Za-z0-9_.-]*\)==.*/\1/p' "$log_file"
+               # the names follow on indented lines, or on the same line (older pips)
+               awk '/no matching distributions available for your environment:/ {
+                        sub(/.*environment:/, ""); print; on = 1; next }
+                    on && /^ +[^ ]/ { print; next } { on = 0 }' "$log_file" | tr ',' '\n'; } |
+             tr -d ' ' | sed '/^$/d' | sort -u)
+    for name in $names; do
+        pin=$(grep -i -m1 -E "^${name//[-_.]/[-_.]}==" "$constraints" || true)
+        [[ -n "$pin" ]] || continue
+        # The pin alone: if it installs, it is not what this machine lacks.
+        if out=$("$venv/bin/python" -m pip --disable-pip-version-check install --dry-run \
+                     --no-deps --ignore-installed -q "$pin" 2>&1); then continue; fi
+        spec=$(sed -n "s/.*different python version: .*\b${pin#*==} Requires-Python \([^;]*\).*/\1/p" <<<"$out" | head -1)
+        if [[ -n "$spec" ]]; then why+=("$pin needs Python $spec")
+        else why+=("$pin has no release for this machine (Python $(py_version "$venv/bin/python"), $(uname -m))"); fi
+    done
+    # A file source (find-links, an index without Requires-Python data) is refused after
+    # pip reads the wheel: "Package 'X' requires a different Python: V not in 'SPEC'".
+    while IFS='|' read -r name spec; do
+        [[ -n "$name" ]] || continue
+        pin=$(grep -i -m1 -E "^${name//[-_.]/[-_.]}==" "$constraints" || echo "$name")
+        why+=("$pin needs Python $spec")
+    done < <(sed -n "s/.*Package '\([^']*\)' requires a different Python: .* not in '\([^']*\)'.*/\1|\2/p" "$log_file" | sort -u)
+    if ((${#why[@]})); then
+        printf 'constraints.txt cannot install on Python %s (%s): %s (pip'"'"'s output: %s)' \
+            "$(py_version "$venv/bin/python")" "$python" "$(printf '%s\n' "${why[@]}" | sort -u | paste -sd';' | sed 's/;/; /g')" "$log_file"
+    else
+        printf 'pip install -c constraints.txt failed: %s (pip'"'"'s output: %s)' \
+            "$(grep -E '^ERROR:' "$log_file" | grep -v 'ResolutionImpossible' | tail -1 | sed 's/^ERROR: //')" "$log_file"
+    fi
+}
+
 # The locked stack (setup.py's pins, at constraints.txt's versions) plus what Horovod's build
 # needs in the same env; the dev tools (test, bench, docs extras) too: this venv runs the tests.
 stamp="$venv/.hvdtrain-deps"
@@ -191,10 +255,10 @@ if [[ ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
     else
         log "installing the locked Python stack (constraints.txt: TensorFlow, tf-keras, mpi4py, test tools)"
     fi
-    pip install --upgrade -c "$constraints" "pip>=23" "setuptools>=65,<70" wheel packaging
+    locked_install --upgrade "pip>=23" "setuptools>=65,<70" wheel packaging
     if [[ "$gpu" == 1 ]]; then
         tf_pin=$(grep -o '"tensorflow==[0-9.]*"' "$root/setup.py" | tr -d '"')
-        pip install -c "$constraints" "tensorflow[and-cuda]==${tf_pin#tensorflow==}"
+        locked_install "tensorflow[and-cuda]==${tf_pin#tensorflow==}"
     fi
     if [[ $mode == horovod ]]; then
         # setup.py's install_requires and its mpi extra, read without running it (the images'
@@ -209,9 +273,9 @@ for node in ast.walk(ast.parse(open(sys.argv[1]).read())):
 PY
         )
         ((${#reqs[@]} > 2)) || die "no install_requires found in $root/setup.py"
-        pip install -c "$constraints" "${reqs[@]}"
+        locked_install "${reqs[@]}"
     else
-        pip install -c "$constraints" -e "${root}[mpi,test,bench,docs]"
+        locked_install -e "${root}[mpi,test,bench,docs]"
     fi
     echo "$want" >"$stamp"
 fi

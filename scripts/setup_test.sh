@@ -8,10 +8,13 @@
 #   openssh-server openssh-client iproute2: tests/clusters/test_multihost.py runs an sshd per host in
 #       network namespaces, reached by horovodrun -H and mpirun over ssh
 #   procps: ps and pgrep (the fault tests find ranks); shellcheck: tests/runs/test_scripts.py
+#   patchelf: scripts/test_gpu_build.sh's GPU build (setup.sh needs it for HVDTRAIN_GPU=1, and
+#       runs there with HVDTRAIN_SKIP_APT=1)
 #   dataset-fashion-mnist (optional, not in every distribution): the full Fashion-MNIST test
 set -euo pipefail
 
-packages=(slurmctld slurmd slurm-client munge openssh-server openssh-client iproute2 procps shellcheck)
+packages=(slurmctld slurmd slurm-client munge openssh-server openssh-client iproute2 procps shellcheck
+          patchelf)
 optional=(dataset-fashion-mnist)
 log() { printf '[setup_test] %s\n' "$*"; }
 

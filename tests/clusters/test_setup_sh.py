@@ -7,6 +7,7 @@ record being called."""
 import os
 import pwd
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -114,3 +115,167 @@ def test_the_user_set_up_installs_no_test_only_system_package():
         assert package not in setup, package
         assert package in test_setup, package
     assert "sudo" not in setup
+
+
+# --- the Python it sets up with --------------------------------------------------------------
+# The interpreter setup.sh checks first: Debian's own where it is there (what a fresh Debian 12
+# user has), else this venv's base.
+SYSTEM_PYTHON = next((p for p in ("/usr/bin/python3.11", "/usr/bin/python3.12",
+                                  "/usr/bin/python3.13") if os.access(p, os.X_OK)),
+                     getattr(sys, "_base_executable", sys.executable))
+
+
+def saying(d, version):
+    """An interpreter that answers setup.sh's questions as Python ``version`` would: this
+    machine's, with a sitecustomize that sets sys.version_info and sys.version."""
+    site = os.path.join(d, f"site-{version}")
+    os.makedirs(site)
+    major, minor, micro = map(int, version.split("."))
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write("import collections, sys\n"
+                "sys.version_info = collections.namedtuple('version_info', 'major minor micro "
+                f"releaselevel serial')({major}, {minor}, {micro}, 'final', 0)\n"
+                f"sys.version = '{version} (main) [GCC]'\n")
+    path = os.path.join(d, f"python{major}.{minor}")
+    with open(path, "w") as f:
+        f.write(f'#!/bin/sh\nPYTHONPATH="{site}" exec "{SYSTEM_PYTHON}" "$@"\n')
+    os.chmod(path, 0o755)
+    return path
+
+
+def setup_env(d, **extra):
+    return {"PATH": os.environ["PATH"], "HOME": d, "LANG": "C.UTF-8",
+            "HVDTRAIN_SKIP_APT": "1", "HVDTRAIN_BUILD_CACHE": "0",
+            "HVDTRAIN_VENV": os.path.join(d, "venv"), **extra}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("version", ["3.10.12", "3.14.0"])
+def test_a_python_outside_the_range_is_one_line_before_anything_changes(tmp_path, version):
+    """3.10 (Keras 3.15 and NumPy 2.4 need 3.11) and 3.14 (no TensorFlow 2.21 wheel): refused
+    in one line naming the version and the range, before a venv or anything else is made."""
+    python = saying(str(tmp_path), version)
+    before = sorted(os.listdir(tmp_path))
+    p = run(["bash", SETUP], setup_env(str(tmp_path), PYTHON=python), timeout=60)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stdout == "" and p.stderr.splitlines() == [
+        f"[setup] error: PYTHON={python} is Python {version}; hvdtrain's locked stack needs "
+        "3.11-3.13 (TensorFlow 2.21, Keras 3.15, NumPy 2.4)"]
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.quick
+def test_python_of_another_minor_than_the_venv_is_refused(tmp_path):
+    """PYTHON names a new venv's interpreter; a venv already there keeps its own, so asking
+    for another minor version is one line (remove the venv, or unset PYTHON), not silence."""
+    d = str(tmp_path)
+    venv = os.path.join(d, "venv")
+    assert run([SYSTEM_PYTHON, "-m", "venv", "--without-pip", venv], os.environ,
+               timeout=60).returncode == 0
+    have = run([os.path.join(venv, "bin", "python"), "-c",
+                "import platform; print(platform.python_version())"], os.environ,
+               timeout=30).stdout.strip()
+    other = "3.13.5" if not have.startswith("3.13.") else "3.12.3"
+    python = saying(d, other)
+    before = sorted(os.listdir(venv))
+    p = run(["bash", SETUP], setup_env(d, PYTHON=python), timeout=60)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stderr.splitlines() == [
+        f"[setup] error: PYTHON={python} is Python {other}, but {venv} holds Python {have}: "
+        f"remove {venv} for a new one, or unset PYTHON"]
+    assert sorted(os.listdir(venv)) == before
+
+
+def probe_wheel(path, requires_python):
+    """A wheel of ``lockprobe`` 1.0 whose metadata needs ``requires_python``."""
+    import zipfile
+
+    meta = (f"Metadata-Version: 2.1\nName: lockprobe\nVersion: 1.0\n"
+            f"Requires-Python: {requires_python}\n")
+    files = {"lockprobe/__init__.py": "", "lockprobe-1.0.dist-info/METADATA": meta,
+             "lockprobe-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\n"
+                                              "Root-Is-Purelib: true\nTag: py3-none-any\n"}
+    files["lockprobe-1.0.dist-info/RECORD"] = "".join(f"{n},,\n" for n in files) + \
+        "lockprobe-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+
+
+@pytest.fixture
+def loopback_index(tmp_path):
+    """A package index on loopback (PEP 503, with Requires-Python as PyPI gives it) holding
+    one project, lockprobe 1.0, which needs Python >= 3.99; its URL."""
+    import functools
+    import html
+    import http.server
+    import threading
+
+    root = tmp_path / "index"
+    (root / "simple" / "lockprobe").mkdir(parents=True)
+    (root / "files").mkdir()
+    probe_wheel(root / "files" / "lockprobe-1.0-py3-none-any.whl", ">=3.99")
+    (root / "simple" / "lockprobe" / "index.html").write_text(
+        '<html><body><a href="../../files/lockprobe-1.0-py3-none-any.whl" '
+        f'data-requires-python="{html.escape(">=3.99")}">lockprobe-1.0-py3-none-any.whl</a>'
+        "</body></html>\n")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/simple/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_pin_this_python_cannot_install_is_one_line_naming_it(tmp_path, loopback_index):
+    """What pip refuses is said in one line: the pin, and the Python it needs (a lock pin
+    that needs a newer micro release than Debian 12's 3.11.2 was pip's bare
+    ResolutionImpossible). A checkout whose setup.py asks for lockprobe, pinned in its
+    constraints.txt to a release that needs Python >= 3.99, set up with this machine's Python
+    against an index on loopback."""
+    d = str(tmp_path)
+    checkout = os.path.join(d, "checkout")
+    os.makedirs(os.path.join(checkout, "scripts"))
+    shutil.copy(SETUP, os.path.join(checkout, "scripts"))
+    with open(os.path.join(checkout, "setup.py"), "w") as f:
+        f.write("from setuptools import setup\n"
+                "setup(name='hvdtrain', version='0', py_modules=[], install_requires=['lockprobe'],"
+                " extras_require={e: [] for e in ('mpi', 'test', 'bench', 'docs')})\n")
+    with open(os.path.join(checkout, "constraints.txt"), "w") as f:
+        f.write("# the lock\nlockprobe==1.0\n")
+    # The venv with what setup.sh's first pip call asks for (pip, setuptools, wheel,
+    # packaging), so that nothing but lockprobe is looked for on the index.
+    venv = os.path.join(d, "venv")
+    assert run([SYSTEM_PYTHON, "-m", "venv", venv], os.environ, timeout=120).returncode == 0
+    site = run([os.path.join(venv, "bin", "python"), "-c",
+                "import sysconfig; print(sysconfig.get_paths()['purelib'])"], os.environ,
+               timeout=30).stdout.strip()
+    import importlib
+    import importlib.metadata
+    for name in ("wheel", "packaging"):  # this venv's, linked
+        package = os.path.dirname(importlib.import_module(name).__file__)
+        info = str(importlib.metadata.distribution(name)._path)
+        for path in (package, info):
+            os.symlink(path, os.path.join(site, os.path.basename(path)))
+    env = setup_env(d, PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=loopback_index,
+                    PIP_NO_BUILD_ISOLATION="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    p = run(["bash", os.path.join(checkout, "scripts", "setup.sh")], env, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    version = run([os.path.join(venv, "bin", "python"), "-c",
+                   "import platform; print(platform.python_version())"], os.environ,
+                  timeout=30).stdout.strip()
+    errors = [l for l in out.splitlines() if l.startswith("[setup] error:")]
+    log = os.path.join(venv, ".hvdtrain-pip.log")
+    assert errors == [f"[setup] error: constraints.txt cannot install on Python {version} "
+                      f"({venv}/bin/python): lockprobe==1.0 needs Python >=3.99 "
+                      f"(pip's output: {log})"], out
+    assert "ResolutionImpossible" not in out and "Traceback" not in out
+    assert "lockprobe" in open(log).read()  # pip's own words kept
+    # Nothing was installed, and the next run tries again (no stamp written).
+    assert not os.path.exists(os.path.join(venv, ".hvdtrain-deps"))
+    assert not [n for n in os.listdir(site) if n.startswith("lockprobe")]
