@@ -236,7 +236,15 @@ refused() {
         pin=$(grep -i -m1 -E "^${name//[-_.]/[-_.]}==" "$constraints" || echo "$name")
         why+=("$pin needs Python $spec")
     done < <(sed -n "s/.*Package '\([^']*\)' requires a different Python: .* not in '\([^']*\)'.*/\1|\2/p" "$log_file" | sort -u)
-    if ((${#why[@]})); then
+    # No index reached (a proxy, a certificate, no network): that, not "no matching
+    # distribution" for the first package asked.
+    local unreached
+    unreached=$( { sed -n 's/^Could not fetch URL \(.*\) - skipping$/\1/p' "$log_file"
+                   sed -n "s/^WARNING: Retrying .* after connection broken by '\(.*\)': \(.*\)/\2: \1/p" "$log_file"; } |
+                 head -1 | cut -c1-300)
+    if [[ -n "$unreached" ]]; then  # then what it could not find says nothing more
+        printf 'pip could not reach the package index: %s (pip'"'"'s output: %s)' "$unreached" "$log_file"
+    elif ((${#why[@]})); then
         printf 'constraints.txt cannot install on Python %s (%s): %s (pip'"'"'s output: %s)' \
             "$(py_version "$venv/bin/python")" "$python" "$(printf '%s\n' "${why[@]}" | sort -u | paste -sd';' | sed 's/;/; /g')" "$log_file"
     else

@@ -7,6 +7,7 @@ record being called."""
 import os
 import pwd
 import shutil
+import socket
 import sys
 import tempfile
 
@@ -231,12 +232,12 @@ def loopback_index(tmp_path):
         server.server_close()
 
 
-def test_a_pin_this_python_cannot_install_is_one_line_naming_it(tmp_path, loopback_index):
-    """What pip refuses is said in one line: the pin, and the Python it needs (a lock pin
-    that needs a newer micro release than Debian 12's 3.11.2 was pip's bare
-    ResolutionImpossible). A checkout whose setup.py asks for lockprobe, pinned in its
-    constraints.txt to a release that needs Python >= 3.99, set up with this machine's Python
-    against an index on loopback."""
+@pytest.fixture
+def probe_checkout(tmp_path):
+    """(a checkout whose setup.py asks for lockprobe, pinned in its constraints.txt to 1.0,
+    its venv, the venv's site-packages): made with this machine's Python, holding what
+    setup.sh's first pip call asks for (pip, setuptools, wheel, packaging), so that nothing
+    but lockprobe is looked for on an index."""
     d = str(tmp_path)
     checkout = os.path.join(d, "checkout")
     os.makedirs(os.path.join(checkout, "scripts"))
@@ -247,8 +248,6 @@ def test_a_pin_this_python_cannot_install_is_one_line_naming_it(tmp_path, loopba
                 " extras_require={e: [] for e in ('mpi', 'test', 'bench', 'docs')})\n")
     with open(os.path.join(checkout, "constraints.txt"), "w") as f:
         f.write("# the lock\nlockprobe==1.0\n")
-    # The venv with what setup.sh's first pip call asks for (pip, setuptools, wheel,
-    # packaging), so that nothing but lockprobe is looked for on the index.
     venv = os.path.join(d, "venv")
     assert run([SYSTEM_PYTHON, "-m", "venv", venv], os.environ, timeout=120).returncode == 0
     site = run([os.path.join(venv, "bin", "python"), "-c",
@@ -261,21 +260,51 @@ def test_a_pin_this_python_cannot_install_is_one_line_naming_it(tmp_path, loopba
         info = str(importlib.metadata.distribution(name)._path)
         for path in (package, info):
             os.symlink(path, os.path.join(site, os.path.basename(path)))
-    env = setup_env(d, PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=loopback_index,
+    return checkout, venv, site
+
+
+def set_up_against(checkout, index):
+    """setup.sh of ``checkout`` with pip's index ``index`` and no pip configuration:
+    (exit status, output, its [setup] error: lines)."""
+    d = os.path.dirname(checkout)
+    env = setup_env(d, PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=index, PIP_RETRIES="1",
                     PIP_NO_BUILD_ISOLATION="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
     p = run(["bash", os.path.join(checkout, "scripts", "setup.sh")], env, timeout=300)
     out = p.stdout + p.stderr
-    assert p.returncode == 1, out
+    assert "ResolutionImpossible" not in out and "Traceback" not in out, out
+    return p.returncode, out, [l for l in out.splitlines() if l.startswith("[setup] error:")]
+
+
+def test_a_pin_this_python_cannot_install_is_one_line_naming_it(probe_checkout,
+                                                                  loopback_index):
+    """What pip refuses is said in one line: the pin, and the Python it needs (a lock pin
+    that needs a newer micro release than Debian 12's 3.11.2 was pip's bare
+    ResolutionImpossible). lockprobe 1.0 needs Python >= 3.99 on an index on loopback."""
+    checkout, venv, site = probe_checkout
+    status, out, errors = set_up_against(checkout, loopback_index)
+    assert status == 1, out
     version = run([os.path.join(venv, "bin", "python"), "-c",
                    "import platform; print(platform.python_version())"], os.environ,
                   timeout=30).stdout.strip()
-    errors = [l for l in out.splitlines() if l.startswith("[setup] error:")]
     log = os.path.join(venv, ".hvdtrain-pip.log")
     assert errors == [f"[setup] error: constraints.txt cannot install on Python {version} "
                       f"({venv}/bin/python): lockprobe==1.0 needs Python >=3.99 "
                       f"(pip's output: {log})"], out
-    assert "ResolutionImpossible" not in out and "Traceback" not in out
     assert "lockprobe" in open(log).read()  # pip's own words kept
     # Nothing was installed, and the next run tries again (no stamp written).
     assert not os.path.exists(os.path.join(venv, ".hvdtrain-deps"))
     assert not [n for n in os.listdir(site) if n.startswith("lockprobe")]
+
+
+def test_an_index_out_of_reach_is_named_as_such(probe_checkout):
+    """No index reached (a proxy, a certificate, a network down) is said as that, not as "no
+    matching distribution" for the first package pip asked for."""
+    checkout, venv, _ = probe_checkout
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    status, out, errors = set_up_against(checkout, f"http://127.0.0.1:{port}/simple/")
+    assert status == 1, out
+    assert len(errors) == 1 and errors[0].startswith(
+        "[setup] error: pip could not reach the package index: "), out
+    assert "Connection refused" in errors[0] and "/simple/" in errors[0], errors
