@@ -135,7 +135,10 @@ def unmet(commands, installed):
     allowed = installed | depends(sorted(installed))
     problems, paths = [], {}
     for command in commands:
-        path = shutil.which(command) or shutil.which(command, path="/usr/sbin:/sbin")
+        # The venv's commands where the tests find them (its bin/, which CI's PATH lacks),
+        # and the daemons' sbin/ directories, which a user's PATH may lack.
+        path = shutil.which(command, path=os.pathsep.join(
+            [os.path.join(sys.prefix, "bin"), os.environ.get("PATH", ""), "/usr/sbin:/sbin"]))
         if path is None:
             problems.append(f"{command}: not installed")
         elif not os.path.abspath(path).startswith(sys.prefix + os.sep):  # else the venv's
