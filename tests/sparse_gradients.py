@@ -28,20 +28,31 @@ def model():
                          k.layers.GlobalAveragePooling1D(),
                          k.layers.Dense(2, activation="softmax")])
 
+def embedding_only():
+    '''A model whose one trainable variable is the Embedding: every gradient is sparse.'''
+    k.utils.set_random_seed(5)
+    return k.Sequential([k.Input((IDS,), dtype="int32"), k.layers.Embedding(ROWS, 2),
+                         k.layers.GlobalAveragePooling1D(), k.layers.Activation("softmax")])
+
 def save(run_dir, m):
     if hk.rank() == 0:
         np.savez(os.path.join(run_dir, "weights.npz"), *m.get_weights())
 
-def fit(run_dir, batch_size=16):
+def fit(run_dir, batch_size=16, build=model):
     '''hk.fit: Keras' own train step, the optimizer's reduction (Keras 3) or Horovod's
     wrapper (Keras 2).'''
     x, y = data()
-    m = model()
+    m = build()
     m.compile(optimizer=hk.DistributedOptimizer(k.optimizers.Adam(1e-2)),
               loss="sparse_categorical_crossentropy", jit_compile=False)
     hk.fit(m, hk.dataset(x, y, batch_size=batch_size, seed=3), epochs=1, run_dir=run_dir,
            checkpoint_every=0, save_model=False, verbose=0)
     save(run_dir, m)
+
+def fit_only_sparse(run_dir, batch_size=16):
+    '''hk.fit of a model with no dense gradient: the step's stop flags go in a round of
+    their own.'''
+    fit(run_dir, batch_size, embedding_only)
 
 class Embed(hvdtrain.Task):
     name = "embed"

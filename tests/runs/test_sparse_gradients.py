@@ -2,7 +2,8 @@
 
 One 2-rank launch (horovodrun --gloo) runs the scenarios of ``sparse_gradients.py`` in turn,
 each under its own Horovod timeline: ``fit`` (hk.fit), ``task`` (a Task), ``task_dense``
-(the Task with HVDTRAIN_SPARSE_AS_DENSE_RATIO=0). The timelines say what crossed the network
+(the Task with HVDTRAIN_SPARSE_AS_DENSE_RATIO=0), ``fit_only_sparse`` (hk.fit of a model whose
+one trainable variable is the Embedding). The timelines say what crossed the network
 (each collective's kind and output shape); the weights are compared with one process's on
 the same global batches, run in this interpreter. Under Keras 2 the fit path is Horovod's own
 wrapper, which gathers sparse gradients itself.
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.keras2
 
 SCRIPT = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "sparse_gradients.py")).read()
-NAMES = ("fit", "task", "task_dense")
+NAMES = ("fit", "task", "task_dense", "fit_only_sparse")
 ROWS, COLUMNS, STEPS = 1_000_000, 16, 8
 GATHERED = 2 * 16 * 4  # both ranks' lookups in a step: 2 ranks x 16 examples x 4 ids
 TABLE = ROWS * COLUMNS * 4  # the Embedding's dense gradient, bytes (64 MB)
@@ -66,6 +67,21 @@ def test_an_embeddings_gradient_crosses_the_network_sparse(two, name):
     assert total / STEPS < 10_000, (total / STEPS, counts)
 
 
+def test_with_every_gradient_gathered_the_step_flags_still_ride_once_a_step(two):
+    """A model whose only gradient is the Embedding's: each step gathers it and allreduces
+    hk.fit's stop flags ([stop, 1], the gradients' dtype) in a round of their own, the step's
+    only float32 allreduce; no host stop check per step (the flags were carried): the run's
+    host questions are those of ``fit``, whose flags ride with the dense gradients."""
+    out, _ = two
+    counts, _ = collectives(out, "fit_only_sparse")
+    assert {key: n for key, n in counts.items() if key[1] == "float32"} == {
+        ("ALLGATHER", "float32", (GATHERED, 2)): STEPS, ("ALLREDUCE", "float32", (2,)): STEPS}
+    assert counts[("ALLGATHER", "int32", (GATHERED,))] == STEPS, counts
+    host = {name: sum(n for key, n in collectives(out, name)[0].items() if key[1] == "float64")
+            for name in ("fit", "fit_only_sparse")}
+    assert host["fit_only_sparse"] == host["fit"] < STEPS + 4, host  # the run's questions
+
+
 def test_the_ratio_at_zero_reduces_it_dense(two):
     """HVDTRAIN_SPARSE_AS_DENSE_RATIO=0: each step allreduces the Embedding's dense gradient
     ([1000000, 16], 64 MB) in the gradients' grouped round, and gathers no gradient."""
@@ -80,7 +96,8 @@ def test_two_ranks_train_the_embedding_as_one_process(two, tmp_path):
     """The same weights as one process on the same global batches (2 ranks of 16, one
     process of 32), Adam, the rows repeated within each rank's batch and across the ranks
     (64 ids for 64 lookups a rank): to 1e-6, on the fit path and the Task path, gathered or
-    dense. The ranks end identical."""
+    dense, with and without a dense gradient beside it. The ranks end identical, and the
+    Embedding's looked-up rows moved."""
     import sys
 
     out, folder = two
@@ -91,7 +108,8 @@ def test_two_ranks_train_the_embedding_as_one_process(two, tmp_path):
         scenarios.hk.init()
         x, _ = scenarios.data()
         assert len(np.unique(x)) == 64 and x.size == STEPS * 32 * 4
-        for name, reference in (("fit", "fit"), ("task", "task"), ("task_dense", "task")):
+        for name, reference in (("fit", "fit"), ("task", "task"), ("task_dense", "task"),
+                                ("fit_only_sparse", "fit_only_sparse")):
             res = result(out / name)
             assert res["ranks_identical"] is True and res["global_step"] == STEPS, res
             one = tmp_path / reference
@@ -100,8 +118,9 @@ def test_two_ranks_train_the_embedding_as_one_process(two, tmp_path):
             assert result(one)["global_batch_size"] == res["global_batch_size"] == 32
             two_w, one_w = np.load(out / name / "weights.npz"), np.load(one / "weights.npz")
             apart = max(float(np.abs(two_w[k] - one_w[k]).max()) for k in one_w.files)
-            moved = float(np.abs(one_w["arr_0"][7::ROWS // 64] - scenarios.model()
-                                 .get_weights()[0][7::ROWS // 64]).max())
+            start = (scenarios.embedding_only if "only" in name else scenarios.model)()
+            moved = float(np.abs(one_w["arr_0"][7::ROWS // 64]
+                                 - start.get_weights()[0][7::ROWS // 64]).max())
             assert apart < 1e-6 < moved, (name, apart, moved)
     finally:
         sys.path.remove(str(folder))
