@@ -87,6 +87,35 @@ def task_dense(run_dir, batch_size=16):
     finally:
         del os.environ["HVDTRAIN_SPARSE_AS_DENSE_RATIO"]
 
+def slices(rank):
+    '''A rank's sparse gradient of a [10, 3] variable: rows repeated within and across ranks.'''
+    values = np.random.default_rng(rank).normal(size=(4, 3)).astype("float32")
+    return values, np.array([[1, 3, 3, 7], [3, 5, 1, 1]][rank], "int32")
+
+def reductions(run_dir):
+    '''The world's reduction of a sparse gradient, gathered (ratio inf) and dense (ratio 0),
+    for each op, predivide factor and compression: its largest distance from the dense
+    gradient of both ranks' rows, computed here.'''
+    import tensorflow as tf
+
+    os.makedirs(run_dir, exist_ok=True)
+    world = hvdtrain.world()
+    values, indices = slices(hk.rank())
+    grad = tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([10, 3]))
+    expected = np.zeros((10, 3), "float32")
+    for r in range(2):
+        np.add.at(expected, slices(r)[1], slices(r)[0])
+    out = {}
+    for op, factor, compression in (("average", 1.0, "none"), ("average", 4.0, "none"),
+                                    ("sum", 1.0, "none"), ("average", 1.0, "fp16")):
+        want = expected / 2 if op == "average" else expected
+        for way, ratio in (("gathered", float("inf")), ("dense", 0.0)):
+            reduced, = world.allreduce_gradients([grad], op, compression, factor, ratio)
+            out[f"{op} {factor:g} {compression} {way}"] = [
+                type(reduced).__name__, float(np.abs(np.asarray(reduced) - want).max())]
+    with open(os.path.join(run_dir, f"reductions.rank{hk.rank()}.json"), "w") as f:
+        json.dump(out, f)
+
 def main(out, names):
     import horovod.tensorflow as hvd
 

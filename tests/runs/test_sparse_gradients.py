@@ -3,7 +3,8 @@
 One 2-rank launch (horovodrun --gloo) runs the scenarios of ``sparse_gradients.py`` in turn,
 each under its own Horovod timeline: ``fit`` (hk.fit), ``task`` (a Task), ``task_dense``
 (the Task with HVDTRAIN_SPARSE_AS_DENSE_RATIO=0), ``fit_only_sparse`` (hk.fit of a model whose
-one trainable variable is the Embedding). The timelines say what crossed the network
+one trainable variable is the Embedding), ``reductions`` (the world's reduction of one small
+sparse gradient, each way, against numpy). The timelines say what crossed the network
 (each collective's kind and output shape); the weights are compared with one process's on
 the same global batches, run in this interpreter. Under Keras 2 the fit path is Horovod's own
 wrapper, which gathers sparse gradients itself.
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.keras2
 
 SCRIPT = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "sparse_gradients.py")).read()
-NAMES = ("fit", "task", "task_dense", "fit_only_sparse")
+NAMES = ("fit", "task", "task_dense", "fit_only_sparse", "reductions")
 ROWS, COLUMNS, STEPS = 1_000_000, 16, 8
 GATHERED = 2 * 16 * 4  # both ranks' lookups in a step: 2 ranks x 16 examples x 4 ids
 TABLE = ROWS * COLUMNS * 4  # the Embedding's dense gradient, bytes (64 MB)
@@ -80,6 +81,20 @@ def test_with_every_gradient_gathered_the_step_flags_still_ride_once_a_step(two)
     host = {name: sum(n for key, n in collectives(out, name)[0].items() if key[1] == "float64")
             for name in ("fit", "fit_only_sparse")}
     assert host["fit_only_sparse"] == host["fit"] < STEPS + 4, host  # the run's questions
+
+
+def test_gathered_or_dense_the_reduction_is_the_same_dense_gradient(two):
+    """A [10, 3] variable's sparse gradient, rows repeated within and across the 2 ranks,
+    reduced by the world gathered (ratio inf) and dense (ratio 0): both ways give a dense
+    tensor equal to both ranks' rows summed by numpy (and halved for the average): to 1e-6
+    for the average, the average predivided by 4 and the sum, to 2e-3 with fp16 compression
+    (float16's precision on values up to 3). On both ranks."""
+    out, _ = two
+    for r in (0, 1):
+        found = json.load(open(out / "reductions" / f"reductions.rank{r}.json"))
+        assert len(found) == 8, found
+        for key, (kind, apart) in found.items():
+            assert kind == "EagerTensor" and apart < (2e-3 if "fp16" in key else 1e-6), found
 
 
 def test_the_ratio_at_zero_reduces_it_dense(two):
