@@ -17,32 +17,32 @@ k = keras()
 ROWS, COLUMNS, IDS = 1_000_000, 16, 4  # the table; ids per example
 STEPS = 8  # updates per run: 8 x 32 examples, one epoch
 
-def data():
+def data(rows=ROWS):
     rng = np.random.default_rng(11)
-    x = (rng.integers(0, 64, size=(STEPS * 32, IDS)) * (ROWS // 64) + 7).astype("int32")
-    return x, (x[:, 0] < ROWS // 2).astype("int64")
+    x = (rng.integers(0, 64, size=(STEPS * 32, IDS)) * (rows // 64) + 7).astype("int32")
+    return x, (x[:, 0] < rows // 2).astype("int64")
 
-def model():
+def model(rows=ROWS):
     k.utils.set_random_seed(5)
-    return k.Sequential([k.Input((IDS,), dtype="int32"), k.layers.Embedding(ROWS, COLUMNS),
+    return k.Sequential([k.Input((IDS,), dtype="int32"), k.layers.Embedding(rows, COLUMNS),
                          k.layers.GlobalAveragePooling1D(),
                          k.layers.Dense(2, activation="softmax")])
 
-def embedding_only():
+def embedding_only(rows=ROWS):
     '''A model whose one trainable variable is the Embedding: every gradient is sparse.'''
     k.utils.set_random_seed(5)
-    return k.Sequential([k.Input((IDS,), dtype="int32"), k.layers.Embedding(ROWS, 2),
+    return k.Sequential([k.Input((IDS,), dtype="int32"), k.layers.Embedding(rows, 2),
                          k.layers.GlobalAveragePooling1D(), k.layers.Activation("softmax")])
 
 def save(run_dir, m):
     if hk.rank() == 0:
         np.savez(os.path.join(run_dir, "weights.npz"), *m.get_weights())
 
-def fit(run_dir, batch_size=16, build=model):
+def fit(run_dir, batch_size=16, build=model, rows=ROWS):
     '''hk.fit: Keras' own train step, the optimizer's reduction (Keras 3) or Horovod's
     wrapper (Keras 2).'''
-    x, y = data()
-    m = build()
+    x, y = data(rows)
+    m = build(rows)
     m.compile(optimizer=hk.DistributedOptimizer(k.optimizers.Adam(1e-2)),
               loss="sparse_categorical_crossentropy", jit_compile=False)
     hk.fit(m, hk.dataset(x, y, batch_size=batch_size, seed=3), epochs=1, run_dir=run_dir,
@@ -53,6 +53,10 @@ def fit_only_sparse(run_dir, batch_size=16):
     '''hk.fit of a model with no dense gradient: the step's stop flags go in a round of
     their own.'''
     fit(run_dir, batch_size, embedding_only)
+
+def fit_small_table(run_dir, batch_size=16):
+    '''hk.fit of a 100-row table: 2 ranks x 64 rows looked up are more than its rows.'''
+    fit(run_dir, batch_size, rows=100)
 
 class Embed(hvdtrain.Task):
     name = "embed"

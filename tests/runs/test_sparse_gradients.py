@@ -3,7 +3,8 @@
 One 2-rank launch (horovodrun --gloo) runs the scenarios of ``sparse_gradients.py`` in turn,
 each under its own Horovod timeline: ``fit`` (hk.fit), ``task`` (a Task), ``task_dense``
 (the Task with HVDTRAIN_SPARSE_AS_DENSE_RATIO=0), ``fit_only_sparse`` (hk.fit of a model whose
-one trainable variable is the Embedding), ``reductions`` (the world's reduction of one small
+one trainable variable is the Embedding), ``fit_small_table`` (hk.fit of a 100-row
+table, the default ratio), ``reductions`` (the world's reduction of one small
 sparse gradient, each way, against numpy). The timelines say what crossed the network
 (each collective's kind and output shape); the weights are compared with one process's on
 the same global batches, run in this interpreter. Under Keras 2 the fit path is Horovod's own
@@ -17,14 +18,14 @@ import numpy as np
 import pytest
 
 import usercode
-from conftest import result, run
+from conftest import KERAS2, result, run
 from hvdtrain.tools.bench.cases import timeline_collectives
 
 pytestmark = pytest.mark.keras2
 
 SCRIPT = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "sparse_gradients.py")).read()
-NAMES = ("fit", "task", "task_dense", "fit_only_sparse", "reductions")
+NAMES = ("fit", "task", "task_dense", "fit_only_sparse", "fit_small_table", "reductions")
 ROWS, COLUMNS, STEPS = 1_000_000, 16, 8
 GATHERED = 2 * 16 * 4  # both ranks' lookups in a step: 2 ranks x 16 examples x 4 ids
 TABLE = ROWS * COLUMNS * 4  # the Embedding's dense gradient, bytes (64 MB)
@@ -66,6 +67,19 @@ def test_an_embeddings_gradient_crosses_the_network_sparse(two, name):
     assert counts[("ALLGATHER", "int32", (GATHERED,))] == STEPS, counts
     assert not [key for key in counts if ROWS in key[2]], counts
     assert total / STEPS < 10_000, (total / STEPS, counts)
+
+
+def test_a_table_smaller_than_the_ranks_lookups_is_reduced_dense(two):
+    """A 100-row table, 2 ranks x 64 rows looked up a step: by the default ratio (128 >= 100)
+    its gradient goes dense, [100, 16] allreduced each step, decided from static shapes on
+    the fit path. Under Keras 2 the fit path is Horovod's own wrapper, which gathers every
+    sparse gradient: [128, 16] gathered."""
+    out, _ = two
+    counts, _ = collectives(out, "fit_small_table")
+    dense = ("ALLREDUCE", "float32", (100, COLUMNS))
+    gathered = ("ALLGATHER", "float32", (GATHERED, COLUMNS))
+    taken, not_taken = (gathered, dense) if KERAS2 else (dense, gathered)
+    assert counts[taken] == STEPS and not_taken not in counts, counts
 
 
 def test_with_every_gradient_gathered_the_step_flags_still_ride_once_a_step(two):
