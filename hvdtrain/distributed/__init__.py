@@ -8,6 +8,7 @@ imports Horovod.
 - ``world``: the World interface and the single-process World;
 - ``horovod_setup``: Horovod's import, its run-time defaults, device and thread pinning;
 - ``horovod_world``: HorovodWorld, the gradients' ``Reduction``, elastic state;
+- ``sparse``: sparse gradients (an Embedding's) gathered over the ranks or reduced dense;
 - ``start``: ``init()`` and ``current()``;
 - ``optimizer``: ``DistributedOptimizer`` (the averaged update) and the stop flags that ride in it;
 - ``layers``: ``SyncBatchNormalization`` (statistics over the global batch);

@@ -9,6 +9,7 @@ import numpy as np
 
 from hvdtrain.base.compat import tf_variables
 from hvdtrain.base.errors import ConfigError, LaunchError, first_line
+from hvdtrain.distributed import sparse
 from hvdtrain.distributed.horovod_setup import horovod_keras
 from hvdtrain.distributed.world import QUESTIONS, World, reduction_ops
 
@@ -75,13 +76,15 @@ class HorovodWorld(World):
         return Reduction(self, op, compression, gradient_predivide_factor)
 
     def allreduce_gradients(self, grads, op="average", compression="none",
-                            gradient_predivide_factor=1.0) -> list:
+                            gradient_predivide_factor=1.0, sparse_ratio=None) -> list:
         """Average (or sum) gradients over all ranks, inside a compiled step.
 
         One grouped allreduce: Horovod negotiates and fuses every gradient in one round.
-        None gradients (variables the loss does not reach) stay None; sparse gradients
-        (tf.IndexedSlices, from embeddings) are reduced dense, like Horovod's
-        sparse_as_dense=True.
+        None gradients (variables the loss does not reach) stay None. A sparse gradient
+        (tf.IndexedSlices, from an Embedding) is gathered sparse when that sends less
+        (``hvdtrain.distributed.sparse``; ``sparse_ratio``: its threshold, None: the
+        environment's), else reduced dense like Horovod's sparse_as_dense=True; either way
+        it comes back dense, the gradient the dense reduction gives.
         """
         import tensorflow as tf
 
@@ -89,8 +92,10 @@ class HorovodWorld(World):
             return list(grads)  # nothing to average; skip the background thread's cycle
         hvd = self.hvd
         op, compression = reduction_ops(op, compression, gradient_predivide_factor, hvd)
-        grads = list(grads)
-        present = [i for i, g in enumerate(grads) if g is not None]
+        grads, gathered = sparse.reduce_gathered(
+            self, grads, op, compression, gradient_predivide_factor,
+            sparse.ratio() if sparse_ratio is None else sparse_ratio)
+        present = [i for i, g in enumerate(grads) if g is not None and i not in gathered]
         if not present:
             return grads
         # Horovod: split an average across pre- and post-scaling (as its own wrapper does);
@@ -190,12 +195,17 @@ class Reduction:
         # Adasum's combination is meant for gradients only: other tensors (the step's flags)
         # cannot ride in its round.
         self.carries_riders = op != world.hvd.Adasum
+        # Read once, here: a bad value stops every rank at DistributedOptimizer(), before
+        # anything is traced.
+        self.sparse_ratio = sparse.ratio()
 
     def __call__(self, grads) -> list:
         # Horovod: average gradients over all ranks with ring-allreduce before each update,
-        # the synchronous update SyncReplicasOptimizer made.
+        # the synchronous update SyncReplicasOptimizer made (sparse ones gathered when that
+        # sends less).
         return self.world.allreduce_gradients(grads, self.op, self.compression,
-                                              self.gradient_predivide_factor)
+                                              self.gradient_predivide_factor,
+                                              self.sparse_ratio)
 
     def sum(self, tensor):
         """A tensor summed over the ranks in a round of its own (for Adasum's riders)."""

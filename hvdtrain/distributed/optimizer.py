@@ -16,10 +16,16 @@ state, carries the step's stop flags in the gradients' allreduce, and turns comp
 returned unchanged (but for ``backward_passes_per_step``), and Keras 3's is wrapped alike,
 with nothing to reduce.
 
-Sparse gradients (an Embedding's ``tf.IndexedSlices``) are applied dense at every world size
-on hvdtrain's own paths (the Task path's step; Keras 3's ``apply``), so Adam trains an
-Embedding alike on one process and on N ranks. Under Keras 2 the fit path is Horovod's
-wrapper, which gathers them sparse on N ranks, as one process keeps them sparse.
+Sparse gradients (an Embedding's ``tf.IndexedSlices``) cross the ranks sparse when that sends
+less: each rank's rows and their indices go by two Horovod allgathers instead of the whole
+table by the allreduce, when size x (the gradient's rows) < ``HVDTRAIN_SPARSE_AS_DENSE_RATIO``
+(default 1) x (the table's rows), decided from static shapes so that every rank decides alike
+(``hvdtrain.distributed.sparse``; ``0``: always dense, Horovod's ``sparse_as_dense=True``).
+What the optimizer applies is the dense gradient at every world size on hvdtrain's own paths
+(the Task path's step under either Keras; Keras 3's ``apply``): the gathered rows are summed
+into it on each rank, so Adam trains an Embedding alike on one process and on N ranks. Under
+Keras 2 the fit path is Horovod's wrapper, which gathers them sparse on N ranks and applies
+them sparse, as one process does.
 
 ``backward_passes_per_step=N`` accumulates: each update applies the mean of N calls'
 gradients (N micro-batches), reduced over the ranks once, at the N-th call. Under Keras 3 this
@@ -106,10 +112,10 @@ class _Alone:
 
 def _dense(grads) -> list:
     """An Embedding's sparse gradient (``tf.IndexedSlices``) as a dense tensor. N ranks
-    reduce it dense (Horovod's ``sparse_as_dense``); Keras' Adam (any optimizer with slots)
-    updates a sparse gradient's moments otherwise than a dense one's (rows repeated in a
-    batch, rows not in it), so one process applies it dense too: a model trains alike at
-    any world size."""
+    return it dense from the reduction (gathered, or reduced dense: Horovod's
+    ``sparse_as_dense``); Keras' Adam (any optimizer with slots) updates a sparse gradient's
+    moments otherwise than a dense one's (rows repeated in a batch, rows not in it), so one
+    process applies it dense too: a model trains alike at any world size."""
     import tensorflow as tf
 
     return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]

@@ -50,7 +50,7 @@ class World:
         return None
 
     def allreduce_gradients(self, grads, op="average", compression="none",
-                            gradient_predivide_factor=1.0) -> list:
+                            gradient_predivide_factor=1.0, sparse_ratio=None) -> list:
         return list(grads)
 
     def broadcast_variables(self, variables) -> None:

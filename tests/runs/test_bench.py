@@ -137,12 +137,13 @@ def test_the_performance_pages_commands_run_the_cases_they_say():
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """One ``--smoke`` run of the three cases that launch (allreduce, keras_speed, pipeline):
-    the bench's own start and machine figures once for the three tests below."""
+    """One ``--smoke`` run of the four cases that launch (allreduce, keras_speed, pipeline,
+    sparse): the bench's own start and machine figures once for the four tests below."""
     tmp = tmp_path_factory.mktemp("smoke")
     out = tmp / "out"
     proc = run([sys.executable, "-m", "hvdtrain.bench", "--smoke", "--cases",
-                "allreduce,keras_speed,pipeline", "--sizes", "4096,65536", "--out", str(out)],
+                "allreduce,keras_speed,pipeline,sparse", "--sizes", "4096,65536", "--out",
+                str(out)],
                clean_env(tmp / "home"), timeout=900, cwd=ROOT)
     return proc, out
 
@@ -347,3 +348,19 @@ def test_pipeline_case_through_the_real_launchers(smoke):
     text = (out / "results.md").read_text()
     assert "TFRecord files through tf.data / arrays in memory" in text
     assert "hk.fit / MultiWorkerMirroredStrategy fit" in text
+
+
+def test_sparse_case_through_the_real_launchers(smoke):
+    """The sparse case at its smallest (an Embedding of 20,000 x 8, 16 examples of 4 ids per
+    rank, 3 steps): gathered, the step's largest tensor is both ranks' 128 rows and each
+    step puts out under 10 KB; dense, it is the table, 640 KB a step. Both trained."""
+    proc, out = smoke
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sp = json.loads((out / "results.json").read_text())["sparse"]
+    gathered, dense = sp["variants"]["gathered"], sp["variants"]["dense"]
+    assert gathered["largest"] == [128, 8] and gathered["bytes_per_step"] < 10_000, sp
+    assert dense["largest"] == [20_000, 8] and dense["bytes_per_step"] > 20_000 * 8 * 4, sp
+    assert gathered["allgathers"] >= 2 * 3 and gathered["samples_per_sec"] > 0, sp
+    assert dense["samples_per_sec"] > 0, sp
+    assert sp["ratios"]["bytes dense/gathered"] > 50, sp
+    assert "An Embedding's sparse gradient, 2 processes" in (out / "results.md").read_text()

@@ -128,3 +128,27 @@ def test_readme_documents_every_flag():
     for cls in (Config, LinearSettings, MnistSettings):
         for f in dataclasses.fields(cls):
             assert "`--" + f.name.replace("_", "-") in readme, f.name
+
+
+def test_sparse_gradients_go_gathered_or_dense_by_one_ratio(monkeypatch):
+    """HVDTRAIN_SPARSE_AS_DENSE_RATIO: a number from 0 up (default 1), anything else one line
+    naming it; a sparse gradient is gathered when size x its rows < ratio x the table's rows,
+    and when its rows are unknown or the world elastic, unless the ratio is 0."""
+    from hvdtrain.base.errors import EnvError
+    from hvdtrain.distributed.sparse import gathers, ratio
+
+    monkeypatch.delenv("HVDTRAIN_SPARSE_AS_DENSE_RATIO", raising=False)
+    assert ratio() == 1.0
+    for raw, value in (("0", 0.0), ("0.5", 0.5), ("inf", float("inf"))):
+        monkeypatch.setenv("HVDTRAIN_SPARSE_AS_DENSE_RATIO", raw)
+        assert ratio() == value
+    for raw in ("-1", "nan", "half"):
+        monkeypatch.setenv("HVDTRAIN_SPARSE_AS_DENSE_RATIO", raw)
+        with pytest.raises(EnvError, match=rf"^HVDTRAIN_SPARSE_AS_DENSE_RATIO={raw}: give a "
+                                           "number, 0 or more"):
+            ratio()
+    assert gathers(128, 1_000_000, 2, 1.0) and not gathers(96, 20, 2, 1.0)
+    assert not gathers(10, 20, 2, 1.0) and gathers(10, 20, 2, 1.01)  # the rule is strict
+    assert gathers(None, 20, 2, 1.0) and gathers(96, 20, 2, 1.0, elastic=True)
+    assert not gathers(None, 20, 2, 0.0) and not gathers(1, 10 ** 6, 2, 0.0, elastic=True)
+    assert gathers(10 ** 6, 10, 64, float("inf"))

@@ -22,11 +22,11 @@ import sys
 import time
 
 from hvdtrain.tools import bench
-from hvdtrain.tools.bench import cases, fit_cases, report
+from hvdtrain.tools.bench import cases, fit_cases, report, sparse_case
 from hvdtrain.distributed import usable_cores
 
 CASES = ("allreduce", "throughput", "steps", "tta", "timeline", "fit", "keras_speed",
-         "pipeline")
+         "pipeline", "sparse")
 # --quick without --cases: the comparisons docs/performance/index.md leads with (Horovod's
 # allreduce, training throughput against plain TensorFlow and MultiWorkerMirroredStrategy,
 # time to accuracy, the fit path against Horovod's Keras wrapper).
@@ -49,14 +49,14 @@ def settings(level: str) -> dict:
                 "tta": (softmax, 500, 0.5, 2), "timeline": (softmax, 500, 1),
                 "fit": (250, 2, 1), "steps": ([softmax], 500, 2, (1, 0), 1),
                 "keras_speed": (500, 2, 1, (8,), ("k3",), 64, 4, 3),
-                "pipeline": (250, 2, 1), "dataset": "mnist"}
+                "pipeline": (250, 2, 1), "sparse": (20_000, 8, 16, 3), "dataset": "mnist"}
     if level == "quick":
         return {"sizes": [4 * KIB, 256 * KIB, 4 << 20], "scale": 0.2,
                 "specs": [softmax], "batches": [4096], "epochs": 3, "repeats": 1,
                 "tta": (softmax, 512, 0.80, 4), "timeline": (softmax, 512, 2),
                 "fit": (256, 3, 1), "steps": ([softmax], 256, 3, (1, 16, 0), 1),
                 "keras_speed": (256, 2, 1, (64,), ("k3",), 256, 100, 12),
-                "pipeline": (64, 3, 1)}
+                "pipeline": (64, 3, 1), "sparse": (1_000_000, 16, 64, 10)}
     return {"sizes": [4 * KIB << (2 * i) for i in range(8)], "scale": 1.0,  # 4 KiB .. 64 MiB
             "specs": [softmax, mlp], "batches": [256, 1024, 4096], "epochs": 3, "repeats": 2,
             "tta": (softmax, 512, 0.80, 6), "timeline": (softmax, 512, 2),
@@ -69,7 +69,10 @@ def settings(level: str) -> dict:
             # paired fits, a smaller BN mlp, 12 paired epochs (full: 30)
             "keras_speed": (256, 6, 2),
             # issue 18's pipeline targets: batch per rank, epochs, repeats (mlp-256, 8 files)
-            "pipeline": (64, 4, 2)}
+            "pipeline": (64, 4, 2),
+            # an Embedding's gradient gathered and dense: table rows, columns, batch per
+            # rank, steps (the dense one: 64 MB allreduced a step)
+            "sparse": (1_000_000, 16, 64, 20)}
 
 
 def plan(argv=None) -> argparse.Namespace:
@@ -137,6 +140,8 @@ def main(argv=None) -> int:
                 results[case] = fit_cases.keras_speed(out, *s["keras_speed"])
             elif case == "pipeline":
                 results[case] = fit_cases.pipeline(out, *s["pipeline"])
+            elif case == "sparse":
+                results[case] = sparse_case.sparse(out, *s["sparse"])
     except bench.BenchError as e:
         print(f"python -m hvdtrain.bench: error: {e}", file=sys.stderr)
         return 1

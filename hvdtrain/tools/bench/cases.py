@@ -338,6 +338,31 @@ def read_timeline(path) -> list:
     return json.loads(text if text.endswith("]") else text + "]")
 
 
+# Bytes per element of the dtypes a Horovod timeline names (Horovod's DataType_Name, lower case).
+_DTYPE_BYTES = {"uint8": 1, "int8": 1, "bool": 1, "float16": 2, "bfloat16": 2, "int16": 2,
+                "uint16": 2, "int32": 4, "float32": 4, "int64": 8, "float64": 8}
+
+
+def timeline_collectives(path, kinds=("ALLREDUCE", "ALLGATHER")) -> list:
+    """Every finished collective of ``kinds`` in a Horovod timeline, in order, as dicts:
+    kind, tensor (its name), dtype, shape (a list) and bytes, those of its output (an
+    allreduce's output is its input; an allgather's, every rank's rows together)."""
+    events = read_timeline(path)
+    tensors = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"
+               and "name" in e.get("args", {})}
+    started, out = {}, []
+    for e in events:
+        if e.get("ph") == "B" and e.get("name") in kinds:
+            started[e["pid"]] = e["name"]
+        elif e.get("ph") == "E" and e.get("pid") in started and "shape" in e.get("args", {}):
+            dtype, shape = e["args"]["dtype"].lower(), json.loads(e["args"]["shape"])
+            out.append({"kind": started.pop(e["pid"]), "tensor": tensors.get(e["pid"], ""),
+                        "dtype": dtype, "shape": shape,
+                        "bytes": int(np.prod(shape, dtype=np.int64)) * _DTYPE_BYTES[dtype]})
+    return out
+
+
 def summarize_timeline(path) -> dict:
     """Seconds and counts per activity name over all tensors, from a Horovod (Chrome trace)
     timeline; ``allreduce_rounds``: the allreduce negotiation rounds, a grouped allreduce's

@@ -191,6 +191,16 @@ def markdown(results, command: str) -> str:
         parts.append(table(["variant", "samples/s"], [
             (label, fit["samples_per_sec"][v]) for v, label in fit["variants"].items()]))
         parts.append("\n" + table(["ratio", "value"], list(fit["ratios"].items())))
+    sp = results.get("sparse")
+    if sp:
+        parts.append(f"\n### An Embedding's sparse gradient, {sp['ranks']} processes: "
+                     f"Embedding({sp['rows']:,}, {sp['columns']}), batch {sp['batch_per_rank']} "
+                     f"per rank, Adam, {sp['steps']} steps, Task path\n")
+        parts.append(table(["variant", "MB reduced or gathered a step", "largest tensor",
+                            "samples/s"], [
+            (v, r["bytes_per_step"] / 1e6, str(r["largest"]), r["samples_per_sec"])
+            for v, r in sp["variants"].items()]))
+        parts.append("\n" + table(["ratio", "value"], list(sp["ratios"].items())))
     ks = results.get("keras_speed")
     if ks:
         parts.append(f"\n### Keras paths against Keras' and Horovod's own, softmax, global batch "
