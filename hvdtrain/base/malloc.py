@@ -57,10 +57,9 @@ def thp_mode(path: str = THP) -> str | None:
     return text[start + 1:end] if 0 <= start < end else None
 
 
-def unavailable(glibc=None, thp=None) -> str | None:
-    """Why this machine cannot have the tunable, or None when it can."""
-    glibc = glibc_version() if glibc is None else glibc
-    thp = thp_mode() if thp is None else thp
+def unavailable(glibc, thp) -> str | None:
+    """Why a machine with this glibc (``glibc_version()``) and THP mode (``thp_mode()``)
+    cannot have the tunable, or None when it can."""
     if glibc is None or glibc < MIN_GLIBC:
         return (f"glibc {'.'.join(map(str, glibc))} is older than 2.35" if glibc else
                 "not glibc")
@@ -74,24 +73,41 @@ def has_tunable(value: str | None) -> bool:
     return any(item.startswith(TUNABLE + "=") for item in (value or "").split(":"))
 
 
-def tunables(environ=os.environ, glibc=None, thp=None) -> str | None:
-    """The GLIBC_TUNABLES a rank started with ``environ`` should have, or None: leave it."""
+def tunables(environ=os.environ, machine=None) -> str | None:
+    """The GLIBC_TUNABLES a rank started with ``environ`` should have, or None: leave it.
+    ``machine``: (glibc, thp) as ``unavailable`` takes them; this machine's by default."""
     value = environ.get("GLIBC_TUNABLES", "")
-    if environ.get(SWITCH) == "0" or has_tunable(value) or unavailable(glibc, thp):
+    if environ.get(SWITCH) == "0" or has_tunable(value):
+        return None
+    if unavailable(*(machine or (glibc_version(), thp_mode()))):
         return None
     return f"{value}:{TUNABLE}=1" if value else f"{TUNABLE}=1"
 
 
-def started_with() -> str | None:
-    """GLIBC_TUNABLES as this process started with it (what glibc read), not as it is now."""
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            for entry in f.read().split(b"\0"):
-                if entry.startswith(b"GLIBC_TUNABLES="):
-                    return entry.split(b"=", 1)[1].decode(errors="replace")
-    except OSError:
-        return os.environ.get("GLIBC_TUNABLES")
-    return None
+# GLIBC_TUNABLES as this process started with it (what glibc read): taken when hvdtrain is
+# first imported, before anything of hvdtrain can change it. Not from /proc/self/environ:
+# glibc cuts the original string at each ':' when it parses it, and keeps a whole copy.
+AT_START = os.environ.get("GLIBC_TUNABLES")
+
+
+def state(environ=os.environ) -> dict:
+    """This machine's and this process's standing, for the doctor: glibc's version, THP's
+    mode, why the tunable cannot be had (or None), what a launched rank started from this
+    environment gets (GLIBC_TUNABLES, or None: as it is), and what this process started
+    with."""
+    glibc, thp = glibc_version(), thp_mode()
+    started = AT_START
+    return {"glibc": ".".join(map(str, glibc)) if glibc else None, "thp": thp,
+            "unavailable": unavailable(glibc, thp),
+            "switch": environ.get(SWITCH), "environment": environ.get("GLIBC_TUNABLES"),
+            "ranks_get": tunables(environ, (glibc, thp)),
+            "this_process": started, "this_process_has": huge(started)}
+
+
+def huge(value: str | None) -> bool:
+    """Whether a GLIBC_TUNABLES value turns glibc.malloc.hugetlb on (1: THP, 2: hugetlbfs)."""
+    return any(item.startswith(TUNABLE + "=") and item.split("=", 1)[1] not in ("", "0")
+               for item in (value or "").split(":"))
 
 
 def _interactive() -> bool:
