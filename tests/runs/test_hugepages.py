@@ -37,7 +37,7 @@ AVAILABLE = malloc.unavailable(malloc.glibc_version(), malloc.thp_mode()) is Non
 
 def ranks(tmp_path, **extra):
     """horovodrun -np 2 of RANK in a user's environment plus ``extra``: ({rank: its report},
-    {pid: GLIBC_TUNABLES of each start})."""
+    {pid: GLIBC_TUNABLES of each start}), all on this host."""
     (tmp_path / "hvdtrain_rank.py").write_text(RANK)
     env = rank_env.logging(clean_env(tmp_path / "home", **extra), tmp_path)
     p = run([HOROVODRUN, "-np", "2", sys.executable, str(tmp_path / "hvdtrain_rank.py")],
@@ -46,7 +46,8 @@ def ranks(tmp_path, **extra):
     # (mpirun tags each write: the line's newline may come tagged on its own)
     reports = [json.loads(m) for m in re.findall(r'<stdout>:(\{"rank".*?\})', p.stdout)]
     assert len(reports) == 2, p.stdout + p.stderr[-3000:]
-    return {r["rank"]: r for r in reports}, rank_env.starts(tmp_path)
+    return ({r["rank"]: r for r in reports},
+            {pid: v for (_, pid), v in rank_env.starts(tmp_path).items()})
 
 
 @pytest.mark.quick
