@@ -34,8 +34,11 @@ MARKER = "HVDTRAIN_HUGETLB_REEXEC"
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)
 # Imported before hvdtrain, these make a re-exec cost more than a Python start (their
-# imports run again), or show a process that is not a launched script's.
-HEAVY = ("tensorflow", "keras", "tf_keras", "horovod", "torch", "jax", "IPython", "ipykernel")
+# imports run again), or show a process that is not a launched script's: a notebook, or a test
+# runner (pytest's capture has moved the output's file descriptors: the new process would
+# write into its temporary files).
+HEAVY = ("tensorflow", "keras", "tf_keras", "horovod", "torch", "jax", "IPython", "ipykernel",
+         "_pytest")
 
 
 def glibc_version() -> tuple | None:

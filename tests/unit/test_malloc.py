@@ -104,6 +104,7 @@ def test_a_launched_rank_starts_again_once_with_the_tunable(tmp_path):
      "threading.Thread(target=time.sleep, args=(2,), daemon=True).start()", {}, (), False),
     ("program from stdin", "", {}, ("-",), True),
     ("interactive", "", {}, ("-i",), False),
+    ("a test runner", "import _pytest", {}, (), False),
 ])
 def test_no_re_exec(tmp_path, case, before, extra, python, stdin):
     starts, envs = launched(tmp_path, before, extra, python=python, stdin=stdin)
