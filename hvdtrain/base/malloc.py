@@ -99,12 +99,11 @@ def state(environ=os.environ) -> dict:
     environment gets (GLIBC_TUNABLES, or None: as it is), and what this process started
     with."""
     glibc, thp = glibc_version(), thp_mode()
-    started = AT_START
     return {"glibc": ".".join(map(str, glibc)) if glibc else None, "thp": thp,
             "unavailable": unavailable(glibc, thp),
             "switch": environ.get(SWITCH), "environment": environ.get("GLIBC_TUNABLES"),
             "ranks_get": tunables(environ, (glibc, thp)),
-            "this_process": started, "this_process_has": huge(started)}
+            "this_process": AT_START, "this_process_has": huge(AT_START)}
 
 
 def huge(value: str | None) -> bool:
