@@ -74,7 +74,10 @@ COPY --from=build /opt/hvdtrain/.venv /opt/hvdtrain/.venv
 # GPUs (the CUDA driver and nvidia-smi). Which GPUs is not the image's to say: docker run
 # --gpus, or Kubernetes' device plugin for a pod's nvidia.com/gpu limit (NVIDIA_VISIBLE_DEVICES
 # =all here would give a pod without that limit every GPU of a node whose default runtime is
-# NVIDIA's). OMPI_ALLOW_RUN_AS_ROOT: for `docker run --user root`.
+# NVIDIA's). OMPI_ALLOW_RUN_AS_ROOT: for `docker run --user root`. No GLIBC_TUNABLES: whether
+# glibc.malloc.hugetlb=1 helps depends on the node's transparent huge pages, and a value set
+# here would look like the user's own; the launch scripts and the ranks themselves add it
+# (hvdtrain/base/malloc.py), and HVDTRAIN_HUGETLB=0 turns that off.
 ENV PATH=/opt/hvdtrain/.venv/bin:${PATH} \
     OMPI_ALLOW_RUN_AS_ROOT=1 \
     OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \

@@ -19,8 +19,16 @@ Task path) and ``fit`` (``hk.fit``); then the public modules here (``keras``, ``
 their public names). ``tools`` (the test harness, the benchmarks) is for developers:
 nothing else imports it.
 """
-# hvdtrain's first code: the clock of result.json's timings starts here (hvdtrain/base/timings.py).
-from hvdtrain.base import timings as _timings
+# hvdtrain's first code: a launched rank whose environment lacks glibc's huge-page tunable
+# starts itself again with it, before anything is imported (glibc reads it only at start;
+# hvdtrain/base/malloc.py says when, and why that is safe here).
+from hvdtrain.base import malloc as _malloc
+
+_malloc.reexec()
+
+# The clock of result.json's timings starts here (hvdtrain/base/timings.py); its wall and
+# startup count from the process's start, so a re-exec above is in them.
+from hvdtrain.base import timings as _timings  # noqa: E402
 
 with _timings.phase("imports"):
     import os as _os

@@ -8,8 +8,10 @@ Keras 2 from tf_keras under TF_USE_LEGACY_KERAS=1, decided as training decides i
 Horovod (what it was built with, the frameworks it can really use, and the hvdtrain
 patches its build carries; for a GPU build the CUDA runtime, NCCL and compiler it used and
 the GPU architectures its kernels cover), the MPI library, the GPUs TensorFlow sees (or, in
-one line, why none) and the launchers, and recognises the known bad combinations. Exit 1
-prints one ``problem:`` and one ``fix:`` line per problem.
+one line, why none), the launchers, and whether glibc and transparent huge pages let the
+ranks' buffers have huge pages (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, which hvdtrain's
+launchers and its launched ranks set) and whether this process has them; and it recognises
+the known bad combinations. Exit 1 prints one ``problem:`` and one ``fix:`` line per problem.
 """
 import argparse
 import ctypes
@@ -25,6 +27,7 @@ import sys
 import sysconfig
 
 from hvdtrain import distributed
+from hvdtrain.base import malloc
 from hvdtrain.base.errors import error_line
 
 SETUP = "scripts/setup.sh"
@@ -185,6 +188,8 @@ def diagnose():
         if where is None:
             problem(f"{name} is not on PATH or in {os.path.dirname(sys.executable)}", SETUP)
 
+    # Not a problem where absent: training is right either way, only allreduce is slower.
+    report["hugepages"] = malloc.state()
     return report, problems
 
 
@@ -277,6 +282,22 @@ def _why_not(status, sub):
             f"built but {FRAMEWORKS[sub][1]} not installed")
 
 
+def _hugepages(h) -> str:
+    machine = (f"glibc {h['glibc'] or 'absent'}, transparent huge pages "
+               f"{h['thp'] or 'absent'}")
+    if h["unavailable"]:
+        ranks = f"the ranks' buffers stay on 4 KiB pages ({h['unavailable']})"
+    elif h["switch"] == "0":
+        ranks = f"launched ranks are left without {malloc.TUNABLE}=1 ({malloc.SWITCH}=0)"
+    elif h["ranks_get"] is None:
+        ranks = f"launched ranks keep GLIBC_TUNABLES={h['environment']}"
+    else:
+        ranks = (f"launched ranks start with GLIBC_TUNABLES={h['ranks_get']} "
+                 f"({malloc.SWITCH}=0: not)")
+    return (f"{machine}: {ranks}; this process started "
+            + ("with it" if h["this_process_has"] else "without it"))
+
+
 def render(report, problems) -> str:
     tfv, keras, hv, mpi = (report.get(k, {}) for k in ("tensorflow", "keras", "horovod", "mpi"))
     lines = [_line("python", f"{report['python']['version']} ({report['python']['executable']})"),
@@ -313,6 +334,8 @@ def render(report, problems) -> str:
                           and not report["no_gpu"] else "")))
     lines.append(_line("launchers", ", ".join(f"{n} {w or 'MISSING'}"
                                               for n, w in report["launchers"].items())))
+    if "hugepages" in report:
+        lines.append(_line("hugepages", _hugepages(report["hugepages"])))
     for p in problems:
         lines += [f"problem: {p['problem']}", f"fix: {p['fix']}"]
     lines.append("all good" if not problems else

@@ -33,7 +33,8 @@
 # Environment: the operator's OMPI_MCA_orte_default_hostfile (the hostfile: /etc/mpi/hostfile),
 # and what launch_cluster.sh takes (IFACE, PYTHON, DRY_RUN; NP defaults to the hostfile's
 # slots). The pod's variables reach the ranks only through launch_cluster.sh's -x list (they
-# run under the workers' sshd, not in the launcher's environment).
+# run under the workers' sshd, not in the launcher's environment); GLIBC_TUNABLES with
+# glibc.malloc.hugetlb=1 is among them (launch_cluster.sh sets it; HVDTRAIN_HUGETLB=0: not).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 task=${1:?usage: k8s_launcher.sh TASK [hvdtrain flags] (with --run-dir on the claim)}

@@ -10,10 +10,12 @@
 #   IFACE=eth0    the network interface MPI, Gloo and NCCL use between hosts
 #   PYTHON=...    the interpreter on every host (default: this checkout's .venv)
 #   DRY_RUN=1     print the command instead of running it
+#   HVDTRAIN_HUGETLB=0  leave GLIBC_TUNABLES alone (default: glibc.malloc.hugetlb=1 added
+#                 where this host's glibc and transparent huge pages allow, scripts/hugetlb.sh)
 # Forwarded to every host with -x, where set: PATH LD_LIBRARY_PATH PYTHONPATH
 # TF_CPP_MIN_LOG_LEVEL HVDTRAIN_TF_LOGS HOROVOD_CYCLE_TIME HOROVOD_FUSION_THRESHOLD
-# PYTHONUNBUFFERED TF_USE_LEGACY_KERAS HVDTRAIN_EXIT_FILE HVDTRAIN_LOCK_WAIT, and NCCL_DEBUG
-# (default WARN).
+# PYTHONUNBUFFERED TF_USE_LEGACY_KERAS HVDTRAIN_EXIT_FILE HVDTRAIN_LOCK_WAIT GLIBC_TUNABLES
+# HVDTRAIN_HUGETLB, and NCCL_DEBUG (default WARN).
 set -euo pipefail
 hostfile=${1:?usage: launch_cluster.sh HOSTFILE TASK [flags]}
 task=${2:?usage: launch_cluster.sh HOSTFILE TASK [flags]}
@@ -22,6 +24,9 @@ shift 2
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-$root/.venv/bin/python}
 np=${NP:-$("$python" -m hvdtrain workers "$task" "$@")}
+# shellcheck disable=SC1091  # scripts/hugetlb.sh, linted on its own
+source "$root/scripts/hugetlb.sh"
+hvdtrain_hugetlb  # GLIBC_TUNABLES for the ranks: read by glibc at their start, so set here
 
 cmd=(mpirun -np "$np" --hostfile "$hostfile"
      # Horovod: no core binding (TensorFlow sizes its own thread pools per local rank) and
@@ -35,7 +40,7 @@ cmd=(mpirun -np "$np" --hostfile "$hostfile"
 # that are set: Open MPI prints a warning for each unset one.
 for name in PATH LD_LIBRARY_PATH PYTHONPATH TF_CPP_MIN_LOG_LEVEL HVDTRAIN_TF_LOGS \
             HOROVOD_CYCLE_TIME HOROVOD_FUSION_THRESHOLD PYTHONUNBUFFERED TF_USE_LEGACY_KERAS \
-            HVDTRAIN_EXIT_FILE HVDTRAIN_LOCK_WAIT; do
+            HVDTRAIN_EXIT_FILE HVDTRAIN_LOCK_WAIT GLIBC_TUNABLES HVDTRAIN_HUGETLB; do
     if [[ -n "${!name+set}" ]]; then cmd+=(-x "$name"); fi
 done
 if [[ -n "${IFACE:-}" ]]; then

@@ -5,6 +5,8 @@
 #   scripts/launch_local.sh linear --num-workers 4
 #   scripts/launch_local.sh mypackage.tasks:MyTask --num-workers 2   # your own task
 #   CONTROLLER=--mpi scripts/launch_local.sh mnist # default: Horovod's choice (MPI if built)
+#   HVDTRAIN_HUGETLB=0 scripts/launch_local.sh ... # GLIBC_TUNABLES left alone (default: with
+#                                                  # glibc.malloc.hugetlb=1, scripts/hugetlb.sh)
 #
 # The worker count comes from the task's configuration (its --num-workers flag, else the
 # task's default: 2 for the seed tasks, 1 for a task that sets none), so the launcher and the
@@ -16,6 +18,9 @@ shift
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-$root/.venv/bin/python}
 np=$("$python" -m hvdtrain workers "$task" "$@")  # validates the flags, prints num_workers
+# shellcheck disable=SC1091  # scripts/hugetlb.sh, linted on its own
+source "$root/scripts/hugetlb.sh"
+hvdtrain_hugetlb  # GLIBC_TUNABLES for the ranks: read by glibc at their start, so set here
 
 # horovodrun ends every failed job (and a SIGTERM to it) with a Python traceback of its own
 # and status 1, under the ranks' one-line error. Show the ranks' lines, drop that traceback,

@@ -39,6 +39,8 @@
 #   IFACE=ib0          the network interface between nodes, for MPI, Gloo and NCCL
 #   DRY_RUN=1          print the launch command instead of running it
 #   TF_CPP_MIN_LOG_LEVEL=2, NCCL_DEBUG=WARN   TensorFlow's and NCCL's log levels (defaults)
+#   HVDTRAIN_HUGETLB=0 leave GLIBC_TUNABLES alone (default: glibc.malloc.hugetlb=1 added where
+#                      the node's glibc and transparent huge pages allow, scripts/hugetlb.sh)
 #
 # Resources: the #SBATCH lines below ask for 2 nodes, 1 task (process) each with 2 CPUs, no
 # GPU; sbatch's own flags override them. GPU nodes: one task per GPU, and ask for the GPUs,
@@ -92,6 +94,12 @@ fi
 # Quieter TensorFlow start-up; NCCL says which transport it chose at INFO.
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export PYTHONUNBUFFERED=1  # lines appear in hvdtrain-JOBID.out as they are printed
+# TensorFlow's buffers on huge pages: GLIBC_TUNABLES, read by glibc when each rank starts.
+# The checkout's copy (sbatch runs this script from its spool directory), else the one beside
+# this script when it runs in place.
+# shellcheck disable=SC1091  # scripts/hugetlb.sh, linted on its own
+source "$root/scripts/hugetlb.sh" 2>/dev/null || source "$(dirname "${BASH_SOURCE[0]}")/hugetlb.sh"
+hvdtrain_hugetlb
 
 case $launcher in
 srun)

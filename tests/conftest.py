@@ -56,6 +56,9 @@ def clean_env(home, **extra):
     env = harness.environment(HOME=str(home))
     env["PYTHONPATH"] = ROOT
     env.pop("KERAS_BACKEND", None)
+    # glibc's huge-page tunable as hvdtrain decides it, whatever this shell exported.
+    for name in ("GLIBC_TUNABLES", "HVDTRAIN_HUGETLB", "HVDTRAIN_HUGETLB_REEXEC"):
+        env.pop(name, None)
     # Keras 3 unless this pytest runs the Keras 2 pass (TF_USE_LEGACY_KERAS=1 pytest -m keras2,
     # which scripts/test.sh does): its children then train on tf_keras too.
     if not KERAS2:

@@ -4,7 +4,6 @@ imports Horovod.
     world = distributed.init(backend)     # or distributed.current()
     world.rank, world.size, world.is_chief, world.reduction(...), world.allreduce_sum(...)
 
-- ``launch``: what the launcher says (process count, rank, usable cores), without Horovod;
 - ``world``: the World interface and the single-process World;
 - ``horovod_setup``: Horovod's import, its run-time defaults, device and thread pinning;
 - ``horovod_world``: HorovodWorld, the gradients' ``Reduction``, elastic state;
@@ -23,7 +22,7 @@ from hvdtrain.base.errors import RankError  # noqa: F401 (public here)
 from hvdtrain.distributed.horovod_setup import (  # noqa: F401
     _horovod_defaults, horovod_keras, horovod_package, horovod_tensorflow)
 from hvdtrain.distributed.horovod_world import HorovodWorld, Reduction, broadcast_variables  # noqa: F401
-from hvdtrain.distributed.launch import (  # noqa: F401
-    LAUNCHER_SIZE_VARS, launcher_rank, launcher_size, usable_cores)
+from hvdtrain.base.launch import (  # noqa: F401
+    LAUNCHER_SIZE_VARS, launcher_rank, launcher_size, usable_cores)  # base's, handed on
 from hvdtrain.distributed.start import current, init  # noqa: F401
 from hvdtrain.distributed.world import COMPRESSIONS, OPS, QUESTIONS, Progress, World  # noqa: F401

@@ -6,7 +6,7 @@ import os
 import sys
 
 from hvdtrain.base.errors import error_line
-from hvdtrain.distributed.launch import launcher_size, usable_cores
+from hvdtrain.base.launch import several_processes, usable_cores
 
 
 def horovod_package():
@@ -100,8 +100,7 @@ def _horovod_defaults(environ=os.environ) -> dict:
     chosen = {}
     if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in environ:
         chosen["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = STALL_SHUTDOWN_SECONDS
-    several = launcher_size(environ) > 1 or environ.get("HOROVOD_ELASTIC") == "1"
-    if "HOROVOD_CYCLE_TIME" not in environ and several:
+    if "HOROVOD_CYCLE_TIME" not in environ and several_processes(environ):
         chosen["HOROVOD_CYCLE_TIME"] = HOROVOD_CYCLE_TIME_MS
     local = environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
     if (local.isdigit() and int(local) >= usable_cores()

@@ -10,7 +10,7 @@ from hvdtrain.base import timings
 from hvdtrain.base.errors import LaunchError
 from hvdtrain.distributed.horovod_setup import _configure_devices, _horovod_defaults, _import_horovod
 from hvdtrain.distributed.horovod_world import HorovodWorld
-from hvdtrain.distributed.launch import LAUNCHER_SIZE_VARS, launcher_size
+from hvdtrain.base.launch import LAUNCHER_SIZE_VARS, launcher_size
 from hvdtrain.distributed.world import World
 
 

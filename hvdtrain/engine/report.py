@@ -97,7 +97,7 @@ class Reporter:
         """A live progress bar is worth drawing: a terminal, and no launcher. (mpirun gives
         its ranks a pseudo-terminal even when its own output is a pipe, and tags and
         interleaves their lines, so a bar's carriage returns end up in the log.)"""
-        from hvdtrain.distributed.launch import launcher_size
+        from hvdtrain.base.launch import launcher_size
         return sys.stdout.isatty() and launcher_size() == 1
 
     def print(self, message: str, level: int = 1) -> None:

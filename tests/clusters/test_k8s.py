@@ -31,6 +31,7 @@ import time
 import pytest
 
 import k8s_manifests as K
+import rank_env
 from docs_pages import block
 
 pytestmark = pytest.mark.k8s
@@ -156,12 +157,17 @@ def uninterrupted(cluster, tmp_path_factory):
     base = tmp_path_factory.mktemp("k8s-uninterrupted")
     claim = base / "claim"
     claim.mkdir()
+    # Each rank's GLIBC_TUNABLES at its start, logged on the claim (rank_env): PYTHONPATH in the
+    # launcher pod's env reaches the ranks as the rest of it does, through launch_cluster.sh.
+    job = copy.deepcopy(JOB)
+    K.containers(job, "Launcher")[0].setdefault("env", []).append(
+        {"name": "PYTHONPATH", "value": rank_env.install(claim, K.RUNS)})
     t = time.monotonic()
-    run = job_run(cluster, base / "pods", claim, JOB)
+    run = job_run(cluster, base / "pods", claim, job)
     try:
         run.start()
         # PID 1 of the launcher pod is the MPIJob's command and args, exactly.
-        cmd = K.containers(JOB, "Launcher")[0]
+        cmd = K.containers(job, "Launcher")[0]
         assert launcher_argv(run)[-len(cmd["args"]) - 1:] == cmd["command"] + cmd["args"]
         creds = {p.name: credentials(p.pid1()) for p in run.pods.values()}
         addresses = {name: cluster.hosts[name][1] for name in run.pods}
@@ -172,7 +178,8 @@ def uninterrupted(cluster, tmp_path_factory):
         run.remove()
     return {"rc": rc, "logs": logs, "statuses": statuses, "result": result(on_claim(claim)),
             "seconds": time.monotonic() - t, "run": run, "creds": creds, "addresses": addresses,
-            "owner": os.stat(on_claim(claim) / "result.json").st_uid}
+            "owner": os.stat(on_claim(claim) / "result.json").st_uid,
+            "starts": rank_env.starts(claim)}
 
 
 @pytest.mark.timeout(600)  # its fixtures start the pods' daemons
@@ -204,6 +211,11 @@ def test_k8s_emulated_mpijob_trains_with_identical_ranks(uninterrupted):
         assert f"Accepted publickey for mpiuser from {ip} " in w.log(), (i, w.log())
     # Deleting the finished job's workers: each stops at once, with nothing to pass on.
     assert [u["statuses"][w.name] for w in run.workers] == [0] * WORKERS, u["logs"]
+    # Every rank, in its worker pod, started once with glibc's huge-page tunable, which
+    # k8s_launcher.sh's launch_cluster.sh set in the launcher pod and forwarded (-x).
+    expected = rank_env.expected()
+    assert len(u["starts"]) == WORKERS, u["starts"]
+    assert all(v == [expected] for v in u["starts"].values()), u["starts"]
 
 
 @pytest.mark.timeout(600)  # its fixtures start the pods' daemons

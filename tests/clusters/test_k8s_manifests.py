@@ -99,6 +99,8 @@ def test_k8s_what_a_restartable_job_needs(name):
     for c, script in ((launcher, "k8s_launcher.sh"), (worker, "k8s_worker.sh")):
         assert c["command"] == [f"/opt/hvdtrain/scripts/{script}"]
         assert os.access(os.path.join(K.ROOT, "scripts", script), os.X_OK)
+        # glibc's huge-page tunable: launch_cluster.sh's to set for the ranks, not a pod's
+        assert "GLIBC_TUNABLES" not in {e["name"] for e in c.get("env", [])}
     # Ready once an ssh login runs a command (not an open port).
     assert worker["readinessProbe"]["exec"]["command"] == [
         "/opt/hvdtrain/scripts/k8s_worker.sh", "probe"]
@@ -137,6 +139,9 @@ def test_k8s_the_image_has_what_the_pods_need(tmp_path):
     assert image.env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
     # The GPUs a container sees are the runtime's to give (docker --gpus, the device plugin).
     assert "NVIDIA_VISIBLE_DEVICES" not in image.env
+    # Huge pages are the launchers' and the ranks' to decide on each node (THP there, the off
+    # switch): an image value would be taken for the user's own and never changed.
+    assert not {"GLIBC_TUNABLES", "HVDTRAIN_HUGETLB"} & set(image.env)
     # The build stage's venv (Horovod from its wheel): the project's files come after it.
     assert image.from_build == [("/opt/hvdtrain/.venv", "/opt/hvdtrain/.venv")]
     assert ("scripts/", "/opt/hvdtrain/scripts/") in image.project

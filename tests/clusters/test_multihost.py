@@ -35,6 +35,7 @@ import sys
 import numpy as np
 import pytest
 
+import rank_env
 from conftest import ROOT, as_printed, clean_env, default_run_dirs, result, run
 from docs_pages import block
 from netns import Hosts
@@ -273,6 +274,8 @@ def test_the_readmes_mpirun_across_two_hosts(cluster, readme_run, tmp_path):
 
 
 def test_launch_cluster_script_across_two_hosts(cluster, reference, tmp_path):
+    """The MPI guide's launch_cluster.sh on two hosts trains as one host does; hostB's rank,
+    which has only what mpirun's -x forwards, starts with glibc's huge-page tunable too."""
     hostfile = tmp_path / "hosts"
     hostfile.write_text("hostA slots=1\nhostB slots=1\n")
     # The guide's command: its variable for this test's interface, its script from this
@@ -280,12 +283,14 @@ def test_launch_cluster_script_across_two_hosts(cluster, reference, tmp_path):
     variable, script, hosts, *_ = shlex.split(LAUNCH_CLUSTER[0])
     assert (variable.split("=")[0], script, hosts) == (
         "IFACE", "scripts/launch_cluster.sh", "hosts")
-    env = dict(mpi_env(cluster, tmp_path), IFACE=IFACE, PYTHON=sys.executable)
+    env = rank_env.logging(dict(mpi_env(cluster, tmp_path), IFACE=IFACE, PYTHON=sys.executable),
+                           tmp_path)
     rx = cluster.rx_bytes("hostB")
     cmd = ["bash", os.path.join(ROOT, script), str(hostfile), "linear",
            "--run-dir", str(tmp_path / "r"), *ARGS]
     p = run(cluster.on("hostA", cmd), env)
     check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
+    rank_env.assert_launcher_set_it(tmp_path, 2)
 
 
 @pytest.mark.parametrize("controller", ["mpi", "gloo"])
@@ -301,7 +306,7 @@ def test_the_readmes_horovodrun_across_two_hosts_over_ssh(cluster, readme_run, t
             if controller == "mpi" else HOROVODRUN_LINES[1])
     words = for_two_hosts(line)
     assert words[0] == "horovodrun" and ("--gloo" in words) == (controller == "gloo")
-    env = clean_env(tmp_path / "home")
+    env = rank_env.logging(clean_env(tmp_path / "home"), tmp_path)
     env["PATH"] = f"{cluster.bin}{os.pathsep}{env['PATH']}"  # the ssh wrapper first
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -312,3 +317,8 @@ def test_the_readmes_horovodrun_across_two_hosts_over_ssh(cluster, readme_run, t
     assert f"Horovod over {controller}" in p.stdout
     # horovodrun checked ssh, then started rank 1 on hostB over it (MPI: mpirun's daemon).
     assert cluster.sshd_log.read_text().count("Accepted publickey") - accepted >= 2
+    # Each rank, on either host, started again with glibc's huge-page tunable (bare horovodrun
+    # gives it none): hvdtrain/base/malloc.py.
+    starts = rank_env.starts(tmp_path)
+    assert len(starts) == 2 and all(v[-1] == rank_env.expected() for v in starts.values())
+    assert all(len(v) == (1 if rank_env.expected() is None else 2) for v in starts.values())

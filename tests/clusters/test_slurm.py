@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+import rank_env
 from conftest import HOROVODRUN, ROOT, clean_env, launch, result, run
 from docs_pages import block
 from hvdtrain.engine import checkpoint as C
@@ -182,8 +183,9 @@ def test_linear_on_two_nodes(slurm, reference, tmp_path, launcher):
     """The guide's `sbatch scripts/slurm_job.sh linear --epochs 5` (srun), and its
     `sbatch --export=ALL,LAUNCHER=mpirun,IFACE=ib0 scripts/slurm_job.sh linear` with this
     cluster's interface (mpirun); this test's flags for linear's. The first line of the output
-    is the guide's, but for the run directory and launcher."""
-    env = job_env(tmp_path)
+    is the guide's, but for the run directory and launcher. Both ranks start with glibc's
+    huge-page tunable from the job script (srun's environment; mpirun's -x)."""
+    env = rank_env.logging(job_env(tmp_path), tmp_path)
     flags, args = guide_submission(1) if launcher == "srun" else guide_submission(3, IFACE=IFACE)
     assert args[0] == "linear" and job_variables(flags).get("LAUNCHER", "srun") == launcher
     rx = slurm.rx_bytes("nodeB")
@@ -198,6 +200,7 @@ def test_linear_on_two_nodes(slurm, reference, tmp_path, launcher):
     assert banner == [BANNER.replace("/home/me/hvdtrain", str(tmp_path)).replace(
         "), srun; ", f"), {launcher}; ")], out
     assert "could not find environment variable" not in out, out  # no -x for unset names
+    rank_env.assert_launcher_set_it(tmp_path, 2)
 
 
 def test_mnist_with_srun(slurm, reference, tmp_path):

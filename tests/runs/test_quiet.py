@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import rank_env
 from conftest import HOROVODRUN, ROOT, clean_env, result
 from hvdtrain.base import tflogs
 
@@ -162,26 +163,28 @@ def test_a_launcher_with_another_count_is_warned_about_once(tmp_path):
 
 def test_launch_local_starts_the_configured_worker_count_quietly(tmp_path):
     """scripts/launch_local.sh starts linear's configured 2 workers, and drops horovodrun's
-    own TensorFlow lines too."""
+    own TensorFlow lines too; the workers start with glibc's huge-page tunable from it."""
     rc, out, err = raw(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "linear",
                         "--epochs", "3", "--run-dir", str(tmp_path / "r")],
-                       quiet_env(tmp_path, PYTHON=sys.executable))
+                       rank_env.logging(quiet_env(tmp_path, PYTHON=sys.executable), tmp_path))
     assert rc == 0, out + err  # it trained ...
     assert err == "", err      # ... and said nothing on stderr
     assert RANK_LINE.match(out.splitlines()[0])[2].startswith("hvdtrain: linear on 2 processes")
     r = result(tmp_path / "r")
     assert r["world_size"] == 2 and r["global_step"] == 3
+    rank_env.assert_launcher_set_it(tmp_path, 2)
 
 
 def test_launch_cluster_with_a_hostfile_trains_quietly(tmp_path):
     """scripts/launch_cluster.sh with a hostfile (no IFACE: test_multihost sets one) trains to
     the seed's weights, and forwards only the variables that are set: Open MPI warned about
-    each unset one (LD_LIBRARY_PATH, TF_CPP_MIN_LOG_LEVEL, ...) before the first line."""
+    each unset one (LD_LIBRARY_PATH, TF_CPP_MIN_LOG_LEVEL, ...) before the first line. The
+    ranks start with glibc's huge-page tunable from it."""
     import numpy as np
 
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=2\n")
-    env = quiet_env(tmp_path, PYTHON=sys.executable)
+    env = rank_env.logging(quiet_env(tmp_path, PYTHON=sys.executable), tmp_path)
     for name in ("LD_LIBRARY_PATH", "HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "IFACE"):
         env.pop(name, None)
     rc, out, err = raw(["bash", os.path.join(ROOT, "scripts", "launch_cluster.sh"), str(hostfile),
@@ -192,3 +195,4 @@ def test_launch_cluster_with_a_hostfile_trains_quietly(tmp_path):
     r = result(tmp_path / "r")
     assert r["world_size"] == 2
     np.testing.assert_allclose(r["weights"], [0.1, 0.2, 0.3], atol=1e-3)
+    rank_env.assert_launcher_set_it(tmp_path, 2)

@@ -6,6 +6,7 @@ import subprocess
 
 import pytest
 
+import rank_env
 from conftest import ROOT, result, run
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.sh"))) + [os.path.join(ROOT, ".ci", "run")]
@@ -67,8 +68,14 @@ def test_launch_local_sigterm_exits_75_without_traceback_and_resumes(controller,
 
 
 def test_launch_local_exits_with_the_ranks_status(env, tmp_path):
+    """... and its ranks (horovodrun --gloo's here) start with the user's GLIBC_TUNABLES and
+    glibc's huge-page tunable after it."""
     (tmp_path / "file").write_text("x")
+    user = "glibc.malloc.arena_max=2"
     p = run(["bash", LOCAL, "linear", "--run-dir", str(tmp_path / "file")],
-            dict(env, CONTROLLER="--gloo"), timeout=120)
+            rank_env.logging(dict(env, CONTROLLER="--gloo", GLIBC_TUNABLES=user), tmp_path),
+            timeout=120)
     assert p.returncode == 2, p.stderr  # the ranks' bad-setting status, not horovodrun's 1
     assert "Traceback" not in p.stderr and "is a file, not a directory" in p.stderr
+    starts = rank_env.starts(tmp_path)
+    assert len(starts) == 2 and all(v == [rank_env.expected(user)] for v in starts.values())

@@ -113,12 +113,31 @@ def test_this_machine_is_well(report):
     assert r["mpi"]["library"].startswith("Open MPI v4.1")
     assert isinstance(r["gpus"], list)
     assert all(os.access(r["launchers"][n], os.X_OK) for n in ("horovodrun", "mpirun"))
+    # glibc and THP as this machine has them; run by hand (no launcher), it did not re-execute
+    from hvdtrain.base import malloc
+    h = r["hugepages"]
+    assert h["glibc"] == os.confstr("CS_GNU_LIBC_VERSION").split()[1]
+    assert f"[{h['thp']}]" in open(malloc.THP).read()
+    assert h["unavailable"] is None  # Debian 12's glibc 2.36, THP madvise: what CI runs on
+    assert h["ranks_get"] == "glibc.malloc.hugetlb=1" and h["environment"] is None
+    assert h["this_process"] is None and h["this_process_has"] is False
+
+
+def test_the_doctor_as_a_launched_rank_started_with_huge_pages(tmp_path):
+    """A process a launcher started (its size variable set) re-executes itself with the
+    tunable before the doctor runs: the doctor sees it in what its process started with."""
+    env = clean_env(tmp_path / "home", OMPI_COMM_WORLD_SIZE="2",
+                    GLIBC_TUNABLES="glibc.malloc.arena_max=4")
+    p = run([*DOCTOR, "--json"], env, timeout=120)
+    h = json.loads(p.stdout)["hugepages"]
+    assert h["this_process"] == "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"
+    assert h["this_process_has"] is True and h["ranks_get"] is None
 
 
 # The report's lines whose values are this machine's own: Python's version and path, the MPI
-# library's version string, the launchers' paths. The guide's sample shows them for a checkout
-# at /home/me/hvdtrain.
-MACHINE = ("python", "mpi", "launchers")
+# library's version string, the launchers' paths, glibc's version. The guide's sample shows
+# them for a checkout at /home/me/hvdtrain.
+MACHINE = ("python", "mpi", "launchers", "hugepages")
 SAMPLE_VENV = "/home/me/hvdtrain/.venv"
 
 

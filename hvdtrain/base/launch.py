@@ -22,6 +22,12 @@ def launcher_size(environ=os.environ) -> int:
     return max(sizes, default=1)
 
 
+def several_processes(environ=os.environ) -> bool:
+    """Whether this process is one of several a launcher started (an elastic job may start
+    with one): the processes that exchange gradients."""
+    return launcher_size(environ) > 1 or environ.get("HOROVOD_ELASTIC") == "1"
+
+
 def launcher_rank() -> int:
     """This process's rank as the launcher numbered it (0 without a launcher)."""
     for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
