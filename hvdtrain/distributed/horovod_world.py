@@ -8,9 +8,49 @@ from typing import Sequence
 import numpy as np
 
 from hvdtrain.base.compat import tf_variables
-from hvdtrain.base.errors import ConfigError, LaunchError, first_line
+from hvdtrain.base.errors import ConfigError, EnvError, LaunchError, first_line
 from hvdtrain.distributed.horovod_setup import horovod_keras
 from hvdtrain.distributed.world import QUESTIONS, World, reduction_ops
+
+
+# The gradients' bucket size (HVDTRAIN_BUCKET_BYTES overrides it; 0: one bucket): PyTorch
+# DDP's default, 25 MiB. Small enough that a ResNet-50 (98 MiB of gradients) sends its last
+# layers' while the backward pass computes the first ones'; large enough that a bucket is not
+# a negotiation round per few tensors; under Horovod's fusion threshold (128 MiB), so Horovod
+# never cuts a bucket and still fuses the buckets that are ready in the same cycle.
+BUCKET_BYTES = 25 << 20
+
+
+def configured_bucket_bytes(environ=os.environ) -> int:
+    """HVDTRAIN_BUCKET_BYTES, or ``BUCKET_BYTES``: the gradients' bucket size in bytes."""
+    raw = environ.get("HVDTRAIN_BUCKET_BYTES", "").strip()
+    if not raw:
+        return BUCKET_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise EnvError(f"HVDTRAIN_BUCKET_BYTES={raw}: give a size in bytes, 0 or more (0: all "
+                       f"gradients in one grouped allreduce; default {BUCKET_BYTES})")
+    return value
+
+
+def _buckets(tensors, bucket_bytes: int) -> list:
+    """The tensors' indices in buckets, in the order the backward pass produces them (from
+    the last tensor to the first); a bucket closes once it holds ``bucket_bytes`` or more
+    (0: one bucket). Sizes come from static shapes and dtypes only, so every rank cuts the
+    same buckets: Horovod matches a grouped allreduce across ranks by its tensors."""
+    if bucket_bytes <= 0:
+        return [list(range(len(tensors)))]
+    buckets, bucket, size = [], [], 0
+    for i in reversed(range(len(tensors))):
+        bucket.insert(0, i)
+        size += (tensors[i].shape.num_elements() or 0) * tensors[i].dtype.size
+        if size >= bucket_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    return buckets + [bucket] if bucket else buckets
 
 
 class HorovodWorld(World):
@@ -75,10 +115,16 @@ class HorovodWorld(World):
         return Reduction(self, op, compression, gradient_predivide_factor)
 
     def allreduce_gradients(self, grads, op="average", compression="none",
-                            gradient_predivide_factor=1.0) -> list:
+                            gradient_predivide_factor=1.0, bucket_bytes=None) -> list:
         """Average (or sum) gradients over all ranks, inside a compiled step.
 
-        One grouped allreduce: Horovod negotiates and fuses every gradient in one round.
+        In buckets of about ``bucket_bytes`` (default: ``configured_bucket_bytes()``,
+        HVDTRAIN_BUCKET_BYTES), one grouped allreduce each: Horovod negotiates a
+        bucket as one and fuses the buckets that are ready in the same cycle, and a bucket
+        leaves as soon as its own gradients exist, while the backward pass computes the rest.
+        The backward pass produces the last variables' gradients first, so the buckets are cut
+        from the end of ``grads``; its first tensors go in the last bucket (where
+        ``optimizer._reduce_riding`` puts the step's flags, which wait for every gradient).
         None gradients (variables the loss does not reach) stay None; sparse gradients
         (tf.IndexedSlices, from embeddings) are reduced dense, like Horovod's
         sparse_as_dense=True.
@@ -103,7 +149,13 @@ class HorovodWorld(World):
             # "'tensor' is used before assignment"); one Adasum allreduce per tensor works.
             reduced = [hvd.allreduce(t, op=op, compression=compression) for t in tensors]
         else:
-            reduced = hvd.grouped_allreduce(tensors, op=op, compression=compression, **scale)
+            reduced = [None] * len(tensors)
+            limit = configured_bucket_bytes() if bucket_bytes is None else bucket_bytes
+            for bucket in _buckets(tensors, limit):
+                out = hvd.grouped_allreduce([tensors[j] for j in bucket], op=op,
+                                            compression=compression, **scale)
+                for j, r in zip(bucket, out):
+                    reduced[j] = r
         for i, g in zip(present, reduced):
             grads[i] = g
         return grads
@@ -187,6 +239,8 @@ class Reduction:
     def __init__(self, world: HorovodWorld, op, compression, gradient_predivide_factor: float):
         self.world, self.op, self.compression = world, op, compression
         self.gradient_predivide_factor = gradient_predivide_factor
+        # Read once, where the optimizer is wrapped: a bad value stops before any tracing.
+        self.bucket_bytes = configured_bucket_bytes()
         # Adasum's combination is meant for gradients only: other tensors (the step's flags)
         # cannot ride in its round.
         self.carries_riders = op != world.hvd.Adasum
@@ -195,7 +249,7 @@ class Reduction:
         # Horovod: average gradients over all ranks with ring-allreduce before each update,
         # the synchronous update SyncReplicasOptimizer made.
         return self.world.allreduce_gradients(grads, self.op, self.compression,
-                                              self.gradient_predivide_factor)
+                                              self.gradient_predivide_factor, self.bucket_bytes)
 
     def sum(self, tensor):
         """A tensor summed over the ranks in a round of its own (for Adasum's riders)."""
@@ -243,7 +297,7 @@ class Reduction:
             flags = getattr(opt, "_hvdtrain_stop_flags", None)
             if flags is None:
                 return horovods_reduce(grads, vars, use_generic_names)
-            names = None if vars is None else list(vars) + [flags.total]
+            names = None if vars is None else [flags.total] + list(vars)  # riders first
             return flags.ride(lambda tensors: horovods_reduce(tensors, names, use_generic_names),
                               list(grads))
 

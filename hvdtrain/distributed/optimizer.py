@@ -275,8 +275,10 @@ def _reduce_riding(reduce, grads, riders):
     riders (a reduction without that attribute, Horovod's Keras 2 per-tensor one, does)."""
     grads, riders = list(grads), list(riders)
     if getattr(reduce, "carries_riders", True):
-        reduced = reduce(grads + riders)
-        return list(reduced[:len(grads)]), list(reduced[len(grads):])
+        # In front: the buckets are cut from the end (the backward pass's first gradients),
+        # so the riders go in the last bucket; the fit path's wait for every gradient.
+        reduced = reduce(riders + grads)
+        return list(reduced[len(riders):]), list(reduced[:len(riders)])
     # Adasum: its combination is meant for gradients only; the riders get a sum
     return list(reduce(grads)), [reduce.sum(r) for r in riders]
 
