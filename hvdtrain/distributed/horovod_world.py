@@ -182,13 +182,13 @@ class HorovodWorld(World):
             # A one-rank sum is the tensor: skip the round trip through Horovod's background
             # thread, which waits up to a cycle (HOROVOD_CYCLE_TIME).
             return tensor
-        # A round of its own: the training step puts its flags in the gradients' grouped
-        # allreduce instead (hvdtrain.distributed.optimizer.apply_gradients); this is for Adasum only.
+        # A round of its own: the training step puts its flags in the gradients' last
+        # bucket instead (hvdtrain.distributed.optimizer.apply_gradients); this is for Adasum only.
         return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.flags")
 
     def sum_statistics(self, tensor):
         # Horovod: a round of its own where the layer stands in the forward pass (the next
-        # layer needs the statistics: they cannot wait for the gradients' grouped allreduce),
+        # layer needs the statistics: they cannot wait for the gradients' reduction),
         # and one in the backward pass: Horovod's gradient of a Sum allreduce is a Sum
         # allreduce. No name: TensorFlow's unique op name in the traced step names it alike
         # on every rank.
