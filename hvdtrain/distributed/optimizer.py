@@ -6,9 +6,11 @@ optimizer, under Keras 3 as under Keras 2.
 
 Before each update, the gradients are averaged over every rank by Horovod ring-allreduces,
 so every rank applies the same update: what ``hvd.DistributedOptimizer`` does, and what TF1's
-SyncReplicasOptimizer did in the seeds. Under Keras 3 they go in buckets of about 25 MiB
+SyncReplicasOptimizer did in the seeds. hvdtrain's own reduction (Keras 3's, and the Task
+path's step under either Keras) sends them in buckets of about 25 MiB
 (``HVDTRAIN_BUCKET_BYTES``), one grouped allreduce each, in the order the backward pass
-produces them, so the last layers' are reduced while the first layers' are computed. Under Keras 2
+produces them, so the last layers' are reduced while the first layers' are computed; Horovod's
+Keras 2 wrapper sends one allreduce per gradient, which overlaps alike. Under Keras 2
 (``TF_USE_LEGACY_KERAS=1``) this *is* Horovod's ``horovod.tensorflow.keras``
 ``DistributedOptimizer``; under Keras 3 it is hvdtrain's, with the same arguments and meaning.
 (Horovod's own works under Keras 3 too, with scripts/patches/python/, but it makes a new
@@ -59,7 +61,8 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
         ``sum(g) / size`` (guards float16 sums against overflow); op ``"average"`` only.
     world: the ``World`` to reduce over (default: this process's, ``hvdtrain.world()``).
     backward_passes_per_step: N > 1 accumulates the gradients of N calls (micro-batches) on
-        each rank and applies their mean, reduced over the ranks once, every N-th call: N micro-batches of b train as one batch of N * b with a mean loss. Keras 3:
+        each rank and applies their mean, reduced over the ranks once, every N-th call: N
+        micro-batches of b train as one batch of N * b with a mean loss. Keras 3:
         the optimizer must not be built yet (its accumulators are created with its slots).
 
     Horovod is started (``hvd.init()``) if hvdtrain has not started it yet. Under Keras 3 the
@@ -257,8 +260,9 @@ def apply_gradients(optimizer, grads, variables, riders=()):
     ``optimizer`` comes from ``DistributedOptimizer`` (or is a plain optimizer in one
     process). The gradients are reduced as its wrapper would reduce them, with the ``riders``
     (small tensors of the gradients' dtype, e.g. the step's stop flags) in their last bucket:
-    no negotiation round of the riders' own. Riders get the same reduction as the gradients (an average, unless the
-    wrapper sums); only their sign is meant to be read. Returns the reduced riders.
+    no negotiation round of the riders' own. Riders get the same reduction as the gradients
+    (an average, unless the wrapper sums); only their sign is meant to be read. Returns the
+    reduced riders.
     """
     riders = list(riders)
     reduce = getattr(optimizer, "_hvdtrain_reduction", None)
@@ -276,7 +280,8 @@ def _reduce_riding(reduce, grads, riders):
     grads, riders = list(grads), list(riders)
     if getattr(reduce, "carries_riders", True):
         # In front: the buckets are cut from the end (the backward pass's first gradients),
-        # so the riders go in the last bucket; the fit path's wait for every gradient.
+        # so the riders go in the last bucket; the fit path's wait for every gradient and
+        # would hold back any bucket they were in.
         reduced = reduce(riders + grads)
         return list(reduced[len(riders):]), list(reduced[:len(riders)])
     # Adasum: its combination is meant for gradients only; the riders get a sum
