@@ -8,32 +8,10 @@ from typing import Sequence
 import numpy as np
 
 from hvdtrain.base.compat import tf_variables
-from hvdtrain.base.errors import ConfigError, EnvError, LaunchError, first_line
+from hvdtrain.base.errors import ConfigError, LaunchError, first_line
 from hvdtrain.distributed.horovod_setup import horovod_keras
-from hvdtrain.distributed.world import QUESTIONS, World, reduction_ops
-
-
-# The gradients' bucket size (HVDTRAIN_BUCKET_BYTES overrides it; 0: one bucket): PyTorch
-# DDP's default, 25 MiB. Small enough that a ResNet-50 (98 MiB of gradients) sends its last
-# layers' while the backward pass computes the first ones'; large enough that a bucket is not
-# a negotiation round per few tensors; under Horovod's fusion threshold (128 MiB), so Horovod
-# never cuts a bucket and still fuses the buckets that are ready in the same cycle.
-BUCKET_BYTES = 25 << 20
-
-
-def configured_bucket_bytes(environ=os.environ) -> int:
-    """HVDTRAIN_BUCKET_BYTES, or ``BUCKET_BYTES``: the gradients' bucket size in bytes."""
-    raw = environ.get("HVDTRAIN_BUCKET_BYTES", "").strip()
-    if not raw:
-        return BUCKET_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise EnvError(f"HVDTRAIN_BUCKET_BYTES={raw}: give a size in bytes, 0 or more (0: all "
-                       f"gradients in one grouped allreduce; default {BUCKET_BYTES})")
-    return value
+from hvdtrain.distributed.world import (QUESTIONS, World, configured_bucket_bytes,
+                                        reduction_ops)
 
 
 def _buckets(tensors, bucket_bytes: int) -> list:

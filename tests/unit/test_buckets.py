@@ -4,7 +4,8 @@ overlap with the backward pass, on 2 ranks: runs/test_overlap.py."""
 import pytest
 
 from hvdtrain.base.errors import EnvError
-from hvdtrain.distributed.horovod_world import BUCKET_BYTES, _buckets, configured_bucket_bytes
+from hvdtrain.distributed.horovod_world import _buckets
+from hvdtrain.distributed.world import BUCKET_BYTES, configured_bucket_bytes
 
 
 def test_buckets_are_cut_in_backward_order_by_static_size():
