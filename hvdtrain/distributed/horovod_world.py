@@ -11,7 +11,25 @@ from hvdtrain.base.compat import tf_variables
 from hvdtrain.base.errors import ConfigError, LaunchError, first_line
 from hvdtrain.distributed import sparse
 from hvdtrain.distributed.horovod_setup import horovod_keras
-from hvdtrain.distributed.world import QUESTIONS, World, reduction_ops
+from hvdtrain.distributed.world import (QUESTIONS, World, configured_bucket_bytes,
+                                        reduction_ops)
+
+
+def _buckets(tensors, bucket_bytes: int) -> list:
+    """The tensors' indices in buckets, in the order the backward pass produces them (from
+    the last tensor to the first); a bucket closes once it holds ``bucket_bytes`` or more
+    (0: one bucket). Sizes come from static shapes and dtypes only, so every rank cuts the
+    same buckets: Horovod matches a grouped allreduce across ranks by its tensors."""
+    if bucket_bytes <= 0:
+        return [list(range(len(tensors)))]
+    buckets, bucket, size = [], [], 0
+    for i in reversed(range(len(tensors))):
+        bucket.insert(0, i)
+        size += (tensors[i].shape.num_elements() or 0) * tensors[i].dtype.size
+        if size >= bucket_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    return buckets + [bucket] if bucket else buckets
 
 
 class HorovodWorld(World):
@@ -76,10 +94,17 @@ class HorovodWorld(World):
         return Reduction(self, op, compression, gradient_predivide_factor)
 
     def allreduce_gradients(self, grads, op="average", compression="none",
-                            gradient_predivide_factor=1.0, sparse_ratio=None) -> list:
+                            gradient_predivide_factor=1.0, sparse_ratio=None,
+                            bucket_bytes=None) -> list:
         """Average (or sum) gradients over all ranks, inside a compiled step.
 
-        One grouped allreduce: Horovod negotiates and fuses every gradient in one round.
+        In buckets of about ``bucket_bytes`` (default: ``configured_bucket_bytes()``,
+        HVDTRAIN_BUCKET_BYTES), one grouped allreduce each: Horovod negotiates a
+        bucket as one and fuses the buckets that are ready in the same cycle, and a bucket
+        leaves as soon as its own gradients exist, while the backward pass computes the rest.
+        The backward pass produces the last variables' gradients first, so the buckets are cut
+        from the end of ``grads``; its first tensors go in the last bucket (where
+        ``optimizer._reduce_riding`` puts the step's flags, which wait for every gradient).
         None gradients (variables the loss does not reach) stay None. A sparse gradient
         (tf.IndexedSlices, from an Embedding) is gathered sparse when that sends less
         (``hvdtrain.distributed.sparse``; ``sparse_ratio``: its threshold, None: the
@@ -108,7 +133,13 @@ class HorovodWorld(World):
             # "'tensor' is used before assignment"); one Adasum allreduce per tensor works.
             reduced = [hvd.allreduce(t, op=op, compression=compression) for t in tensors]
         else:
-            reduced = hvd.grouped_allreduce(tensors, op=op, compression=compression, **scale)
+            reduced = [None] * len(tensors)
+            limit = configured_bucket_bytes() if bucket_bytes is None else bucket_bytes
+            for bucket in _buckets(tensors, limit):
+                out = hvd.grouped_allreduce([tensors[j] for j in bucket], op=op,
+                                            compression=compression, **scale)
+                for j, r in zip(bucket, out):
+                    reduced[j] = r
         for i, g in zip(present, reduced):
             grads[i] = g
         return grads
@@ -135,13 +166,13 @@ class HorovodWorld(World):
             # A one-rank sum is the tensor: skip the round trip through Horovod's background
             # thread, which waits up to a cycle (HOROVOD_CYCLE_TIME).
             return tensor
-        # A round of its own: the training step puts its flags in the gradients' grouped
-        # allreduce instead (hvdtrain.distributed.optimizer.apply_gradients); this is for Adasum only.
+        # A round of its own: the training step puts its flags in the gradients' last
+        # bucket instead (hvdtrain.distributed.optimizer.apply_gradients); this is for Adasum only.
         return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="hvdtrain.flags")
 
     def sum_statistics(self, tensor):
         # Horovod: a round of its own where the layer stands in the forward pass (the next
-        # layer needs the statistics: they cannot wait for the gradients' grouped allreduce),
+        # layer needs the statistics: they cannot wait for the gradients' reduction),
         # and one in the backward pass: Horovod's gradient of a Sum allreduce is a Sum
         # allreduce. No name: TensorFlow's unique op name in the traced step names it alike
         # on every rank.
@@ -192,6 +223,8 @@ class Reduction:
     def __init__(self, world: HorovodWorld, op, compression, gradient_predivide_factor: float):
         self.world, self.op, self.compression = world, op, compression
         self.gradient_predivide_factor = gradient_predivide_factor
+        # Read once, where the optimizer is wrapped: a bad value stops before any tracing.
+        self.bucket_bytes = configured_bucket_bytes()
         # Adasum's combination is meant for gradients only: other tensors (the step's flags)
         # cannot ride in its round.
         self.carries_riders = op != world.hvd.Adasum
@@ -205,7 +238,7 @@ class Reduction:
         # sends less).
         return self.world.allreduce_gradients(grads, self.op, self.compression,
                                               self.gradient_predivide_factor,
-                                              self.sparse_ratio)
+                                              self.sparse_ratio, self.bucket_bytes)
 
     def sum(self, tensor):
         """A tensor summed over the ranks in a round of its own (for Adasum's riders)."""
@@ -253,7 +286,7 @@ class Reduction:
             flags = getattr(opt, "_hvdtrain_stop_flags", None)
             if flags is None:
                 return horovods_reduce(grads, vars, use_generic_names)
-            names = None if vars is None else list(vars) + [flags.total]
+            names = None if vars is None else [flags.total] + list(vars)  # riders first
             return flags.ride(lambda tensors: horovods_reduce(tensors, names, use_generic_names),
                               list(grads))
 

@@ -4,14 +4,18 @@ optimizer, under Keras 3 as under Keras 2.
     opt = hvdtrain.DistributedOptimizer(keras.optimizers.Adam(1e-3))
     model.compile(optimizer=opt, loss=..., jit_compile=False)   # or use it in a custom loop
 
-Before each update, the gradients are averaged over every rank by one grouped Horovod
-ring-allreduce, so every rank applies the same update: what ``hvd.DistributedOptimizer``
-does, and what TF1's SyncReplicasOptimizer did in the seeds. Under Keras 2
+Before each update, the gradients are averaged over every rank by Horovod ring-allreduces,
+so every rank applies the same update: what ``hvd.DistributedOptimizer`` does, and what TF1's
+SyncReplicasOptimizer did in the seeds. hvdtrain's own reduction (Keras 3's, and the Task
+path's step under either Keras) sends them in buckets of about 25 MiB
+(``HVDTRAIN_BUCKET_BYTES``), one grouped allreduce each, in the order the backward pass
+produces them, so the last layers' are reduced while the first layers' are computed; Horovod's
+Keras 2 wrapper sends one allreduce per gradient, which overlaps alike. Under Keras 2
 (``TF_USE_LEGACY_KERAS=1``) this *is* Horovod's ``horovod.tensorflow.keras``
 ``DistributedOptimizer``; under Keras 3 it is hvdtrain's, with the same arguments and meaning.
 (Horovod's own works under Keras 3 too, with scripts/patches/python/, but it makes a new
 optimizer from the old one's config, and this one wraps in place, keeping the optimizer's
-state, carries the step's stop flags in the gradients' allreduce, and turns compile's
+state, carries the step's stop flags in the gradients' last bucket, and turns compile's
 ``LossScaleOptimizer(DistributedOptimizer(opt))`` around.) In one process Keras 2's is
 returned unchanged (but for ``backward_passes_per_step``), and Keras 3's is wrapped alike,
 with nothing to reduce.
@@ -63,8 +67,8 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
         ``sum(g) / size`` (guards float16 sums against overflow); op ``"average"`` only.
     world: the ``World`` to reduce over (default: this process's, ``hvdtrain.world()``).
     backward_passes_per_step: N > 1 accumulates the gradients of N calls (micro-batches) on
-        each rank and applies their mean, reduced over the ranks in one allreduce, every N-th
-        call: N micro-batches of b train as one batch of N * b with a mean loss. Keras 3:
+        each rank and applies their mean, reduced over the ranks once, every N-th call: N
+        micro-batches of b train as one batch of N * b with a mean loss. Keras 3:
         the optimizer must not be built yet (its accumulators are created with its slots).
 
     Horovod is started (``hvd.init()``) if hvdtrain has not started it yet. Under Keras 3 the
@@ -80,7 +84,7 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
         # Keras 3 still wraps it: sparse gradients are applied dense, as N ranks apply them.
         reduction = _Alone()
     if compat.is_keras3():
-        # hvdtrain's reduces in apply() with Horovod's grouped allreduce, in place (see the
+        # hvdtrain's reduces in apply() with Horovod's grouped allreduces, in place (see the
         # module's docstring for why not Horovod's). Around a LossScaleOptimizer, it reduces
         # before the scaler checks the gradients.
         optimizer = _reducing_subclass(optimizer, passes)
@@ -94,7 +98,7 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
             dynamic_growth_steps=optimizer.dynamic_growth_steps)
     else:
         optimizer = reduction.keras2_optimizer(optimizer, passes)
-    # What apply_gradients below needs to put the step's flags in the gradients' round.
+    # What apply_gradients below needs to put the step's flags in the gradients' reduction.
     # object.__setattr__: Keras 3 would track an attribute set the usual way as state.
     object.__setattr__(optimizer, "_hvdtrain_reduction", reduction)
     return optimizer
@@ -188,7 +192,7 @@ class StopFlags:
 
     ``hk.fit`` attaches one to the optimizer it counts steps with (``attach``) before Keras
     traces its train function. Every update then reduces ``[this rank's flag, 1]`` with the
-    gradients, in the same Horovod round, and adds the result to ``total``: the stop flags
+    gradients, in their last bucket, and adds the result to ``total``: the stop flags
     summed over ranks and the updates that carried them. Every rank reads the same sums
     (``read``: a variable read, no communication), so every rank takes the same decision
     after a call from the updates it ran. A call whose updates carried nothing (a train
@@ -234,7 +238,7 @@ class StopFlags:
         return float(stop), float(carried)
 
     def ride(self, reduce, grads) -> list:
-        """``reduce(grads)`` with the flags in the same round; the reduced flags are added
+        """``reduce(grads)`` with the flags in the last bucket; the reduced flags are added
         to ``total``."""
         import tensorflow as tf
 
@@ -257,14 +261,14 @@ def _reduce(optimizer, reduce, grads) -> list:
 
 
 def apply_gradients(optimizer, grads, variables, riders=()):
-    """One synchronous update, with ``riders`` reduced in the same Horovod round.
+    """One synchronous update, with ``riders`` reduced in the gradients' last bucket.
 
     ``optimizer`` comes from ``DistributedOptimizer`` (or is a plain optimizer in one
-    process). The gradients are reduced as its wrapper would reduce them, together with the
-    ``riders`` (small tensors of the gradients' dtype, e.g. the step's stop flags) in one
-    grouped allreduce: one negotiation round per step instead of one for the gradients and
-    one for the flags. Riders get the same reduction as the gradients (an average, unless the
-    wrapper sums); only their sign is meant to be read. Returns the reduced riders.
+    process). The gradients are reduced as its wrapper would reduce them, with the ``riders``
+    (small tensors of the gradients' dtype, e.g. the step's stop flags) in their last bucket:
+    no negotiation round of the riders' own. Riders get the same reduction as the gradients
+    (an average, unless the wrapper sums); only their sign is meant to be read. Returns the
+    reduced riders.
     """
     riders = list(riders)
     reduce = getattr(optimizer, "_hvdtrain_reduction", None)
@@ -277,12 +281,15 @@ def apply_gradients(optimizer, grads, variables, riders=()):
 
 
 def _reduce_riding(reduce, grads, riders):
-    """(reduced gradients, reduced riders): one round for both when ``reduce`` carries
+    """(reduced gradients, reduced riders): the same rounds for both when ``reduce`` carries
     riders (a reduction without that attribute, Horovod's Keras 2 per-tensor one, does)."""
     grads, riders = list(grads), list(riders)
     if getattr(reduce, "carries_riders", True):
-        reduced = reduce(grads + riders)
-        return list(reduced[:len(grads)]), list(reduced[len(grads):])
+        # In front: the buckets are cut from the end (the backward pass's first gradients),
+        # so the riders go in the last bucket; the fit path's wait for every gradient and
+        # would hold back any bucket they were in.
+        reduced = reduce(riders + grads)
+        return list(reduced[len(riders):]), list(reduced[:len(riders)])
     # Adasum: its combination is meant for gradients only; the riders get a sum
     return list(reduce(grads)), [reduce.sum(r) for r in riders]
 

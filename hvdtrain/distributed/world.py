@@ -4,11 +4,12 @@ errors, the elastic driver), and the single-process World, which needs no Horovo
 else in hvdtrain asks ``rank() == 0``; it asks ``world.is_chief``."""
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from hvdtrain.base.errors import LaunchError, RankError
+from hvdtrain.base.errors import EnvError, LaunchError, RankError
 
 
 class Progress:
@@ -45,12 +46,15 @@ class World:
     def reduction(self, op: str = "average", compression: str = "none",
                   gradient_predivide_factor: float = 1.0) -> Optional["Reduction"]:
         """How an optimizer's gradients are reduced over the ranks: None in one process
-        (there is nothing to reduce); the arguments are checked all the same."""
+        (there is nothing to reduce); the arguments and HVDTRAIN_BUCKET_BYTES are checked all
+        the same."""
         reduction_ops(op, compression, gradient_predivide_factor)
+        configured_bucket_bytes()
         return None
 
     def allreduce_gradients(self, grads, op="average", compression="none",
-                            gradient_predivide_factor=1.0, sparse_ratio=None) -> list:
+                            gradient_predivide_factor=1.0, sparse_ratio=None,
+                            bucket_bytes=None) -> list:
         return list(grads)
 
     def broadcast_variables(self, variables) -> None:
@@ -128,6 +132,29 @@ class World:
 
 OPS = ("average", "sum", "adasum")
 COMPRESSIONS = ("none", "fp16")
+
+
+# The gradients' bucket size (HVDTRAIN_BUCKET_BYTES overrides it; 0: one bucket): PyTorch
+# DDP's default, 25 MiB. Small enough that a ResNet-50 (98 MiB of gradients) sends its last
+# layers' while the backward pass computes the first ones'; large enough that a bucket is not
+# a negotiation round per few tensors; under Horovod's fusion threshold (128 MiB), so Horovod
+# never cuts a bucket and still fuses the buckets that are ready in the same cycle.
+BUCKET_BYTES = 25 << 20
+
+
+def configured_bucket_bytes(environ=os.environ) -> int:
+    """HVDTRAIN_BUCKET_BYTES, or ``BUCKET_BYTES``: the gradients' bucket size in bytes."""
+    raw = environ.get("HVDTRAIN_BUCKET_BYTES", "").strip()
+    if not raw:
+        return BUCKET_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise EnvError(f"HVDTRAIN_BUCKET_BYTES={raw}: give a size in bytes, 0 or more (0: all "
+                       f"gradients in one grouped allreduce; default {BUCKET_BYTES})")
+    return value
 
 
 def reduction_ops(op, compression, gradient_predivide_factor, hvd=None):

@@ -45,8 +45,9 @@ class TrainStep:
     returns (updates done, [stop, non-finite loss] flags reduced over ranks);
     ``batches(plan)`` is the iterator of an epoch plan's step inputs that ``run`` draws from.
 
-    Each update reduces its gradients and the two flags in one Horovod round (one grouped
-    allreduce). The loop stops early after the first update whose reduced flags are set, so
+    Each update reduces its gradients in buckets (one grouped allreduce each, the first sent
+    while the backward pass still runs) with the two flags in the last: no round of their
+    own. The loop stops early after the first update whose reduced flags are set, so
     every rank stops after the same update: any rank's SIGTERM (``stop``, read by the host
     before the call) or any rank's non-finite loss.
     """
@@ -128,8 +129,8 @@ class TrainStep:
             grads, diverged, step_sums = accumulated(args)
             flags = tf.stack([stop, diverged])
             # Horovod: the gradients are averaged over all ranks by the wrapped optimizer's
-            # reduction, with the flags in the same grouped allreduce: one round per update,
-            # however many micro-batches it accumulated.
+            # reduction, with the flags in the last bucket: no round of their own, and one
+            # reduction per update however many micro-batches it accumulated.
             flags, = apply_gradients(optimizer, grads, variables, [flags])
             with tf.control_dependencies([sums.assign_add(step_sums)]):
                 with tf.control_dependencies([self.finished.assign_add(1)]):

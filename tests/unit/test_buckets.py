@@ -1,0 +1,37 @@
+"""The gradients' buckets (HorovodWorld.allreduce_gradients): cut from the last tensor to the
+first by static size alone, and HVDTRAIN_BUCKET_BYTES read with a one-line refusal. Their
+overlap with the backward pass, on 2 ranks: runs/test_overlap.py."""
+import pytest
+
+from hvdtrain.base.errors import EnvError
+from hvdtrain.distributed.horovod_world import _buckets
+from hvdtrain.distributed.world import BUCKET_BYTES, configured_bucket_bytes
+
+
+def test_buckets_are_cut_in_backward_order_by_static_size():
+    import tensorflow as tf
+
+    # float32: 8, 40,000, 40, 10,000, 12 bytes; the flags (riders) go in front
+    tensors = [tf.zeros([2]), tf.zeros([100, 100]), tf.zeros([10]), tf.zeros([50, 50]),
+               tf.zeros([3])]
+    assert _buckets(tensors, 10_000) == [[3, 4], [1, 2], [0]]
+    assert _buckets(tensors, 1) == [[4], [3], [2], [1], [0]]
+    assert _buckets(tensors, 0) == _buckets(tensors, 10**9) == [[0, 1, 2, 3, 4]]
+    # values do not matter, only shapes and dtypes: every rank cuts the same buckets
+    other = [tf.ones_like(t) * 7 for t in tensors]
+    assert _buckets(other, 10_000) == _buckets(tensors, 10_000)
+    halves = [tf.zeros([3000], tf.float16), tf.zeros([3000], tf.float16), tf.zeros([3000])]
+    assert _buckets(halves, 10_000) == [[2], [0, 1]]  # 12,000 bytes; 6,000 + 6,000
+
+
+@pytest.mark.parametrize("raw, value", [("", BUCKET_BYTES), ("0", 0), (" 1048576 ", 1 << 20)])
+def test_bucket_bytes_setting(raw, value):
+    assert configured_bucket_bytes({"HVDTRAIN_BUCKET_BYTES": raw}) == value
+
+
+@pytest.mark.parametrize("raw", ["25MiB", "-1", "1.5"])
+def test_a_bad_bucket_bytes_is_one_line_naming_it(raw):
+    with pytest.raises(EnvError) as e:
+        configured_bucket_bytes({"HVDTRAIN_BUCKET_BYTES": raw})
+    assert str(e.value).startswith(f"HVDTRAIN_BUCKET_BYTES={raw.strip()}: ") \
+        and "\n" not in str(e.value)
