@@ -102,8 +102,8 @@ def step_split(path, step_seconds, compute_seconds) -> dict:
     over the steps after the first third) and the rest (what is left: waiting for the
     slower rank, the host's work, the cores shared by two ranks).
 
-    The per-step tensors are those negotiated most often (the steps' gradients; the
-    broadcasts at the start and the metrics at epoch ends come fewer times)."""
+    The per-step tensors: the largest set negotiated equally often (the steps' gradients; the
+    broadcasts at the start, the metric sums at epoch ends come at other counts)."""
     events = read_timeline(path)
     ready, done, start = (collections.defaultdict(list) for _ in range(3))
     open_at = {}
@@ -118,8 +118,18 @@ def step_split(path, step_seconds, compute_seconds) -> dict:
             elif name in ("ALLREDUCE", "ALLGATHER"):
                 start[e["pid"]].append(ts)
                 done[e["pid"]].append(e["ts"])
-    most = max((len(v) for v in done.values()), default=0)
-    tensors = [p for p, v in done.items() if len(v) == most and len(ready[p]) == most]
+    # The steps' tensors: the largest set of tensors negotiated equally often (a run's other
+    # collectives, its metric sums and agreement checks, come at other counts); a tensor's
+    # last reduction may lack its end (the timeline stops with the process): steps that every
+    # tensor finished count.
+    counts = collections.Counter(len(v) for v in ready.values())
+    if not counts:
+        return {"step": step_seconds, "compute": compute_seconds, "not_hidden": 0.0,
+                "rest": step_seconds - compute_seconds, "communication": 0.0, "tensors": 0,
+                "steps": 0}
+    per_step = max(counts, key=lambda c: (counts[c], c))
+    tensors = [p for p, v in ready.items() if len(v) == per_step and done[p]]
+    most = min(min(len(done[p]), per_step) for p in tensors)
     exposed, busy = [], []
     for i in range(most // 3, most):
         last_ready = max(ready[p][i] for p in tensors)
