@@ -428,3 +428,36 @@ def test_models_case_and_projection_on_the_command_line(capsys):
     assert main(["project", "--model", "mlp-4096", "--fabric", "ib400x8"]) == 0
     out = capsys.readouterr().out
     assert "wide MLP" in out and "NVLink + 400 Gb/s IB x8" in out
+
+
+@pytest.mark.quick
+def test_the_models_pages_commands_and_projection_tables():
+    """performance/models.md: its bench commands run the models case at the levels and on
+    the models they say; its projection commands parse as printed; and its projection tables
+    and checks are, row for row, what ``project`` prints now, with the calibrated constants
+    the code computes (a changed constant fails here until the page is regenerated)."""
+    from docs_pages import docs_text
+    from hvdtrain.tools.bench import projection
+    from hvdtrain.tools.bench.__main__ import MODELS
+    full, quick = (bench_plan(c) for c in block(
+        "performance/models.md", "python -m hvdtrain.bench --cases models").commands())
+    assert (full.chosen, full.level, full.models) == (["models"], "full", list(MODELS))
+    assert (quick.chosen, quick.level, quick.models) == (["models"], "quick", ["mlp"])
+    every, one, yours, measured = (projection.plan(shlex.split(c)[4:]) for c in block(
+        "performance/models.md", "python -m hvdtrain.bench project").commands())
+    assert len(every.models) == 3 and len(every.fabrics) == 5 and every.overlap == 0
+    assert one.models == [projection.MODELS["resnet50"]] and one.overlap == 0.5
+    assert (yours.models[0].compute, yours.models[0].gradient_bytes, yours.models[0].batch) == (
+        0.12, 100e6, 64)
+    assert measured.results == "bench-out/results.json"
+    printed = projection.markdown(every.models, every.fabrics, 0.0).splitlines()
+    page = docs_text("performance/models.md")
+    section = page[page.index("## Projected scaling"):].splitlines()
+    constants = section.index("| constant | value | kind |")
+    rows = [line for i, line in enumerate(section) if line.startswith("| ")
+            and not (constants <= i < section.index("", constants))]
+    assert len(rows) >= 30
+    for line in rows:
+        assert line in printed, line
+    assert f"| {projection.HOST_LATENCY * 1e6:.0f} us |" in page
+    assert f"| {projection.HOST_BUSBW / 1e9:.2f} GB/s |" in page

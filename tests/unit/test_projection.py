@@ -125,3 +125,17 @@ def test_the_cli_prints_the_assumptions_tables_and_check(capsys):
             p.plan(bad)
         assert e.value.code == 2
     assert math.isclose(p.MODELS["resnet50"].batch / p.MODELS["resnet50"].compute, 2375)
+
+
+def test_the_models_measured_here_projected_on_the_host_path():
+    """--results: a models row's compute is its one-process step at the same per-rank batch;
+    2 processes on the calibrated host path add one pass of the gradient's bytes and the
+    calls' latency."""
+    results = {"models": {"rows": [{
+        "model": "mlp", "batch_per_rank": 32, "gradient_bytes": 151e6,
+        "samples_per_sec": {"one": 200.0}, "efficiency": {"task": 0.7, "tape": 0.8}}]}}
+    ((name, projected, measured),) = p.host_rows(results)
+    compute = 32 / 200.0
+    reduce = 151e6 / p.HOST_BUSBW + 2 * p.HOST_LATENCY  # 151 MB: two 128 MiB fusion calls
+    assert name == "mlp" and measured == {"task": 0.7, "tape": 0.8}
+    assert projected == pytest.approx(compute / (compute + reduce))

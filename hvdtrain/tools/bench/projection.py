@@ -88,8 +88,8 @@ class Fabric:
 
 
 # NVLink: nccl-tests all_reduce_perf busbw of 8 A100 SXM4 (NVSwitch): 200-208 GB/s reported
-# (NVIDIA/nccl-tests issues 149 and 178): published. The networks: line rates, published;
-# their 0.9 efficiency and hop latencies: assumed.
+# (github.com/NVIDIA/nccl-tests/issues/149 and /178): published. The networks: line rates,
+# published; their 0.9 efficiency and hop latencies: assumed.
 NVLINK_A100 = 200 * GB
 FABRICS = {
     "nvlink": Fabric("NVLink, one node of 8", NVLINK_A100, hop=1e-6),
@@ -172,10 +172,10 @@ CHECKS = [  # (what, model, GPUs, fabric, overlap, published efficiency, toleran
 # Bus bandwidths: (what, GPUs, fabric, published busbw bytes/s, tolerance, source)
 BUS_CHECKS = [
     ("8 A100, NVLink, 1 GiB", 8, FABRICS["nvlink"], 204 * GB, 0.1,
-     "NVIDIA/nccl-tests issues 149, 178: 200-208 GB/s"),
+     "github.com/NVIDIA/nccl-tests/issues/149 and /178: 200-208 GB/s"),
     ("24 A100, 3 nodes, 4 x 200 Gb/s HDR each, 128 MiB", 24,
      Fabric("NVLink + 200 Gb/s IB x4", NVLINK_A100, 200, 4), 90 * GB, 0.1,
-     "NVIDIA/nccl-tests issue 119: 84.8 GB/s average, 96 peak (90: between them)"),
+     "github.com/NVIDIA/nccl-tests/issues/119: 84.8 GB/s average, 96 peak (90: between them)"),
 ]
 # Published whole-training scaling, beyond what the model counts (its reduction only: not the
 # input pipeline, stragglers, the host): printed beside the checks, no tolerance claimed.
@@ -221,10 +221,10 @@ def markdown(models, fabrics, overlap, gpus=GPUS) -> str:
            "on this machine (2 processes, the median hvd.allreduce in a tf.function up to "
            "256 KiB)",
            f"- this machine's host bus bandwidth: {HOST_BUSBW / GB:.2f} GB/s, calibrated (64 "
-           "MiB); used only for the 2-process check of the models measured here",
+           "MiB); used only for `--results`: the models measured here, projected to 2 processes",
            f"- NVLink (A100, NVSwitch, 8 per node): {NVLINK_A100 / GB:.0f} GB/s bus "
-           "bandwidth, published (nccl-tests all_reduce_perf, NVIDIA/nccl-tests issues 149 "
-           "and 178)",
+           "bandwidth, published (nccl-tests all_reduce_perf, github.com/NVIDIA/nccl-tests/"
+           "issues/149 and /178)",
            "- networks: line rate per port, published; 90 % of it reached and the hop "
            "latencies (1 us NVLink, 5 us IB, 10 us Ethernet), assumed"]
     out += [f"- {m.name}: {m.batch / m.compute:,.0f} samples/s per GPU at batch {m.batch}, "
@@ -257,6 +257,23 @@ def markdown(models, fabrics, overlap, gpus=GPUS) -> str:
     return "\n".join(out)
 
 
+HOST = Fabric("this machine: 2 processes, shared memory", HOST_BUSBW, hop=0.0, per_node=2)
+
+
+def host_rows(results: dict) -> list:
+    """The models measured here (a ``results.json`` of ``--cases models``) projected to 2
+    processes on this machine's calibrated host path, beside what each path measured:
+    [(model, projected efficiency, {variant: measured efficiency})]. The compute: the
+    one-process run at the same per-rank batch."""
+    rows = []
+    for r in results.get("models", {}).get("rows", []):
+        one = r["samples_per_sec"]["one"]
+        model = Model(r["model"], r["batch_per_rank"], r["batch_per_rank"] / one,
+                      r["gradient_bytes"], "measured here")
+        rows.append((r["model"], project(model, 2, HOST)["efficiency"], r["efficiency"]))
+    return rows
+
+
 def plan(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hvdtrain.bench project",
                                 description=__doc__.split("\n")[0],
@@ -269,6 +286,8 @@ def plan(argv=None) -> argparse.Namespace:
     p.add_argument("--compute-ms", type=float, help="your model: one GPU's step, ms")
     p.add_argument("--gradient-mb", type=float, help="your model: gradient MB per step")
     p.add_argument("--batch", type=int, default=256, help="your model: batch per GPU")
+    p.add_argument("--results", help="a results.json of --cases models: its models projected "
+                   "to 2 processes on this machine's host path, beside the measured")
     args = p.parse_args(argv)
     if not 0 <= args.overlap <= 1:
         p.error(f"--overlap {args.overlap}: must be between 0 and 1")
@@ -286,4 +305,15 @@ def plan(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = plan(argv)
     print(markdown(args.models, args.fabrics, args.overlap))
+    if args.results:
+        import json
+
+        from hvdtrain.tools.bench.report import table
+        with open(args.results) as f:
+            rows = host_rows(json.load(f))
+        variants = sorted({v for _, _, measured in rows for v in measured})
+        print("\nThe model on this machine (2 processes, the host path calibrated above, "
+              "overlap 0) against the models measured here: scaling efficiency\n")
+        print(table(["model", "projected"] + variants,
+                    [[m, eff] + [measured.get(v) for v in variants] for m, eff, measured in rows]))
     return 0
