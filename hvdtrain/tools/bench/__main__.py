@@ -2,7 +2,8 @@
 
     python -m hvdtrain.bench                       # every case (about 16 minutes on 2 cores,
                                                    # plus keras_speed's 36 launches and
-                                                   # pipeline's 6: about 42 more)
+                                                   # pipeline's 6: about 42 more, and
+                                                   # models' 69: about an hour more)
     python -m hvdtrain.bench --quick               # the headline cases, smaller: allreduce,
                                                    # throughput, tta, fit (a few minutes;
                                                    # the time is printed at the end)

@@ -26,6 +26,7 @@ samples/s (epoch 1 traces; the case counts epochs 2-E), the gradient bytes per s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -126,7 +127,7 @@ def _timer(k, seconds: list):
     return Timer()
 
 
-def _loop(args, step, global_batch) -> list:
+def _loop(args, step) -> list:
     """``args.epochs`` epochs of ``args.steps`` calls of ``step``; each epoch's seconds."""
     seconds = []
     for _ in range(args.epochs):
@@ -146,7 +147,7 @@ def _threads(tf, threads: int) -> None:
 def run(args) -> None:
     import tensorflow as tf
 
-    strategy = world = hvd = None
+    strategy = hvd = None
     if args.kind == "one":  # one core: a rank's share of this machine (see the case)
         _threads(tf, args.threads)
     elif args.kind == "mwms":  # the strategy first: before any other TensorFlow op
@@ -157,7 +158,7 @@ def run(args) -> None:
     elif args.kind in ("tape", "hvd_fit_tuned", "hk_fit", "task"):
         from hvdtrain import distributed  # started as hvdtrain starts a rank
         world = distributed.init("horovod", notice=lambda m: None)
-        hvd = world.hvd if args.kind == "tape" else distributed.horovod_keras()
+        hvd = world.hvd if args.kind == "tape" else distributed.horovod_keras()  # both started
     else:  # hvd_fit: Horovod's Keras example, Horovod's own defaults
         from hvdtrain import distributed
         hvd = distributed.horovod_keras()
@@ -177,7 +178,7 @@ def run(args) -> None:
         model = build(k, args.model, args.size)
         _fit(args, k, model, hvd, x, y, rank, size, seconds)
     else:
-        with strategy.scope() if strategy else _nothing():
+        with strategy.scope() if strategy else contextlib.nullcontext():
             model = build(k, args.model, args.size)
             opt = k.optimizers.SGD(args.lr)
         xb, yb = tf.constant(x[:args.batch]), tf.constant(y[:args.batch])
@@ -192,7 +193,7 @@ def run(args) -> None:
             hvd.broadcast_variables(model.variables, root_rank=0)
             variables = opt.variables  # Keras 3: a list; tf_keras: a method
             hvd.broadcast_variables(variables() if callable(variables) else variables, 0)
-        seconds = _loop(args, step, args.batch * size)
+        seconds = _loop(args, step)
     if rank == 0:
         write_json(args.out, {"kind": args.kind, "model": args.model, "size": args.size,
                               "ranks": size, "batch_per_rank": args.batch,
@@ -202,14 +203,6 @@ def run(args) -> None:
                               "epochs": [{"epoch": i + 1, "seconds": t,
                                           "samples_per_sec": args.steps * args.batch * size / t}
                                          for i, t in enumerate(seconds)]})
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _step_fn(tf, k, model, opt, xb, yb, hvd, strategy, global_batch):
