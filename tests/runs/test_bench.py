@@ -461,3 +461,32 @@ def test_the_models_pages_commands_and_projection_tables():
         assert line in printed, line
     assert f"| {projection.HOST_LATENCY * 1e6:.0f} us |" in page
     assert f"| {projection.HOST_BUSBW / 1e9:.2f} GB/s |" in page
+
+
+def test_models_case_through_the_real_launchers(tmp_path):
+    """The models case end to end on its smallest model (--smoke: a 26,000-parameter MLP):
+    every variant launched as the bench launches it (one process; the Task path, hk.fit,
+    Horovod's Keras fit at its defaults and tuned, Horovod's tape under horovodrun -np 2;
+    MWMS as two workers), then the Task path and the tape under HOROVOD_TIMELINE. Outside the
+    smoke fixture: its 9 launches take about a minute on 2 idle cores."""
+    out = tmp_path / "out"
+    proc = run([sys.executable, "-m", "hvdtrain.bench", "--smoke", "--cases", "models",
+                "--models", "mlp", "--out", str(out)], clean_env(tmp_path / "home"),
+               timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from hvdtrain.tools.bench import model_cases
+    (row,) = json.loads((out / "results.json").read_text())["models"]["rows"]
+    assert row["model"] == "mlp" and row["ranks"] == 2
+    # 64 -> 128 -> 128 -> 10, float32: the trainable variables' bytes
+    assert row["gradient_bytes"] == 4 * (64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10)
+    assert set(row["samples_per_sec"]) == set(model_cases.VARIANTS)
+    assert all(v > 0 for v in row["samples_per_sec"].values())
+    assert row["efficiency"]["task"] == pytest.approx(
+        row["samples_per_sec"]["task"] / (2 * row["samples_per_sec"]["one"]))
+    for variant in model_cases.TIMELINE_VARIANTS:  # each step's reductions seen and split
+        split = row["step_split"][variant]
+        assert split["tensors"] >= 6 and split["steps"] >= 3, split
+        assert split["not_hidden"] >= 0 and split["communication"] > 0, split
+        assert split["rest"] == pytest.approx(split["step"] - split["compute"]
+                                              - split["not_hidden"])
+    assert "### Models users train" in (out / "results.md").read_text()

@@ -149,7 +149,8 @@ def section(m, table) -> str:
     variants = list(m["variants"])
     text = (f"\n### Models users train, {NP} processes against 1 ({m['size']} sizes, synthetic "
             f"data): samples/s, median of {m['repeats']} round-robin launches (least-most), "
-            f"epochs 2-{m['epochs']} of {m['steps']} steps\n\n")
+            f"epoch{'s 2-' if m['epochs'] > 2 else ' '}{m['epochs']} of {m['steps']} steps "
+            "(the first traces)\n\n")
     text += "".join(f"- {v}: {label}\n" for v, label in m["variants"].items()) + "\n"
     rows = []
     for r in m["rows"]:
