@@ -275,14 +275,18 @@ def host_rows(results: dict) -> list:
 
 
 def plan(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hvdtrain.bench project",
-                                description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=("all", *MODELS), default="all")
+    p = argparse.ArgumentParser(
+        prog="python -m hvdtrain.bench project",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Projected samples/s and scaling efficiency on 8-512 GPUs: a cost model of "
+        "the gradient reduction (ring, fusion, latency), its constants printed with the tables.")
+    p.add_argument("--model", choices=("all", *MODELS), default="all",
+                   help="the models with published per-GPU figures")
     p.add_argument("--overlap", type=float, default=0.0,
                    help="share of the reduction hidden behind the backward pass (0: "
                    "hvdtrain's grouped allreduce; Horovod's tape: about 0.5)")
-    p.add_argument("--fabric", choices=("all", *FABRICS), default="all")
+    p.add_argument("--fabric", choices=("all", *FABRICS), default="all",
+                   help="NVLink in one node, or nodes of 8 on 25 GbE or InfiniBand")
     p.add_argument("--compute-ms", type=float, help="your model: one GPU's step, ms")
     p.add_argument("--gradient-mb", type=float, help="your model: gradient MB per step")
     p.add_argument("--batch", type=int, default=256, help="your model: batch per GPU")
