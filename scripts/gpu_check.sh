@@ -12,10 +12,14 @@
 #    horovodrun: the sums are checked, and Horovod's timeline must show NCCL_ALLREDUCE.
 # 3. linear and mnist: both tasks through horovodrun on every GPU; world size, weights, test
 #    accuracy, samples/s.
+# 4. models: the models bench's ResNet-50 (python -m hvdtrain.bench --cases models) through
+#    hvdtrain's Task path on every GPU against one process on one GPU: samples/s, scaling
+#    efficiency, gradient bytes.
 # Exit 0: every check passed. Exit 1: no GPU (nvidia-smi missing or listing none), TensorFlow
 # sees fewer GPUs than nvidia-smi, or a check failed.
 # Environment: PYTHON (default: the checkout's .venv), OUT (default: runs/gpu-check-TIME),
-# CONTROLLER (--mpi or --gloo; default: Horovod's choice), MNIST_EPOCHS (default 3).
+# CONTROLLER (--mpi or --gloo; default: Horovod's choice), MNIST_EPOCHS (default 3),
+# MODEL_BATCH (the ResNet-50's images per GPU, 32x32; default 256: a step of tens of ms).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-$root/.venv/bin/python}
@@ -89,6 +93,15 @@ for task in linear mnist; do
     if [[ $task == mnist ]]; then args+=(--epochs "${MNIST_EPOCHS:-3}"); fi
     launch "$task" "$python" -m "hvdtrain.$task" "${args[@]}"
 done
+# The models bench's ResNet-50: one process on one GPU (the reference), then the Task path on
+# every GPU, at the same batch per GPU; 20 steps an epoch, the first of 3 epochs traces.
+model=(--model resnet --batch "${MODEL_BATCH:-256}" --steps 20 --epochs 3)
+echo "== models: one process, one GPU"
+CUDA_VISIBLE_DEVICES=0 "$python" -m hvdtrain.tools.bench.model_workers one --threads 4 \
+    --out "$out/models-one.json" "${model[@]}" >"$out/models-one.log" 2>&1 ||
+    { tail -20 "$out/models-one.log" >&2; status=1; }
+launch models-task "$python" -m hvdtrain.tools.bench.model_workers task \
+    --out "$out/models-task.json" "${model[@]}"
 
 # --- the table ------------------------------------------------------------------------
 "$python" - "$out" "$gpus" <<'PY' || status=1
@@ -152,6 +165,21 @@ for task in ("linear", "mnist"):
     row(task, passed and r["world_size"] == gpus and r["ranks_identical"],
         f"{r['world_size']} ranks, {what}, last epoch {rates[-1]:,.0f} samples/s, "
         f"{read(task + '.seconds').strip()} s")
+def steady(path):  # samples/s over the epochs after the first (which traces)
+    epochs = json.load(open(path))["epochs"][1:]
+    return sum(e["samples_per_sec"] * e["seconds"] for e in epochs) / sum(e["seconds"] for e in epochs)
+
+one, task = (os.path.join(out, f"models-{v}.json") for v in ("one", "task"))
+if os.path.exists(one) and os.path.exists(task):
+    r = json.load(open(task))
+    alone, together = steady(one), steady(task)
+    efficiency = together / (r["ranks"] * alone)
+    row("models resnet", r["ranks"] == gpus and 0 < efficiency,
+        f"{r['ranks']} ranks, {together:,.0f} samples/s against {alone:,.0f} on one GPU: "
+        f"scaling efficiency {efficiency:.2f}, {r['gradient_bytes'] / 1e6:.0f} MB of gradients "
+        f"a step, batch {r['batch_per_rank']} per GPU")
+else:
+    row("models resnet", False, f"no result (logs: {out}/models-one.log, models-task.log)")
 width = max(len(c) for c, _, _ in rows)
 print(f"\n{'check':<{width}}  result  figures")
 for check, result, figures in rows:

@@ -364,3 +364,144 @@ def test_sparse_case_through_the_real_launchers(smoke):
     assert dense["samples_per_sec"] > 0, sp
     assert sp["ratios"]["bytes dense/gathered"] > 50, sp
     assert "An Embedding's sparse gradient, 2 processes" in (out / "results.md").read_text()
+def _timeline_events(steps, tensors, ready_gap_us, reduce_us):
+    """A Horovod timeline of ``steps`` steps of ``tensors`` gradients each (one pid per
+    tensor): tensor i ready ``ready_gap_us`` after tensor i-1, each reduced for ``reduce_us``
+    from its readiness; plus one broadcast at the start (a pid negotiated once)."""
+    events = [{"ph": "B", "name": "NEGOTIATE_BROADCAST", "ts": 0, "pid": 99},
+              {"ph": "E", "ts": 5, "pid": 99}]
+    for step in range(steps):
+        base = 10_000 * (step + 1)
+        for t in range(tensors):
+            ready = base + t * ready_gap_us
+            events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": ready - 50, "pid": t},
+                       {"ph": "E", "ts": ready, "pid": t},
+                       {"ph": "B", "name": "ALLREDUCE", "ts": ready, "pid": t},
+                       {"ph": "E", "ts": ready + reduce_us, "pid": t}]
+    return events
+
+
+@pytest.mark.quick
+def test_step_split_from_a_timeline(tmp_path):
+    """Communication not hidden: from the last gradient ready on every rank to the last
+    reduction's end (here the last tensor's 400 us); the earlier tensors' reductions overlap
+    the later ones' readiness and count only in 'communication' (first start to last end)."""
+    from hvdtrain.tools.bench import model_cases
+    path = tmp_path / "t.json"
+    events = _timeline_events(steps=6, tensors=3, ready_gap_us=1000, reduce_us=400)
+    for i in range(9):  # a run's own allreduce (metric sums, agreement), more often than steps
+        events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 90_000 + i, "pid": 50},
+                   {"ph": "E", "ts": 90_001 + i, "pid": 50}]
+    # a 7th step whose reductions the timeline lost the ends of (it stops with the process)
+    last = _timeline_events(steps=7, tensors=3, ready_gap_us=1000, reduce_us=400)[-12:]
+    events += [e for e in last if not (e["ph"] == "E" and e["ts"] % 1000 == 400)]
+    path.write_text(json.dumps(events))
+    split = model_cases.step_split(str(path), step_seconds=0.010, compute_seconds=0.008)
+    # the broadcast's and the 9 sums' pids left out; the 7th step, unfinished, too
+    assert (split["tensors"], split["steps"]) == (3, 6)
+    assert split["not_hidden"] == pytest.approx(400e-6)
+    assert split["communication"] == pytest.approx(2400e-6)  # 0 .. 2000 + 400
+    assert split["rest"] == pytest.approx(0.010 - 0.008 - 400e-6)
+
+
+@pytest.mark.quick
+def test_models_section_reports_median_spread_and_efficiency():
+    from hvdtrain.tools.bench import model_cases
+    runs = {v: [100.0, 120.0, 90.0] for v in model_cases.VARIANTS}
+    runs["one"] = [60.0, 50.0, 55.0]
+    median = {v: sorted(r)[1] for v, r in runs.items()}
+    row = {"model": "mlp", "batch_per_rank": 32, "ranks": 2, "parameters": 37_801_994,
+           "gradient_bytes": 151_207_976, "samples_per_sec": median,
+           "spread": {v: (min(r), max(r)) for v, r in runs.items()}, "all_runs": runs,
+           "efficiency": {v: median[v] / (2 * median["one"]) for v in median if v != "one"},
+           "step_split": {"task": {"step": 0.64, "compute": 0.58, "not_hidden": 0.04,
+                                   "rest": 0.02, "communication": 0.05, "tensors": 9,
+                                   "steps": 12}}}
+    models = {"size": "full", "steps": 6, "epochs": 3, "repeats": 3,
+              "variants": dict(model_cases.VARIANTS), "rows": [row]}
+    text = report.markdown({"machine": "m", "models": models}, "cmd")
+    assert "median of 3 round-robin launches (least-most)" in text
+    assert "| mlp | 32 | 151.2 | 55.0 (50.0-60.0) | 100.0 (90.0-120.0) |" in text
+    assert "| mlp | 0.909 | 0.909 |" in text  # 100 / (2 x 55)
+    assert "| mlp | task | 640 | 580 | 40 | 20 | 50 |" in text
+
+
+@pytest.mark.quick
+def test_models_case_and_projection_on_the_command_line(capsys):
+    """--cases models with --models picks the models case's models; a bad one exits 2;
+    ``project`` goes to the projection, which launches nothing."""
+    from hvdtrain.tools.bench.__main__ import MODELS, main, settings
+    args = bench_plan("python -m hvdtrain.bench --cases models --models mlp,bert")
+    assert (args.chosen, args.models) == (["models"], ["mlp", "bert"])
+    assert bench_plan("python -m hvdtrain.bench --cases models").models == list(MODELS)
+    with pytest.raises(SystemExit) as e:
+        bench_plan("python -m hvdtrain.bench --models vgg")
+    assert e.value.code == 2
+    size, batches, steps, epochs, repeats = settings("full")["models"]
+    assert (size, repeats, epochs) == ("full", 3, 3) and set(batches) == set(MODELS)
+    assert settings("smoke")["models"][0] == "smoke"
+    assert main(["project", "--model", "mlp-4096", "--fabric", "ib400x8"]) == 0
+    out = capsys.readouterr().out
+    assert "wide MLP" in out and "NVLink + 400 Gb/s IB x8" in out
+
+
+@pytest.mark.quick
+def test_the_models_pages_commands_and_projection_tables():
+    """performance/models.md: its bench commands run the models case at the levels and on
+    the models they say; its projection commands parse as printed; and its projection tables
+    and checks are, row for row, what ``project`` prints now, with the calibrated constants
+    the code computes (a changed constant fails here until the page is regenerated)."""
+    from docs_pages import docs_text
+    from hvdtrain.tools.bench import projection
+    from hvdtrain.tools.bench.__main__ import MODELS
+    full, quick = (bench_plan(c) for c in block(
+        "performance/models.md", "python -m hvdtrain.bench --cases models").commands())
+    assert (full.chosen, full.level, full.models) == (["models"], "full", list(MODELS))
+    assert (quick.chosen, quick.level, quick.models) == (["models"], "quick", ["mlp"])
+    every, one, yours, measured = (projection.plan(shlex.split(c)[4:]) for c in block(
+        "performance/models.md", "python -m hvdtrain.bench project").commands())
+    assert len(every.models) == 3 and len(every.fabrics) == 5 and every.overlap == 0
+    assert one.models == [projection.MODELS["resnet50"]] and one.overlap == 0.5
+    assert (yours.models[0].compute, yours.models[0].gradient_bytes, yours.models[0].batch) == (
+        0.12, 100e6, 64)
+    assert measured.results == "bench-out/results.json"
+    printed = projection.markdown(every.models, every.fabrics, 0.0).splitlines()
+    page = docs_text("performance/models.md")
+    section = page[page.index("## Projected scaling"):].splitlines()
+    constants = section.index("| constant | value | kind |")
+    rows = [line for i, line in enumerate(section) if line.startswith("| ")
+            and not (constants <= i < section.index("", constants))]
+    assert len(rows) >= 30
+    for line in rows:
+        assert line in printed, line
+    assert f"| {projection.HOST_LATENCY * 1e6:.0f} us |" in page
+    assert f"| {projection.HOST_BUSBW / 1e9:.2f} GB/s |" in page
+
+
+def test_models_case_through_the_real_launchers(tmp_path):
+    """The models case end to end on its smallest model (--smoke: a 26,000-parameter MLP):
+    every variant launched as the bench launches it (one process; the Task path, hk.fit,
+    Horovod's Keras fit at its defaults and tuned, Horovod's tape under horovodrun -np 2;
+    MWMS as two workers), then the Task path and the tape under HOROVOD_TIMELINE. Outside the
+    smoke fixture: its 9 launches took 31 s here."""
+    out = tmp_path / "out"
+    proc = run([sys.executable, "-m", "hvdtrain.bench", "--smoke", "--cases", "models",
+                "--models", "mlp", "--out", str(out)], clean_env(tmp_path / "home"),
+               timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from hvdtrain.tools.bench import model_cases
+    (row,) = json.loads((out / "results.json").read_text())["models"]["rows"]
+    assert row["model"] == "mlp" and row["ranks"] == 2
+    # 64 -> 128 -> 128 -> 10, float32: the trainable variables' bytes
+    assert row["gradient_bytes"] == 4 * (64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10)
+    assert set(row["samples_per_sec"]) == set(model_cases.VARIANTS)
+    assert all(v > 0 for v in row["samples_per_sec"].values())
+    assert row["efficiency"]["task"] == pytest.approx(
+        row["samples_per_sec"]["task"] / (2 * row["samples_per_sec"]["one"]))
+    for variant in model_cases.TIMELINE_VARIANTS:  # each step's reductions seen and split
+        split = row["step_split"][variant]
+        assert split["tensors"] >= 6 and split["steps"] >= 3, split
+        assert split["not_hidden"] >= 0 and split["communication"] > 0, split
+        assert split["rest"] == pytest.approx(split["step"] - split["compute"]
+                                              - split["not_hidden"])
+    assert "### Models users train" in (out / "results.md").read_text()

@@ -7,7 +7,10 @@ invocations, a ratio measured in one run does not), and the suite writes ``resul
 Modules: ``workers`` and ``fit_workers`` (the entry points each benchmark process runs),
 ``cases`` (the launches of Horovod's and TensorFlow's comparisons: allreduce, throughput,
 steps per call, time to accuracy, timeline), ``fit_cases`` (those of the Keras fit paths:
-fit, keras_speed, pipeline), ``report`` (tables, ratios, plots).
+fit, keras_speed, pipeline), ``model_cases`` and ``model_workers`` (the models users train:
+a ResNet-50, a transformer encoder, a wide MLP through every path), ``projection`` (``python -m
+hvdtrain.bench project``: a cost model of the reduction on GPU clusters, launching nothing),
+``report`` (tables, ratios, plots).
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
     python -m hvdtrain.bench                       # every case (about 16 minutes on 2 cores,
                                                    # plus keras_speed's 36 launches and
-                                                   # pipeline's 6: about 42 more)
+                                                   # pipeline's 6: about 42 more, and
+                                                   # models' 69: about an hour more)
     python -m hvdtrain.bench --quick               # the headline cases, smaller: allreduce,
                                                    # throughput, tta, fit (a few minutes;
                                                    # the time is printed at the end)
@@ -10,6 +11,8 @@
                                                    # 4,000-digit sample: checks that it runs,
                                                    # its numbers mean nothing (the tests')
     python -m hvdtrain.bench --cases allreduce,tta --out /tmp/b
+    python -m hvdtrain.bench --cases models --models mlp   # one model users train
+    python -m hvdtrain.bench project --model resnet50      # projected scaling on GPU clusters
 """
 from __future__ import annotations
 
@@ -22,16 +25,23 @@ import sys
 import time
 
 from hvdtrain.tools import bench
-from hvdtrain.tools.bench import cases, fit_cases, report, sparse_case
+from hvdtrain.tools.bench import cases, fit_cases, model_cases, projection, report, sparse_case
 from hvdtrain.distributed import usable_cores
 
 CASES = ("allreduce", "throughput", "steps", "tta", "timeline", "fit", "keras_speed",
-         "pipeline", "sparse")
+         "pipeline", "sparse", "models")
+MODELS = ("resnet", "bert", "mlp")  # the models case's models (model_workers.SHAPES)
 # --quick without --cases: the comparisons docs/performance/index.md leads with (Horovod's
 # allreduce, training throughput against plain TensorFlow and MultiWorkerMirroredStrategy,
 # time to accuracy, the fit path against Horovod's Keras wrapper).
 QUICK_CASES = ("allreduce", "throughput", "tta", "fit")
 KIB = 1024
+
+
+# Per-rank batches of the models case at full size: a step of 0.1-1 s on one core here
+# (ResNet-50 at 32x32: 16 images, 0.65 s; the encoder: 8 sequences of 128, 0.26 s; the MLP:
+# 32, 0.14 s), so that an epoch of a few steps measures steps, not the host.
+MODEL_BATCHES = {"resnet": 16, "bert": 8, "mlp": 32}
 
 
 def settings(level: str) -> dict:
@@ -49,14 +59,17 @@ def settings(level: str) -> dict:
                 "tta": (softmax, 500, 0.5, 2), "timeline": (softmax, 500, 1),
                 "fit": (250, 2, 1), "steps": ([softmax], 500, 2, (1, 0), 1),
                 "keras_speed": (500, 2, 1, (8,), ("k3",), 64, 4, 3),
-                "pipeline": (250, 2, 1), "sparse": (20_000, 8, 16, 3), "dataset": "mnist"}
+                "pipeline": (250, 2, 1), "sparse": (20_000, 8, 16, 3), "dataset": "mnist",
+                # models: size, per-rank batches, steps per epoch, epochs, repeats
+                "models": ("smoke", {"resnet": 4, "bert": 4, "mlp": 8}, 3, 2, 1)}
     if level == "quick":
         return {"sizes": [4 * KIB, 256 * KIB, 4 << 20], "scale": 0.2,
                 "specs": [softmax], "batches": [4096], "epochs": 3, "repeats": 1,
                 "tta": (softmax, 512, 0.80, 4), "timeline": (softmax, 512, 2),
                 "fit": (256, 3, 1), "steps": ([softmax], 256, 3, (1, 16, 0), 1),
                 "keras_speed": (256, 2, 1, (64,), ("k3",), 256, 100, 12),
-                "pipeline": (64, 3, 1), "sparse": (1_000_000, 16, 64, 10)}
+                "pipeline": (64, 3, 1), "sparse": (1_000_000, 16, 64, 10),
+                "models": ("full", MODEL_BATCHES, 4, 2, 2)}
     return {"sizes": [4 * KIB << (2 * i) for i in range(8)], "scale": 1.0,  # 4 KiB .. 64 MiB
             "specs": [softmax, mlp], "batches": [256, 1024, 4096], "epochs": 3, "repeats": 2,
             "tta": (softmax, 512, 0.80, 6), "timeline": (softmax, 512, 2),
@@ -72,7 +85,10 @@ def settings(level: str) -> dict:
             "pipeline": (64, 4, 2),
             # an Embedding's gradient gathered and dense: table rows, columns, batch per
             # rank, steps (the dense one: 64 MB allreduced a step)
-            "sparse": (1_000_000, 16, 64, 20)}
+            "sparse": (1_000_000, 16, 64, 20),
+            # the models users train: per-rank batches, 6 steps an epoch, 3 epochs (the first
+            # traces: ResNet-50's takes 20 s on one core), 3 repeats (this machine: +-30 %)
+            "models": ("full", MODEL_BATCHES, 6, 3, 3)}
 
 
 def plan(argv=None) -> argparse.Namespace:
@@ -90,6 +106,8 @@ def plan(argv=None) -> argparse.Namespace:
                        "checks that the cases run; the numbers mean nothing")
     p.add_argument("--cases", help=f"comma-separated subset of {','.join(CASES)} (default: "
                    f"all; with --quick, {','.join(QUICK_CASES)})")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"the models case's models, comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")],
                    help="allreduce sizes in bytes, comma-separated (default: 4 KiB to 64 MiB)")
     args = p.parse_args(argv)
@@ -98,19 +116,25 @@ def plan(argv=None) -> argparse.Namespace:
     unknown = set(args.chosen) - set(CASES)
     if unknown:
         p.error(f"--cases: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CASES)}")
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if set(args.models) - set(MODELS) or not args.models:
+        p.error(f"--models: unknown {args.models}; choose from {', '.join(MODELS)}")
     args.out = os.path.abspath(args.out)
     args.level = "smoke" if args.smoke else "quick" if args.quick else "full"
     return args
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["project"]:  # the projection to GPU clusters: no launches
+        return projection.main(argv[1:])
     args = plan(argv)
     chosen, out, level = args.chosen, args.out, args.level
     os.makedirs(os.path.join(out, "raw"), exist_ok=True)
     s = settings(level)
     s["sizes"] = args.sizes or s["sizes"]
     fit_cases.DATASET = s.get("dataset", fit_cases.DATASET)
-    command = "python -m hvdtrain.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python -m hvdtrain.bench " + " ".join(shlex.quote(a) for a in argv)
     results = {"command": command, "quick": args.quick, "level": level,
                "started": time.strftime("%F %T"),
                "machine": f"{platform.node()}: {usable_cores()} cores, "
@@ -142,6 +166,10 @@ def main(argv=None) -> int:
                 results[case] = fit_cases.pipeline(out, *s["pipeline"])
             elif case == "sparse":
                 results[case] = sparse_case.sparse(out, *s["sparse"])
+            elif case == "models":
+                size, batches, steps, epochs, repeats = s["models"]
+                results[case] = model_cases.models(out, args.models, size, batches, steps,
+                                                   epochs, repeats)
     except bench.BenchError as e:
         print(f"python -m hvdtrain.bench: error: {e}", file=sys.stderr)
         return 1

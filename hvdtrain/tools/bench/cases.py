@@ -155,7 +155,7 @@ def run_variant(variant, spec, global_batch, epochs, work, extra_env=None, flags
     return _metrics(run_dir), wall
 
 
-def _mwms(out, per_worker, worker_flags, env, target=0.0, worker=("mwms",)):
+def _mwms(out, per_worker, worker_flags, env, target=0.0, worker=("mwms",), module=WORKERS):
     ports = bench.free_ports(NP)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     procs = []
@@ -165,7 +165,7 @@ def _mwms(out, per_worker, worker_flags, env, target=0.0, worker=("mwms",)):
     for index in range(NP):
         e = dict(env, TF_CONFIG=json.dumps({"cluster": cluster,
                                             "task": {"type": "worker", "index": index}}))
-        cmd = bench.python(WORKERS, *worker, "--index", index, "--out", out, "--batch",
+        cmd = bench.python(module, *worker, "--index", index, "--out", out, "--batch",
                            per_worker, "--target", target, *worker_flags)
         procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))

@@ -249,6 +249,9 @@ def markdown(results, command: str) -> str:
         parts.append(table(["variant", "samples/s"], [
             (label, pl["samples_per_sec"][v]) for v, label in pl["variants"].items()]))
         parts.append("\n" + table(["ratio", "value"], list(pl["ratios"].items())))
+    if results.get("models"):
+        from hvdtrain.tools.bench import model_cases
+        parts.append(model_cases.section(results["models"], table))
     return "\n".join(parts)
 
 

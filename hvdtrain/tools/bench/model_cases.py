@@ -1,0 +1,176 @@
+"""The models case: the models users train, through every path, side by side.
+
+    models(out, names, size, batches, steps, epochs, repeats)
+
+A ResNet-50, a BERT-small-like encoder with a 30,522-word Embedding (sparse gradients) and a
+wide MLP (151 MB of gradients), on synthetic data, each at one per-rank batch and seed through:
+one process (the np-1 reference), hvdtrain's Task path and ``hk.fit``, Horovod's Keras fit
+(its defaults, and tuned), Horovod's GradientTape loop, and MultiWorkerMirroredStrategy; the
+processes are ``model_workers``. Launches go round-robin ``repeats`` times (a burst of load
+from elsewhere hits every variant alike); each variant's samples/s is the median of its
+launches, with the least and the most beside it. Then one launch each of the Task path and the
+tape loop under HOROVOD_TIMELINE splits their step into compute, communication not hidden
+behind it, and the rest (``step_split``).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import statistics
+
+from hvdtrain.tools import bench
+from hvdtrain.tools.bench import progress
+from hvdtrain.tools.bench.cases import CONTROLLER, NP, _load, _mwms, _steady, read_timeline
+
+MODEL_WORKERS = "hvdtrain.tools.bench.model_workers"
+VARIANTS = {  # name: label (every variant but "one" runs NP processes)
+    "one": "1 process, 1 thread, no Horovod (np 1)",
+    "task": "hvdtrain Task path",
+    "hk_fit": "hvdtrain hk.fit",
+    "hvd_fit": "Horovod Keras fit, its defaults",
+    "hvd_fit_tuned": "Horovod Keras fit, tuned",
+    "tape": "Horovod GradientTape loop",
+    "mwms": "MultiWorkerMirroredStrategy",
+}
+# hvd_fit_tuned's fusion buffer: 256 MiB holds every gradient of the largest model (151 MB),
+# so one cycle carries a whole step (Horovod's 128 MiB default splits the MLP's in two).
+TUNED_ENV = {"HOROVOD_FUSION_THRESHOLD": str(256 << 20)}
+# The paths whose step is split from a timeline: hvdtrain's (one grouped allreduce after the
+# backward pass) and Horovod's tape (an allreduce per gradient as it is ready: overlap).
+TIMELINE_VARIANTS = ("task", "tape")
+
+
+def _launch(out, variant, name, size, batch, steps, epochs, extra_env=None, tag=""):
+    """One launch of ``variant`` on model ``name``; returns its worker's JSON."""
+    path = os.path.join(out, "raw", f"models-{name}-{variant}{tag}.json")
+    flags = ["--model", name, "--size", size, "--batch", batch, "--steps", steps,
+             "--epochs", epochs]
+    env = bench.env(**dict(TUNED_ENV if variant == "hvd_fit_tuned" else {}, **(extra_env or {})))
+    env.pop("TF_USE_LEGACY_KERAS", None)  # every path on Keras 3: the same model code
+    if variant == "mwms":
+        _mwms(path, batch, flags, env, worker=("mwms",), module=MODEL_WORKERS)
+    else:
+        cmd = bench.python(MODEL_WORKERS, variant, "--out", path, *flags)
+        bench.run(cmd if variant == "one" else bench.horovodrun(NP, CONTROLLER, cmd), env,
+                  timeout=900)
+    return _load(path)
+
+
+def models(out, names, size, batches, steps, epochs, repeats,
+           timeline=TIMELINE_VARIANTS) -> dict:
+    """samples/s per model and variant (median of ``repeats`` round-robin launches, with the
+    least and the most), scaling efficiency against the one-process run, gradient bytes, and
+    the timeline's step split of the ``timeline`` variants."""
+    rows = []
+    for name in names:
+        batch = batches[name]
+        runs, record = collections.defaultdict(list), {}
+        for _ in range(repeats):
+            for variant in VARIANTS:
+                record = _launch(out, variant, name, size, batch, steps, epochs)
+                runs[variant].append(_steady(record["epochs"]))
+                progress(f"models {name} {variant}: {runs[variant][-1]:,.1f} samples/s")
+        median = {v: statistics.median(r) for v, r in runs.items()}
+        one_step = batch / median["one"]
+        splits = {}
+        for variant in timeline:
+            path = os.path.join(out, f"timeline-{name}-{variant}.json")
+            if os.path.exists(path):
+                os.remove(path)
+            rec = _launch(out, variant, name, size, batch, steps, epochs,
+                          {"HOROVOD_TIMELINE": path}, tag="-timeline")
+            step = NP * batch / _steady(rec["epochs"])
+            splits[variant] = step_split(path, step, one_step)
+        rows.append({"model": name, "batch_per_rank": batch, "ranks": NP,
+                     "parameters": record["parameters"],
+                     "gradient_bytes": record["gradient_bytes"], "samples_per_sec": median,
+                     "spread": {v: (min(r), max(r)) for v, r in runs.items()},
+                     "all_runs": dict(runs),
+                     "efficiency": {v: median[v] / (NP * median["one"]) for v in median
+                                    if v != "one"},
+                     "step_split": splits})
+        progress(f"models {name}: " + ", ".join(f"{v} {s:,.1f}" for v, s in median.items()))
+    return {"size": size, "steps": steps, "epochs": epochs, "repeats": repeats,
+            "variants": dict(VARIANTS), "rows": rows}
+
+
+def step_split(path, step_seconds, compute_seconds) -> dict:
+    """A step of ``step_seconds`` split three ways: compute (``compute_seconds``, the
+    one-process step at the same per-rank batch), communication not hidden (from rank 0's
+    timeline: per step, from the moment the last gradient was ready on every rank, the end
+    of its last NEGOTIATE_ phase, to the end of the last allreduce or allgather; the median
+    over the steps after the first third) and the rest (what is left: waiting for the
+    slower rank, the host's work, the cores shared by two ranks).
+
+    The per-step tensors: the largest set negotiated equally often (the steps' gradients; the
+    broadcasts at the start, the metric sums at epoch ends come at other counts)."""
+    events = read_timeline(path)
+    ready, done, start = (collections.defaultdict(list) for _ in range(3))
+    open_at = {}
+    for e in events:
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("ph") == "B":
+            open_at.setdefault(key, []).append((e.get("name", ""), e["ts"]))
+        elif e.get("ph") == "E" and open_at.get(key):
+            name, ts = open_at[key].pop()
+            if name.startswith("NEGOTIATE_") and name != "NEGOTIATE_BROADCAST":
+                ready[e["pid"]].append(e["ts"])
+            elif name in ("ALLREDUCE", "ALLGATHER"):
+                start[e["pid"]].append(ts)
+                done[e["pid"]].append(e["ts"])
+    # The steps' tensors: the largest set of tensors negotiated equally often (a run's other
+    # collectives, its metric sums and agreement checks, come at other counts); a tensor's
+    # last reduction may lack its end (the timeline stops with the process): steps that every
+    # tensor finished count.
+    counts = collections.Counter(len(v) for v in ready.values())
+    if not counts:
+        return {"step": step_seconds, "compute": compute_seconds, "not_hidden": 0.0,
+                "rest": step_seconds - compute_seconds, "communication": 0.0, "tensors": 0,
+                "steps": 0}
+    per_step = max(counts, key=lambda c: (counts[c], c))
+    tensors = [p for p, v in ready.items() if len(v) == per_step and done[p]]
+    most = min(min(len(done[p]), per_step) for p in tensors)
+    exposed, busy = [], []
+    for i in range(most // 3, most):
+        last_ready = max(ready[p][i] for p in tensors)
+        end = max(done[p][i] for p in tensors)
+        exposed.append(max(0.0, (end - last_ready) / 1e6))
+        busy.append((end - min(start[p][i] for p in tensors)) / 1e6)
+    not_hidden = statistics.median(exposed) if exposed else 0.0
+    return {"step": step_seconds, "compute": compute_seconds, "not_hidden": not_hidden,
+            "rest": step_seconds - compute_seconds - not_hidden,
+            "communication": statistics.median(busy) if busy else 0.0,
+            "tensors": len(tensors), "steps": most}
+
+
+def section(m, table) -> str:
+    """The models case's Markdown: samples/s with spread, efficiency, gradient bytes, and the
+    step splits. ``table`` is report.table."""
+    variants = list(m["variants"])
+    text = (f"\n### Models users train, {NP} processes against 1 ({m['size']} sizes, synthetic "
+            f"data): samples/s, median of {m['repeats']} round-robin launches (least-most), "
+            f"epoch{'s 2-' if m['epochs'] > 2 else ' '}{m['epochs']} of {m['steps']} steps "
+            "(the first traces)\n\n")
+    text += "".join(f"- {v}: {label}\n" for v, label in m["variants"].items()) + "\n"
+    rows = []
+    for r in m["rows"]:
+        cells = [f"{r['samples_per_sec'][v]:,.1f} ({r['spread'][v][0]:,.1f}-"
+                 f"{r['spread'][v][1]:,.1f})" for v in variants]
+        rows.append([r["model"], r["batch_per_rank"], f"{r['gradient_bytes'] / 1e6:,.1f}"]
+                    + cells)
+    text += table(["model", "batch per rank", "gradient MB per step"] + variants, rows)
+    text += (f"\nScaling efficiency: samples/s of {NP} processes / ({NP} x the one-process "
+             "run at the same per-rank batch)\n\n")
+    text += table(["model"] + variants[1:], [
+        [r["model"]] + [r["efficiency"][v] for v in variants[1:]] for r in m["rows"]])
+    splits = [(r["model"], v, s["step"] * 1e3, s["compute"] * 1e3, s["not_hidden"] * 1e3,
+               s["rest"] * 1e3, s["communication"] * 1e3)
+              for r in m["rows"] for v, s in r["step_split"].items()]
+    if splits:
+        text += ("\nOne step split, ms (a launch under HOROVOD_TIMELINE): compute = the "
+                 "one-process step; not hidden = from the last gradient ready on every rank "
+                 "to the last reduction's end; rest = step - compute - not hidden; "
+                 "communication = first reduction's start to last one's end\n\n")
+        text += table(["model", "variant", "step", "compute", "not hidden", "rest",
+                       "communication"], splits)
+    return text
