@@ -18,7 +18,10 @@ BIN = os.path.dirname(sys.executable)
 HOROVODRUN = os.path.join(BIN, "horovodrun")
 # A launcher's variables in this process's environment would make a child believe it is
 # one of several ranks (and TF_CONFIG, that it is a MultiWorkerMirroredStrategy worker).
-INHERITED = ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE", "TF_CONFIG")
+INHERITED = ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE", "TF_CONFIG",
+             # the launch scripts' interpreter for the ranks (scripts/launch_*.sh): a child
+             # runs this venv's; CI's PYTHON names the set-up's interpreter (.ci/run)
+             "PYTHON")
 
 
 class Timeout(RuntimeError):
