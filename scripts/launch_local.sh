@@ -59,8 +59,10 @@ signal_ranks() {
     for p in $(ps -e -o pid=,ppid= | awk -v root="$job" '{ parent[$1] = $2 } END {
             for (p in parent) { q = p; while ((q in parent) && q != root && q > 1) q = parent[q]
                                 if (q == root && p != root) print p } }'); do
-        if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null |
-                grep -qE '^(OMPI_COMM_WORLD_RANK|HOROVOD_RANK)='; then
+        # grep -z on the file itself, not tr | grep -q: under pipefail, grep's early exit
+        # left tr's next write a SIGPIPE, the pipeline failed, and a rank whose environment
+        # is over tr's 8 KiB buffer went unsignalled (a Ctrl-C that did not stop the job).
+        if grep -qzE '^(OMPI_COMM_WORLD_RANK|HOROVOD_RANK)=' "/proc/$p/environ" 2>/dev/null; then
             kill -TERM "$p" 2>/dev/null || true
         fi
     done
