@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import shlex
+import signal
 import sys
 
 import pytest
@@ -14,6 +15,15 @@ import pytest
 from hvdtrain.distributed import World
 from hvdtrain.tools import harness
 from hvdtrain.tools.harness import BIN, HOROVODRUN, ROOT, start  # noqa: F401 (the tests' names)
+
+# A run started as a background job of a script (`pytest ... &`, as CI may start it) inherits
+# SIGINT and SIGQUIT ignored, and so would every process a test starts: a shell cannot trap a
+# signal ignored at its start, so a launch script's Ctrl-C handling would go untested (its job
+# ran to its end). The tests' commands get what a terminal gives them: the default.
+for _signum in (signal.SIGINT, signal.SIGQUIT):
+    if signal.getsignal(_signum) == signal.SIG_IGN:
+        signal.signal(_signum, signal.default_int_handler if _signum == signal.SIGINT
+                      else signal.SIG_DFL)
 
 KERAS2 = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
 # Every time bound a test sets (pytest-timeout's per-test bound, and each process's below) is

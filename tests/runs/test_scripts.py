@@ -38,13 +38,7 @@ LOCAL = os.path.join(ROOT, "scripts", "launch_local.sh")
 # mpirun passes a SIGINT on about 2 s late (test_faults.py): the Ctrl-C case trains long
 # enough (400 epochs, about 10 s here) that the job cannot end before it (40 did, in CI).
 @pytest.mark.parametrize("controller,how,epochs", [
-    ("--gloo", "SIGTERM", 40),
-    # Known defect, open: in two full clean-clone runs this case ended 0 (the job ran to its
-    # end: Ctrl-C did not stop the ranks), while it passes alone and beside its twin (6 of 6).
-    # Not strict, so that it still runs and reports which way it went.
-    pytest.param("", "SIGINT", 400, marks=pytest.mark.xfail(
-        strict=False, reason="full-suite runs: Ctrl-C to launch_local.sh did not stop the "
-                             "MPI ranks (exit 0, not 75); cause not found yet"))])
+    ("--gloo", "SIGTERM", 40), ("", "SIGINT", 400)])
 def test_launch_local_sigterm_exits_75_without_traceback_and_resumes(controller, how, epochs,
                                                                      env, tmp_path):
     """SIGTERM to the launch script (or Ctrl-C: SIGINT to its process group) reaches the
