@@ -367,7 +367,8 @@ def test_sparse_case_through_the_real_launchers(smoke):
 def _timeline_events(steps, tensors, ready_gap_us, reduce_us):
     """A Horovod timeline of ``steps`` steps of ``tensors`` gradients each (one pid per
     tensor): tensor i ready ``ready_gap_us`` after tensor i-1, each reduced for ``reduce_us``
-    from its readiness; plus one broadcast at the start (a pid negotiated once)."""
+    from its readiness, its output 1,000 x (i + 1) float32; plus one broadcast at the start
+    (a pid negotiated once)."""
     events = [{"ph": "B", "name": "NEGOTIATE_BROADCAST", "ts": 0, "pid": 99},
               {"ph": "E", "ts": 5, "pid": 99}]
     for step in range(steps):
@@ -377,7 +378,8 @@ def _timeline_events(steps, tensors, ready_gap_us, reduce_us):
             events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": ready - 50, "pid": t},
                        {"ph": "E", "ts": ready, "pid": t},
                        {"ph": "B", "name": "ALLREDUCE", "ts": ready, "pid": t},
-                       {"ph": "E", "ts": ready + reduce_us, "pid": t}]
+                       {"ph": "E", "ts": ready + reduce_us, "pid": t,
+                        "args": {"dtype": "FLOAT32", "shape": f"[{1000 * (t + 1)}]"}}]
     return events
 
 
@@ -402,6 +404,7 @@ def test_step_split_from_a_timeline(tmp_path):
     assert split["not_hidden"] == pytest.approx(400e-6)
     assert split["communication"] == pytest.approx(2400e-6)  # 0 .. 2000 + 400
     assert split["rest"] == pytest.approx(0.010 - 0.008 - 400e-6)
+    assert split["bytes"] == 4 * (1000 + 2000 + 3000)  # each step's three tensors
 
 
 @pytest.mark.quick
@@ -417,13 +420,19 @@ def test_models_section_reports_median_spread_and_efficiency():
            "step_split": {"task": {"step": 0.64, "compute": 0.58, "not_hidden": 0.04,
                                    "rest": 0.02, "communication": 0.05, "tensors": 9,
                                    "steps": 12}}}
+    row["paired"] = model_cases.paired(dict(runs, hvd_fit_best=[90.0, 150.0, 45.0]),
+                                       [("task", "hvd_fit_best")])
+    assert row["paired"] == {"task/hvd_fit_best": (100 / 90, 0.8, 2.0)}  # per round, paired
     models = {"size": "full", "steps": 6, "epochs": 3, "repeats": 3,
               "variants": dict(model_cases.VARIANTS), "rows": [row]}
     text = report.markdown({"machine": "m", "models": models}, "cmd")
+    assert "| mlp | task/hvd_fit_best | 1.11 | 0.8 | 2 |" in text
+    assert ("| models, 2 processes, paired by round: task/hvd_fit_best | mlp, batch 32 per rank "
+            "| 1.11 | >= 1 | yes |") in text
     assert "median of 3 round-robin launches (least-most)" in text
     assert "| mlp | 32 | 151.2 | 55.0 (50.0-60.0) | 100.0 (90.0-120.0) |" in text
     assert "| mlp | 0.909 | 0.909 |" in text  # 100 / (2 x 55)
-    assert "| mlp | task | 640 | 580 | 40 | 20 | 50 |" in text
+    assert "| mlp | task | 640 | 580 | 40 | 20 | 50 | - |" in text
 
 
 @pytest.mark.quick
@@ -454,18 +463,21 @@ def test_the_models_pages_commands_and_projection_tables():
     from docs_pages import docs_text
     from hvdtrain.tools.bench import projection
     from hvdtrain.tools.bench.__main__ import MODELS
-    full, quick = (bench_plan(c) for c in block(
+    full, quick, mlp = (bench_plan(c) for c in block(
         "performance/models.md", "python -m hvdtrain.bench --cases models").commands())
-    assert (full.chosen, full.level, full.models) == (["models"], "full", list(MODELS))
-    assert (quick.chosen, quick.level, quick.models) == (["models"], "quick", ["mlp"])
+    assert (full.chosen, full.level, full.models) == (["models", "models_np1"], "full",
+                                                      list(MODELS))
+    assert (quick.chosen, quick.level, quick.models) == (["models", "models_np1"], "quick",
+                                                         list(MODELS))
+    assert (mlp.chosen, mlp.level, mlp.models) == (["models"], "quick", ["mlp"])
     every, one, yours, measured = (projection.plan(shlex.split(c)[4:]) for c in block(
         "performance/models.md", "python -m hvdtrain.bench project").commands())
-    assert len(every.models) == 3 and len(every.fabrics) == 5 and every.overlap == 0
-    assert one.models == [projection.MODELS["resnet50"]] and one.overlap == 0.5
+    assert len(every.models) == 3 and len(every.fabrics) == 5 and every.overlap == 0.5
+    assert one.models == [projection.MODELS["resnet50"]] and one.overlap == 0
     assert (yours.models[0].compute, yours.models[0].gradient_bytes, yours.models[0].batch) == (
         0.12, 100e6, 64)
     assert measured.results == "bench-out/results.json"
-    printed = projection.markdown(every.models, every.fabrics, 0.0).splitlines()
+    printed = projection.markdown(every.models, every.fabrics, every.overlap).splitlines()
     page = docs_text("performance/models.md")
     section = page[page.index("## Projected scaling"):].splitlines()
     constants = section.index("| constant | value | kind |")
@@ -482,10 +494,11 @@ def test_models_case_through_the_real_launchers(tmp_path):
     """The models case end to end on its smallest model (--smoke: a 26,000-parameter MLP):
     every variant launched as the bench launches it (one process; the Task path, hk.fit,
     Horovod's Keras fit at its defaults and tuned, Horovod's tape under horovodrun -np 2;
-    MWMS as two workers), then the Task path and the tape under HOROVOD_TIMELINE. Outside the
-    smoke fixture: its 9 launches took 31 s here."""
+    MWMS as two workers), then the Task path and the tape under HOROVOD_TIMELINE; and the
+    one-process comparison (models_np1: a plain Keras fit, the Task path, hk.fit, alone,
+    under Keras 3 and tf_keras). Outside the smoke fixture: its 15 launches took 75 s here."""
     out = tmp_path / "out"
-    proc = run([sys.executable, "-m", "hvdtrain.bench", "--smoke", "--cases", "models",
+    proc = run([sys.executable, "-m", "hvdtrain.bench", "--smoke", "--cases", "models,models_np1",
                 "--models", "mlp", "--out", str(out)], clean_env(tmp_path / "home"),
                timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -504,4 +517,22 @@ def test_models_case_through_the_real_launchers(tmp_path):
         assert split["not_hidden"] >= 0 and split["communication"] > 0, split
         assert split["rest"] == pytest.approx(split["step"] - split["compute"]
                                               - split["not_hidden"])
-    assert "### Models users train" in (out / "results.md").read_text()
+    # each round's hvdtrain path against each Horovod reference, paired (1 round: least = most)
+    assert set(row["paired"]) == {f"{a}/{b}" for a in ("task", "hk_fit")
+                                  for b in model_cases.HOROVOD_REFERENCES}
+    best = max(row["samples_per_sec"]["hvd_fit"], row["samples_per_sec"]["hvd_fit_tuned"])
+    assert row["paired"]["task/hvd_fit_best"] == pytest.approx(
+        [row["samples_per_sec"]["task"] / best] * 3)
+    alone = json.loads((out / "results.json").read_text())["models_np1"]
+    assert [(r["keras"], r["model"]) for r in alone["rows"]] == [("k3", "mlp"), ("k2", "mlp")]
+    for r, keras in zip(alone["rows"], ("keras 3.", "tf_keras 2.")):
+        assert r["keras_version"].startswith(keras), r["keras_version"]
+        assert set(r["samples_per_sec"]) == set(model_cases.ALONE)
+        assert all(v > 0 for v in r["samples_per_sec"].values())
+        assert r["paired"]["task/fit"][0] == pytest.approx(
+            r["samples_per_sec"]["task"] / r["samples_per_sec"]["fit"])
+    text = (out / "results.md").read_text()
+    assert "### Models users train" in text and "one process, no launcher" in text
+    assert "| models, 1 process, paired by round: hk_fit/fit | mlp, batch 8, tf_keras" in text
+    assert (out / "bench_models.png").stat().st_size > 0
+    assert (out / "bench_models_np1.png").stat().st_size > 0

@@ -77,7 +77,7 @@ def test_efficiency_never_exceeds_one_and_falls_with_more_gpus_per_network():
 
 
 def test_samples_per_sec_is_n_times_batch_over_the_step():
-    got = p.project(MODEL, 64, IB100)
+    got = p.project(MODEL, 64, IB100, overlap=0.0)
     assert got["samples_per_sec"] == pytest.approx(64 * 256 / got["step"])
     assert got["step"] == pytest.approx(0.1 + p.reduce_seconds(64, 100e6, IB100))
 
@@ -130,15 +130,30 @@ def test_the_cli_prints_the_assumptions_tables_and_check(capsys):
 def test_the_models_measured_here_projected_on_the_host_path():
     """--results: a models row's compute is its one-process step at the same per-rank batch;
     2 processes on the calibrated host path add one pass of the gradient's bytes and the
-    calls' latency."""
-    results = {"models": {"rows": [{
-        "model": "mlp", "batch_per_rank": 32, "gradient_bytes": 151e6,
-        "samples_per_sec": {"one": 200.0}, "efficiency": {"task": 0.7, "tape": 0.8}}]}}
-    ((name, projected, measured),) = p.host_rows(results)
+    calls' latency, of which the share the Task path's timeline showed hidden is taken off
+    (none without a timeline)."""
+    row = {"model": "mlp", "batch_per_rank": 32, "gradient_bytes": 151e6,
+           "samples_per_sec": {"one": 200.0}, "efficiency": {"task": 0.7, "tape": 0.8}}
     compute = 32 / 200.0
     reduce = 151e6 / p.HOST_BUSBW + 2 * p.HOST_LATENCY  # 151 MB: two 128 MiB fusion calls
-    assert name == "mlp" and measured == {"task": 0.7, "tape": 0.8}
+    ((name, overlap, projected, measured),) = p.host_rows({"models": {"rows": [row]}})
+    assert name == "mlp" and measured == {"task": 0.7, "tape": 0.8} and overlap == 0.0
     assert projected == pytest.approx(compute / (compute + reduce))
+    # a timeline: 30 of 120 ms not hidden, so a quarter of the reduction exposed
+    split = {"step": 0.3, "compute": 0.16, "not_hidden": 0.030, "communication": 0.120}
+    ((_, overlap, projected, _),) = p.host_rows({"models": {"rows": [
+        dict(row, step_split={"task": split, "tape": dict(split, not_hidden=0.0)})]}})
+    assert overlap == pytest.approx(0.75)
+    assert projected == pytest.approx(compute / (compute + 0.25 * reduce))
+    assert p.measured_overlap(dict(split, not_hidden=0.5)) == 0.0  # more than it: none hidden
+    assert p.measured_overlap(dict(split, communication=0.0)) is None
+
+
+def test_the_default_overlap_is_the_buckets_and_zero_is_one_reduction_after_the_pass():
+    assert p.plan([]).overlap == 0.5
+    after = p.project(MODEL, 64, IB100, overlap=0.0)["step"]
+    assert p.project(MODEL, 64, IB100)["step"] == pytest.approx(
+        MODEL.compute + 0.5 * (after - MODEL.compute))
 
 
 def test_the_assumed_hop_latency_barely_moves_the_large_models():

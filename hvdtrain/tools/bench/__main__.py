@@ -3,7 +3,8 @@
     python -m hvdtrain.bench                       # every case (about 16 minutes on 2 cores,
                                                    # plus keras_speed's 36 launches and
                                                    # pipeline's 6: about 42 more, and
-                                                   # models' 69: about an hour more)
+                                                   # models' 69: about an hour more,
+                                                   # models_np1's 54: about 40 minutes)
     python -m hvdtrain.bench --quick               # the headline cases, smaller: allreduce,
                                                    # throughput, tta, fit (a few minutes;
                                                    # the time is printed at the end)
@@ -12,6 +13,7 @@
                                                    # its numbers mean nothing (the tests')
     python -m hvdtrain.bench --cases allreduce,tta --out /tmp/b
     python -m hvdtrain.bench --cases models --models mlp   # one model users train
+    python -m hvdtrain.bench --cases models_np1            # the same, one process, both Keras
     python -m hvdtrain.bench project --model resnet50      # projected scaling on GPU clusters
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ from hvdtrain.tools.bench import cases, fit_cases, model_cases, projection, repo
 from hvdtrain.distributed import usable_cores
 
 CASES = ("allreduce", "throughput", "steps", "tta", "timeline", "fit", "keras_speed",
-         "pipeline", "sparse", "models")
+         "pipeline", "sparse", "models", "models_np1")
 MODELS = ("resnet", "bert", "mlp")  # the models case's models (model_workers.SHAPES)
 # --quick without --cases: the comparisons docs/performance/index.md leads with (Horovod's
 # allreduce, training throughput against plain TensorFlow and MultiWorkerMirroredStrategy,
@@ -107,7 +109,7 @@ def plan(argv=None) -> argparse.Namespace:
     p.add_argument("--cases", help=f"comma-separated subset of {','.join(CASES)} (default: "
                    f"all; with --quick, {','.join(QUICK_CASES)})")
     p.add_argument("--models", default=",".join(MODELS),
-                   help=f"the models case's models, comma-separated subset of {','.join(MODELS)}")
+                   help=f"the models cases' models, comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")],
                    help="allreduce sizes in bytes, comma-separated (default: 4 KiB to 64 MiB)")
     args = p.parse_args(argv)
@@ -170,6 +172,10 @@ def main(argv=None) -> int:
                 size, batches, steps, epochs, repeats = s["models"]
                 results[case] = model_cases.models(out, args.models, size, batches, steps,
                                                    epochs, repeats)
+            elif case == "models_np1":  # the models case's settings, one process each
+                size, batches, steps, epochs, repeats = s["models"]
+                results[case] = model_cases.alone(out, args.models, size, batches, steps,
+                                                  epochs, repeats)
     except bench.BenchError as e:
         print(f"python -m hvdtrain.bench: error: {e}", file=sys.stderr)
         return 1

@@ -52,8 +52,9 @@ def allreduce(out: str, sizes, scale: float = 1.0) -> dict:
     Launches go round-robin (memcpy, hvd_mpi, hvd_gloo, mpi4py, ..., then again) and each
     series keeps, per size, its best launch; each launch keeps its best timed round. The full
     suite (scale >= 1) runs 2 repeats and adds hvd_mpi_graph (the allreduce inside a
-    tf.function, as a training step calls it) and hvd_mpi_4k (hvd_mpi without the huge-page
-    environment: what a run launched without it gets).
+    tf.function, as a training step calls it), hvd_mpi_bare (no tunable from the caller: the
+    ranks' own re-exec sets it, as under a user's bare horovodrun) and hvd_mpi_4k (hvd_mpi
+    without the huge-page setting from anywhere: HVDTRAIN_HUGETLB=0).
     """
     flags = ["--sizes", ",".join(map(str, sizes)), "--scale", scale]
     hvd = lambda controller, f, *extra: bench.horovodrun(NP, controller, bench.python(  # noqa
@@ -72,7 +73,10 @@ def allreduce(out: str, sizes, scale: float = 1.0) -> dict:
     if scale >= 1:
         repeats = 2
         launches["hvd_mpi_graph"] = (lambda f: hvd("mpi", f, "--mode", "graph"), ALLREDUCE_ENV)
-        # without the tunable: neither from here nor from the ranks' own re-exec (base/malloc.py)
+        # a bare horovodrun, nothing set by the caller: each rank starts itself again with
+        # the tunable as it imports hvdtrain (base/malloc.py); what a user's own launch gets
+        launches["hvd_mpi_bare"] = (lambda f: hvd("mpi", f), {})
+        # without the tunable: neither from here nor from the ranks' own re-exec
         launches["hvd_mpi_4k"] = (lambda f: hvd("mpi", f), {"HVDTRAIN_HUGETLB": "0"})
     best, ranks = {}, {}
     for _ in range(repeats):

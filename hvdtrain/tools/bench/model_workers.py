@@ -14,6 +14,9 @@ KIND --model resnet|bert|mlp --size full|smoke --batch B --steps S --epochs E --
                    caller, ``compile(steps_per_execution=4)``
     hk_fit         ``hvdtrain.keras``'s fit (``hk.dataset``, ``hk.fit``)
     task           hvdtrain's Task path: a Task whose ``build_model`` returns the model
+    fit            plain Keras fit in one process, no Horovod, tuned as a user would tune it
+                   alone (``compile(steps_per_execution=4)``, TensorFlow's own thread pools):
+                   the reference of the np-1 comparison, where task and hk_fit run alone too
     mwms           ``tf.distribute.MultiWorkerMirroredStrategy`` worker ``--index`` (TF_CONFIG
                    from the caller), a custom loop as the throughput case's
 
@@ -97,8 +100,9 @@ def synthetic(name: str, size: str, n: int, seed: int):
 
 def gradient_bytes(model) -> int:
     """Bytes of one step's gradients, dense: the sum of the trainable variables' sizes."""
-    return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize
-                   for v in model.trainable_variables))
+    # a variable's dtype: its name under Keras 3, a tf.DType under tf_keras
+    return int(sum(np.prod(v.shape) * np.dtype(getattr(v.dtype, "as_numpy_dtype", v.dtype))
+                   .itemsize for v in model.trainable_variables))
 
 
 def _loss(k):
@@ -159,6 +163,8 @@ def run(args) -> None:
         from hvdtrain import distributed  # started as hvdtrain starts a rank
         world = distributed.init("horovod", notice=lambda m: None)
         hvd = world.hvd if args.kind == "tape" else distributed.horovod_keras()  # both started
+    elif args.kind == "fit":  # plain Keras: nothing of Horovod or hvdtrain started
+        pass
     else:  # hvd_fit: Horovod's Keras example, Horovod's own defaults
         from hvdtrain import distributed
         hvd = distributed.horovod_keras()
@@ -174,7 +180,7 @@ def run(args) -> None:
     if args.kind == "task":
         seconds = _task(args, x, y)
         model = build(k, args.model, args.size)  # only for its gradient bytes
-    elif args.kind in ("hk_fit", "hvd_fit", "hvd_fit_tuned"):
+    elif args.kind in ("hk_fit", "hvd_fit", "hvd_fit_tuned", "fit"):
         model = build(k, args.model, args.size)
         _fit(args, k, model, hvd, x, y, rank, size, seconds)
     else:
@@ -228,8 +234,13 @@ def _step_fn(tf, k, model, opt, xb, yb, hvd, strategy, global_batch):
 
 
 def _fit(args, k, model, hvd, x, y, rank, size, seconds) -> None:
-    compiled = dict(loss=_loss(k), steps_per_execution=4 if args.kind == "hvd_fit_tuned" else 1)
+    tuned = args.kind in ("hvd_fit_tuned", "fit")
+    compiled = dict(loss=_loss(k), steps_per_execution=4 if tuned else 1)
     timer = _timer(k, seconds)
+    if args.kind == "fit":  # one process: every example, no wrapper, no callback but the timer
+        model.compile(optimizer=k.optimizers.SGD(args.lr), jit_compile=False, **compiled)
+        model.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=0, callbacks=[timer])
+        return
     if args.kind == "hk_fit":
         import hvdtrain.keras as hk
         model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(args.lr)),
@@ -284,7 +295,7 @@ def _task(args, x, y) -> list:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m hvdtrain.tools.bench.model_workers")
     p.add_argument("kind", choices=("one", "tape", "hvd_fit", "hvd_fit_tuned", "hk_fit",
-                                    "task", "mwms"))
+                                    "task", "mwms", "fit"))
     p.add_argument("--model", choices=tuple(SHAPES), required=True)
     p.add_argument("--size", choices=("full", "smoke"), default="full")
     p.add_argument("--out", required=True)

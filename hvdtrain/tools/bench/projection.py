@@ -2,7 +2,7 @@
 synchronous data-parallel training on GPU clusters (8-512 GPUs) that this machine is not.
 
     python -m hvdtrain.bench project                        # every model, every fabric
-    python -m hvdtrain.bench project --model resnet50 --overlap 0.5
+    python -m hvdtrain.bench project --model resnet50 --overlap 0
     python -m hvdtrain.bench project --compute-ms 120 --gradient-mb 100 --batch 256
 
 The cost of one step on N GPUs (N = 1 costs nothing but the compute):
@@ -18,10 +18,12 @@ The cost of one step on N GPUs (N = 1 costs nothing but the compute):
                   2 log2 N (NCCL's trees at scale)
     samples/s   = N * batch / t_step(N);  efficiency = t_compute / t_step(N)
 
-``overlap`` is the share of the reduction hidden behind the backward pass: 0 by default,
-hvdtrain's case (its one grouped allreduce starts when every gradient is ready), 0.5 for
-Horovod's own tape and Keras wrapper (each gradient reduced as soon as it is ready), which the
-published-point check uses. Every constant is printed with the tables, marked calibrated (on
+``overlap`` is the share of the reduction hidden behind the backward pass: 0.5 by default, for
+hvdtrain's gradient buckets and Horovod's own tape and Keras wrapper alike (each part reduced
+as soon as the backward pass has produced it), the share the published-point check uses; 0 is
+a reduction that starts only when every gradient is ready (``HVDTRAIN_BUCKET_BYTES=0``).
+``--results`` projects each model measured here at the overlap its Task path's timeline
+showed. Every constant is printed with the tables, marked calibrated (on
 this machine, from docs/performance/index.md's allreduce table), published (its source named)
 or assumed.
 """
@@ -145,7 +147,7 @@ def reduce_seconds(n: int, nbytes: float, fabric: Fabric, fusion: int = FUSION,
     return 2 * (n - 1) / n * nbytes / fabric.busbw(n) + calls * latency(n, fabric, software)
 
 
-def project(model: Model, n: int, fabric: Fabric, overlap: float = 0.0, **kw) -> dict:
+def project(model: Model, n: int, fabric: Fabric, overlap: float = 0.5, **kw) -> dict:
     """samples/s and efficiency of ``model`` on ``n`` GPUs of ``fabric``."""
     step = model.compute + (1 - overlap) * reduce_seconds(n, model.gradient_bytes, fabric, **kw)
     return {"samples_per_sec": n * model.batch / step, "efficiency": model.compute / step,
@@ -260,17 +262,28 @@ def markdown(models, fabrics, overlap, gpus=GPUS) -> str:
 HOST = Fabric("this machine: 2 processes, shared memory", HOST_BUSBW, hop=0.0, per_node=2)
 
 
+def measured_overlap(split: dict):
+    """The share of a step's reduction its timeline showed hidden behind the backward pass
+    (``model_cases.step_split``: 1 - not hidden / communication), or None without one."""
+    if not split or split.get("communication", 0) <= 0:
+        return None
+    return min(1.0, max(0.0, 1 - split["not_hidden"] / split["communication"]))
+
+
 def host_rows(results: dict) -> list:
     """The models measured here (a ``results.json`` of ``--cases models``) projected to 2
-    processes on this machine's calibrated host path, beside what each path measured:
-    [(model, projected efficiency, {variant: measured efficiency})]. The compute: the
+    processes on this machine's calibrated host path, at the overlap the Task path's timeline
+    showed (0 without one), beside what each path measured:
+    [(model, overlap, projected efficiency, {variant: measured efficiency})]. The compute: the
     one-process run at the same per-rank batch."""
     rows = []
     for r in results.get("models", {}).get("rows", []):
         one = r["samples_per_sec"]["one"]
         model = Model(r["model"], r["batch_per_rank"], r["batch_per_rank"] / one,
                       r["gradient_bytes"], "measured here")
-        rows.append((r["model"], project(model, 2, HOST)["efficiency"], r["efficiency"]))
+        overlap = measured_overlap(r.get("step_split", {}).get("task")) or 0.0
+        rows.append((r["model"], overlap, project(model, 2, HOST, overlap)["efficiency"],
+                     r["efficiency"]))
     return rows
 
 
@@ -282,9 +295,10 @@ def plan(argv=None) -> argparse.Namespace:
         "the gradient reduction (ring, fusion, latency), its constants printed with the tables.")
     p.add_argument("--model", choices=("all", *MODELS), default="all",
                    help="the models with published per-GPU figures")
-    p.add_argument("--overlap", type=float, default=0.0,
-                   help="share of the reduction hidden behind the backward pass (0: "
-                   "hvdtrain's grouped allreduce; Horovod's tape: about 0.5)")
+    p.add_argument("--overlap", type=float, default=0.5,
+                   help="share of the reduction hidden behind the backward pass (hvdtrain's "
+                   "buckets and Horovod's own wrappers: about 0.5; 0: one reduction after "
+                   "the whole backward pass)")
     p.add_argument("--fabric", choices=("all", *FABRICS), default="all",
                    help="NVLink in one node, or nodes of 8 on 25 GbE or InfiniBand")
     p.add_argument("--compute-ms", type=float, help="your model: one GPU's step, ms")
@@ -315,9 +329,11 @@ def main(argv=None) -> int:
         from hvdtrain.tools.bench.report import table
         with open(args.results) as f:
             rows = host_rows(json.load(f))
-        variants = sorted({v for _, _, measured in rows for v in measured})
-        print("\nThe model on this machine (2 processes, the host path calibrated above, "
-              "overlap 0) against the models measured here: scaling efficiency\n")
-        print(table(["model", "projected"] + variants,
-                    [[m, eff] + [measured.get(v) for v in variants] for m, eff, measured in rows]))
+        variants = sorted({v for *_, measured in rows for v in measured})
+        print("\nThe model on this machine (2 processes, the host path calibrated above, at "
+              "the overlap the Task path's timeline showed) against the models measured here: "
+              "scaling efficiency\n")
+        print(table(["model", "overlap", "projected"] + variants,
+                    [[m, ov, eff] + [measured.get(v) for v in variants]
+                     for m, ov, eff, measured in rows]))
     return 0

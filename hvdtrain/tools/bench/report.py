@@ -112,6 +112,15 @@ def acceptance(results) -> list:
             pl["ratios"]["tfrecord/arrays"], 0.9)
         add("tf.data pipeline: hk.fit / MultiWorkerMirroredStrategy fit (auto-sharded)", where,
             pl["ratios"]["hk/mwms"], 1.3)
+    for r in (results.get("models") or {}).get("rows", []):
+        for pair, got in r.get("paired", {}).items():
+            add(f"models, {r['ranks']} processes, paired by round: {pair}",
+                f"{r['model']}, batch {r['batch_per_rank']} per rank", got[0], 1.0)
+    for r in (results.get("models_np1") or {}).get("rows", []):
+        keras = results["models_np1"]["kerases"][r["keras"]]
+        for pair, got in r["paired"].items():
+            add(f"models, 1 process, paired by round: {pair}",
+                f"{r['model']}, batch {r['batch']}, {keras}", got[0], 0.95)
     return checks
 
 
@@ -252,6 +261,9 @@ def markdown(results, command: str) -> str:
     if results.get("models"):
         from hvdtrain.tools.bench import model_cases
         parts.append(model_cases.section(results["models"], table))
+    if results.get("models_np1"):
+        from hvdtrain.tools.bench import model_cases
+        parts.append(model_cases.alone_section(results["models_np1"], table))
     return "\n".join(parts)
 
 
@@ -317,7 +329,30 @@ def plots(results, out: str) -> list:
             ax.set_title(model)
         axes[0][0].legend(fontsize=6)
         made.append(_save(fig, os.path.join(out, "bench_throughput.png")))
+    for key, name in (("models", "bench_models.png"), ("models_np1", "bench_models_np1.png")):
+        if results.get(key) and results[key]["rows"]:
+            made.append(_models_plot(plt, results[key], os.path.join(out, name)))
     return made
+
+
+def _models_plot(plt, m, path):
+    """A panel per model (per Keras and model, one process): each variant's median samples/s,
+    its least-most range as an error bar."""
+    rows, variants = m["rows"], list(m["variants"])
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows) + 1, 3.6), dpi=90,
+                             squeeze=False)
+    for ax, r in zip(axes[0], rows):
+        med = [r["samples_per_sec"][v] for v in variants]
+        low = [m_ - r["spread"][v][0] for v, m_ in zip(variants, med)]
+        high = [r["spread"][v][1] - m_ for v, m_ in zip(variants, med)]
+        ax.bar(range(len(variants)), med, yerr=[low, high], capsize=3,
+               color=[f"C{i}" for i in range(len(variants))])
+        ax.set_xticks(range(len(variants)))
+        ax.set_xticklabels(variants, rotation=45, ha="right", fontsize=7)
+        ax.set_title(r["model"] + (f", {m['kerases'][r['keras']]}" if "keras" in r else ""),
+                     fontsize=9)
+        ax.set_ylabel("samples/s")
+    return _save(fig, path)
 
 
 def _save(fig, path):
