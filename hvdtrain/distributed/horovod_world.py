@@ -11,21 +11,29 @@ from hvdtrain.base.compat import tf_variables
 from hvdtrain.base.errors import ConfigError, LaunchError, first_line
 from hvdtrain.distributed import sparse
 from hvdtrain.distributed.horovod_setup import horovod_keras
-from hvdtrain.distributed.world import (QUESTIONS, World, configured_bucket_bytes,
-                                        reduction_ops)
+from hvdtrain.distributed.world import (ALONE_BYTES, QUESTIONS, World,
+                                        configured_bucket_bytes, reduction_ops)
 
 
-def _buckets(tensors, bucket_bytes: int) -> list:
+def _buckets(tensors, bucket_bytes: int, alone_bytes: int = ALONE_BYTES) -> list:
     """The tensors' indices in buckets, in the order the backward pass produces them (from
-    the last tensor to the first); a bucket closes once it holds ``bucket_bytes`` or more
-    (0: one bucket). Sizes come from static shapes and dtypes only, so every rank cuts the
-    same buckets: Horovod matches a grouped allreduce across ranks by its tensors."""
+    the last tensor to the first). A tensor of ``alone_bytes`` or more (or of
+    ``bucket_bytes``, if less) is a bucket of its own, issued where the backward pass
+    produces it; the smaller ones gather in the current bucket, which closes once it holds
+    ``bucket_bytes`` or more, and the last one holds the first tensors (0: one bucket of
+    all). Sizes come from static shapes and dtypes only, so every rank cuts the same
+    buckets: Horovod matches a grouped allreduce across ranks by its tensors."""
     if bucket_bytes <= 0:
         return [list(range(len(tensors)))]
+    alone = min(alone_bytes, bucket_bytes)
     buckets, bucket, size = [], [], 0
     for i in reversed(range(len(tensors))):
+        nbytes = (tensors[i].shape.num_elements() or 0) * tensors[i].dtype.size
+        if nbytes >= alone:
+            buckets.append([i])
+            continue
         bucket.insert(0, i)
-        size += (tensors[i].shape.num_elements() or 0) * tensors[i].dtype.size
+        size += nbytes
         if size >= bucket_bytes:
             buckets.append(bucket)
             bucket, size = [], 0

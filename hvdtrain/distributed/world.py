@@ -140,6 +140,12 @@ COMPRESSIONS = ("none", "fp16")
 # a negotiation round per few tensors; under Horovod's fusion threshold (128 MiB), so Horovod
 # never cuts a bucket and still fuses the buckets that are ready in the same cycle.
 BUCKET_BYTES = 25 << 20
+# A gradient this large (or a whole bucket's worth, if less) is reduced on its own, a group of
+# one: Horovod then reduces it in place, where a group of several is copied into its fusion
+# buffer and out again (on a CPU, 2 x 151 MB of copies a step for the wide MLP: a tenth of
+# its 2-process step, docs/performance/models.md). From about this size an allreduce is
+# bound by bandwidth, not by its fixed cost, so fusing it saves nothing.
+ALONE_BYTES = 4 << 20
 
 
 def configured_bucket_bytes(environ=os.environ) -> int:

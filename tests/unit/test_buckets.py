@@ -14,14 +14,31 @@ def test_buckets_are_cut_in_backward_order_by_static_size():
     # float32: 8, 40,000, 40, 10,000, 12 bytes; the flags (riders) go in front
     tensors = [tf.zeros([2]), tf.zeros([100, 100]), tf.zeros([10]), tf.zeros([50, 50]),
                tf.zeros([3])]
-    assert _buckets(tensors, 10_000) == [[3, 4], [1, 2], [0]]
+    # the small ones (12, 40, 8 bytes) gather, the first tensors last, each large one alone
+    # where the backward pass produces it: 10,000 bytes, a bucket's worth; 40,000 over 20,000
+    assert _buckets(tensors, 10_000) == [[3], [1], [0, 2, 4]]
+    assert _buckets(tensors, 10**6, alone_bytes=20_000) == [[1], [0, 2, 3, 4]]
+    assert _buckets(tensors, 100, alone_bytes=20_000) == [[3], [1], [0, 2, 4]]
     assert _buckets(tensors, 1) == [[4], [3], [2], [1], [0]]
-    assert _buckets(tensors, 0) == _buckets(tensors, 10**9) == [[0, 1, 2, 3, 4]]
+    assert _buckets(tensors, 0) == [[0, 1, 2, 3, 4]]  # 0: one grouped allreduce, whatever size
+    assert _buckets(tensors, 10**9, alone_bytes=10**9) == [[0, 1, 2, 3, 4]]
     # values do not matter, only shapes and dtypes: every rank cuts the same buckets
     other = [tf.ones_like(t) * 7 for t in tensors]
     assert _buckets(other, 10_000) == _buckets(tensors, 10_000)
     halves = [tf.zeros([3000], tf.float16), tf.zeros([3000], tf.float16), tf.zeros([3000])]
-    assert _buckets(halves, 10_000) == [[2], [0, 1]]  # 12,000 bytes; 6,000 + 6,000
+    assert _buckets(halves, 10_000) == [[2], [0, 1]]  # 12,000 bytes alone; 6,000 + 6,000
+    assert _buckets(halves, 10_000, alone_bytes=10**9) == [[2], [0, 1]]  # bucket-sized: alone
+
+
+def test_the_default_buckets_of_a_wide_mlp():
+    """Its 4096 x 4096 and 1024 x 4096 kernels (67 and 17 MB) each alone, the biases and
+    the 4096 x 10 kernel (170 KB) in one bucket with the flags riding in front."""
+    import tensorflow as tf
+
+    flags = tf.zeros([2])
+    shapes = [[1024, 4096], [4096], [4096, 4096], [4096], [4096, 4096], [4096], [4096, 10], [10]]
+    tensors = [flags] + [tf.zeros(s) for s in shapes]
+    assert _buckets(tensors, BUCKET_BYTES) == [[5], [3], [1], [0, 2, 4, 6, 7, 8]]
 
 
 @pytest.mark.parametrize("raw, value", [("", BUCKET_BYTES), ("0", 0), (" 1048576 ", 1 << 20)])

@@ -71,7 +71,7 @@ def settings(level: str) -> dict:
                 "fit": (256, 3, 1), "steps": ([softmax], 256, 3, (1, 16, 0), 1),
                 "keras_speed": (256, 2, 1, (64,), ("k3",), 256, 100, 12),
                 "pipeline": (64, 3, 1), "sparse": (1_000_000, 16, 64, 10),
-                "models": ("full", MODEL_BATCHES, 4, 2, 2)}
+                "models": ("full", MODEL_BATCHES, 16, 2, 2)}
     return {"sizes": [4 * KIB << (2 * i) for i in range(8)], "scale": 1.0,  # 4 KiB .. 64 MiB
             "specs": [softmax, mlp], "batches": [256, 1024, 4096], "epochs": 3, "repeats": 2,
             "tta": (softmax, 512, 0.80, 6), "timeline": (softmax, 512, 2),
@@ -88,9 +88,10 @@ def settings(level: str) -> dict:
             # an Embedding's gradient gathered and dense: table rows, columns, batch per
             # rank, steps (the dense one: 64 MB allreduced a step)
             "sparse": (1_000_000, 16, 64, 20),
-            # the models users train: per-rank batches, 6 steps an epoch, 3 epochs (the first
-            # traces: ResNet-50's takes 20 s on one core), 3 repeats (this machine: +-30 %)
-            "models": ("full", MODEL_BATCHES, 6, 3, 3)}
+            # the models users train: per-rank batches, 16 steps an epoch (at 4, an epoch's
+            # own work, 20 ms on the Task path, was 5 % of a one-process epoch), 3 epochs (the
+            # first traces: ResNet-50's takes 20 s on one core), 3 repeats (this machine: +-30 %)
+            "models": ("full", MODEL_BATCHES, 16, 3, 3)}
 
 
 def plan(argv=None) -> argparse.Namespace:

@@ -284,7 +284,8 @@ def _task(args, x, y) -> list:
         task = ModelTask()
         hvdtrain.train(task, task.config(
             batch_size=args.batch, epochs=args.epochs, learning_rate=args.lr, momentum=0.0,
-            checkpoint_every=0, run_dir=run_dir, save_model=False, verbose=0, seed=args.seed))
+            checkpoint_every=0, run_dir=run_dir, save_model=False, verbose=0, seed=args.seed,
+            steps_per_execution=args.steps_per_execution))
         metrics = os.path.join(run_dir, "metrics.jsonl")  # rank 0's run directory
         if not os.path.exists(metrics):
             return []
@@ -305,6 +306,8 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="one: TensorFlow's intra-op threads")
+    p.add_argument("--steps-per-execution", type=int, default=0,
+                   help="task: its setting (0: auto, the default)")
     p.add_argument("--index", type=int, default=0, help="mwms: this worker's index")
     p.add_argument("--target", type=float, default=0.0, help="(the mwms launcher's; unused)")
     args = p.parse_args(argv)
