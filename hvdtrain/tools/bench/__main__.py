@@ -3,8 +3,8 @@
     python -m hvdtrain.bench                       # every case (about 16 minutes on 2 cores,
                                                    # plus keras_speed's 36 launches and
                                                    # pipeline's 6: about 42 more, and
-                                                   # models' 69: about an hour more,
-                                                   # models_np1's 54: about 40 minutes)
+                                                   # models' 69: about 30 minutes more,
+                                                   # models_np1's 54: about 15 minutes)
     python -m hvdtrain.bench --quick               # the headline cases, smaller: allreduce,
                                                    # throughput, tta, fit (a few minutes;
                                                    # the time is printed at the end)
