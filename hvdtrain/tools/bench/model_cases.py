@@ -216,6 +216,12 @@ def step_split(path, step_seconds, compute_seconds) -> dict:
             "bytes": int(statistics.median(carried)) if carried else 0}
 
 
+def _median_spread(row, variant) -> str:
+    """A table cell: the variant's median samples/s and its least-most range."""
+    least, most = row["spread"][variant]
+    return f"{row['samples_per_sec'][variant]:,.1f} ({least:,.1f}-{most:,.1f})"
+
+
 def section(m, table) -> str:
     """The models case's Markdown: samples/s with spread, efficiency, gradient bytes, and the
     step splits. ``table`` is report.table."""
@@ -227,8 +233,7 @@ def section(m, table) -> str:
     text += "".join(f"- {v}: {label}\n" for v, label in m["variants"].items()) + "\n"
     rows = []
     for r in m["rows"]:
-        cells = [f"{r['samples_per_sec'][v]:,.1f} ({r['spread'][v][0]:,.1f}-"
-                 f"{r['spread'][v][1]:,.1f})" for v in variants]
+        cells = [_median_spread(r, v) for v in variants]
         rows.append([r["model"], r["batch_per_rank"], f"{r['gradient_bytes'] / 1e6:,.1f}"]
                     + cells)
     text += table(["model", "batch per rank", "gradient MB per step"] + variants, rows)
@@ -267,8 +272,7 @@ def alone_section(a, table) -> str:
     text += "".join(f"- {v}: {label}\n" for v, label in a["variants"].items()) + "\n"
     rows = []
     for r in a["rows"]:
-        cells = [f"{r['samples_per_sec'][v]:,.1f} ({r['spread'][v][0]:,.1f}-"
-                 f"{r['spread'][v][1]:,.1f})" for v in variants]
+        cells = [_median_spread(r, v) for v in variants]
         ratios = [f"{got[0]:.3g} ({got[1]:.3g}-{got[2]:.3g})" for got in r["paired"].values()]
         rows.append([a["kerases"][r["keras"]], r["model"], r["batch"]] + cells + ratios)
     pairs = list(a["rows"][0]["paired"]) if a["rows"] else []
