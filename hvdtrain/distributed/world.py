@@ -134,18 +134,25 @@ OPS = ("average", "sum", "adasum")
 COMPRESSIONS = ("none", "fp16")
 
 
-# The gradients' bucket size (HVDTRAIN_BUCKET_BYTES overrides it; 0: one bucket): PyTorch
-# DDP's default, 25 MiB. Small enough that a ResNet-50 (98 MiB of gradients) sends its last
-# layers' while the backward pass computes the first ones'; large enough that a bucket is not
-# a negotiation round per few tensors; under Horovod's fusion threshold (128 MiB), so Horovod
-# never cuts a bucket and still fuses the buckets that are ready in the same cycle.
-BUCKET_BYTES = 25 << 20
+# The gradients' bucket size (HVDTRAIN_BUCKET_BYTES overrides it; 0: one bucket). Horovod's
+# own wrappers reduce each gradient on its own and fuse what is ready in a cycle; a bucket is
+# one negotiation for many small gradients. 4 MiB, where an allreduce starts to be bound by
+# bandwidth rather than by its fixed cost (ALONE_BYTES): a bucket waits for its earliest
+# layer's gradient, so large buckets of small gradients left a ResNet-50's last 20 MB for
+# after the backward pass (25 MiB buckets: 21 ms of its step not hidden, 4 MiB: 5-9 ms,
+# docs/performance/models.md). Under Horovod's fusion threshold (128 MiB): Horovod never cuts
+# a bucket and fuses the buckets that are ready in the same cycle.
+BUCKET_BYTES = 4 << 20
 # A gradient this large (or a whole bucket's worth, if less) is reduced on its own, a group of
 # one: Horovod then reduces it in place, where a group of several is copied into its fusion
 # buffer and out again (on a CPU, 2 x 151 MB of copies a step for the wide MLP: a tenth of
 # its 2-process step, docs/performance/models.md). From about this size an allreduce is
 # bound by bandwidth, not by its fixed cost, so fusing it saves nothing.
 ALONE_BYTES = 4 << 20
+# The last bucket: the model's first tensors (and the step's flags, in front), up to this
+# many bytes (and at most a bucket). It is issued when the backward pass ends, so all of it
+# is communication left exposed: kept small, as Horovod's own last gradient is.
+LAST_BUCKET_BYTES = 1 << 20
 
 
 def configured_bucket_bytes(environ=os.environ) -> int:
