@@ -18,26 +18,24 @@ from hvdtrain.distributed.world import (ALONE_BYTES, LAST_BUCKET_BYTES, QUESTION
 def _buckets(tensors, bucket_bytes: int, alone_bytes: int = ALONE_BYTES,
              last_bytes: int = LAST_BUCKET_BYTES) -> list:
     """The tensors' indices in buckets, in the order the backward pass produces them (from
-    the last tensor to the first). The first tensors, up to ``last_bytes`` (at least the
-    first), are the last bucket: it waits for the end of the backward pass, and what it
-    holds is all the reduction leaves exposed. Of the others, a tensor of ``alone_bytes`` or
-    more (or of ``bucket_bytes``, if less) is a bucket of its own, issued where the backward
-    pass produces it; the smaller ones gather in the current bucket, which closes once it
-    holds ``bucket_bytes`` or more (0: one bucket of all). Sizes come from static shapes and
-    dtypes only, so every rank cuts the same buckets: Horovod matches a grouped allreduce
-    across ranks by its tensors."""
+    the last tensor to the first). A tensor of ``alone_bytes`` or more (or of
+    ``bucket_bytes``, if less) is a bucket of its own, issued where the backward pass
+    produces it; the smaller ones gather in the current bucket, which closes once it holds
+    ``bucket_bytes`` or more (0: one bucket of all). The bucket left at the front holds the
+    first tensors and waits for the end of the backward pass: what it holds is what the
+    reduction leaves exposed, so its first tensors up to ``last_bytes`` (at most a bucket)
+    go last on their own, when there are two or more of them (the step's flags alone would
+    be a negotiation round for nothing). Sizes come from static shapes and dtypes only, so
+    every rank cuts the same buckets: Horovod matches a grouped allreduce across ranks by
+    its tensors."""
     if not tensors:
         return []
     if bucket_bytes <= 0:
         return [list(range(len(tensors)))]
     alone, last = min(alone_bytes, bucket_bytes), min(last_bytes, bucket_bytes)
     sizes = [(t.shape.num_elements() or 0) * t.dtype.size for t in tensors]
-    front, size = 1, sizes[0]
-    while front < len(sizes) and size + sizes[front] <= last:
-        size += sizes[front]
-        front += 1
     buckets, bucket, size = [], [], 0
-    for i in reversed(range(front, len(tensors))):
+    for i in reversed(range(len(tensors))):
         if sizes[i] >= alone:
             buckets.append([i])
             continue
@@ -46,7 +44,14 @@ def _buckets(tensors, bucket_bytes: int, alone_bytes: int = ALONE_BYTES,
         if size >= bucket_bytes:
             buckets.append(bucket)
             bucket, size = [], 0
-    return buckets + ([bucket] if bucket else []) + [list(range(front))]
+    front, size = 0, 0
+    while front < len(bucket) and size + sizes[bucket[front]] <= last:
+        size += sizes[bucket[front]]
+        front += 1
+    if 2 <= front < len(bucket):
+        buckets.append(bucket[front:])
+        bucket = bucket[:front]
+    return buckets + [bucket] if bucket else buckets
 
 
 class HorovodWorld(World):

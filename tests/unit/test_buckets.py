@@ -14,45 +14,46 @@ def test_buckets_are_cut_in_backward_order_by_static_size():
     # float32: 8, 40,000, 40, 10,000, 12 bytes; the flags (riders) go in front
     tensors = [tf.zeros([2]), tf.zeros([100, 100]), tf.zeros([10]), tf.zeros([50, 50]),
                tf.zeros([3])]
-    # the first tensor (the flags) is the last bucket; of the rest the small ones (12, 40
-    # bytes) gather, each large one alone where the backward pass produces it: 10,000 bytes,
-    # a bucket's worth; 40,000 over 20,000
-    assert _buckets(tensors, 10_000) == [[3], [1], [2, 4], [0]]
-    assert _buckets(tensors, 10**6, alone_bytes=20_000, last_bytes=0) == [[1], [2, 3, 4], [0]]
-    assert _buckets(tensors, 100, alone_bytes=20_000) == [[3], [1], [2, 4], [0]]
+    # the small ones (12, 40, 8 bytes) gather, the first tensors last, each large one alone
+    # where the backward pass produces it: 10,000 bytes, a bucket's worth; 40,000 over 20,000
+    assert _buckets(tensors, 10_000) == [[3], [1], [0, 2, 4]]
+    assert _buckets(tensors, 10**6, alone_bytes=20_000) == [[1], [0, 2, 3, 4]]
+    assert _buckets(tensors, 100, alone_bytes=20_000) == [[3], [1], [0, 2, 4]]
     assert _buckets(tensors, 1) == [[4], [3], [2], [1], [0]]
     assert _buckets(tensors, 0) == [[0, 1, 2, 3, 4]]  # 0: one grouped allreduce, whatever size
-    assert _buckets(tensors, 10**9, alone_bytes=10**9, last_bytes=0) == [[1, 2, 3, 4], [0]]
+    assert _buckets(tensors, 10**9, alone_bytes=10**9) == [[0, 1, 2, 3, 4]]
     assert _buckets([], 10_000) == []
-    # the last bucket: the first tensors while they fit in last_bytes (and in a bucket)
+    # the front bucket's first tensors, up to last_bytes, go last on their own: two or more
     assert _buckets(tensors, 10**9, alone_bytes=10**9, last_bytes=40_048) == [[3, 4],
                                                                              [0, 1, 2]]
-    assert _buckets(tensors, 10**9, alone_bytes=10**9, last_bytes=10**9) == [[0, 1, 2, 3, 4]]
-    assert _buckets(tensors, 10_000, last_bytes=10**9) == [[3], [1], [2, 4], [0]]
+    assert _buckets(tensors, 10**9, alone_bytes=10**9, last_bytes=40_047) == [[2, 3, 4],
+                                                                             [0, 1]]
+    # the flags alone would be a round for nothing: they stay with the front bucket
+    assert _buckets(tensors, 10**9, alone_bytes=10**9, last_bytes=39_999) == [[0, 1, 2, 3, 4]]
     # values do not matter, only shapes and dtypes: every rank cuts the same buckets
     other = [tf.ones_like(t) * 7 for t in tensors]
     assert _buckets(other, 10_000) == _buckets(tensors, 10_000)
     halves = [tf.zeros([3000], tf.float16), tf.zeros([3000], tf.float16), tf.zeros([3000])]
-    assert _buckets(halves, 10_000) == [[2], [1], [0]]  # 12,000 alone; 6,000 + 6,000 > last
-    assert _buckets(halves, 10_000, alone_bytes=10**9) == [[2], [1], [0]]  # bucket-sized: alone
+    assert _buckets(halves, 10_000) == [[2], [0, 1]]  # 12,000 bytes alone; 6,000 + 6,000
+    assert _buckets(halves, 10_000, alone_bytes=10**9) == [[2], [0, 1]]  # bucket-sized: alone
 
 
 def test_the_default_buckets_of_a_wide_mlp():
     """Its 4096 x 4096 and 1024 x 4096 kernels (67 and 17 MB) each alone, the biases and
-    the 4096 x 10 kernel (170 KB) in one bucket, the flags alone last (the first kernel does
-    not fit in the last bucket's megabyte)."""
+    the 4096 x 10 kernel (170 KB) in one bucket with the flags riding in front."""
     import tensorflow as tf
 
     flags = tf.zeros([2])
     shapes = [[1024, 4096], [4096], [4096, 4096], [4096], [4096, 4096], [4096], [4096, 10], [10]]
     tensors = [flags] + [tf.zeros(s) for s in shapes]
-    assert _buckets(tensors, BUCKET_BYTES) == [[5], [3], [1], [2, 4, 6, 7, 8], [0]]
+    assert _buckets(tensors, BUCKET_BYTES) == [[5], [3], [1], [0, 2, 4, 6, 7, 8]]
 
 
 def test_the_last_bucket_of_a_convolutional_net_is_its_first_megabyte():
-    """Forty 3 x 3 x 64 x 64 kernels (147 KB each) and their biases: buckets of 4 MiB cut
-    from the end, and the last bucket only the flags, the stem and the first seven kernels
-    (1 MiB at most), what the reduction leaves for after the backward pass."""
+    """Forty 3 x 3 x 64 x 64 kernels (147 KB each) and their biases: a bucket of 4 MiB cut
+    from the end, the 1.6 MB left at the front in two: the last bucket only the flags, the
+    stem and the first seven kernels (1 MiB at most), what the reduction leaves for after
+    the backward pass."""
     import tensorflow as tf
 
     tensors = [tf.zeros([2]), tf.zeros([3, 3, 3, 64])]
@@ -61,7 +62,7 @@ def test_the_last_bucket_of_a_convolutional_net_is_its_first_megabyte():
     buckets = _buckets(tensors, BUCKET_BYTES)
     assert buckets[-1] == list(range(16))  # 8 + 6,912 + 7 x (147,456 + 256) bytes
     sizes = [sum(tensors[i].shape.num_elements() * 4 for i in b) for b in buckets]
-    assert sizes[-1] <= LAST_BUCKET_BYTES and all(s >= BUCKET_BYTES for s in sizes[:-2])
+    assert len(buckets) == 3 and sizes[0] >= BUCKET_BYTES and sizes[-1] <= LAST_BUCKET_BYTES
     assert sorted(i for b in buckets for i in b) == list(range(len(tensors)))
     # each bucket holds neighbours: a bucket waits only for its own layers' gradients
     assert all(b == list(range(b[0], b[-1] + 1)) for b in buckets)
