@@ -17,41 +17,41 @@ from hvdtrain.distributed.world import (ALONE_BYTES, LAST_BUCKET_BYTES, QUESTION
 
 def _buckets(tensors, bucket_bytes: int, alone_bytes: int = ALONE_BYTES,
              last_bytes: int = LAST_BUCKET_BYTES) -> list:
-    """The tensors' indices in buckets, in the order the backward pass produces them (from
-    the last tensor to the first). A tensor of ``alone_bytes`` or more (or of
-    ``bucket_bytes``, if less) is a bucket of its own, issued where the backward pass
-    produces it; the smaller ones gather in the current bucket, which closes once it holds
-    ``bucket_bytes`` or more (0: one bucket of all). The bucket left at the front holds the
-    first tensors and waits for the end of the backward pass: what it holds is what the
-    reduction leaves exposed, so its first tensors up to ``last_bytes`` (at most a bucket)
-    go last on their own, when there are two or more of them (the step's flags alone would
-    be a negotiation round for nothing). Sizes come from static shapes and dtypes only, so
-    every rank cuts the same buckets: Horovod matches a grouped allreduce across ranks by
-    its tensors."""
+    """The tensors' indices in buckets, in the order the backward pass completes them (by
+    their first tensor, from the last; the backward pass produces the last tensors first).
+    A tensor of ``alone_bytes`` or more (or of ``bucket_bytes``, if less) is a bucket of its
+    own, issued where the backward pass produces it. The smaller ones gather from the first
+    tensor on: the first bucket, which waits for the end of the backward pass (what it holds
+    is what the reduction leaves exposed), takes the first tensors while they fit in
+    ``last_bytes`` (at most a bucket), and closes there if it holds two or more (the step's
+    flags alone would be a negotiation round for nothing); each next one closes once it
+    holds ``bucket_bytes`` or more (0: one bucket of all). Sizes come from static shapes and
+    dtypes only, so every rank cuts the same buckets: Horovod matches a grouped allreduce
+    across ranks by its tensors."""
     if not tensors:
         return []
     if bucket_bytes <= 0:
         return [list(range(len(tensors)))]
     alone, last = min(alone_bytes, bucket_bytes), min(last_bytes, bucket_bytes)
     sizes = [(t.shape.num_elements() or 0) * t.dtype.size for t in tensors]
-    buckets, bucket, size = [], [], 0
-    for i in reversed(range(len(tensors))):
-        if sizes[i] >= alone:
+    buckets, bucket, size, first = [], [], 0, True
+    for i, nbytes in enumerate(sizes):
+        if nbytes >= alone:
             buckets.append([i])
             continue
-        bucket.insert(0, i)
-        size += sizes[i]
-        if size >= bucket_bytes:
+        if first and size + nbytes > last:
+            first = False
+            if len(bucket) >= 2:
+                buckets.append(bucket)
+                bucket, size = [], 0
+        bucket.append(i)
+        size += nbytes
+        if not first and size >= bucket_bytes:
             buckets.append(bucket)
             bucket, size = [], 0
-    front, size = 0, 0
-    while front < len(bucket) and size + sizes[bucket[front]] <= last:
-        size += sizes[bucket[front]]
-        front += 1
-    if 2 <= front < len(bucket):
-        buckets.append(bucket[front:])
-        bucket = bucket[:front]
-    return buckets + [bucket] if bucket else buckets
+    if bucket:
+        buckets.append(bucket)
+    return sorted(buckets, key=lambda b: -b[0])
 
 
 class HorovodWorld(World):

@@ -7,7 +7,7 @@ optimizer, under Keras 3 as under Keras 2.
 Before each update, the gradients are averaged over every rank by Horovod ring-allreduces,
 so every rank applies the same update: what ``hvd.DistributedOptimizer`` does, and what TF1's
 SyncReplicasOptimizer did in the seeds. hvdtrain's own reduction (Keras 3's, and the Task
-path's step under either Keras) sends them in buckets of about 25 MiB
+path's step under either Keras) sends them in buckets of about 4 MiB
 (``HVDTRAIN_BUCKET_BYTES``), one grouped allreduce each, in the order the backward pass
 produces them, so the last layers' are reduced while the first layers' are computed; Horovod's
 Keras 2 wrapper sends one allreduce per gradient, which overlaps alike. Under Keras 2
