@@ -138,9 +138,9 @@ COMPRESSIONS = ("none", "fp16")
 # own wrappers reduce each gradient on its own and fuse what is ready in a cycle; a bucket is
 # one negotiation for many small gradients. 4 MiB, where an allreduce starts to be bound by
 # bandwidth rather than by its fixed cost (ALONE_BYTES): a bucket waits for its earliest
-# layer's gradient, so large buckets of small gradients left a ResNet-50's last 20 MB for
-# after the backward pass (25 MiB buckets: 21 ms of its step not hidden, 4 MiB: 5-9 ms,
-# docs/performance/models.md). Under Horovod's fusion threshold (128 MiB): Horovod never cuts
+# layer's gradient, so 25 MiB buckets of small gradients left ResNet-50's first stages for
+# after the backward pass (21 ms of its step not hidden; 12 ms with these buckets, Horovod's
+# tape 2 ms: docs/performance/models.md). Under Horovod's fusion threshold (128 MiB): Horovod never cuts
 # a bucket and fuses the buckets that are ready in the same cycle.
 BUCKET_BYTES = 4 << 20
 # A gradient this large (or a whole bucket's worth, if less) is reduced on its own, a group of
