@@ -124,9 +124,10 @@ class HorovodWorld(World):
         HVDTRAIN_BUCKET_BYTES), one grouped allreduce each: Horovod negotiates a
         bucket as one and fuses the buckets that are ready in the same cycle, and a bucket
         leaves as soon as its own gradients exist, while the backward pass computes the rest.
-        The backward pass produces the last variables' gradients first, so the buckets are cut
-        from the end of ``grads``; its first tensors go in the last bucket (where
-        ``optimizer._reduce_riding`` puts the step's flags, which wait for every gradient).
+        The backward pass produces the last variables' gradients first and the first ones'
+        last: ``grads``' first tensors, up to LAST_BUCKET_BYTES, are the last bucket (where
+        ``optimizer._reduce_riding`` puts the step's flags, which wait for every gradient);
+        ``_buckets`` says how the rest are cut.
         None gradients (variables the loss does not reach) stay None. A sparse gradient
         (tf.IndexedSlices, from an Embedding) is gathered sparse when that sends less
         (``hvdtrain.distributed.sparse``; ``sparse_ratio``: its threshold, None: the

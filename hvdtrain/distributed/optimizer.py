@@ -285,9 +285,9 @@ def _reduce_riding(reduce, grads, riders):
     riders (a reduction without that attribute, Horovod's Keras 2 per-tensor one, does)."""
     grads, riders = list(grads), list(riders)
     if getattr(reduce, "carries_riders", True):
-        # In front: the buckets are cut from the end (the backward pass's first gradients),
-        # so the riders go in the last bucket; the fit path's wait for every gradient and
-        # would hold back any bucket they were in.
+        # In front: the first tensors are the last bucket (the backward pass produces them
+        # last), so the riders go in it; the fit path's wait for every gradient and would
+        # hold back any other bucket they were in.
         reduced = reduce(riders + grads)
         return list(reduced[len(riders):]), list(reduced[:len(riders)])
     # Adasum: its combination is meant for gradients only; the riders get a sum

@@ -140,8 +140,8 @@ COMPRESSIONS = ("none", "fp16")
 # bandwidth rather than by its fixed cost (ALONE_BYTES): a bucket waits for its earliest
 # layer's gradient, so 25 MiB buckets of small gradients left ResNet-50's first stages for
 # after the backward pass (21 ms of its step not hidden; 12 ms with these buckets, Horovod's
-# tape 2 ms: docs/performance/models.md). Under Horovod's fusion threshold (128 MiB): Horovod never cuts
-# a bucket and fuses the buckets that are ready in the same cycle.
+# tape 2 ms: docs/performance/models.md). Under Horovod's fusion threshold (128 MiB): Horovod
+# never cuts a bucket and fuses the buckets that are ready in the same cycle.
 BUCKET_BYTES = 4 << 20
 # A gradient this large (or a whole bucket's worth, if less) is reduced on its own, a group of
 # one: Horovod then reduces it in place, where a group of several is copied into its fusion
