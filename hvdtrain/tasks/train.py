@@ -270,6 +270,10 @@ class _Epochs:
         self.examples = len(owner.data.x_train) if self.pipe is None else self.pipe.examples
         self.names = ["loss"] + list(owner.metric_fns)
         self.auto_steps = 1  # updates per compiled call, when tuned (the first call traces)
+        # A tf.data pipeline's batches: one iterator for the rest of the run, not one per
+        # epoch: deleting an iterator whose autotuner runs (a map's AUTOTUNE) joins its
+        # tuning thread, 3-4 s at each epoch's end on 2 busy cores.
+        self.stream = None
         self.finished = int(self.step.finished.numpy())  # step.finished before the next call
 
     def train(self, progress) -> None:
@@ -284,14 +288,18 @@ class _Epochs:
         if self.pipe is not None:  # all ranks: no input changed since the last look
             self.pipe.check_unchanged(f"before epoch {epoch + 1}")
         self.epoch = epoch
-        plan = (self.pipe.batches(epoch, epoch + 1, first) if self.pipe is not None else
-                epoch_plan(self.examples, self.batch, world.rank, world.size,
-                           config.seed, epoch)[first:])
+        if self.pipe is None:
+            batches = self.step.batches(epoch_plan(self.examples, self.batch, world.rank,
+                                                   world.size, config.seed, epoch)[first:])
+        else:
+            if self.stream is None:
+                self.stream = self.step.batches(self.pipe.batches(epoch, config.epochs, first))
+            batches = self.stream
         bar = self._progress_bar(epoch)
         # Each step adds exactly one to optimizer.iterations: count in Python instead of
         # reading the variable back every step (one device-to-host copy fewer per step).
         base_step = run.global_step - first
-        batches, step = self.step.batches(plan), first
+        step = first
         tick = time.perf_counter()
         while step < self.steps:
             done = self._call(batches, base_step, step)
