@@ -1,10 +1,11 @@
 """Synchronous updates, compiled: their input, the loss, the averaged gradients, the sums.
 
 One compiled call runs up to ``n`` updates (``--steps-per-execution``) in a ``tf.while_loop``
-that draws each update's input from the epoch's iterator, and stops after the first update
-whose [SIGTERM, non-finite loss] flags, reduced with the gradients, are set. With
-``--accumulate-steps N`` an update's input is N micro-batches: their gradients are computed
-one after the other and averaged on the rank, then reduced over the ranks once.
+that draws each update's input from an iterator (the epoch's; a tf.data pipeline's: the
+run's), and stops after the first update whose [SIGTERM, non-finite loss] flags, reduced
+with the gradients, are set. With ``--accumulate-steps N`` an update's input is N
+micro-batches: their gradients are computed one after the other and averaged on the rank,
+then reduced over the ranks once.
 
 Input comes one of two ways, with the same batches in the same order (``data.epoch_plan``):
 - in memory: the training arrays live on the device as constants and each step gathers its
@@ -203,8 +204,8 @@ class TrainStep:
         if not isinstance(plan, np.ndarray):  # a tf.data pipeline's batches (hvdtrain.inputs.pipeline)
             return iter(plan)
         # Without tf.data's autotuning: a fixed prefetch has nothing to tune, and an iterator
-        # whose autotuner runs is slow to delete (its tuning thread is joined): 3-4 s at each
-        # epoch's end on 2 busy cores, a ResNet-50 epoch's third.
+        # whose autotuner runs is slow to delete (its tuning thread is joined): 3-9 s at each
+        # epoch's end on 2 busy cores, up to a ResNet-50 epoch's half.
         options = tf.data.Options()
         options.autotune.enabled = False
         if not self.streamed:

@@ -272,7 +272,7 @@ class _Epochs:
         self.auto_steps = 1  # updates per compiled call, when tuned (the first call traces)
         # A tf.data pipeline's batches: one iterator for the rest of the run, not one per
         # epoch: deleting an iterator whose autotuner runs (a map's AUTOTUNE) joins its
-        # tuning thread, 3-4 s at each epoch's end on 2 busy cores.
+        # tuning thread, 3-9 s at each epoch's end on 2 busy cores.
         self.stream = None
         self.finished = int(self.step.finished.numpy())  # step.finished before the next call
 
