@@ -208,9 +208,15 @@ class TrainStep:
         # epoch's end on 2 busy cores, up to a ResNet-50 epoch's half.
         options = tf.data.Options()
         options.autotune.enabled = False
+        return iter(self._rows(plan).prefetch(2).with_options(options))
+
+    def _rows(self, plan: np.ndarray):
+        """The dataset of ``plan``'s steps: its index rows (in memory), or the rows' arrays
+        read from disk (streamed)."""
+        import tensorflow as tf
+
         if not self.streamed:
-            return iter(tf.data.Dataset.from_tensor_slices(plan).prefetch(2)
-                        .with_options(options))
+            return tf.data.Dataset.from_tensor_slices(plan)
         x, y = self.x, self.y
         spec = (tf.TensorSpec((plan.shape[1],) + tuple(x.shape[1:]), tf.as_dtype(x.dtype)),
                 tf.TensorSpec((plan.shape[1],) + tuple(y.shape[1:]), tf.as_dtype(y.dtype)))
@@ -219,5 +225,4 @@ class TrainStep:
             for idx in plan:  # only this rank's rows are read from the array
                 yield np.asarray(x[idx]), np.asarray(y[idx])
 
-        return iter(tf.data.Dataset.from_generator(read, output_signature=spec).prefetch(2)
-                    .with_options(options))
+        return tf.data.Dataset.from_generator(read, output_signature=spec)
