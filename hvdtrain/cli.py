@@ -22,7 +22,7 @@ import threading
 
 from hvdtrain import distributed
 from hvdtrain.base.config import parse_args
-from hvdtrain.base.errors import RETRIED, Error, Preempted
+from hvdtrain.base.errors import RETRIED, Error, Preempted, RunDirBusy
 from hvdtrain.tasks.train import train
 
 
@@ -30,7 +30,7 @@ def report(prog: str, e: Error) -> int:
     """Say ``e`` in one line on stderr and return its exit status. An error raised on every
     rank together is said once, by rank 0; so is one rank's error that the watchdog took to
     rank 0 (``said``)."""
-    note_exit(e.status)
+    note_exit(e.status, "run directory busy" if isinstance(e, RunDirBusy) else "")
     if getattr(e, "said", False):
         return e.status
     if not e.together or distributed.launcher_rank() == 0:
@@ -40,15 +40,19 @@ def report(prog: str, e: Error) -> int:
     return e.status
 
 
-def note_exit(status: int) -> None:
+def note_exit(status: int, cause: str = "") -> None:
     """HVDTRAIN_EXIT_FILE: say that this rank ended with one of the user's statuses (1, 2),
-    for a launcher that must not retry them (mpirun's own status 1 is not written)."""
+    for a launcher that must not retry them (mpirun's own status 1 is not written). A
+    ``cause`` after the status marks a 1 that is not the user's under that launcher: the run
+    directory held by a live process of this host (in a Kubernetes worker pod, the ranks of
+    an earlier launcher of the same job)."""
     path = os.environ.get("HVDTRAIN_EXIT_FILE")
     if not path or status in RETRIED:
         return
     try:
         with open(path, "a") as f:
-            f.write(f"rank {distributed.launcher_rank()} status {status}\n")
+            f.write(f"rank {distributed.launcher_rank()} status {status}"
+                    f"{f' ({cause})' if cause else ''}\n")
     except OSError:
         pass  # the launcher then retries: the safe side
 

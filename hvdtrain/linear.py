@@ -1,6 +1,6 @@
-"""The seed's linear regression, y = x @ [0.1, 0.2, 0.3] + 0.4, by full-batch SGD.
+"""The reference program's linear regression, y = x @ [0.1, 0.2, 0.3] + 0.4, by full-batch SGD.
 
-    horovodrun -np 2 python -m hvdtrain.linear     # two workers, as the seed
+    horovodrun -np 2 python -m hvdtrain.linear     # two workers, as the reference program
     python -m hvdtrain.linear                      # one process: the same weights
 
 Each worker holds half of the 1,000 examples; the gradients of the two halves are
@@ -17,7 +17,7 @@ from hvdtrain.tasks.task import Task
 
 @dataclass
 class LinearSettings:
-    """The seed's synthetic data: y = x @ true_weights + true_bias."""
+    """The reference program's synthetic data: y = x @ true_weights + true_bias."""
 
     num_samples: int = setting(1000, "synthetic examples (global, split over workers)")
     num_features: int = setting(3, "input features")
@@ -35,12 +35,12 @@ class LinearSettings:
 
 class LinearTask(Task):
     name = "linear"
-    description = "The seed's linear regression, by full-batch SGD"
+    description = "The reference program's linear regression, by full-batch SGD"
     Settings = LinearSettings
     defaults = dict(
         learning_rate=0.5,  # seed: GradientDescentOptimizer(0.5)
         epochs=10,          # seed: 10 full-batch steps
-        batch_size=None,    # full batch: each worker's whole shard, as the seed feeds x_data
+        batch_size=None,    # full batch: each worker's whole shard (the reference: x_data)
         num_workers=2,      # seed: two workers
     )
     progress_bar = False  # one full-batch step per epoch
@@ -59,10 +59,10 @@ class LinearTask(Task):
 
     def loss(self, y, pred):
         import tensorflow as tf
-        return tf.reduce_mean(tf.square(pred - y), axis=-1)  # the seed's mean squared error
+        return tf.reduce_mean(tf.square(pred - y), axis=-1)  # the reference's mean squared error
 
     def format_epoch(self, record):
-        # The seed's line.
+        # The reference program's line.
         return f"Epoch: {record['epoch']}  Step: {record['global_step']}  Loss: {record['loss']:.6g}"
 
     def summarize(self, model):

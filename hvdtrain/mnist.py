@@ -1,6 +1,6 @@
-"""The seed's MNIST softmax regression (784 -> 10, zero-initialised), or a small MLP.
+"""The reference program's MNIST softmax regression (784 -> 10, zero-initialised), or an MLP.
 
-    horovodrun -np 2 python -m hvdtrain.mnist                     # two workers, as the seed
+    horovodrun -np 2 python -m hvdtrain.mnist                     # two workers, as the reference program
     horovodrun -np 2 python -m hvdtrain.mnist --dataset fashion_mnist
     python -m hvdtrain.mnist --data-dir /data/mnist               # one process
 
@@ -29,8 +29,8 @@ class MnistSettings:
         "mnist.npz / fashion-mnist.npz", defines_run=False, per_rank=True)
     download: bool = setting(True, "let one process per host download MNIST when no local "
                              "copy exists", defines_run=False, per_rank=True)
-    model: str = setting("softmax", "softmax (784->10, the seed's) or mlp (784->hidden->10)",
-                         choices=MODELS)
+    model: str = setting("softmax", "softmax (784->10, the reference program's) or mlp "
+                         "(784->hidden->10)", choices=MODELS)
     hidden_units: int = setting(256, "hidden layer width of the mlp model")
 
     def validate(self):
@@ -44,13 +44,13 @@ class MnistSettings:
 
 class MnistTask(Task):
     name = "mnist"
-    description = "The seed's MNIST softmax regression (or a small MLP)"
+    description = "The reference program's MNIST softmax regression (or a small MLP)"
     Settings = MnistSettings
     defaults = dict(
         learning_rate=0.001,  # seed: GradientDescentOptimizer(0.001)
         batch_size=100,       # seed: mnist.train.next_batch(100), per worker
-        # The seed loops until stopped; 10 epochs is 3,000 synchronous steps on full MNIST
-        # with two workers: enough for the softmax regression to level off at lr 0.5.
+        # The reference program loops until stopped; 10 epochs is 3,000 synchronous steps on
+        # full MNIST with two workers: enough for the softmax regression to level off at lr 0.5.
         epochs=10,
         num_workers=2,        # seed: two workers
     )

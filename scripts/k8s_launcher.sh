@@ -24,11 +24,13 @@
 #   HVDTRAIN_PERMANENT_EXIT (default "1 2") that hvdtrain's ranks say they ended with (each
 #   rank appends "rank R status S" to HVDTRAIN_EXIT_FILE, DIR/.hvdtrain-exit, which this script
 #   empties before mpirun) would fail the same way again: the script writes
-#   DIR/k8s-launcher-failed with the arguments and the status, and a retry with the same
-#   arguments prints it and exits with that status at once, without starting mpirun, so the
-#   remaining retries end in seconds and the MPIJob fails. Changed arguments (a fixed flag,
-#   another --run-dir) run normally; so does deleting the file. A status while the pod is
-#   being stopped (after a SIGTERM) never writes it.
+#   DIR/k8s-launcher-failed with the arguments, the status and the launcher Job's UID
+#   (HVDTRAIN_LAUNCHER_JOB), and a retry of that Job with the same arguments prints it and
+#   exits with that status at once, without starting mpirun. The Job controller still waits
+#   before each retry (10 s, doubling, at most 6 min): 20 retries take about 95 minutes before
+#   the MPIJob fails. A new MPIJob (a fixed image or data), or changed arguments (a fixed
+#   flag, another --run-dir), run normally; so does deleting the file. A status while the pod
+#   is being stopped (after a SIGTERM) never writes it.
 #
 # Environment: the operator's OMPI_MCA_orte_default_hostfile (the hostfile: /etc/mpi/hostfile),
 # and what launch_cluster.sh takes (IFACE, PYTHON, DRY_RUN; NP defaults to the hostfile's
@@ -54,17 +56,27 @@ if [[ -z $run_dir ]]; then
     echo "k8s_launcher.sh: error: give --run-dir on the job's claim: a restarted launcher resumes from its checkpoints" >&2
     exit 2
 fi
-mkdir -p "$run_dir"
+# A claim this user cannot write (a root-squashed NFS export whose directory root owns, a
+# read-only volume) fails every retry the same way: one line that says so, before anything.
+if ! err=$(mkdir -p -- "$run_dir" 2>&1) || ! err=$(: 2>&1 >"$run_dir/.hvdtrain-write-test") \
+        || ! rm -f -- "$run_dir/.hvdtrain-write-test"; then
+    echo "k8s_launcher.sh: error: uid $(id -u) cannot write the run directory $run_dir (${err##*: }): the claim's files must be writable by the pods' user (an NFS export: its directory owned by uid $(id -u), or an access point with that uid); fix the claim, then delete the MPIJob and apply it again (each retry fails the same way)" >&2
+    exit 2
+fi
 marker=$run_dir/k8s-launcher-failed
 this_run=$(printf '%q ' "$task" "$@")
+# The launcher Job's UID (the downward API: its pods' batch.kubernetes.io/controller-uid
+# label): the Job's retries share it, a new MPIJob (a fixed image or fixed data, applied
+# with the same arguments) has a new one and runs.
+this_job="job ${HVDTRAIN_LAUNCHER_JOB:-?}"
 if [[ -f $marker ]]; then
-    if [[ $(sed -n 1p "$marker") == "$this_run" ]]; then
+    if [[ $(sed -n 1p "$marker") == "$this_run" && $(sed -n 3p "$marker") == "$this_job" ]]; then
         status=$(sed -n 2p "$marker")
         echo "k8s_launcher.sh: not run again: the same command ended with status $status before (hvdtrain's own error), see $marker; change the command or delete that file" >&2
         sed -n '3,$p' "$marker" >&2
         exit "$status"
     fi
-    rm -f "$marker"  # another command's: this one runs
+    rm -f "$marker"  # another command's, or another job's: this one runs
 fi
 
 mapfile -t hosts < <(awk 'NF && $1 !~ /^#/ {print $1}' "$hostfile")
@@ -83,6 +95,15 @@ for host in "${hosts[@]}"; do
         sleep 2
     done
 done
+
+# A retry's workers may still run the ranks of the launcher before it (its pod or node gone,
+# they train or save on): stopped and waited for first, so that this launcher's rank 0 does
+# not find the run directory held by them.
+for host in "${hosts[@]}"; do
+    ssh -o BatchMode=yes -o ConnectTimeout=5 "$host" "$root/scripts/k8s_worker.sh" drain \
+        </dev/null &
+done
+wait
 
 stopping=0
 # shellcheck disable=SC2317  # invoked by the trap below
@@ -112,7 +133,8 @@ trap - TERM
 if ((!stopping)); then
     for code in ${HVDTRAIN_PERMANENT_EXIT:-1 2}; do
         if ((status == code)) && grep -q " status $status\$" "$HVDTRAIN_EXIT_FILE" 2>/dev/null; then
-            { echo "$this_run"; echo "$status"; date -u "+ended %Y-%m-%dT%H:%M:%SZ in pod ${HOSTNAME:-?}"; } >"$marker"
+            { echo "$this_run"; echo "$status"; echo "$this_job"
+              date -u "+ended %Y-%m-%dT%H:%M:%SZ in pod ${HOSTNAME:-?}"; } >"$marker"
             echo "k8s_launcher.sh: status $status is hvdtrain's own error: retries of this command will not run it again ($marker)" >&2
         fi
     done

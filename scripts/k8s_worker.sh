@@ -9,10 +9,17 @@
 #                                  /etc/ssh/hvdtrain/sshd_config (port 2222) [flags]
 #   k8s_worker.sh signal [SIG]     send SIG (default TERM) to this pod's ranks (the launcher
 #                                  runs this over ssh when its own pod gets the SIGTERM)
+#   k8s_worker.sh drain            a retried launcher, before its mpirun: ranks of an earlier
+#                                  launcher still alive in this pod (its pod or node gone,
+#                                  they train or save on) get the SIGTERM and are waited for
+#                                  (HVDTRAIN_DRAIN_WAIT, 100 s; then SIGKILL), so that the new
+#                                  rank 0 does not find the run directory held by the old one
 #   k8s_worker.sh probe            the readiness probe: an ssh login here with the job's key
 #                                  runs a command (what the launcher's mpirun needs; an open
 #                                  port proves nothing: an sshd that cannot chroot or read its
-#                                  keys still accepts connections, then fails every login)
+#                                  keys still accepts connections, then fails every login).
+#                                  Once one login has worked, sshd still running is enough:
+#                                  a login every periodSeconds would log two lines each time
 #
 # sshd runs as the pod's user (the image's mpiuser, or root) without any capability. The
 # job's key pair is at HVDTRAIN_SSH_DIR (default ~/.ssh, the MPIJob's sshAuthMountPath): its
@@ -52,9 +59,43 @@ running() {  # any of the processes named on the command line still there (zombi
 }
 
 ssh_dir=${HVDTRAIN_SSH_DIR:-$HOME/.ssh}
+# sshd's pid (written at its start), and the same once a probe's login has worked: the
+# container's own /tmp, new with each container.
+sshd_pid=${TMPDIR:-/tmp}/hvdtrain-sshd.pid
+logged_in=${TMPDIR:-/tmp}/hvdtrain-sshd.ready
 if [[ ${1:-} == probe ]]; then
-    exec ssh -p 2222 -o BatchMode=yes -o ConnectTimeout=5 -o StrictHostKeyChecking=no \
-        -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -i "$ssh_dir/id_rsa" localhost true
+    if [[ -s $logged_in ]] && running "$(cat "$logged_in")"; then
+        exit 0
+    fi
+    ssh -p 2222 -o BatchMode=yes -o ConnectTimeout=5 -o StrictHostKeyChecking=no \
+        -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -i "$ssh_dir/id_rsa" localhost true \
+        || exit 1
+    if [[ -s $sshd_pid ]]; then cp "$sshd_pid" "$logged_in"; fi
+    exit 0
+fi
+
+if [[ ${1:-} == drain ]]; then
+    pids=$(ranks)
+    [[ -z $pids ]] && exit 0
+    # shellcheck disable=SC2086  # one pid per word
+    echo "k8s_worker.sh: ${HOSTNAME:-?}: an earlier launcher's ranks still run here:" \
+        "stopping them (pids" $pids")" >&2
+    # shellcheck disable=SC2086
+    kill -TERM $pids 2>/dev/null
+    for ((i = 0; i < ${HVDTRAIN_DRAIN_WAIT:-100} * 5; i++)); do
+        pids=$(ranks)
+        [[ -z $pids ]] && break
+        sleep 0.2
+    done
+    if [[ -n $pids ]]; then
+        echo "k8s_worker.sh: ${HOSTNAME:-?}: ranks still running after" \
+            "${HVDTRAIN_DRAIN_WAIT:-100} s: killed" >&2
+        # shellcheck disable=SC2086
+        kill -KILL $pids 2>/dev/null
+    fi
+    # shellcheck disable=SC2086  # the earlier job's daemon(s), one pid per word
+    orted=$(pgrep -x orted) && kill -TERM $orted 2>/dev/null
+    exit 0
 fi
 
 if [[ ${1:-} == signal ]]; then
@@ -77,6 +118,8 @@ if [[ ! -r $host_key ]]; then
 fi
 /usr/sbin/sshd -De -f /etc/ssh/hvdtrain/sshd_config -o "HostKey=$host_key" "$@" &
 sshd=$!
+rm -f "$logged_in"
+echo "$sshd" >"$sshd_pid"
 
 stopping=0
 # shellcheck disable=SC2317  # invoked by the trap below

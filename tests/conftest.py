@@ -186,6 +186,17 @@ def rank_pids(marker):
     return found
 
 
+def running(pid) -> bool:
+    """Whether process ``pid`` exists and is not a zombie; a process that ends between two
+    reads of /proc (ProcessLookupError, FileNotFoundError) is not running."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The state follows the command's name, which may hold spaces and parentheses.
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_for(predicate, timeout, interval=0.05):
     """Poll until ``predicate()`` is truthy; return its value, or None after ``timeout``."""
     import time

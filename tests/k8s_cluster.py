@@ -49,12 +49,14 @@ process made here and checks, with ``leftovers``, that nothing is left.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -261,8 +263,9 @@ class Pod:
     """One pod's single container, started by ``start`` as PID 1 of its own namespaces."""
 
     def __init__(self, net, spec: dict, name: str, base, image: Image, volumes: dict,
-                 hosts_file: str, venv: str):
+                 hosts_file: str, venv: str, labels=None):
         self.net, self.spec, self.name, self.dir = net, spec, name, base / name
+        self.labels = labels or {}  # the pod's, for the downward API's fieldRef
         self.image, self.volumes, self.hosts_file, self.venv = image, volumes, hosts_file, venv
         self.proc = None
         self.dir.mkdir()
@@ -270,6 +273,17 @@ class Pod:
     @property
     def container(self):
         return self.spec["containers"][0]
+
+    def _value(self, e: dict) -> str:
+        """An env entry's value: ``value``, or the downward API's pod label (a label the pod
+        lacks gives "", as the kubelet gives it)."""
+        ref = e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        if ref is None:
+            return e.get("value", "")
+        m = re.fullmatch(r"metadata\.labels\['([^']+)'\]", ref)
+        if not m:
+            raise NotImplementedError(f"env {e['name']}: fieldRef {ref}")
+        return self.labels.get(m.group(1), "")
 
     def _setup(self) -> str:
         d, c = self.dir, self.container
@@ -337,7 +351,7 @@ class Pod:
             lines += [f"mkdir -p {q(path)}", f"mount --bind /opt/.keep{i} {q(path)}"]
         env = dict(self.image.env, HOSTNAME=self.spec["hostname"], HOME=self.home())
         for e in c.get("env", []):
-            env[e["name"]] = e.get("value", "")
+            env[e["name"]] = self._value(e)
         self.exec_prefix = self.user_prefix() + ["env", "-i"] + [
             f"{k}={v}" for k, v in env.items()]
         lines.append(f"cd {q(c.get('workingDir', self.image.workdir))}")
@@ -441,8 +455,10 @@ class JobRun:
     """One set of pods for an MPIJob: what the operator and the kubelets start for it."""
 
     def __init__(self, net, base, job: dict, claims: dict, namespace="default",
-                 venv=sys.prefix):
+                 venv=sys.prefix, job_uid=None):
         self.net, self.base, self.job, self.claims = net, base, job, claims
+        # The launcher Job's UID: a retry (the Job's next pod) passes the first run's.
+        self.job_uid = job_uid or str(uuid.uuid4())
         self.namespace, self.venv = namespace, venv
         self.objects = operator_objects(job, namespace)
         self.image = Image()
@@ -468,11 +484,11 @@ class JobRun:
         public = " ".join(key.with_suffix(".pub").read_text().split()[:2]) + "\n"
         return {"ssh-privatekey": key.read_text(), "ssh-publickey": public}
 
-    def _volumes(self, pod_name, spec):
+    def _volumes(self, pod_name, spec, root=None):
         made = self.objects
         out = {}
         for v in spec.get("volumes", []):
-            where = self.base / "volumes" / pod_name / v["name"]
+            where = (root or self.base) / "volumes" / pod_name / v["name"]
             if "persistentVolumeClaim" in v:
                 claim = self.claims[v["persistentVolumeClaim"]["claimName"]]
                 group = spec.get("securityContext", {}).get("fsGroup")
@@ -501,7 +517,7 @@ class JobRun:
                 raise NotImplementedError(f"volume {v}")
         return out
 
-    def _hosts_file(self, pod_name, spec, addresses):
+    def _hosts_file(self, pod_name, spec, addresses, root=None):
         """The kubelet's /etc/hosts lines, then the cluster DNS's answers for this pod."""
         job, ns = self.job["metadata"]["name"], self.namespace
         fqdn = lambda n: f"{n}.{job}.{ns}.svc.cluster.local"  # noqa: E731
@@ -518,8 +534,8 @@ class JobRun:
             if f"{job}.{ns}.svc.cluster.local" in searches:
                 names.append(other)
             lines.append(f"{ip}\t" + "\t".join(names))
-        path = self.base / "hosts" / pod_name
-        path.parent.mkdir(exist_ok=True)
+        path = (root or self.base) / "hosts" / pod_name
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")
         return str(path)
 
@@ -530,10 +546,13 @@ class JobRun:
         specs = {w["metadata"]["name"]: w["spec"] for w in self.objects["workers"]}
         specs[launcher_spec["hostname"]] = launcher_spec
         addresses = {name: self.net.add_host(name) for name in specs}
+        labels = {w["spec"]["hostname"]: w["metadata"]["labels"] for w in self.objects["workers"]}
+        labels[launcher_spec["hostname"]] = self._launcher_labels()
         for name, spec in specs.items():
             self.pods[name] = Pod(self.net, spec, name, self.base, self.image,
                                   self._volumes(name, spec),
-                                  self._hosts_file(name, spec, addresses), self.venv)
+                                  self._hosts_file(name, spec, addresses), self.venv,
+                                  labels.get(name))
         for w in self.workers:
             w.start()
         deadline = time.monotonic() + ready_timeout
@@ -545,6 +564,37 @@ class JobRun:
             time.sleep(0.1)
         self.launcher.start()
         return self
+
+    def _launcher_labels(self) -> dict:
+        """The launcher pod's: its template's, and the Job controller's (Kubernetes 1.27+)."""
+        launcher = self.objects["launcher"]
+        return {**launcher["spec"]["template"]["metadata"]["labels"],
+                "batch.kubernetes.io/controller-uid": self.job_uid,
+                "batch.kubernetes.io/job-name": launcher["metadata"]["name"],
+                "controller-uid": self.job_uid, "job-name": launcher["metadata"]["name"]}
+
+    def replace_launcher(self):
+        """The launcher's node gone at once, then the Job's next launcher pod. The old pod's
+        network is cut before its processes die, so that the workers see no connection close
+        (as from a dead node: their daemons and ranks go on for minutes); the new pod has a
+        new address, the same workers. Returns the old pod (its log stays readable)."""
+        old = self.launcher
+        ns, _ = self.net.hosts[old.name]
+        self.net.check("ip", "-n", ns, "link", "set", "eth0", "down")
+        old.kill()
+        self.net.remove_host(old.name)
+        self.replaced = getattr(self, "replaced", []) + [old]
+        root = self.base / f"retry{len(self.replaced)}"
+        root.mkdir()
+        spec = self.objects["launcher"]["spec"]["template"]["spec"]
+        self.net.add_host(old.name)
+        addresses = {name: self.net.hosts[name][1] for name in self.pods}
+        new = Pod(self.net, spec, old.name, root, self.image, self._volumes(old.name, spec, root),
+                  self._hosts_file(old.name, spec, addresses, root), self.venv,
+                  self._launcher_labels())
+        self.pods[old.name] = new
+        new.start()
+        return old
 
     def logs(self) -> str:
         return "\n".join(f"--- {name}\n{p.log()}" for name, p in self.pods.items())

@@ -3,7 +3,8 @@
 ``Config`` holds what any run needs (optimisation, data order, distribution, checkpoints,
 output) and names no task. A task declares its own settings as a dataclass
 (``Task.Settings``: the linear task's synthetic data, the MNIST task's dataset and model) and
-its defaults for ``Config`` (``Task.defaults``: the seeds' learning rates and worker count).
+its defaults for ``Config`` (``Task.defaults``: the reference programs' learning rates and
+worker count).
 Every field of both is a command-line flag named after it (``learning_rate`` ->
 ``--learning-rate``); ``--help`` shows each default. A bad value stops the program before
 anything is written, with one line naming the flag and the value.
@@ -44,7 +45,7 @@ class Config:
     """The training settings of one run, whatever the task.
 
     The defaults are Keras's own (SGD at 0.01, batches of 32); a task's ``defaults`` replace
-    them (the seed tasks: their learning rates, batch sizes and two workers).
+    them (the built-in tasks: their learning rates, batch sizes and two workers).
     """
 
     # Optimisation. Gradients are averaged over workers, as SyncReplicasOptimizer does,

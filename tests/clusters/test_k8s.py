@@ -89,9 +89,10 @@ def result(run_dir):
         return json.load(f)
 
 
-def job_run(cluster, base, claim, job=SMOKE):
+def job_run(cluster, base, claim, job=SMOKE, job_uid=None):
+    """The pods of ``job``'s launcher Job ``job_uid`` (a retry: the first run's; None: new)."""
     from k8s_cluster import JobRun
-    return JobRun(cluster, base, job, {"hvdtrain-runs": claim})
+    return JobRun(cluster, base, job, {"hvdtrain-runs": claim}, job_uid=job_uid)
 
 
 def launcher_argv(run, timeout=10):
@@ -117,10 +118,11 @@ def finish(run, timeout=120):
     return rc
 
 
-def run_again(cluster, tmp_path, claim, timeout):
-    """The next set of pods in tmp_path/pods-again (the same claim and command), run to the
-    launcher's end and deleted: (its status, the pods' logs)."""
-    again = job_run(cluster, tmp_path / "pods-again", claim, JOB)
+def run_again(cluster, tmp_path, claim, timeout, job_uid):
+    """The next set of pods in tmp_path/pods-again (the same claim and command; the launcher
+    Job ``job_uid``'s retry), run to the launcher's end and deleted: (its status, the pods'
+    logs)."""
+    again = job_run(cluster, tmp_path / "pods-again", claim, JOB, job_uid)
     try:
         again.start()
         rc = finish(again, timeout)
@@ -170,6 +172,8 @@ def uninterrupted(cluster, tmp_path_factory):
         cmd = K.containers(job, "Launcher")[0]
         assert launcher_argv(run)[-len(cmd["args"]) - 1:] == cmd["command"] + cmd["args"]
         creds = {p.name: credentials(p.pid1()) for p in run.pods.values()}
+        # The kubelet probes on while the job runs: three more rounds of every worker's probe.
+        probed = [w.ready() for w in run.workers for _ in range(3)]
         addresses = {name: cluster.hosts[name][1] for name in run.pods}
         rc = finish(run, 240)
         logs = run.logs()
@@ -179,7 +183,7 @@ def uninterrupted(cluster, tmp_path_factory):
     return {"rc": rc, "logs": logs, "statuses": statuses, "result": result(on_claim(claim)),
             "seconds": time.monotonic() - t, "run": run, "creds": creds, "addresses": addresses,
             "owner": os.stat(on_claim(claim) / "result.json").st_uid,
-            "starts": rank_env.starts(claim)}
+            "starts": rank_env.starts(claim), "probed": probed}
 
 
 @pytest.mark.timeout(600)  # its fixtures start the pods' daemons
@@ -209,6 +213,12 @@ def test_k8s_emulated_mpijob_trains_with_identical_ranks(uninterrupted):
     for i, w in enumerate(run.workers):
         ip = u["addresses"][run.launcher.name if i == 0 else run.workers[i - 1].name]
         assert f"Accepted publickey for mpiuser from {ip} " in w.log(), (i, w.log())
+    # The readiness probe logs in once (the first success); later probes, ready all along,
+    # only see that sshd runs: no two lines in the pod's log every periodSeconds.
+    assert all(u["probed"]), u["probed"]
+    for w in run.workers:
+        logins = re.findall(r"Accepted publickey for mpiuser from (127\.0\.0\.1|::1) ", w.log())
+        assert len(logins) == 1, w.log()
     # Deleting the finished job's workers: each stops at once, with nothing to pass on.
     assert [u["statuses"][w.name] for w in run.workers] == [0] * WORKERS, u["logs"]
     # Every rank, in its worker pod, started once with glibc's huge-page tunable, which
@@ -243,7 +253,7 @@ def test_k8s_emulated_pod_deletion_gives_75_then_new_pods_resume(cluster, uninte
         assert "passing it to this pod's ranks" in w.log(), w.log()
 
     # The next set of pods (new addresses, new key pair, the same claim and command).
-    rc, logs = run_again(cluster, tmp_path, claim, 240)
+    rc, logs = run_again(cluster, tmp_path, claim, 240, run.job_uid)
     assert rc == 0, logs
     assert f"ckpt-{step:09d}.hvdt at epoch" in logs, logs  # resumed from the SIGTERM's checkpoint
     r = result(run_dir)
@@ -278,6 +288,35 @@ class Lease(threading.Thread):
         time.sleep(1)  # the waiting run sees it held at least once more
         self.held = time.monotonic() - t
         os.close(self.fd)
+
+
+@pytest.mark.timeout(600)  # its fixtures start the pods' daemons
+def test_k8s_emulated_launcher_replaced_while_its_ranks_run_resumes(cluster, uninterrupted,
+                                                                     tmp_path):
+    """The launcher's node dies; its ranks, on the workers, train on (nothing tells them);
+    the Job's next launcher pod stops them first (each saves at a shared step), then
+    resumes: no RunDirBusy taken for the user's mistake, the uninterrupted weights."""
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    run_dir = on_claim(claim)
+    run = job_run(cluster, tmp_path / "pods", claim, JOB)
+    try:
+        run.start()
+        wait_for_checkpoint(run, run_dir)
+        old = run.replace_launcher()
+        rc = finish(run, 240)
+        logs = old.log() + run.logs()
+        run.delete(GRACE)
+    finally:
+        run.remove()
+    assert rc == 0, logs
+    assert "an earlier launcher's ranks still run here: stopping them" in logs, logs
+    # The old ranks' own lines went to their dead mpirun; the new ones resumed from a checkpoint.
+    assert "resumed from" in run.launcher.log(), logs
+    assert not (run_dir / "k8s-launcher-failed").exists(), logs
+    r = result(run_dir)
+    check_trained(r)
+    assert r["weights_sha256"] == uninterrupted["result"]["weights_sha256"]
 
 
 @pytest.mark.timeout(900)  # its fixtures start the pods' daemons
@@ -316,7 +355,7 @@ def test_k8s_emulated_node_crash_is_retried_and_resumes(cluster, uninterrupted, 
     # The Job's retry: a new launcher pod and worker-0 re-created (new addresses and key pair
     # here for every pod), the same claim and command; the lock still held.
     try:
-        rc, logs = run_again(cluster, tmp_path, claim, 300)
+        rc, logs = run_again(cluster, tmp_path, claim, 300, run.job_uid)
     finally:
         lease.join(10)
     assert rc == 0, logs
@@ -331,14 +370,17 @@ def test_k8s_emulated_node_crash_is_retried_and_resumes(cluster, uninterrupted, 
 @pytest.mark.timeout(600)  # its fixtures start the pods' daemons
 def test_k8s_emulated_permanent_error_is_not_run_again(cluster, tmp_path):
     """hvdtrain's exit 2 (a flag it refuses): the launcher records it on the claim, and the next
-    launcher pod with the same arguments exits 2 at once, without reaching a worker."""
+    launcher pod of the same Job with the same arguments exits 2 at once, without reaching a
+    worker; a new MPIJob (a new launcher Job: a fixed image, say) with the same arguments runs."""
     job = copy.deepcopy(SMOKE)
     K.containers(job, "Launcher")[0]["args"] += ["--epochs", "-1"]
     claim = tmp_path / "claim"
     claim.mkdir()
-    statuses = []
-    for attempt in range(2):
-        run = job_run(cluster, tmp_path / f"pods{attempt}", claim, job)
+    statuses, first_job = [], None
+    for attempt in range(3):
+        run = job_run(cluster, tmp_path / f"pods{attempt}", claim, job,
+                      job_uid=first_job if attempt == 1 else None)
+        first_job = first_job or run.job_uid
         try:
             run.start()
             t = time.monotonic()
@@ -349,10 +391,11 @@ def test_k8s_emulated_permanent_error_is_not_run_again(cluster, tmp_path):
             run.delete(GRACE)
         finally:
             run.remove()
-        if attempt == 0:
-            assert statuses[0][0] == 2 and accepted >= 2, logs
-            marker = (on_claim(claim) / "k8s-launcher-failed").read_text().splitlines()
-            assert marker[1] == "2", marker
-        else:
+        marker = (on_claim(claim) / "k8s-launcher-failed").read_text().splitlines()
+        if attempt in (0, 2):  # run: mpirun reached the workers, the ranks refused the flag
+            assert statuses[attempt][0] == 2 and accepted >= 2, logs
+            assert "not run again" not in logs, logs
+            assert marker[1:3] == ["2", f"job {run.job_uid}"], marker
+        else:  # the Job's retry: refused at once
             assert statuses[1][0] == 2 and statuses[1][1] < 5 and accepted == 0, logs
             assert "k8s_launcher.sh: not run again: the same command ended with status 2" in logs

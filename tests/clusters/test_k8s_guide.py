@@ -157,7 +157,7 @@ def test_k8s_the_guides_kubectl_commands_name_what_the_manifests_make():
                 assert args == [] and given == {"--server-side": "", "-f": (
                     f"https://raw.githubusercontent.com/kubeflow/mpi-operator/{release}/"
                     f"{operator_file}")}, words
-            elif verb == "logs":
+            elif verb in ("logs", "wait"):
                 kind, name = args[0].split("/")
                 assert KINDS[kind] == "Job" and name in [
                     K.operator_objects(j)["launcher"]["metadata"]["name"] for j in jobs.values()]
@@ -177,7 +177,7 @@ def test_k8s_the_guides_kubectl_commands_name_what_the_manifests_make():
                         "MPIJob": [n for n in names[:1]
                                    if n in (block_jobs if verb == "delete" else jobs)]}
                 assert names == want[kind], (words, list(jobs))
-    assert seen == {"apply", "get", "describe", "logs", "delete"}
+    assert seen == {"apply", "get", "describe", "wait", "logs", "delete"}
     # The claim's required edit names the same command for the classes.
     assert "(kubectl get sc)" in K.deploy_errors(K.rendered("claim"))[0]
 

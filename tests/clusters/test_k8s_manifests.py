@@ -74,13 +74,21 @@ def test_k8s_what_a_restartable_job_needs(name):
     # job's wall-clock time the real bound, workers removed at the end.
     assert specs["Launcher"]["restartPolicy"] == "Never"
     assert specs["Worker"]["restartPolicy"] == "OnFailure"
-    assert 10 <= spec["runPolicy"]["backoffLimit"] <= 50
-    assert 3600 <= spec["runPolicy"]["activeDeadlineSeconds"]
+    if "smoke" in name:  # a check: a failure shows within the half hour
+        assert (spec["runPolicy"]["backoffLimit"],
+                spec["runPolicy"]["activeDeadlineSeconds"]) == (2, 1800)
+    else:
+        assert 10 <= spec["runPolicy"]["backoffLimit"] <= 50
+        assert 3600 <= spec["runPolicy"]["activeDeadlineSeconds"]
     assert spec["runPolicy"]["cleanPodPolicy"] == "Running"
     (launcher,), (worker,) = K.containers(job, "Launcher"), K.containers(job, "Worker")
     for role in ("Launcher", "Worker"):
         pod = specs[role]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] >= 60  # the SIGTERM checkpoint's time
+        # The claim re-owned only when it is not yet; no Istio sidecar between the ranks.
+        assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+        assert specs[role]["template"]["metadata"]["annotations"] == {
+            "sidecar.istio.io/inject": "false"}
         claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
                   if "persistentVolumeClaim" in v}
         mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
@@ -88,6 +96,9 @@ def test_k8s_what_a_restartable_job_needs(name):
     (claim,) = K.rendered("claim")
     assert claim["metadata"]["name"] == "hvdtrain-runs"
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    # The launcher Job's UID, which keys a user's mistake recorded on the claim to that Job.
+    assert {"name": "HVDTRAIN_LAUNCHER_JOB", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}} in launcher["env"]
     # The launcher's TASK and flags: --run-dir on the claim, and hvdtrain's own parser takes them.
     task, *flags = launcher["args"]
     run_dir = flags[flags.index("--run-dir") + 1]
@@ -165,11 +176,44 @@ def test_k8s_the_image_has_what_the_pods_need(tmp_path):
     assert p.returncode == 0, p.stderr
     client = copies["/etc/ssh/ssh_config.d/hvdtrain.conf"]
     assert "StrictHostKeyChecking no" in client and "UserKnownHostsFile /dev/null" in client
-    assert re.search(r"^Host \*\.svc .*\n\s+Port 2222$", client, re.M)
+    # Port 2222 for every name: the operator's hostfile names pods under the cluster's own
+    # domain (cluster.local, or another), and the probe logs in to localhost.
+    for host in ("hvdtrain-worker-0.hvdtrain.default.svc", "hvdtrain-worker-0.hvdtrain.default"
+                 ".svc.cluster.local", "w-1.hvdtrain.team.svc.corp.example", "localhost"):
+        p = subprocess.run(["ssh", "-G", "-F", os.path.join(K.DEPLOY, "ssh",
+                                                            "ssh_hvdtrain.conf"), host],
+                           capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0 and re.search(r"^port 2222$", p.stdout, re.M), (host, p.stderr)
     with open(os.path.join(K.ROOT, "Dockerfile")) as f:
         dockerfile = f.read()
     runtime = dockerfile[dockerfile.rindex("\nFROM "):]
     assert "openssh-server" in runtime and "procps" in runtime  # sshd; pgrep for k8s_worker.sh
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("where", ["claim/run", "claim"])
+def test_k8s_launcher_says_in_one_line_that_it_cannot_write_the_run_directory(tmp_path, where):
+    """A claim the pods' user cannot write (a root-squashed NFS export, root's directory): the
+    launcher's one line and status 2 before anything else, not mpirun's failures retried."""
+    from conftest import NO_DAC
+
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("hvdtrain-worker-0.hvdtrain.default.svc slots=1\n")
+    claim.chmod(0o555)  # no one writes it, root without CAP_DAC_OVERRIDE included
+    try:
+        p = subprocess.run([*NO_DAC, "bash", os.path.join(K.ROOT, "scripts", "k8s_launcher.sh"),
+                            "linear", "--run-dir", str(tmp_path / where), "--epochs", "1"],
+                           env=dict(os.environ, OMPI_MCA_orte_default_hostfile=str(hostfile)),
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        claim.chmod(0o755)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith(
+        f"k8s_launcher.sh: error: uid {os.getuid()} cannot write the run directory "
+        f"{tmp_path / where} (Permission denied): the claim's files"), p.stderr
+    assert os.listdir(claim) == []
 
 
 @pytest.mark.quick
@@ -195,7 +239,8 @@ def test_k8s_worker_without_a_job_key_makes_a_host_key_of_its_own(tmp_path):
             ["unshare", "--net", "--mount", "--pid", "--mount-proc", "--fork", "bash", "-c",
              f'ip link set lo up && mount --bind {etc_ssh} /etc/ssh && exec "$@"', "-",
              os.path.join(K.ROOT, "scripts", "k8s_worker.sh")],
-            env=dict(os.environ, HVDTRAIN_SSH_DIR=str(empty)), stderr=subprocess.PIPE,
+            env=dict(os.environ, HVDTRAIN_SSH_DIR=str(empty), TMPDIR=str(tmp_path)),
+            stderr=subprocess.PIPE,
             text=True, start_new_session=True)
         try:
             lines, made = [], None

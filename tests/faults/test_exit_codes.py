@@ -108,7 +108,9 @@ def test_note_exit_writes_the_users_statuses_only(tmp_path, monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
     for status in (69, 73, 74, 75, 2, 1):
         note_exit(status)
-    assert path.read_text() == "rank 3 status 2\nrank 3 status 1\n"
+    note_exit(1, "run directory busy")  # RunDirBusy's: not the user's under the launcher
+    assert path.read_text() == ("rank 3 status 2\nrank 3 status 1\n"
+                                "rank 3 status 1 (run directory busy)\n")
 
 
 # --- scripts/k8s_launcher.sh's verdicts ---------------------------------------------------------
@@ -131,9 +133,10 @@ def launcher(tmp_path):
     hostfile.write_text("")  # no worker to wait for
     run_dir = tmp_path / "claim" / "run"
 
-    def run(status, says=""):
+    def run(status, says="", job="2f1c-uid"):
         env = dict(os.environ, OMPI_MCA_orte_default_hostfile=str(hostfile),
-                   FAKE_STATUS=str(status), FAKE_SAYS=says, FAKE_LOG=str(tmp_path / "log"))
+                   FAKE_STATUS=str(status), FAKE_SAYS=says, FAKE_LOG=str(tmp_path / "log"),
+                   HVDTRAIN_LAUNCHER_JOB=job)
         p = subprocess.run([str(scripts / "k8s_launcher.sh"), "linear", "--run-dir",
                             str(run_dir)], env=env, capture_output=True, text=True, timeout=30)
         log = tmp_path / "log"
@@ -146,6 +149,7 @@ def launcher(tmp_path):
     (1, ""),     # mpirun's own 1: a node lost, no rank said it was the user's
     (69, ""), (73, ""), (74, ""), (75, ""), (255, ""),
     (1, "69"),   # a rank's line for another status does not make mpirun's 1 the user's
+    (1, "1 (run directory busy)"),  # an earlier launcher's rank in the same pod holds it
 ])
 def test_the_launcher_leaves_the_infrastructures_statuses_to_the_retries(launcher, status, says):
     for attempt in (1, 2):  # each retry runs mpirun again
@@ -161,3 +165,14 @@ def test_the_launcher_does_not_run_the_users_mistake_again(launcher, status):
     rc, err, launches, marked = launcher(status, says=str(status))
     assert (rc, launches) == (status, 1), err  # not launched again
     assert f"not run again: the same command ended with status {status}" in err
+
+
+def test_the_users_mistake_holds_back_its_own_jobs_retries_only(launcher):
+    """The record is the launcher Job's (its UID): a new MPIJob with the same arguments (a
+    fixed image, fixed data) runs; its own failure is then the one recorded."""
+    rc, err, launches, marked = launcher(2, says="2", job="job-a")
+    assert (rc, launches, marked) == (2, 1, True), err
+    rc, err, launches, marked = launcher(2, says="2", job="job-a")
+    assert (rc, launches) == (2, 1) and "not run again" in err, err  # job-a's retry
+    rc, err, launches, marked = launcher(0, job="job-b")
+    assert (rc, launches, marked) == (0, 2, False), err  # a new job: run, and it trained

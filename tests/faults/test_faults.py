@@ -10,7 +10,7 @@ import pytest
 
 from conftest import (LINEAR, LINEAR_EPOCHS, Lazy, checkpoints, finish,
                       kill_after_first_checkpoint, launch, module_cmd, rank_pids, result, run,
-                      start, wait_for)
+                      running, start, wait_for)
 from hvdtrain.engine import checkpoint as C
 
 MNIST = ["--batch-size", "20", "--epochs", "5", "--learning-rate", "0.5", "--no-download",
@@ -57,9 +57,8 @@ def test_sigterm_to_one_rank_stops_all_at_a_step_and_resumes_exactly(launcher, r
         os.kill(pids[1], signal.SIGTERM)
         rc, out, err = finish(proc, 30)
         assert rc is not None, "the job did not end within 30 s of SIGTERM"
-        assert wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and
-                                        open(f"/proc/{p}/stat").read().split()[2] != "Z"
-                                        for p in pids.values()), 30 - (time.monotonic() - sent))
+        assert wait_for(lambda: not any(running(p) for p in pids.values()),
+                        30 - (time.monotonic() - sent))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -194,8 +193,7 @@ def test_dead_or_frozen_rank_ends_the_job_naming_it(launcher, how, env, tmp_path
         os.kill(pids[1], getattr(signal, how))
         # The bound: the peer timeout, plus the heartbeat interval and scheduling slack.
         survivor = pids[0]
-        assert wait_for(lambda: not os.path.exists(f"/proc/{survivor}") or
-                        open(f"/proc/{survivor}/stat").read().split()[2] == "Z", timeout + 10)
+        assert wait_for(lambda: not running(survivor), timeout + 10)
         elapsed = time.monotonic() - sent
         rc, out, err = finish(proc, 30)
     finally:

@@ -155,6 +155,37 @@ def test_no_page_tells_the_projects_history(page):
     assert not found, found
 
 
+# The built-in tasks' origin, said in the project's own word ("the seeds") rather than the
+# reader's: "the reference programs" (Synchronous training introduces them).
+PROJECT_WORDS = re.compile(r"\bthe seeds?\b(?!\s*(=|of\b|for\b|\)))|\bseed's\b|"
+                           r"(?<!random )\bseeds'|"
+                           r"\bseed (documents?|tasks?|programs?)\b", re.I)
+
+
+@pytest.mark.parametrize("page", ["README.md"] + [
+    f"docs/{p}" for p in docs_pages()
+    if p != "development.md" and not p.startswith("performance/")])
+def test_no_user_page_speaks_the_projects_own_words(page):
+    text = readme_text() if page == "README.md" else docs_text(page[len("docs/"):])
+    found = [m.group(0) for m in PROJECT_WORDS.finditer(text)]
+    assert not found, found
+
+
+def test_the_help_speaks_to_users():
+    """--help's descriptions and settings (the CLI reference's tables are made from them)."""
+    import dataclasses
+
+    from hvdtrain.base.config import Config
+    from hvdtrain.linear import LinearSettings, LinearTask
+    from hvdtrain.mnist import MnistSettings, MnistTask
+
+    said = [LinearTask.description, MnistTask.description] + [
+        f.metadata.get("help", "") for cls in (Config, LinearSettings, MnistSettings)
+        for f in dataclasses.fields(cls)]
+    found = [m.group(0) for text in said for m in PROJECT_WORDS.finditer(text)]
+    assert not found, found
+
+
 def test_the_tasks_guide_command_lines_parse(tmp_path):
     """The Tasks guide's command-line block, each line run with --help (the flags parsed, the
     task found, nothing trained); `workers` prints its count. xor.py is the README's Task
