@@ -32,7 +32,8 @@ COMMANDS = {
     "mpichversion": "MPICH's tool; this machine's MPI is Open MPI",
     "apt-get": None, "dpkg-query": None, "dpkg": None,
     # scripts/setup_test.sh's
-    "patchelf": None, "shellcheck": None, "sshd": None, "ssh-keygen": None, "ip": None,
+    "patchelf": None, "shellcheck": None, "sshd": None, "ssh": None, "ssh-keygen": None,
+    "ip": None,
     "sbatch": None, "srun": None, "slurmd": None, "slurmctld": None, "munged": None,
     # util-linux, mount, coreutils, sh: every Debian system
     "setpriv": None, "unshare": None, "nsenter": None, "mount": None, "umount": None,
