@@ -459,6 +459,7 @@ class JobRun:
         self.net, self.base, self.job, self.claims = net, base, job, claims
         # The launcher Job's UID: a retry (the Job's next pod) passes the first run's.
         self.job_uid = job_uid or str(uuid.uuid4())
+        self.replaced = []  # launcher pods that replace_launcher took down (logs kept)
         self.namespace, self.venv = namespace, venv
         self.objects = operator_objects(job, namespace)
         self.image = Image()
@@ -583,7 +584,7 @@ class JobRun:
         self.net.check("ip", "-n", ns, "link", "set", "eth0", "down")
         old.kill()
         self.net.remove_host(old.name)
-        self.replaced = getattr(self, "replaced", []) + [old]
+        self.replaced.append(old)
         root = self.base / f"retry{len(self.replaced)}"
         root.mkdir()
         spec = self.objects["launcher"]["spec"]["template"]["spec"]
