@@ -127,7 +127,12 @@ def diagnose():
         hvd_report["error"] = error_line(e)
         problem(f"horovod is not installed ({error_line(e)}); hvdtrain would train one process",
                 f"{SETUP} (compiles horovod with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)")
-    if hvd_report["version"] is not None:
+    mismatch = distributed.tensorflow_mismatch() if hvd_report["version"] else None
+    if mismatch:
+        what, fix = mismatch.split(": ", 1)
+        hvd_report["error"] = what
+        problem(what, fix)
+    elif hvd_report["version"] is not None:
         try:
             hvd = distributed.horovod_tensorflow()
             status = hvd_report["framework_status"] = frameworks(os.path.dirname(horovod.__file__))
@@ -166,7 +171,9 @@ def diagnose():
         report["mpi"] = {"library": MPI.Get_library_version().splitlines()[0].strip("\0 "),
                          "mpi4py": mpi4py.__version__}
     except Exception as e:
-        report["mpi"] = {"library": None, "error": error_line(e)}
+        # No mpi4py (an environment with the wheels alone): the MPI that runs the ranks is
+        # the one mpirun starts, which says its version.
+        report["mpi"] = {"library": mpirun_version(), "error": error_line(e)}
 
     gpus = []
     report["driver"], report["no_gpu"] = cuda_driver()
@@ -191,6 +198,19 @@ def diagnose():
     # Not a problem where absent: training is right either way, only allreduce is slower.
     report["hugepages"] = malloc.state()
     return report, problems
+
+
+def mpirun_version():
+    """The first line of ``mpirun --version`` (``mpirun (Open MPI) 4.1.4``), or None."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        return None
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = (out.stdout.strip().splitlines() or [""])[0].strip()
+    return first or None
 
 
 def patches(horovod_dir):

@@ -64,8 +64,8 @@ python_patch_sums() { (cd "$root/scripts/patches/python" && sha1sum horovod-"$ho
 all_patch_sums() { patch_sums; python_patch_sums; }
 
 # The Horovod check: exit 0 when $venv's horovod is this wheel version, loads with this
-# TensorFlow, has MPI and Gloo (and NCCL for HVDTRAIN_GPU=1), and is the build of today's
-# patches (a changed patch rebuilds). One Python process, quiet: a missing horovod is "rebuild".
+# TensorFlow, has MPI and Gloo (and NCCL for HVDTRAIN_GPU=1), is the build of today's
+# patches (a changed patch rebuilds), and its files are as installed (RECORD's sha256). One Python process, quiet: a missing horovod is "rebuild".
 horovod_ok() {
     "$venv/bin/python" - "$wheel_version" "$gpu" "$(all_patch_sums)" <<'PY' >/dev/null 2>&1
 import os, sys
@@ -92,7 +92,14 @@ assert [record[k] for k in ("mpi", "gloo", "nccl")] == [
 lib, = [p for p in metadata.files("horovod") if p.parent.name == "tensorflow"
         and p.name.startswith("mpi_lib") and p.name.endswith(".so")]
 assert record["library"] == [lib.hash.mode, lib.hash.value, lib.size], record
-assert os.stat(lib.locate()).st_size == lib.size
+# Every installed file of the package is the wheel's (RECORD's sha256): a library or a patched
+# file changed since the install is installed again, not trusted. (Not the scripts in bin/.)
+import base64, hashlib
+for p in metadata.files("horovod"):
+    if p.hash is not None and p.parts[0] != "..":
+        with open(p.locate(), "rb") as f:
+            digest = base64.urlsafe_b64encode(hashlib.new(p.hash.mode, f.read()).digest())
+        assert digest.rstrip(b"=").decode() == p.hash.value, p
 PY
 }
 
@@ -110,7 +117,9 @@ fi
 py_range="3.11-3.13"
 py_ok() { "$1" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 13))' 2>/dev/null; }
 py_version() { "$1" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo "unknown"; }
-if [[ -x "$venv/bin/python" ]]; then
+# A venv whose creation was interrupted (its marker still there) is made again below.
+venv_incomplete=$venv/.hvdtrain-venv-incomplete
+if [[ -x "$venv/bin/python" && ! -f $venv_incomplete ]]; then
     python=$venv/bin/python
     py_ok "$python" || die "$venv holds Python $(py_version "$python"); hvdtrain's locked stack needs $py_range: remove $venv or set HVDTRAIN_VENV"
     # PYTHON names the interpreter of a new venv; an existing one keeps its own. Another
@@ -137,7 +146,7 @@ need() { missing+=("$1|$2|$3"); }
 if [[ -z "$python" ]]; then
     need "Python $py_range (or PYTHON=/path/to/python3.1x)" "python3 python3-venv python3-dev" "python3.11 python3.11-devel"
 else
-    if [[ ! -x "$venv/bin/python" ]] && ! "$python" -c 'import venv, ensurepip' 2>/dev/null; then
+    if [[ $python != "$venv/bin/python" ]] && ! "$python" -c 'import venv, ensurepip' 2>/dev/null; then
         need "$python's venv module" "python$pyver-venv" "python$pyver"
     fi
     if ! "$python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then
@@ -186,9 +195,37 @@ if [[ -n "$wheels_dir" ]]; then
 fi
 
 # --- virtual environment -----------------------------------------------------------
-if [[ ! -x "$venv/bin/python" ]]; then
+# HVDTRAIN_VENV names a venv, or a directory to make one in: never a directory of other files.
+if [[ -e $venv && ! -d $venv ]]; then die "HVDTRAIN_VENV=$venv is not a directory"; fi
+if [[ -d $venv && ! -x $venv/bin/python && ! -f $venv_incomplete && -n $(ls -A "$venv") ]]; then
+    die "$venv holds files but no virtual environment (no bin/python): set HVDTRAIN_VENV to a new or empty directory"
+fi
+err=$(mkdir -p "$venv" 2>&1) || die "cannot create $venv (${err##*: })"
+# One set-up of a venv at a time: a lock on its directory, held until this script ends. A
+# second set-up waits, then finds the work done (only verifies).
+exec 9<"$venv"
+if ! flock -n 9; then
+    log "another set-up of $venv is running: waiting for it to end"
+    flock 9
+fi
+# An interrupted creation (Ctrl-C in ensurepip) left a venv without pip: made again, from
+# its marker, which proves the directory is this script's.
+if [[ -f $venv_incomplete ]]; then
+    log "$venv was left half-made by an interrupted set-up: making it again"
+    find "$venv" -mindepth 1 -maxdepth 1 ! -name "${venv_incomplete##*/}" -exec rm -rf {} +
+fi
+if [[ ! -x "$venv/bin/python" || -f $venv_incomplete ]]; then
     log "creating $venv with $python (Python $pyver)"
+    : >"$venv_incomplete"
     "$python" -m venv "$venv"
+    rm -f "$venv_incomplete"
+fi
+if ! "$venv/bin/python" -c 'import pip' 2>/dev/null; then
+    # A venv made without pip, or one an older set-up left half-made: pip from the
+    # interpreter's own copy (ensurepip), not a new venv (the directory may hold more).
+    log "$venv has no working pip: installing it with ensurepip"
+    "$venv/bin/python" -m ensurepip --upgrade >/dev/null 2>&1 ||
+        die "$venv has no pip and ensurepip cannot install it: remove $venv (rm -rf $venv) and run scripts/setup.sh again"
 fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
@@ -256,8 +293,46 @@ refused() {
 # The locked stack (setup.py's pins, at constraints.txt's versions) plus what Horovod's build
 # needs in the same env; the dev tools (test, bench, docs extras) too: this venv runs the tests.
 stamp="$venv/.hvdtrain-deps"
+installing="$venv/.hvdtrain-installing"  # there while pip installs: an interrupted run's mark
 want=$( (cat "$root/setup.py" "$constraints"; echo "gpu=$gpu mode=$mode") | sha1sum | cut -c1-16)
-if [[ ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
+# Packages whose install did not finish (pip killed or Ctrl-C'd while it wrote or compiled
+# them): no INSTALLER (pip writes it, then its RECORD, last), no RECORD, or a file of their
+# RECORD missing or of another size. pip would take them as installed ("Requirement already
+# satisfied") and never mend them.
+unfinished() {
+    "$venv/bin/python" - <<'PY'
+import csv, os, sysconfig
+for site in sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")}):
+    for name in sorted(os.listdir(site)) if os.path.isdir(site) else []:
+        info = os.path.join(site, name)
+        if not name.endswith(".dist-info") or os.path.islink(info):  # pip's are directories
+            continue
+        bad = not all(os.path.isfile(os.path.join(info, f)) for f in ("INSTALLER", "RECORD"))
+        if not bad:
+            with open(os.path.join(info, "RECORD"), newline="") as f:
+                for row in csv.reader(f):
+                    if len(row) >= 3 and row[2]:
+                        try:
+                            bad = os.path.getsize(os.path.join(site, row[0])) != int(row[2])
+                        except (OSError, ValueError):
+                            bad = True
+                        if bad:
+                            break
+        if bad:
+            print(info)
+PY
+}
+if [[ -f $installing || ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
+    # Forgotten by pip (their dist-info removed), so that the install below writes them whole.
+    while read -r info; do
+        log "an interrupted install left ${info##*/} unfinished: installing it again"
+        rm -rf "$info"
+    done < <(unfinished)
+    if ! "$venv/bin/python" -c 'import pip' 2>/dev/null; then  # pip itself was among them
+        "$venv/bin/python" -m ensurepip --upgrade >/dev/null 2>&1 || die "$venv's pip is broken and ensurepip cannot mend it: remove $venv (rm -rf $venv) and run scripts/setup.sh again"
+    fi
+    rm -f "$stamp"
+    : >"$installing"
     if [[ $mode == horovod ]]; then
         log "installing the locked run-time stack (constraints.txt: TensorFlow, tf-keras, mpi4py)"
     else
@@ -286,6 +361,7 @@ PY
         locked_install -e "${root}[mpi,test,bench,docs]"
     fi
     echo "$want" >"$stamp"
+    rm -f "$installing"
 fi
 # --- Horovod, compiled against this TensorFlow -------------------------------------
 # GPU build: a CUDA compiler and NCCL for Horovod's CMake, without a CUDA toolkit installed.
@@ -303,7 +379,7 @@ gpu_build_env() {
         echo "compiler_source=$cuda" >"$build/hvdtrain_build.txt"
     else
         cuda=$build/cuda
-        log "fetching the CUDA compiler from PyPI into the build directory: ${cuda_wheels[*]}"
+        log "fetching the CUDA compiler from PyPI into the build directory: ${cuda_wheels[*]}" >&3
         # One pip call: the wheels share nvidia/cu13/, which a second --upgrade call deletes.
         pip install --no-deps --target "$build/cuda-wheels" "${cuda_wheels[@]}"
         local cu=$build/cuda-wheels/nvidia/cu13 f
@@ -394,7 +470,6 @@ patch_file_sums() {  # run in the unpacked wheel's directory
 # RUNPATH relative to the wheel's place ($ORIGIN), its NCCL the nvidia-nccl wheel beside it.
 build_wheel() {
     local out=$1 src whl dir lib rpath
-    log "compiling horovod $wheel_version against TensorFlow (a few minutes on 2 cores)"
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
     export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
     MAKEFLAGS="-j$(nproc)"
@@ -406,7 +481,7 @@ build_wheel() {
     src="$build/horovod-$horovod_version"
     if [[ "$gpu" == 1 ]]; then gpu_build_env "$build" "$src"; fi
     for p in "$root"/scripts/patches/horovod-"$horovod_version"-*.patch "$root"/scripts/patches/python/horovod-"$horovod_version"-*.patch; do
-        log "applying ${p#"$root"/}"
+        log "applying ${p#"$root"/}" >&3
         patch -p1 -d "$src" --forward --batch --fuzz=0 --quiet -i "$p" ||
             die "$p does not apply to horovod $horovod_version"
     done
@@ -457,40 +532,153 @@ PY
 }
 
 built=0 wheel=""
-entry=""
-if [[ "$cache_root" != 0 ]]; then entry="$cache_root/horovod-$horovod_version-$(build_key)"; fi
-cached() { [[ -n "$entry" && -f "$entry/complete" ]]; }
+# Where the wheel is looked for (the cache, then this user's own when the cache is another
+# one) and where a new build is kept: the first of them this user can write. A shared cache
+# this user cannot write is read, never written; a build is not thrown away for it.
+own_cache=${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain
+caches=() store="" key=""
+if [[ "$cache_root" != 0 ]]; then
+    key=$(build_key)
+    caches=("$cache_root")
+    if [[ $own_cache != "$cache_root" ]]; then caches+=("$own_cache"); fi
+    for c in "${caches[@]}"; do
+        if mkdir -p "$c" 2>/dev/null && [[ -w $c ]]; then store=$c; break; fi
+    done
+fi
+entry_of() { echo "$1/horovod-$horovod_version-$key"; }
+# Is the entry at $1 fit to install? 0, or 1 with why not in $unfit. Each entry holds the wheel,
+# its sha256 (SHA256SUMS, written with it) and the mark that it is whole (complete). Checked
+# at every use: a truncated or changed wheel (bytes flipped, a rebuilt library) is never
+# installed, and neither is an entry that others than its owner could change (a team cache
+# shares by group read: group write would let anyone plant code every import then runs).
+unfit=""
+entry_ok() {
+    local e=$1 open
+    unfit=""
+    [[ -f $e/complete ]] || { unfit="is unfinished"; return 1; }
+    # Made by this user or by the cache's owner: in a cache others can write to, anyone could
+    # add an entry of their own making.
+    local owner cache_owner
+    owner=$(stat -c %u "$e") cache_owner=$(stat -c %u "$(dirname "$e")")
+    if [[ $owner != "$(id -u)" && $owner != "$cache_owner" ]]; then
+        unfit="is owned by uid $owner, neither this user nor the cache's owner (uid $cache_owner)"; return 1
+    fi
+    open=$(find "$e" -perm /022 -print -quit 2>/dev/null)
+    if [[ -n $open ]]; then unfit="has ${open#"$e"/} writable by others than its owner (mode $(stat -c %A "$open"))"; return 1; fi
+    [[ -f $e/SHA256SUMS ]] || { unfit="has no SHA256SUMS (made by an older scripts/setup.sh)"; return 1; }
+    (cd "$e" && sha256sum --quiet --strict -c SHA256SUMS >/dev/null 2>&1) ||
+        { unfit="does not match its SHA256SUMS (changed or damaged)"; return 1; }
+    [[ $(echo "$e"/horovod-*.whl) != *"*"* ]] || { unfit="holds no wheel"; return 1; }
+}
+# The first fit entry into $entry, else "". An unfit one this user may remove is removed
+# (and built again); one of another's is one line naming the command for its owner.
+find_entry() {
+    local c e
+    entry=""
+    for c in "${caches[@]}"; do
+        e=$(entry_of "$c")
+        [[ -e $e ]] || continue
+        if entry_ok "$e"; then entry=$e; return; fi
+        if [[ $c == "$store" && ( -O $e || $(id -u) == 0 ) ]]; then
+            log "the build cache's $e $unfit: removing it, to build it again"
+            rm -rf "$e"
+        else
+            die "the build cache's $e $unfit: not installed; its owner (uid $(stat -c %u "$e")) removes it (rm -rf $e), or set HVDTRAIN_BUILD_CACHE=0 to build without the cache"
+        fi
+    done
+}
+# Build folders live under the cache (else TMPDIR), named by host and process: those of this
+# host whose process is gone (a killed set-up) are removed at the next start.
+build_base=${store:+$store/.builds}
+build_base=${build_base:-${TMPDIR:-/tmp}}
+host=$(hostname 2>/dev/null || echo host)
+for old in "$build_base"/hvdtrain-build-"$host"-*; do
+    [[ -d $old ]] || continue
+    pid=${old#"$build_base"/hvdtrain-build-"$host"-}
+    pid=${pid%%-*}
+    if [[ $pid =~ ^[0-9]+$ && ! -d /proc/$pid ]]; then rm -rf "$old"; fi  # any user's process
+done
+# The compile's output goes to a log; a failure is one line: the first error there.
+build_log="$venv/.hvdtrain-build.log"
+build_failed() {
+    local first
+    first=$(grep -m1 -E '^\[setup\] error: ' "$build_log" | sed 's/^\[setup\] error: //' || true)
+    [[ -n $first ]] || first=$(grep -m1 'No space left on device' "$build_log" || true)
+    [[ -n $first ]] || first=$(grep -m1 -E '(: (fatal )?error: |CMake Error|^ERROR: )' "$build_log" || true)
+    [[ -n $first ]] || first=$(grep -v '^\s*$' "$build_log" | tail -1 || true)
+    die "compiling horovod failed: $(cut -c1-400 <<<"$first") (the whole output: $build_log)"
+}
 # The finished wheel at $wheel: from the cache, or compiled (and then kept in the cache).
 wheel_from_cache_or_build() {
-    if cached; then wheel=$(echo "$entry"/horovod-*.whl); return; fi
-    build=$(mktemp -d)
-    trap 'rm -rf "$build"' EXIT
-    build_wheel "$build/final"
-    if [[ -n "$entry" ]] && mkdir -p "$cache_root" 2>/dev/null; then
-        tmp=$(mktemp -d "$cache_root/.new-XXXXXX")
-        chmod 0755 "$tmp"  # mktemp's 0700 would keep the group out of a shared cache
-        cp "$build"/final/horovod-*.whl "$tmp/"
-        touch "$tmp/complete"
-        rm -rf "$entry"
-        mv "$tmp" "$entry" || rm -rf "$tmp"
+    find_entry
+    if [[ -n $entry ]]; then wheel=$(echo "$entry"/horovod-*.whl); return; fi
+    # Two set-ups of the same build (two clones, two nodes on a shared cache): one compiles,
+    # the other waits for it and installs its entry.
+    local lock_file=${store:+$store/.lock-$key}
+    if [[ -n $store ]] && { [[ -e $lock_file ]] || (umask 0111; : >"$lock_file") 2>/dev/null; } &&
+        [[ -r $lock_file ]]; then
+        exec 8<"$lock_file"
+        if ! flock -n 8; then
+            log "another set-up is compiling this build for the cache: waiting for it"
+            flock 8
+            find_entry
+            if [[ -n $entry ]]; then wheel=$(echo "$entry"/horovod-*.whl); return; fi
+        fi
     fi
-    if cached; then wheel=$(echo "$entry"/horovod-*.whl); else wheel=$(echo "$build"/final/horovod-*.whl); fi
+    local place
+    for place in "$root" "$venv" "$build_base"; do
+        if [[ $place == *[[:space:]]* ]]; then
+            die "Horovod's build cannot compile in a path with whitespace: $place (move it, or set HVDTRAIN_VENV / HVDTRAIN_BUILD_CACHE / TMPDIR elsewhere; a cached build installs on any path)"
+        fi
+    done
+    mkdir -p "$build_base" || die "cannot create $build_base"
+    build=$(mktemp -d "$build_base/hvdtrain-build-$host-$$-XXXXXX") || die "cannot create a build folder in $build_base"
+    trap 'rm -rf "$build"' EXIT
+    log "compiling horovod $wheel_version against TensorFlow (a few minutes on 2 cores; the output: $build_log)"
+    # Not `( ... ) || build_failed`: errexit is off inside a command that || tests.
+    local status=0
+    set +e
+    ( set -e
+      export TMPDIR=$build  # pip's and the compiler's temporary files go with the build
+      build_wheel "$build/final" ) 3>&1 >"$build_log" 2>&1
+    status=$?
+    set -e
+    ((status == 0)) || build_failed
+    wheel=$(echo "$build"/final/horovod-*.whl)
+    if [[ -n $store ]]; then
+        local tmp e
+        e=$(entry_of "$store")
+        if tmp=$(mktemp -d "$store/.new-XXXXXX" 2>/dev/null) &&
+            chmod 0755 "$tmp" &&  # mktemp's 0700 would keep the group out of a shared cache
+            cp "$wheel" "$tmp/" && chmod 0644 "$tmp"/*.whl &&
+            (cd "$tmp" && sha256sum horovod-*.whl >SHA256SUMS) && chmod 0644 "$tmp/SHA256SUMS" &&
+            touch "$tmp/complete" && chmod 0644 "$tmp/complete" &&
+            { rm -rf "$e"; mv "$tmp" "$e"; }; then
+            wheel=$(echo "$e"/horovod-*.whl)
+            if [[ $store != "$cache_root" ]]; then log "$cache_root is not writable by uid $(id -u): this build is kept in $store"; fi
+        else
+            rm -rf "${tmp:-}"
+            log "could not keep this build in $store: it is installed from the build folder only"
+        fi
+    fi
 }
 if ! horovod_ok; then
     built=1
-    # An installed horovod that failed the check (another TensorFlow, no MPI) would satisfy
-    # the pin and never be rebuilt: remove it first.
-    pip uninstall -y horovod >/dev/null 2>&1 || true
-    if cached; then
+    wheel_from_cache_or_build
+    if [[ -n $entry ]]; then
         log "installing horovod $wheel_version from the build cache ($entry: built from the same sdist, patches, Python, TensorFlow, MPI and settings)"
     fi
-    wheel_from_cache_or_build
+    # An installed horovod that failed the check (another TensorFlow, no MPI) would satisfy
+    # the pin and never be replaced: removed, once the new wheel is there (until then, the
+    # venv's processes keep the one they have).
+    pip uninstall -y horovod >/dev/null 2>&1 || true
     # With its dependencies (cloudpickle, psutil, ...) at the lock's versions.
     pip install -c "$constraints" "$wheel"
 elif [[ -n "$wheels_dir" ]]; then
     # --wheels on a venv whose Horovod passes: its wheel, from the cache or compiled, while
     # the venv's own install stays as it is (a process may be using it).
     wheel_from_cache_or_build
+    if [[ -n $entry ]]; then log "the horovod wheel from the build cache: $entry"; fi
 fi
 
 # --- verify -------------------------------------------------------------------------
@@ -512,16 +700,33 @@ fi
 
 # --- wheels: Horovod's (this build) and hvdtrain's, for pip install --no-deps elsewhere ----
 if [[ -n "$wheels_dir" ]]; then
-    rm -f "$wheels_dir"/horovod-"$horovod_version"+*.whl "$wheels_dir"/hvdtrain-*.whl
-    # The lock beside them: pip install -c DIR/constraints.txt DIR/*.whl gives the same stack.
-    cp "$wheel" "$constraints" "$wheels_dir/"
-    # hvdtrain's from a copy of its sources: the checkout stays free of build/.
+    # hvdtrain's from a copy of its sources (the checkout stays free of build/), built aside:
+    # only the files of the same names in DIR are replaced, and said so. Other files stay.
     src=$(mktemp -d)
     cp -r "$root/setup.py" "$root/README.md" "$root/hvdtrain" "$src/"
-    pip wheel --no-deps --no-build-isolation -w "$wheels_dir" "$src"
+    pip wheel --no-deps --no-build-isolation -w "$src/out" "$src"
+    made=("$wheel" "$src"/out/hvdtrain-*.whl "$constraints")
+    names=()
+    for f in "${made[@]}"; do
+        name=${f##*/}
+        names+=("$name")
+        if [[ -e $wheels_dir/$name ]]; then log "replacing $wheels_dir/$name"; fi
+        cp "$f" "$wheels_dir/$name.new-$$" && mv -f "$wheels_dir/$name.new-$$" "$wheels_dir/$name"
+    done
     rm -rf "$src"
-    log "wheels in $wheels_dir: $(cd "$wheels_dir" && echo horovod-*.whl hvdtrain-*.whl)"
-    log "elsewhere: pip install -c $wheels_dir/constraints.txt $wheels_dir/*.whl (or --no-deps into an env with TensorFlow $("$venv/bin/python" -c 'from importlib.metadata import version; print(version("tensorflow"))'))"
+    tf_version=$("$venv/bin/python" -c 'from importlib.metadata import version; print(version("tensorflow"))')
+    log "wheels in $wheels_dir: ${names[0]} ${names[1]}"
+    # Other builds' wheels there (another Python, the GPU build, an older hvdtrain) would be
+    # taken by DIR/*.whl too, and pip refuses two of one project: then name these two.
+    others=$(cd "$wheels_dir" && for f in horovod-*.whl hvdtrain-*.whl; do
+                 if [[ -e $f && $f != "${names[0]}" && $f != "${names[1]}" ]]; then echo "$f"; fi
+             done | paste -sd' ')
+    if [[ -n $others ]]; then
+        log "$wheels_dir also holds other wheels ($others): install these two by name"
+        log "elsewhere: pip install -c $wheels_dir/constraints.txt $wheels_dir/${names[0]} $wheels_dir/${names[1]} (or --no-deps into an env with TensorFlow $tf_version)"
+    else
+        log "elsewhere: pip install -c $wheels_dir/constraints.txt $wheels_dir/*.whl (or --no-deps into an env with TensorFlow $tf_version)"
+    fi
 fi
 log "ready: $("$venv/bin/python" -c 'from importlib.metadata import version as v; print("tensorflow", v("tensorflow"), "horovod", v("horovod"))')"
 log "activate with: source ${venv#"$root"/}/bin/activate"

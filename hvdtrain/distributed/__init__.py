@@ -20,7 +20,7 @@ World's names, so ``from hvdtrain import distributed; distributed.current()`` ke
 """
 from hvdtrain.base.errors import RankError  # noqa: F401 (public here)
 from hvdtrain.distributed.horovod_setup import (  # noqa: F401
-    _horovod_defaults, horovod_keras, horovod_package, horovod_tensorflow)
+    _horovod_defaults, horovod_keras, horovod_package, horovod_tensorflow, tensorflow_mismatch)
 from hvdtrain.distributed.horovod_world import HorovodWorld, Reduction, broadcast_variables  # noqa: F401
 from hvdtrain.base.launch import (  # noqa: F401
     LAUNCHER_SIZE_VARS, launcher_rank, launcher_size, usable_cores)  # base's, handed on

@@ -16,9 +16,43 @@ def horovod_package():
     return horovod
 
 
+class TensorFlowMismatch(ImportError):
+    """hvdtrain's Horovod wheel beside another TensorFlow than its build's; the message says
+    both and the fix."""
+
+
+def tensorflow_mismatch():
+    """One line when hvdtrain's Horovod wheel was built against another TensorFlow than the
+    installed one (its record, horovod/hvdtrain_built.json, names the build's), else None.
+    Its op library would fail to load with an undefined symbol, which names neither."""
+    import json
+    from importlib import metadata
+    from importlib.util import find_spec
+
+    spec = find_spec("horovod")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        with open(os.path.join(spec.submodule_search_locations[0], "hvdtrain_built.json")) as f:
+            built = json.load(f)["tensorflow"]
+        installed = metadata.version("tensorflow")
+        horovod = metadata.version("horovod")
+    except (OSError, ValueError, KeyError, TypeError, metadata.PackageNotFoundError):
+        return None
+    if built == installed:
+        return None
+    return (f"horovod {horovod} was built against TensorFlow {built}, but this environment "
+            f"has TensorFlow {installed}: pip install tensorflow=={built} (the version the "
+            f"wheel needs), or pip uninstall -y horovod && scripts/setup.sh (a build "
+            f"against {installed})")
+
+
 def horovod_tensorflow():
     """``horovod.tensorflow``: fails if Horovod was built without TensorFlow or against
-    another TensorFlow."""
+    another TensorFlow (named as that, where hvdtrain's wheel says which it was built for)."""
+    mismatch = tensorflow_mismatch()
+    if mismatch:
+        raise TensorFlowMismatch(mismatch)
     import horovod.tensorflow as hvd
 
     return hvd
@@ -35,6 +69,8 @@ def _import_horovod():
     """(horovod.tensorflow, None) or (None, reason)."""
     try:
         return horovod_tensorflow(), None
+    except TensorFlowMismatch as e:  # its own one line, with the fix
+        return None, str(e)
     except Exception as e:  # ImportError, or a TF op library built for another TensorFlow
         return None, error_line(e)
 

@@ -52,7 +52,7 @@ def _init(backend, num_workers, notice, elastic) -> World:
                        f"{launched} independent copies" if launched > 1 else
                        "--backend horovod asks for it" if backend == "horovod" else
                        "--elastic needs it")
-                    + "; run scripts/setup.sh")
+                    + ("" if "scripts/setup.sh" in why else "; run scripts/setup.sh"))
             notice(f"hvdtrain: horovod unavailable ({why}); training in one process "
                    "with the plain optimizer")
             world = World()

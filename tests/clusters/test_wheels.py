@@ -2,8 +2,9 @@
 install guide's commands (docs/guides/install.md: a cluster without root, an existing
 environment, the image snippet) and the README's and getting-started page's.
 
-setup.sh writes Horovod's wheel (from the build cache, which holds this venv's build) and
-hvdtrain's, as the guide's cluster block runs it. An unprivileged uid with no account and a
+setup.sh writes Horovod's wheel and hvdtrain's, as the guide's cluster block runs it, with a
+build cache whose entry for this build is damaged (one byte of its wheel changed): it is not
+installed but removed, and the wheel compiled again. An unprivileged uid with no account and a
 HOME of its own (setpriv) makes a new venv at another path (the guide's `python3.X -m venv`)
 and installs the two wheels into it as the guide's "existing environment" does, `pip install
 --no-deps DIR/*.whl`, then runs the guide's `pip install -c DIR/constraints.txt DIR/*.whl`
@@ -29,6 +30,7 @@ import pytest
 
 from conftest import ROOT, run
 from docs_pages import block
+from test_setup_faults import installed_entry
 from test_setup_sh import as_user, user_tempdir
 from hvdtrain.doctor import PATCHES
 
@@ -130,10 +132,33 @@ def installed():
         wheels, venv = os.path.join(d, "hvdtrain-wheels"), os.path.join(d, ".venv")
         *assignments, script, flag, directory = shlex.split(guide_line(CLUSTER[1], wheels, venv))
         assert (script, flag, directory) == ("scripts/setup.sh", "--wheels", wheels)
+        # Its build cache: a copy of the entry this venv's Horovod came from, with one byte of
+        # the wheel changed (and no other cache: XDG_CACHE_HOME holds none). setup.sh must not
+        # install it: it removes it and compiles again.
+        cache = os.path.join(d, "cache")
+        entry = os.path.join(cache, os.path.basename(installed_entry()))
+        shutil.copytree(installed_entry(), entry)
+        (damaged,) = glob.glob(os.path.join(entry, "horovod-*.whl"))
+        with open(damaged, "r+b") as f:
+            f.seek(os.path.getsize(damaged) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x01]))
         env = dict(os.environ, HVDTRAIN_VENV=sys.prefix, HVDTRAIN_SKIP_APT="1",
+                   HVDTRAIN_BUILD_CACHE=cache, XDG_CACHE_HOME=os.path.join(d, "xdg"),
                    **dict(a.split("=", 1) for a in assignments))
         p = run(["bash", os.path.join(ROOT, script), flag, directory], env, timeout=900)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert (f"[setup] the build cache's {entry} does not match its SHA256SUMS (changed or "
+                "damaged): removing it, to build it again") in p.stdout.splitlines(), p.stdout
+        assert "compiling horovod" in p.stdout
+        # The new entry: whole, its sum recorded, readable by the group and no one's to write.
+        p2 = run(["sha256sum", "--strict", "-c", "SHA256SUMS"], os.environ, cwd=entry)
+        assert p2.returncode == 0 and os.path.exists(os.path.join(entry, "complete")), p2.stdout
+        assert {oct(os.stat(os.path.join(entry, n)).st_mode & 0o777)
+                for n in os.listdir(entry)} == {"0o644"}
+        assert not os.path.exists(os.path.join(cache, ".builds")) or not os.listdir(
+            os.path.join(cache, ".builds"))  # its build folder removed
         names = sorted(os.path.basename(w) for w in glob.glob(os.path.join(wheels, "*.whl")))
         assert len(names) == 2 and re.fullmatch(
             r"horovod-0\.28\.1\+hvdtrain\.\d+-cp\d+-cp\d+-linux_\w+\.whl", names[0]), names
@@ -285,3 +310,40 @@ def test_the_doctor_lists_every_patch_and_names_a_changed_one(installed):
     assert problems == ["problem: horovod's files of patch "
                         "python/horovod-0.28.1-keras3-sync-batch-norm.patch changed since the "
                         "build: horovod/tensorflow/sync_batch_norm.py"], p.stdout
+
+
+def test_another_tensorflow_is_named_by_the_doctor_horovodrun_and_hvdtrain(installed):
+    """The wheels installed beside another TensorFlow release (its metadata says 2.20.0: a
+    directory on PYTHONPATH holding tensorflow-2.20.0.dist-info): the doctor, horovodrun and
+    a 2-rank job under mpirun each say in one line that horovod was built against 2.21.0, and
+    the fix, instead of an undefined symbol or "Neither MPI nor Gloo support has been built"."""
+    uid, d, env, venv, site = installed
+    other = os.path.join(d, "tensorflow-2.20")
+    info = os.path.join(other, "tensorflow-2.20.0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: tensorflow\nVersion: 2.20.0\n")
+    with open(os.path.join(info, "RECORD"), "w") as f:
+        f.write("")
+    env = dict(env, PYTHONPATH=other)
+    what = ("horovod 0.28.1+hvdtrain.1 was built against TensorFlow 2.21.0, but this environment "
+            "has TensorFlow 2.20.0")
+    fix = ("pip install tensorflow==2.21.0 (the version the wheel needs), or pip uninstall -y "
+           "horovod && scripts/setup.sh (a build against 2.20.0)")
+    p = run(as_user(uid, ["python", "-m", "hvdtrain.doctor"]), env, timeout=120, cwd=d)
+    assert p.returncode == 1, p.stdout + p.stderr
+    problems = [l for l in p.stdout.splitlines() if l.startswith(("problem:", "fix:"))]
+    assert problems == [f"problem: {what}", f"fix: {fix}"], p.stdout
+    p = run(as_user(uid, ["horovodrun", "-np", "2", "python", "-c", "pass"]), env, timeout=120,
+            cwd=d)
+    # As the install guide prints it.
+    said = block("guides/install.md", "horovodrun: error: horovod ").text.strip()
+    assert said == f"horovodrun: error: {what}: {fix}"
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == said, p.stdout + p.stderr
+    p = run(as_user(uid, ["mpirun", "-np", "2", "-x", "PYTHONPATH", "python", "-m",
+                          "hvdtrain.linear", "--epochs", "1"]), env, timeout=180, cwd=d)
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert (f"python -m hvdtrain.linear: error: horovod cannot be imported ({what}: {fix}), "
+            "but a launcher started 2 processes: refusing to train 2 independent copies"
+            in p.stderr.splitlines()), p.stderr
+    assert "undefined symbol" not in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -255,6 +255,23 @@ def test_horovod_missing(tmp_path):
     assert r["ok"] is False and r["horovod"]["version"] is None
 
 
+def test_without_mpi4py_the_mpi_line_is_mpiruns(tmp_path):
+    """An environment with the wheels alone has no mpi4py: the MPI line is what the mpirun
+    that starts the ranks says of itself (`mpirun --version`), not "unknown"."""
+    shim = tmp_path / "shim" / "mpi4py"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'mpi4py'\")\n")
+    env = clean_env(tmp_path / "home", PYTHONPATH=f"{shim.parent}{os.pathsep}{ROOT}")
+    p, problems, fixes = doctor(env, "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(p.stdout)
+    said = run([shutil.which("mpirun"), "--version"], env, timeout=60).stdout.splitlines()[0]
+    assert r["mpi"]["library"] == said and said.startswith("mpirun (Open MPI) 4.1"), r["mpi"]
+    assert "mpi4py" in r["mpi"]["error"]
+    p, problems, fixes = doctor(env)
+    assert "  " + "mpi".ljust(11) + " " + said in p.stdout.splitlines(), p.stdout
+
+
 def test_horovod_built_without_mpi(tmp_path):
     env = patched(tmp_path, "horovod.tensorflow", "mpi_built", "lambda: False")
     p, problems, fixes = doctor(env)
