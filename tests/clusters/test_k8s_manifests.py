@@ -266,6 +266,31 @@ def test_k8s_worker_without_a_job_key_makes_a_host_key_of_its_own(tmp_path):
     assert os.listdir(empty) == []
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("name", JOBS)
+def test_k8s_the_launcher_may_get_and_delete_only_its_own_workers(name):
+    """The launcher's ServiceAccount, Role and RoleBinding, rendered with the MPIJob: the
+    launcher pod runs as that account, bound to that Role alone, whose one rule is get and
+    delete on pods named exactly as the pods the operator makes for this MPIJob's workers."""
+    docs = K.rendered(name)
+    job = K.mpijob(docs)
+    kinds = {d["kind"]: d for d in docs if d["kind"] != "MPIJob"}
+    assert sorted(kinds) == ["Role", "RoleBinding", "ServiceAccount"]
+    made = K.operator_objects(job)
+    launcher = made["launcher"]["spec"]["template"]["spec"]
+    assert launcher["serviceAccountName"] == kinds["ServiceAccount"]["metadata"]["name"]
+    assert "serviceAccountName" not in made["workers"][0]["spec"]  # the workers: no API use
+    binding = kinds["RoleBinding"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": kinds["Role"]["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount",
+                                    "name": launcher["serviceAccountName"]}]
+    assert kinds["Role"]["rules"] == [{
+        "apiGroups": [""], "resources": ["pods"], "verbs": ["get", "delete"],
+        "resourceNames": [w["metadata"]["name"] for w in made["workers"]]}]
+    assert K.rbac_errors(docs) == []
+
+
 def base_job(fn):
     """A breakage of base/mpijob.yaml: ``fn(mpijob, worker pod spec)``."""
     def edit(docs):
@@ -305,6 +330,10 @@ BREAKAGES = {
         *base_job(lambda j, w: j["spec"]["mpiReplicaSpecs"]["Launcher"].update(
             restartPolicy="ExitCode")),
         "restartPolicy: 'ExitCode' not supported (Never, OnFailure)"),
+    "a third worker the launcher's Role does not name": (
+        *base_job(lambda j, w: j["spec"]["mpiReplicaSpecs"]["Worker"].update(replicas=3)),
+        "not get and delete on this MPIJob's worker pods ['hvdtrain-worker-0', "
+        "'hvdtrain-worker-1', 'hvdtrain-worker-2']"),
     "a job name too long for its pods' DNS names": (
         *base_job(lambda j, w: j["metadata"].update(name="h" * 60)), "is not a DNS-1035 label"),
 }
@@ -422,3 +451,4 @@ def test_k8s_one_node_smoke_keeps_every_pod_with_the_first():
         for k, v in term["labelSelector"]["matchLabels"].items():
             assert pod["metadata"]["labels"][k] == v
     assert job["metadata"]["name"] == "hvdtrain-smoke"
+
