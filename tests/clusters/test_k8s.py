@@ -40,8 +40,10 @@ pytestmark = pytest.mark.k8s
 # --- the emulation ------------------------------------------------------------------------------
 # What the guide's first command of a run applies (`kubectl apply -k .../overlays/smoke`): the
 # MPIJob the emulation runs.
-SMOKE = K.applied_job(block("guides/clusters/kubernetes.md",
-                            "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
+APPLIED = K.applied(block("guides/clusters/kubernetes.md",
+                         "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
+SMOKE = K.mpijob(APPLIED)
+RBAC = [d for d in APPLIED if d["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
 RUN_DIR = K.containers(SMOKE, "Launcher")[0]["args"][2]  # --run-dir's value
 GRACE = 60    # the test's bound on a pod's termination (the manifest's 120 s)
 
@@ -89,10 +91,24 @@ def result(run_dir):
         return json.load(f)
 
 
-def job_run(cluster, base, claim, job=SMOKE, job_uid=None):
-    """The pods of ``job``'s launcher Job ``job_uid`` (a retry: the first run's; None: new)."""
+def rbac_for(job):
+    """The smoke overlay's ServiceAccount, Role and RoleBinding, the Role's names those of
+    ``job``'s workers (as a user edits them for another number of workers)."""
+    rbac = copy.deepcopy(RBAC)
+    for d in rbac:
+        if d["kind"] == "Role":
+            d["rules"][0]["resourceNames"] = K.worker_names(job)
+    assert K.rbac_errors(rbac + [job]) == []
+    return rbac
+
+
+def job_run(cluster, base, claim, job=SMOKE, job_uid=None, rbac=None):
+    """The pods of ``job``'s launcher Job ``job_uid`` (a retry: the first run's; None: new),
+    with the launcher's service account and Role (``rbac``; None: the overlay's, for ``job``'s
+    workers)."""
     from k8s_cluster import JobRun
-    return JobRun(cluster, base, job, {"hvdtrain-runs": claim}, job_uid=job_uid)
+    return JobRun(cluster, base, job, {"hvdtrain-runs": claim}, job_uid=job_uid,
+                  rbac=rbac_for(job) if rbac is None else rbac)
 
 
 def launcher_argv(run, timeout=10):
@@ -399,3 +415,4 @@ def test_k8s_emulated_permanent_error_is_not_run_again(cluster, tmp_path):
         else:  # the Job's retry: refused at once
             assert statuses[1][0] == 2 and statuses[1][1] < 5 and accepted == 0, logs
             assert "k8s_launcher.sh: not run again: the same command ended with status 2" in logs
+
