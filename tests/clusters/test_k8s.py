@@ -20,7 +20,9 @@ or token, one line names the kubectl command instead.
 
 Cost (two cores shared with other test runs, so noisy): the emulation 6 to 6.5 min (the uninterrupted run 77-90 s, the deletion and resume 105-165 s, the
 node crash and resume 115-140 s, the permanent error 8-11 s), against 1.5 min for the two-worker
-emulation before it had the three workers, the crash and the non-root pods.
+emulation before it had the three workers, the crash and the non-root pods. A later run, beside
+another engineer's wheel build: 5.2 min in all, of which the eviction and resume 31-34 s and
+the two checks without the Role 15-16 s each (about 1.1 min added for them).
 """
 import copy
 import fcntl
