@@ -10,7 +10,9 @@
 # - It waits (HVDTRAIN_WAIT_WORKERS seconds, default 900) until every host of the hostfile
 #   answers ssh: a retried launcher pod starts while a re-created worker may still be coming
 #   up (a new node from the autoscaler, the image's pull), and ssh cannot retry a name the
-#   cluster DNS does not know yet.
+#   cluster DNS does not know yet. A worker that Kubernetes left Failed (evicted), which the
+#   operator never re-creates, is deleted through the API server meanwhile (scripts/k8s_pods.py,
+#   with the launcher's Role in deploy/kubernetes/base), and the wait goes on for the new one.
 # - A SIGTERM to it (the launcher pod deleted or evicted) goes on to the ranks over ssh
 #   (scripts/k8s_worker.sh signal): every rank stops after the same step, rank 0 saves a
 #   checkpoint and all exit 75, which is this script's status. mpirun itself never gets it
@@ -33,6 +35,7 @@
 #   is being stopped (after a SIGTERM) never writes it.
 #
 # Environment: the operator's OMPI_MCA_orte_default_hostfile (the hostfile: /etc/mpi/hostfile),
+# HVDTRAIN_WAIT_WORKERS, HVDTRAIN_API_EVERY and what k8s_pods.py takes (HVDTRAIN_K8S_API),
 # and what launch_cluster.sh takes (IFACE, PYTHON, DRY_RUN; NP defaults to the hostfile's
 # slots). The pod's variables reach the ranks only through launch_cluster.sh's -x list (they
 # run under the workers' sshd, not in the launcher's environment); GLIBC_TUNABLES with
@@ -83,6 +86,29 @@ mapfile -t hosts < <(awk 'NF && $1 !~ /^#/ {print $1}' "$hostfile")
 np=$(awk 'NF && $1 !~ /^#/ {n = 1; for (i = 2; i <= NF; i++) if ($i ~ /^slots=/) n = substr($i, 7); s += n} END {print s + 0}' "$hostfile")
 echo "k8s_launcher.sh: $task on $np processes, ${#hosts[@]} workers (${hosts[*]}); run dir $run_dir"
 
+# A worker that does not answer: is it Failed? The operator re-creates only missing workers;
+# one the kubelet evicted (node pressure, its ephemeral-storage limit) or a graceful node
+# shutdown stopped stays in phase Failed, out of the DNS, for good. scripts/k8s_pods.py asks
+# the API server for that pod (at most once per worker every HVDTRAIN_API_EVERY s, 10) and
+# deletes it if it is Failed, with the launcher's Role (get and delete on this job's worker
+# pods, by name), so that the operator makes a new one. No service account token: said once,
+# with the kubectl command, and not tried again; an API error: one line (again only if it
+# changes), and the wait goes on.
+api_off=0
+declare -A api_checked=() api_said=()
+check_worker() {
+    local host=$1 out rc=0
+    ((!api_off)) || return 0
+    ((SECONDS - ${api_checked[$host]:--100000} >= ${HVDTRAIN_API_EVERY:-10})) || return 0
+    api_checked[$host]=$SECONDS
+    out=$(python3 "$root/scripts/k8s_pods.py" replace-failed "$host" 2>&1) || rc=$?
+    ((rc != 3)) || api_off=1
+    if [[ -n $out && ($rc == 10 || ${api_said[$host]:-} != "$out") ]]; then
+        echo "k8s_launcher.sh: $out" >&2
+    fi
+    api_said[$host]=$out
+}
+
 # Every worker's sshd answers: ssh retries a refused connection (the operator's
 # OMPI_MCA_plm_rsh_args has ConnectionAttempts=10), not a name that does not resolve yet.
 deadline=$((SECONDS + ${HVDTRAIN_WAIT_WORKERS:-900}))
@@ -92,6 +118,7 @@ for host in "${hosts[@]}"; do
             echo "k8s_launcher.sh: error: $host does not answer ssh" >&2
             exit 255  # not hvdtrain's: left to the Job's retries
         fi
+        check_worker "$host"
         sleep 2
     done
 done

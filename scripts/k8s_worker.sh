@@ -93,8 +93,20 @@ if [[ ${1:-} == drain ]]; then
         # shellcheck disable=SC2086
         kill -KILL $pids 2>/dev/null
     fi
-    # shellcheck disable=SC2086  # the earlier job's daemon(s), one pid per word
-    orted=$(pgrep -x orted) && kill -TERM $orted 2>/dev/null
+    # The earlier job's daemon(s), waited for (10 s, then SIGKILL): one still exiting removes
+    # its part of the pod's Open MPI session directory (/tmp/ompi.HOST.UID) while the next
+    # mpirun's daemon starts there, and that job's ranks fail in MPI_Init.
+    if orted=$(pgrep -x orted); then
+        # shellcheck disable=SC2086  # one pid per word
+        kill -TERM $orted 2>/dev/null
+        for ((i = 0; i < 50; i++)); do
+            # shellcheck disable=SC2086
+            running $orted || break
+            sleep 0.2
+        done
+        # shellcheck disable=SC2086
+        running $orted && kill -KILL $orted 2>/dev/null
+    fi
     exit 0
 fi
 

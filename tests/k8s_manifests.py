@@ -38,6 +38,15 @@ KUSTOMIZE_KEYS = {"apiVersion", "kind", "resources", "images", "patches", "nameP
                   "nameSuffix"}
 
 
+# kustomize's output order (its "legacy" sort), for the kinds that come first; the rest after
+# them, in order.
+LEGACY_ORDER = ["Namespace", "ResourceQuota", "StorageClass", "CustomResourceDefinition",
+                "ServiceAccount", "PodSecurityPolicy", "Role", "ClusterRole", "RoleBinding",
+                "ClusterRoleBinding", "ConfigMap", "Secret", "Endpoints", "Service", "LimitRange",
+                "PriorityClass", "PersistentVolume", "PersistentVolumeClaim", "Deployment",
+                "StatefulSet", "CronJob", "PodDisruptionBudget"]
+
+
 class Unsupported(ValueError):
     """A kustomization feature or patch operation this renderer does not implement."""
 
@@ -79,10 +88,22 @@ def render(directory: str) -> list:
     for image in k.get("images", []):
         for d in docs:
             set_image(d, image)
+    renamed = {}  # (kind, old name) -> new name
     for d in docs:
-        d["metadata"]["name"] = k.get("namePrefix", "") + d["metadata"]["name"] + k.get(
-            "nameSuffix", "")
-    return docs
+        new = k.get("namePrefix", "") + d["metadata"]["name"] + k.get("nameSuffix", "")
+        renamed[(d["kind"], d["metadata"]["name"])] = new
+        d["metadata"]["name"] = new
+    # kustomize's name references for the kinds here: a RoleBinding's Role and ServiceAccounts
+    # (not an MPIJob's serviceAccountName: kustomize does not know that field).
+    for d in docs:
+        if d["kind"] == "RoleBinding":
+            ref = d["roleRef"]
+            ref["name"] = renamed.get((ref["kind"], ref["name"]), ref["name"])
+            for subject in d.get("subjects", []):
+                subject["name"] = renamed.get((subject["kind"], subject["name"]),
+                                              subject["name"])
+    return sorted(docs, key=lambda d: LEGACY_ORDER.index(d["kind"]) if d["kind"] in
+                  LEGACY_ORDER else len(LEGACY_ORDER))
 
 
 def _pointer(path: str) -> list:
@@ -162,6 +183,14 @@ def rendered(name: str) -> list:
 def containers(job: dict, role: str) -> list:
     """The containers of an MPIJob's ``role`` ("Launcher" or "Worker")."""
     return job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]["containers"]
+
+
+def applied(command: str) -> list:
+    """The objects that ``kubectl apply -k DIR`` (a line of the Kubernetes guide, DIR from the
+    checkout's root) applies."""
+    words = shlex.split(command)
+    assert words[:3] == ["kubectl", "apply", "-k"], command
+    return render(os.path.join(ROOT, words[3]))
 
 
 def applied_job(command: str) -> dict:
@@ -424,6 +453,45 @@ def api_errors(obj: dict) -> list:
     return errs
 
 
+def worker_names(job: dict) -> list:
+    """The MPIJob's worker pod names, as the operator names them."""
+    n = job["spec"]["mpiReplicaSpecs"].get("Worker", {}).get("replicas", 0)
+    return [f"{job['metadata']['name']}-worker-{i}" for i in range(n)]
+
+
+def rbac_errors(docs: list) -> list:
+    """The launcher's service account and Role against the MPIJob: the launcher's
+    serviceAccountName a ServiceAccount of these objects, bound by a RoleBinding to a Role
+    whose only rule is get and delete on pods named exactly as the MPIJob's workers (a copy
+    with another job name or worker count that kept the old names would delete nothing, or
+    another job's pods)."""
+    jobs = [d for d in docs if d.get("kind") == "MPIJob"]
+    if not jobs:
+        return []
+    (job,) = jobs
+    of = lambda kind: {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}  # noqa
+    accounts, roles, bindings = of("ServiceAccount"), of("Role"), of("RoleBinding")
+    launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]
+    sa = launcher.get("serviceAccountName")
+    what = f"MPIJob {job['metadata']['name']}"
+    if sa is None or sa not in accounts:
+        return [f"{what}: the launcher's serviceAccountName {sa!r} is not one of the "
+                f"ServiceAccounts here ({', '.join(accounts) or 'none'})"]
+    bound = [b["roleRef"]["name"] for b in bindings.values()
+             if b["roleRef"]["kind"] == "Role" and any(
+                 s["kind"] == "ServiceAccount" and s["name"] == sa for s in b.get("subjects", []))]
+    if len(bound) != 1 or bound[0] not in roles:
+        return [f"{what}: ServiceAccount {sa} is bound to {bound or 'no Role'}: one Role of "
+                "these objects, by a RoleBinding"]
+    role = roles[bound[0]]
+    want = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "delete"],
+            "resourceNames": worker_names(job)}
+    if role.get("rules") != [want]:
+        return [f"Role {role['metadata']['name']}: rules are {role.get('rules')}, not get and "
+                f"delete on this MPIJob's worker pods {worker_names(job)} (resourceNames)"]
+    return []
+
+
 def check(docs: list) -> list:
     """Every error of a rendered kustomization: the MPIJob against its CRD schema and the
     operator's rules, what the operator makes of it and every other object against the
@@ -443,7 +511,8 @@ def check(docs: list) -> list:
             errs += found
         else:
             errs += api_errors(d)
-    return errs
+    # The launcher's Role against a job the API server and the operator take.
+    return errs or rbac_errors(docs)
 
 
 # --- what a deployment must fill in --------------------------------------------------------------

@@ -13,11 +13,16 @@ identical ranks; deleting every pod (SIGTERM to each PID 1) ends it 75 with a ch
 claim, and a new set of pods resumes from it to the uninterrupted run's weights; rank 0's
 worker killed with SIGKILL ends it with a retried status, and the next pods wait out the run
 directory's lock held on (a dead node's NFS lease) and resume to the same weights; a job that
-ends with hvdtrain's exit 2 is not run again by the next launcher pod.
+ends with hvdtrain's exit 2 is not run again by the next launcher pod; a worker evicted mid-run
+(left Failed, which the operator never replaces) is deleted through the API server by the next
+launcher pod, re-created, and the job resumes to the same weights; without the launcher's Role
+or token, one line names the kubectl command instead.
 
 Cost (two cores shared with other test runs, so noisy): the emulation 6 to 6.5 min (the uninterrupted run 77-90 s, the deletion and resume 105-165 s, the
 node crash and resume 115-140 s, the permanent error 8-11 s), against 1.5 min for the two-worker
-emulation before it had the three workers, the crash and the non-root pods.
+emulation before it had the three workers, the crash and the non-root pods. A later run, beside
+another engineer's wheel build: 5.2 min in all, of which the eviction and resume 31-34 s and
+the two checks without the Role 15-16 s each (about 1.1 min added for them).
 """
 import copy
 import fcntl
@@ -40,8 +45,10 @@ pytestmark = pytest.mark.k8s
 # --- the emulation ------------------------------------------------------------------------------
 # What the guide's first command of a run applies (`kubectl apply -k .../overlays/smoke`): the
 # MPIJob the emulation runs.
-SMOKE = K.applied_job(block("guides/clusters/kubernetes.md",
-                            "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
+APPLIED = K.applied(block("guides/clusters/kubernetes.md",
+                         "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
+SMOKE = K.mpijob(APPLIED)
+RBAC = [d for d in APPLIED if d["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
 RUN_DIR = K.containers(SMOKE, "Launcher")[0]["args"][2]  # --run-dir's value
 GRACE = 60    # the test's bound on a pod's termination (the manifest's 120 s)
 
@@ -89,10 +96,24 @@ def result(run_dir):
         return json.load(f)
 
 
-def job_run(cluster, base, claim, job=SMOKE, job_uid=None):
-    """The pods of ``job``'s launcher Job ``job_uid`` (a retry: the first run's; None: new)."""
+def rbac_for(job):
+    """The smoke overlay's ServiceAccount, Role and RoleBinding, the Role's names those of
+    ``job``'s workers (as a user edits them for another number of workers)."""
+    rbac = copy.deepcopy(RBAC)
+    for d in rbac:
+        if d["kind"] == "Role":
+            d["rules"][0]["resourceNames"] = K.worker_names(job)
+    assert K.rbac_errors(rbac + [job]) == []
+    return rbac
+
+
+def job_run(cluster, base, claim, job=SMOKE, job_uid=None, rbac=None):
+    """The pods of ``job``'s launcher Job ``job_uid`` (a retry: the first run's; None: new),
+    with the launcher's service account and Role (``rbac``; None: the overlay's, for ``job``'s
+    workers)."""
     from k8s_cluster import JobRun
-    return JobRun(cluster, base, job, {"hvdtrain-runs": claim}, job_uid=job_uid)
+    return JobRun(cluster, base, job, {"hvdtrain-runs": claim}, job_uid=job_uid,
+                  rbac=rbac_for(job) if rbac is None else rbac)
 
 
 def launcher_argv(run, timeout=10):
@@ -399,3 +420,118 @@ def test_k8s_emulated_permanent_error_is_not_run_again(cluster, tmp_path):
         else:  # the Job's retry: refused at once
             assert statuses[1][0] == 2 and statuses[1][1] < 5 and accepted == 0, logs
             assert "k8s_launcher.sh: not run again: the same command ended with status 2" in logs
+
+
+EVICTED = "hvdtrain-smoke-worker-1"
+RECOVERY = 120  # s, from the next launcher pod's start to training resumed (its wait: 900 s)
+
+
+@pytest.mark.timeout(900)  # its fixtures start the pods' daemons
+def test_k8s_emulated_evicted_worker_is_replaced_and_the_job_resumes(cluster, uninterrupted,
+                                                                      tmp_path):
+    """worker-1 evicted mid-run (its processes killed, the pod left Failed, its name out of
+    the DNS): the launcher fails, as mpirun does when it loses a node; the operator does not
+    re-create the worker (it is not missing). The Job's next launcher pod finds it Failed
+    through the API server (its Role), deletes it in one line naming the pod and its reason;
+    the operator re-creates it (a new pod, a new address), and the job resumes from the newest
+    checkpoint within RECOVERY s, to the uninterrupted run's weights."""
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    run_dir = on_claim(claim)
+    run = job_run(cluster, tmp_path / "pods", claim, JOB)
+    try:
+        run.start()
+        wait_for_checkpoint(run, run_dir)
+        first = run.pods[EVICTED]
+        first_ip = cluster.hosts[EVICTED][1]
+        run.evict(EVICTED)
+        rc = finish(run, 120)
+        failed_launcher = run.launcher.log()
+        left = run.pod_json(EVICTED)
+        newest = checkpoint_steps(run_dir)[0]
+        t = time.monotonic()
+        run.retry_launcher()
+        while "resumed from" not in run.launcher.log():
+            assert run.launcher.proc.poll() is None, run.logs()
+            assert time.monotonic() - t < RECOVERY, f"not resumed in {RECOVERY} s\n{run.logs()}"
+            time.sleep(0.2)
+        recovery = time.monotonic() - t
+        rc_next = finish(run, 240)
+        logs = run.logs()
+        api, new_ip = run.api, cluster.hosts[EVICTED][1]
+        run.delete(GRACE)
+    finally:
+        run.remove()
+    assert rc not in (0, 1, 2, 75), failed_launcher
+    assert "is the infrastructure's" in failed_launcher, failed_launcher
+    # Left in place, Failed, until the launcher deleted it; then a new pod of that name.
+    assert left["status"] == {"phase": "Failed", "reason": "Evicted", "message": (
+        "The node was low on resource: ephemeral-storage. Threshold quantity: 10%, available: "
+        "4%.")} and left["metadata"]["uid"] == first.uid
+    new = run.pods[EVICTED]
+    assert new is not first and new.uid != first.uid and new_ip != first_ip
+    line = (f"k8s_launcher.sh: worker pod {EVICTED} is Failed (Evicted: The node was low on "
+            "resource: ephemeral-storage. Threshold quantity: 10%, available: 4%.): deleted it, "
+            "the operator re-creates it")
+    assert run.launcher.log().count(line) == 1, logs
+    deletes = [r for r in api.requests if r[0] == "DELETE"]
+    assert deletes == [("DELETE", EVICTED, "hvdtrain-launcher-smoke", 200)], api.requests
+    # At most one API call for a worker every 10 s (GET, and the DELETE right after it).
+    for name in {r[1] for r in api.requests}:
+        gets = [t for r, t in zip(api.requests, api.times) if r[:2] == ("GET", name)]
+        assert all(b - a >= 9.5 for a, b in zip(gets, gets[1:])), (name, gets)
+    assert rc_next == 0, logs
+    assert recovery < RECOVERY, recovery
+    assert f"ckpt-{newest:09d}.hvdt at epoch" in logs, logs  # the newest checkpoint
+    r = result(run_dir)
+    check_trained(r)
+    assert r["weights_sha256"] == uninterrupted["result"]["weights_sha256"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("without", ["token", "role"])
+def test_k8s_emulated_without_the_launchers_role_a_failed_worker_is_left_with_one_line(
+        cluster, tmp_path, without):
+    """A worker left Failed when a launcher pod starts (a retry's case; the test starts it at
+    once), and the launcher cannot delete it: no service account token
+    (automountServiceAccountToken: false), or the namespace's default account without the
+    Role (the manifests before it had one: 403). One line says so and names the kubectl
+    command; the wait goes on (HVDTRAIN_WAIT_WORKERS, here 14 s) and ends 255 as before; the
+    worker is left in place."""
+    job = copy.deepcopy(SMOKE)
+    K.containers(job, "Launcher")[0].setdefault("env", []).append(
+        {"name": "HVDTRAIN_WAIT_WORKERS", "value": "14"})
+    spec = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]
+    if without == "token":
+        spec["automountServiceAccountToken"] = False
+        rbac = None
+    else:
+        del spec["serviceAccountName"]
+        rbac = []
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    run = job_run(cluster, tmp_path / "pods", claim, job, rbac=rbac)
+    try:
+        run.start(before_launcher=lambda: run.evict(EVICTED))
+        rc = finish(run, 90)
+        log = run.launcher.log()
+        run.delete(GRACE)
+    finally:
+        run.remove()
+    host = f"{EVICTED}.hvdtrain-smoke.default.svc"
+    assert rc == 255 and f"k8s_launcher.sh: error: {host} does not answer ssh" in log, log
+    said = [line for line in log.splitlines() if "kubectl delete pod" in line]
+    assert len(said) == 1 and said[0].endswith(f"kubectl delete pod {EVICTED} -n default"), log
+    requests = run.api.requests
+    if without == "token":
+        assert said[0].startswith(f"k8s_launcher.sh: {EVICTED} does not answer ssh, and this "
+                                  "launcher has no service account token"), said
+        assert requests == []
+    else:
+        assert said[0].startswith(f"k8s_launcher.sh: cannot get worker pod {EVICTED} through "
+                                  "the API server (403: "), said
+        assert "lacks 'get' on pods/" in said[0], said
+        # Asked again every 10 s (a Role applied meanwhile would work), said once.
+        assert requests and len(requests) <= 2 and {r[1:] for r in requests} == {
+            (EVICTED, "default", 403)}, requests
+    assert run.pod_json(EVICTED)["status"]["phase"] == "Failed"

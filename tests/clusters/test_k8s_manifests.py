@@ -266,6 +266,31 @@ def test_k8s_worker_without_a_job_key_makes_a_host_key_of_its_own(tmp_path):
     assert os.listdir(empty) == []
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("name", JOBS)
+def test_k8s_the_launcher_may_get_and_delete_only_its_own_workers(name):
+    """The launcher's ServiceAccount, Role and RoleBinding, rendered with the MPIJob: the
+    launcher pod runs as that account, bound to that Role alone, whose one rule is get and
+    delete on pods named exactly as the pods the operator makes for this MPIJob's workers."""
+    docs = K.rendered(name)
+    job = K.mpijob(docs)
+    kinds = {d["kind"]: d for d in docs if d["kind"] != "MPIJob"}
+    assert sorted(kinds) == ["Role", "RoleBinding", "ServiceAccount"]
+    made = K.operator_objects(job)
+    launcher = made["launcher"]["spec"]["template"]["spec"]
+    assert launcher["serviceAccountName"] == kinds["ServiceAccount"]["metadata"]["name"]
+    assert "serviceAccountName" not in made["workers"][0]["spec"]  # the workers: no API use
+    binding = kinds["RoleBinding"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": kinds["Role"]["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount",
+                                    "name": launcher["serviceAccountName"]}]
+    assert kinds["Role"]["rules"] == [{
+        "apiGroups": [""], "resources": ["pods"], "verbs": ["get", "delete"],
+        "resourceNames": [w["metadata"]["name"] for w in made["workers"]]}]
+    assert K.rbac_errors(docs) == []
+
+
 def base_job(fn):
     """A breakage of base/mpijob.yaml: ``fn(mpijob, worker pod spec)``."""
     def edit(docs):
@@ -305,6 +330,10 @@ BREAKAGES = {
         *base_job(lambda j, w: j["spec"]["mpiReplicaSpecs"]["Launcher"].update(
             restartPolicy="ExitCode")),
         "restartPolicy: 'ExitCode' not supported (Never, OnFailure)"),
+    "a third worker the launcher's Role does not name": (
+        *base_job(lambda j, w: j["spec"]["mpiReplicaSpecs"]["Worker"].update(replicas=3)),
+        "not get and delete on this MPIJob's worker pods ['hvdtrain-worker-0', "
+        "'hvdtrain-worker-1', 'hvdtrain-worker-2']"),
     "a job name too long for its pods' DNS names": (
         *base_job(lambda j, w: j["metadata"].update(name="h" * 60)), "is not a DNS-1035 label"),
 }
@@ -422,3 +451,95 @@ def test_k8s_one_node_smoke_keeps_every_pod_with_the_first():
         for k, v in term["labelSelector"]["matchLabels"].items():
             assert pod["metadata"]["labels"][k] == v
     assert job["metadata"]["name"] == "hvdtrain-smoke"
+
+
+class Pods:
+    """What the emulated API server (k8s_cluster.ApiServer) asks of a cluster: pods by name."""
+
+    def __init__(self, pods):
+        self.pods, self.deleted = pods, []
+
+    def pod_json(self, name):
+        return self.pods.get(name)
+
+    def delete_pod(self, name, uid=None):
+        pod = self.pods.get(name)
+        if pod is None:
+            return 404, None
+        if uid != pod["metadata"]["uid"]:
+            return 409, None
+        self.deleted.append((name, uid))
+        return 200, self.pods.pop(name)
+
+
+def pod(name, phase, reason=None, message=None):
+    status = {"phase": phase, **({"reason": reason, "message": message} if reason else {})}
+    return {"kind": "Pod", "metadata": {"name": name, "namespace": "default",
+                                        "uid": f"uid-{name}"}, "status": status}
+
+
+@pytest.mark.quick
+def test_k8s_the_launchers_api_client_deletes_only_a_failed_worker(tmp_path):
+    """scripts/k8s_pods.py (the launcher's part in replacing a Failed worker) against the
+    emulation's API server with the smoke overlay's Role: a Failed worker deleted (its UID
+    the precondition) and named in one line with its reason; a running one, or one already
+    gone, left alone and not mentioned; a pod outside the Role's names, a service account
+    without the Role, no token at all, an API server that does not answer: one line each,
+    naming what is missing and the kubectl command that deletes the pod."""
+    from k8s_cluster import ApiServer
+    docs = K.rendered("overlays/smoke")
+    rbac = [d for d in docs if d["kind"] != "MPIJob"]
+    evicted = "The node was low on resource: ephemeral-storage."
+    pods = Pods({"hvdtrain-smoke-worker-0": pod("hvdtrain-smoke-worker-0", "Running"),
+                 "hvdtrain-smoke-worker-1": pod("hvdtrain-smoke-worker-1", "Failed", "Evicted",
+                                                evicted),
+                 "hvdtrain-worker-1": pod("hvdtrain-worker-1", "Failed", "Evicted", evicted)})
+    api = ApiServer("default", rbac, pods).start()
+    try:
+        def replace(host, account="hvdtrain-launcher-smoke", url=api.url):
+            sa = tmp_path / f"sa-{account}"
+            sa.mkdir(exist_ok=True)
+            if account:
+                (sa / "token").write_text(api.token(account))
+                (sa / "namespace").write_text("default")
+            p = subprocess.run([sys.executable, os.path.join(K.ROOT, "scripts", "k8s_pods.py"),
+                                "replace-failed", f"{host}.hvdtrain-smoke.default.svc"],
+                               env=dict(os.environ, HVDTRAIN_K8S_API=url,
+                                        HVDTRAIN_K8S_SA_DIR=str(sa)),
+                               capture_output=True, text=True, timeout=60)
+            assert p.stderr == "" and p.stdout.count("\n") == (1 if p.stdout else 0), p.stdout
+            return p.returncode, p.stdout.strip()
+
+        assert replace("hvdtrain-smoke-worker-0") == (0, "")
+        assert api.requests == [("GET", "hvdtrain-smoke-worker-0", "hvdtrain-launcher-smoke", 200)]
+        assert replace("hvdtrain-smoke-worker-1") == (10, (
+            f"worker pod hvdtrain-smoke-worker-1 is Failed (Evicted: {evicted}): deleted it, "
+            "the operator re-creates it"))
+        assert pods.deleted == [("hvdtrain-smoke-worker-1", "uid-hvdtrain-smoke-worker-1")]
+        assert replace("hvdtrain-smoke-worker-1") == (0, "")  # gone: being re-created
+        # Another job's pod of the same namespace: outside the Role's names.
+        rc, line = replace("hvdtrain-worker-1")
+        assert rc == 4 and line.startswith(
+            "cannot get worker pod hvdtrain-worker-1 through the API server (403: pods "
+            '"hvdtrain-worker-1" is forbidden: User "system:serviceaccount:default:'
+            'hvdtrain-launcher-smoke" cannot get resource "pods"'), line
+        assert line.endswith("lacks 'get' on pods/hvdtrain-worker-1 (its Role, "
+                             "deploy/kubernetes/base, is not applied or not bound); a Failed "
+                             "worker is left to you: kubectl delete pod hvdtrain-worker-1 -n "
+                             "default"), line
+        assert "hvdtrain-worker-1" in pods.pods
+        # The namespace's default account (the manifests without the launcher's Role).
+        rc, line = replace("hvdtrain-smoke-worker-0", account="default")
+        assert rc == 4 and "system:serviceaccount:default:default" in line and line.endswith(
+            "kubectl delete pod hvdtrain-smoke-worker-0 -n default"), line
+        # No token (automountServiceAccountToken: false): said, nothing asked.
+        n = len(api.requests)
+        rc, line = replace("hvdtrain-smoke-worker-0", account="")
+        assert rc == 3 and "this launcher has no service account token" in line and \
+            line.endswith("delete it: kubectl delete pod hvdtrain-smoke-worker-0 -n default"), line
+        assert len(api.requests) == n
+        rc, line = replace("hvdtrain-smoke-worker-0", url="http://127.0.0.1:9")
+        assert rc == 4 and line.startswith("cannot reach the API server http://127.0.0.1:9 ("), line
+        assert line.endswith("kubectl delete pod hvdtrain-smoke-worker-0 -n default"), line
+    finally:
+        api.close()
