@@ -113,11 +113,19 @@ def test_gradient_tape_loop_and_its_task(launched, folder):
     assert r["global_batch_size"] == 128 and r["test_accuracy"] > ACCURACY
 
 
+def own_network(script):
+    """``script`` under bash in a network namespace of its own (loopback up): the page's fixed
+    TF_CONFIG ports cannot meet another process's."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a network namespace (unshare --net)")
+    return ["unshare", "--net", "bash", "-c", "ip link set lo up\n" + script]
+
+
 def test_mwms_script_as_two_tf_config_workers(folder):
     """The page's block run by bash as printed: two workers, each prints the same accuracy."""
     env = clean_env(folder / "home")
     env.pop("TF_CONFIG", None)
-    p = run(["bash", "-c", MWMS.text], env, timeout=240, cwd=str(folder))
+    p = run(own_network(MWMS.text), env, timeout=240, cwd=str(folder))
     assert p.returncode == 0, p.stderr[-3000:]
     found = accuracy(p.stdout)
     assert len(found) == 2 and min(found) > ACCURACY, p.stdout[-2000:]
@@ -129,8 +137,7 @@ def test_mwms_script_under_keras_3_fails_as_the_warning_says(folder):
     assert len(lines) == 2 and MWMS.text.startswith("export TF_USE_LEGACY_KERAS=1\n")
     env = clean_env(folder / "home")
     env.pop("TF_USE_LEGACY_KERAS", None)
-    script = "\n".join(lines + ["wait"]).replace("12345", "12355").replace("12346", "12356")
-    p = run(["bash", "-c", script], env, timeout=240, cwd=str(folder))
+    p = run(own_network("\n".join(lines + ["wait"])), env, timeout=240, cwd=str(folder))
     assert "test accuracy" not in p.stdout  # (bash's `wait` ends 0 whatever the workers did)
     assert ("ValueError: Attempt to convert a value (PerReplica:{" in p.stderr
             and "with an unsupported type (<class 'tensorflow.python.distribute.values."

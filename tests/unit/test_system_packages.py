@@ -37,7 +37,7 @@ COMMANDS = {
     "sbatch": None, "srun": None, "slurmd": None, "slurmctld": None, "munged": None,
     # util-linux, mount, coreutils, sh: every Debian system
     "setpriv": None, "unshare": None, "nsenter": None, "mount": None, "umount": None,
-    "bash": None, "sh": None, "rm": None, "env": None,
+    "bash": None, "sh": None, "rm": None, "env": None, "grep": None,
     # the venv's own (scripts/setup.sh installs them with pip)
     "python": None, "horovodrun": None, "mkdocs": None, "pip": None,
     # optional: the tests that use them skip without them
