@@ -311,7 +311,8 @@ def installed_entry():
     from importlib import metadata
     dist = metadata.distribution("horovod")
     record = dist.locate_file("horovod/hvdtrain_built.json").read_bytes()
-    cache = os.environ.get("HVDTRAIN_BUILD_CACHE") or os.path.expanduser("~/.cache/hvdtrain")
+    cache = os.environ.get("HVDTRAIN_BUILD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvdtrain")
     for entry in sorted(glob.glob(os.path.join(cache, "horovod-0.28.1-*"))):
         for whl in glob.glob(os.path.join(entry, "horovod-*.whl")):
             with zipfile.ZipFile(whl) as z:
