@@ -580,7 +580,7 @@ find_entry() {
         [[ -e $e ]] || continue
         if entry_ok "$e"; then entry=$e; return; fi
         if [[ $c == "$store" && ( -O $e || $(id -u) == 0 ) ]]; then
-            log "the build cache's $e $unfit: removing it, to build it again"
+            log "the build cache's $e $unfit: removed, not installed"
             rm -rf "$e"
         else
             die "the build cache's $e $unfit: not installed; its owner (uid $(stat -c %u "$e")) removes it (rm -rf $e), or set HVDTRAIN_BUILD_CACHE=0 to build without the cache"
