@@ -65,7 +65,8 @@ all_patch_sums() { patch_sums; python_patch_sums; }
 
 # The Horovod check: exit 0 when $venv's horovod is this wheel version, loads with this
 # TensorFlow, has MPI and Gloo (and NCCL for HVDTRAIN_GPU=1), is the build of today's
-# patches (a changed patch rebuilds), and its files are as installed (RECORD's sha256). One Python process, quiet: a missing horovod is "rebuild".
+# patches (a changed patch rebuilds), and its files are as installed (RECORD's sha256). One
+# Python process, quiet: a missing horovod is "rebuild".
 horovod_ok() {
     "$venv/bin/python" - "$wheel_version" "$gpu" "$(all_patch_sums)" <<'PY' >/dev/null 2>&1
 import os, sys
