@@ -12,11 +12,8 @@ reached through a .pth file (links into its site-packages), so that setup.sh's c
 Horovod passes without a compile; the checkout is setup.sh, its patches, and a setup.py that
 asks for lockprobe. The build cache's entries are copies of the entry this venv's Horovod was
 installed from (found by its wheel's RECORD), owned by root: to the user, a teammate's."""
-import functools
 import glob
 import hashlib
-import html
-import http.server
 import os
 import re
 import shutil
@@ -25,13 +22,12 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import threading
 import zipfile
 
 import pytest
 
 from conftest import ROOT, run, running, wait_for
-from test_setup_sh import SYSTEM_PYTHON, as_user, free_uid
+from test_setup_sh import SYSTEM_PYTHON, as_user, free_uid, lockprobe_index
 
 SETUP = os.path.join(ROOT, "scripts", "setup.sh")
 SITE = sysconfig.get_paths()["purelib"]
@@ -57,23 +53,8 @@ def lockprobe_wheel(path):
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
     """A PEP 503 index on loopback with lockprobe 1.0; its URL."""
-    root = tmp_path_factory.mktemp("index")
-    (root / "simple" / "lockprobe").mkdir(parents=True)
-    (root / "files").mkdir()
-    lockprobe_wheel(root / "files" / "lockprobe-1.0-py3-none-any.whl")
-    (root / "simple" / "lockprobe" / "index.html").write_text(
-        '<html><body><a href="../../files/lockprobe-1.0-py3-none-any.whl" '
-        f'data-requires-python="{html.escape(">=3")}">lockprobe-1.0-py3-none-any.whl</a>'
-        "</body></html>\n")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    handler.log_message = lambda *a: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/simple/"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with lockprobe_index(tmp_path_factory.mktemp("index"), lockprobe_wheel, ">=3") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ line per system naming the package, exit 2, and nothing changed (no venv, no cac
 The user is an unprivileged uid with no account (setpriv, a HOME of its own); PATH is a
 directory of links to this machine's commands without cmake, plus a sudo and an apt-get that
 record being called."""
+import contextlib
 import os
 import pwd
 import shutil
@@ -203,33 +204,40 @@ def probe_wheel(path, requires_python):
             z.writestr(name, text)
 
 
-@pytest.fixture
-def loopback_index(tmp_path):
-    """A package index on loopback (PEP 503, with Requires-Python as PyPI gives it) holding
-    one project, lockprobe 1.0, which needs Python >= 3.99; its URL."""
+@contextlib.contextmanager
+def lockprobe_index(root, write_wheel, requires_python):
+    """A package index on loopback (PEP 503, with Requires-Python as PyPI gives it) in
+    ``root``, holding lockprobe 1.0 (its wheel written by ``write_wheel(path)``) that needs
+    ``requires_python``; its URL while the block runs."""
     import functools
     import html
     import http.server
     import threading
 
-    root = tmp_path / "index"
     (root / "simple" / "lockprobe").mkdir(parents=True)
     (root / "files").mkdir()
-    probe_wheel(root / "files" / "lockprobe-1.0-py3-none-any.whl", ">=3.99")
+    write_wheel(root / "files" / "lockprobe-1.0-py3-none-any.whl")
     (root / "simple" / "lockprobe" / "index.html").write_text(
         '<html><body><a href="../../files/lockprobe-1.0-py3-none-any.whl" '
-        f'data-requires-python="{html.escape(">=3.99")}">lockprobe-1.0-py3-none-any.whl</a>'
-        "</body></html>\n")
+        f'data-requires-python="{html.escape(requires_python)}">lockprobe-1.0-py3-none-any.whl'
+        "</a></body></html>\n")
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
     handler.log_message = lambda *a: None
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}/simple/"
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def loopback_index(tmp_path):
+    """lockprobe 1.0, which needs Python >= 3.99, on an index on loopback; its URL."""
+    with lockprobe_index(tmp_path / "index", lambda path: probe_wheel(path, ">=3.99"),
+                         ">=3.99") as url:
+        yield url
 
 
 @pytest.fixture
