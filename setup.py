@@ -59,7 +59,11 @@ setup(
         # pytest-xdist: scripts/test.sh's passes on two workers.
         "test": ["pytest>=7,<9", "pytest-timeout>=2.2", "pytest-xdist>=3.5,<4",
                  "kubernetes-validate>=1.29,<2",
-                 "jsonschema>=4.18,<5", "PyYAML>=6"],
+                 "jsonschema>=4.18,<5", "PyYAML>=6",
+                 # tests/runs/test_tracking.py: a real MLflow server, W&B offline.
+                 "mlflow>=3,<4", "wandb>=0.19,<1"],
+        # --track mlflow / wandb (hvdtrain.engine.tracking): imported only when a run asks.
+        "track": ["mlflow>=3,<4", "wandb>=0.19,<1"],
         "bench": ["matplotlib>=3.8"],  # python -m hvdtrain.bench's PNG plots
         # The documentation site (mkdocs.yml, docs/): mkdocs build --strict in the quick tests.
         "docs": ["mkdocs-material>=9.5,<10"],

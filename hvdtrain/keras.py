@@ -49,6 +49,7 @@ from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverg
 from hvdtrain.distributed.optimizer import DistributedOptimizer  # noqa: F401 (public here)
 from hvdtrain.engine.fronts import FIT_SCRIPT
 from hvdtrain.engine.run import Run
+from hvdtrain.fit.chief import on_chief  # noqa: F401 (public here)
 from hvdtrain.fit.driver import STOP_CHECK_EVERY, FitRun
 from hvdtrain.fit.script import FitSettings, fit_config, user_callbacks
 from hvdtrain.inputs import nest, pipeline, sources  # noqa: F401 (pipeline: hk.pipeline)
@@ -266,4 +267,4 @@ def report_error(e: Error, prog: str = None) -> int:
 
 
 __all__ = ["DistributedOptimizer", "adapt", "datasets", "Diverged", "EXIT_PREEMPTED", "Error", "Preempted",
-           "STOP_CHECK_EVERY", "dataset", "files", "fit", "init", "rank", "report_error", "size"]
+           "STOP_CHECK_EVERY", "dataset", "files", "fit", "init", "on_chief", "rank", "report_error", "size"]

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 from hvdtrain.base.errors import ConfigError, TaskError, user_code
 
 BACKENDS = ("auto", "horovod", "single")
+TRACKERS = ("mlflow", "wandb", "tensorboard")  # --track: see hvdtrain.engine.tracking
 PRECISIONS = ("none", "float16", "bfloat16")  # --mixed-precision: see precision.py
 
 
@@ -125,6 +126,11 @@ class Config:
                                      "runs/<task>-<time>)", defines_run=False, per_rank=True)
     save_model: bool = setting(True, "rank 0 saves the trained model as RUN_DIR/model.keras",
                                defines_run=False)
+    track: tuple[str, ...] = setting((), "experiment trackers rank 0 logs the run to, once per "
+                                     "job, continued on resume: mlflow, wandb, tensorboard "
+                                     "(several allowed)", defines_run=False)
+    track_required: bool = setting(False, "a tracker that cannot be reached or fails stops "
+                                   "the run (exit 1) instead of a warning", defines_run=False)
     verbose: int = setting(1, "0 silent, 1 progress (rank 0), 2 one line per epoch",
                            defines_run=False, per_rank=True, choices=(0, 1, 2))
 
@@ -161,6 +167,13 @@ class Config:
         if self.mixed_precision not in PRECISIONS:
             raise ConfigError("mixed_precision", self.mixed_precision,
                               f"choose one of {', '.join(PRECISIONS)}")
+        track = (self.track,) if isinstance(self.track, str) else tuple(self.track or ())
+        names = [n.strip().lower() for item in track for n in str(item).split(",") if n.strip()]
+        for name in names:
+            if name not in TRACKERS:
+                raise ConfigError("track", name, f"unknown tracker; choose from "
+                                  f"{', '.join(TRACKERS)}")
+        self.track = tuple(dict.fromkeys(names))
         if self.backend not in BACKENDS:
             raise ConfigError("backend", self.backend,
                               f"unknown backend; choose one of {', '.join(BACKENDS)}")

@@ -7,6 +7,7 @@ Run directory layout:
     tensorboard/     the same scalars for TensorBoard
     model.keras      the trained model (Keras format), unless --no-save-model
     result.json      written last (atomically): the run's outcome
+    tracking.json    with --track: each experiment tracker's run id (a resume continues it)
 """
 from __future__ import annotations
 
@@ -36,8 +37,11 @@ def _scalars(values: dict) -> bytes:
 class Reporter:
     """Prints and writes on the chief; does nothing on other ranks."""
 
-    def __init__(self, world, run_dir, task_name: str, verbose: int = 1):
+    def __init__(self, world, run_dir, task_name: str, verbose: int = 1, track=(),
+                 track_required: bool = False):
         self.world, self._verbose = world, verbose
+        self._track, self._track_required = tuple(track), track_required
+        self.trackers = None  # tracking.Trackers, on rank 0 once the run starts
         if run_dir:
             self.run_dir = os.path.abspath(run_dir)
         else:  # rank 0 names the directory (its clock decides) and tells the others
@@ -130,6 +134,12 @@ class Reporter:
             board = os.path.join(self.run_dir, "tensorboard")
             with writing(board, also=(tf.errors.OpError,)):
                 self._tb = tf.summary.create_file_writer(board)
+        if self._track and self.trackers is None:
+            from hvdtrain.engine.tracking import Trackers
+
+            self.trackers = Trackers(self._track, self.run_dir, self._track_required,
+                                     self.notice)
+            self.trackers.start(config_dict, completed_epochs)
 
     def records(self) -> list:
         """Rank 0: metrics.jsonl's records, in order ([] if none)."""
@@ -162,6 +172,8 @@ class Reporter:
                     {k: v for k, v in record.items()
                      if k not in ("epoch", "epochs", "global_step") and isinstance(v, float)}))
             self._tb.flush()
+        if self.trackers is not None:
+            self.trackers.epoch(record)
 
     def save_model(self, model):
         """Rank 0: the trained model as RUN_DIR/model.keras (keras.models.load_model opens it,
@@ -197,6 +209,18 @@ class Reporter:
             with writing(os.path.join(self.run_dir, "tensorboard"), also=(tf.errors.OpError,)):
                 self._tb.close()
         write_json_atomic(os.path.join(self.run_dir, "result.json"), result)
+        if self.trackers is not None:
+            self.trackers.finish(result)
+
+    def close_trackers(self, e) -> None:
+        """Rank 0, as the run ends (``e``: its exception, or None): each tracker's run ended
+        as finished, killed (a preemption) or failed, its queued calls waited for."""
+        if self.trackers is not None:
+            from hvdtrain.base.errors import Preempted
+
+            status = "FINISHED" if e is None else "KILLED" if isinstance(e, Preempted) else "FAILED"
+            self.trackers.close(status, seconds=None if e is None else 10.0)
+            self.trackers = None
 
 
 def _epoch(line: str):

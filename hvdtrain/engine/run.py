@@ -80,7 +80,8 @@ class Run:
         # joins later runs the setup alone while the others wait inside the driver's sync).
         self.collective = not config.elastic
         with timings.phase("agreement"):  # the default run directory: rank 0's name for it
-            self.out = Reporter(world, config.run_dir, front.name, config.verbose)
+            self.out = Reporter(world, config.run_dir, front.name, config.verbose,
+                                config.track, config.track_required)
         self.checkpoints = Checkpoints(world, config, self.out.run_dir + "/checkpoints",
                                        self.out.notice, front)
         self.finished: Optional[dict] = None  # a finished run's result.json (check_run_dir)
@@ -110,7 +111,10 @@ class Run:
             signal.signal(signum, handler)
         self._handlers = {}
         self.out.release()
-        _stop_watching(self.dog, self.world, e)
+        try:
+            _stop_watching(self.dog, self.world, e)
+        finally:  # after the watchdog: the other ranks need not wait for the trackers
+            self.out.close_trackers(e)
         return False
 
     def _on_signal(self, signum, frame) -> None:

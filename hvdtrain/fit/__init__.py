@@ -7,7 +7,9 @@
 - ``driver``: ``FitRun``, one ``hk.fit`` on this rank: restore, broadcast, ``model.fit``,
   checkpoints and stops at the same step on every rank, the result;
 - ``callback``: the Keras side: the callback that hands Keras' events to the driver, and
-  Keras 3's compiled calls cut to an epoch's last steps.
+  Keras 3's compiled calls cut to an epoch's last steps;
+- ``chief``: callbacks that run on rank 0 only (``hk.on_chief``, the trackers' own), each
+  call bounded in time.
 
 May import: ``hvdtrain.base``, ``hvdtrain.inputs``, ``hvdtrain.distributed``,
 ``hvdtrain.engine``. Not ``hvdtrain.tasks``: the two drivers stand side by side.

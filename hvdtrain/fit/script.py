@@ -13,6 +13,7 @@ from hvdtrain.base import compat, precision
 from hvdtrain.base.config import Config, fit_refusals, setting
 from hvdtrain.base.errors import ConfigError, TaskError
 from hvdtrain.distributed.optimizer import accumulation, reduce_before_loss_scaling
+from hvdtrain.fit.chief import chief_only, keras_proxy
 from hvdtrain.inputs import nest, pipeline
 from hvdtrain.inputs.sources import is_dataset
 
@@ -24,8 +25,12 @@ REFUSED_CALLBACKS = {"BackupAndRestore": "hk.fit checkpoints and resumes by itse
 
 
 def user_callbacks(callbacks, world) -> list:
-    """The user's callbacks that run on this rank (see RANK0_CALLBACKS)."""
+    """The user's callbacks that run on this rank (see RANK0_CALLBACKS); chief-only ones
+    (``hk.on_chief``, the trackers' callbacks: ``chief``) on rank 0 alone, each call bounded."""
     keras = compat.keras()
+    wrapped = [chief_only(cb) for cb in callbacks]
+    callbacks = [keras_proxy(keras, w) if w is not None else cb
+                 for cb, w in zip(callbacks, wrapped) if w is None or world.is_chief]
     for cb in callbacks:
         for name, why in REFUSED_CALLBACKS.items():
             if isinstance(cb, getattr(keras.callbacks, name)):

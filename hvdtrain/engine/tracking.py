@@ -1,0 +1,393 @@
+"""Experiment trackers (``--track mlflow wandb tensorboard``): the run logged once per job, by
+rank 0, and continued when the run resumes.
+
+What each tracker gets, from the run directory's own records:
+- at the start: the run's settings (config.json) as parameters (MLflow) or config (W&B), or
+  as hyperparameters (TensorBoard's HParams dashboard);
+- at each epoch's end: the epoch's metrics (the exact global ones) at the run's global step;
+- at the end: the result's numbers, the phase timings (``time_<phase>``), and ``model.keras``,
+  ``config.json``, ``result.json``, ``metrics.jsonl`` and a record of the checkpoints as
+  artifacts; the tracker's run is then ended (finished, killed by a preemption, or failed).
+
+``RUN_DIR/tracking.json`` keeps each tracker's run id, so the same command after a SIGTERM (or
+a retried cluster job) continues that run; epochs it logged before are not logged again (a
+resumed run trains from its checkpoint, and exact resume trains them to the same numbers).
+
+Training never waits on the network: rank 0 hands each event to a thread of its own, which
+calls the trackers in order. A tracker that cannot be reached (checked with a short connect
+first, so that a server that is down costs seconds, not a client's retries) or that fails is
+one warning, and the run trains on without it; with ``--track-required`` it stops the run
+instead (every rank, exit 1). At the end rank 0 waits up to ``FLUSH_SECONDS`` for the thread.
+
+The trackers' own variables configure them (``MLFLOW_TRACKING_URI``,
+``MLFLOW_EXPERIMENT_NAME``, ``WANDB_MODE``, ``WANDB_PROJECT``, ``WANDB_API_KEY``, ...);
+their packages are imported only when a run asks for them (``pip install "hvdtrain[track]"``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+from urllib.parse import urlparse
+
+from hvdtrain.base.errors import StorageError
+from hvdtrain.base.files import write_json_atomic
+
+RECORD = "tracking.json"
+FLUSH_SECONDS = 120.0  # at the end: how long rank 0 waits for the trackers' calls to finish
+START_SECONDS = 60.0  # --track-required: how long the start may take before it counts as failed
+CONNECT_SECONDS = 10.0  # the reachability check of a tracker's server
+# An epoch record's keys that are not metrics (they are the step, or say which epoch).
+NOT_METRICS = ("epoch", "epochs", "global_step", "world_size")
+ARTIFACTS = ("config.json", "metrics.jsonl", "result.json")
+
+
+class TrackerError(StorageError):
+    """A tracker failed while ``--track-required`` is set: every rank stops (exit 1)."""
+
+
+def flat(settings: dict, prefix: str = "") -> dict:
+    """config.json's nested dict as one level: ``settings.hidden_units`` and so on; lists as
+    their JSON text."""
+    out = {}
+    for key, value in settings.items():
+        name = prefix + key
+        if isinstance(value, dict):
+            out.update(flat(value, name + "."))
+        else:
+            out[name] = json.dumps(value) if isinstance(value, (list, tuple)) else value
+    return out
+
+
+def reachable(url: str) -> Optional[str]:
+    """Why ``url``'s host and port cannot be connected to within CONNECT_SECONDS (None if
+    they can, or the URL is not a network one)."""
+    parts = urlparse(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=CONNECT_SECONDS).close()
+    except OSError as e:
+        return f"{url} unreachable ({e.strerror or e})"
+    return None
+
+
+class MLflow:
+    """An MLflow run through ``MlflowClient`` (no active-run state is touched, so a script's
+    own ``mlflow`` calls are left as they are). The server is ``MLFLOW_TRACKING_URI``; the
+    experiment ``MLFLOW_EXPERIMENT_ID`` or ``MLFLOW_EXPERIMENT_NAME`` (made if missing), else
+    MLflow's default."""
+
+    name = "mlflow"
+
+    def __init__(self):
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.mlflow, self.client, self.run_id = mlflow, MlflowClient(), None
+
+    def start(self, saved: dict, run_name: str, settings: dict, run_dir: str) -> dict:
+        from mlflow.entities import Param
+
+        uri = self.mlflow.get_tracking_uri()
+        problem = reachable(uri)
+        if problem:
+            raise ConnectionError(problem)
+        if saved.get("run_id"):
+            run = self.client.get_run(saved["run_id"])  # raises when the server lost it
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        else:
+            run = self.client.create_run(self._experiment(), run_name=run_name,
+                                         tags={"hvdtrain.run_dir": run_dir})
+        self.run_id = run.info.run_id
+        known = run.data.params
+        params = [Param(k, str(v)[:6000]) for k, v in flat(settings).items() if k not in known]
+        for i in range(0, len(params), 100):  # log_batch takes 100 parameters at most
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+        changed = {k: str(v) for k, v in flat(settings).items()
+                   if k in known and known[k] != str(v)[:6000]}
+        for k, v in changed.items():  # a parameter cannot change; a resume with more epochs
+            self.client.set_tag(self.run_id, f"hvdtrain.resumed.{k}", v)
+        return {"run_id": self.run_id, "experiment_id": run.info.experiment_id,
+                "tracking_uri": uri, "run_name": run.info.run_name}
+
+    def _experiment(self) -> str:
+        if os.environ.get("MLFLOW_EXPERIMENT_ID"):
+            return os.environ["MLFLOW_EXPERIMENT_ID"]
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        if not name:
+            return "0"  # MLflow's Default experiment
+        found = self.client.get_experiment_by_name(name)
+        return found.experiment_id if found else self.client.create_experiment(name)
+
+    def metrics(self, values: dict, step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[
+            Metric(k, float(v), now, step) for k, v in values.items()])
+
+    def artifacts(self, paths: list) -> None:
+        for path in paths:
+            self.client.log_artifact(self.run_id, path)
+
+    def end(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status)
+
+
+class Wandb:
+    """A W&B run, its id kept so that ``wandb.init(id=..., resume="allow")`` continues it.
+    The project is ``WANDB_PROJECT`` (else "hvdtrain"); its files go to ``WANDB_DIR``, else
+    the run directory; ``WANDB_MODE=offline`` writes them without a server."""
+
+    name = "wandb"
+
+    def __init__(self):
+        import wandb
+
+        self.wandb, self.run = wandb, None
+
+    def start(self, saved: dict, run_name: str, settings: dict, run_dir: str) -> dict:
+        wandb = self.wandb
+        mode = os.environ.get("WANDB_MODE", "online")
+        if mode not in ("offline", "disabled", "dryrun"):
+            problem = reachable(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+            if problem:
+                raise ConnectionError(problem)
+        run_id = saved.get("run_id") or uuid.uuid4().hex[:8]
+        self.run = wandb.init(
+            id=run_id, resume="allow", name=run_name,
+            project=os.environ.get("WANDB_PROJECT", "hvdtrain"),
+            dir=os.environ.get("WANDB_DIR", run_dir), reinit="create_new",
+            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+        self.run.config.update(flat(settings), allow_val_change=True)
+        return {"run_id": run_id, "project": self.run.project, "run_name": run_name,
+                "mode": mode}
+
+    def metrics(self, values: dict, step: int) -> None:
+        self.run.log(dict(values), step=step)
+
+    def summary(self, values: dict) -> None:
+        self.run.summary.update(values)
+
+    def artifacts(self, paths: list) -> None:
+        artifact = self.wandb.Artifact(f"run-{self.run.id}", type="model")
+        for path in paths:
+            artifact.add_file(path)
+        self.run.log_artifact(artifact)
+
+    def end(self, status: str) -> None:
+        self.run.finish(exit_code={"FINISHED": 0, "KILLED": 75}.get(status, 1))
+
+
+class TensorBoard:
+    """The run's settings as TensorBoard hyperparameters (its HParams dashboard compares runs
+    by them), beside the epochs' scalars that every run writes to RUN_DIR/tensorboard."""
+
+    name = "tensorboard"
+
+    def start(self, saved: dict, run_name: str, settings: dict, run_dir: str) -> dict:
+        import tensorflow as tf
+        from tensorboard.plugins.hparams import api as hp
+
+        values = {k: v for k, v in flat(settings).items()
+                  if isinstance(v, (bool, int, float, str))}
+        writer = tf.summary.create_file_writer(os.path.join(run_dir, "tensorboard"))
+        with writer.as_default():
+            hp.hparams(values, trial_id=run_name)
+        writer.close()
+        return {"run_name": run_name}
+
+    def metrics(self, values: dict, step: int) -> None:
+        pass  # the run's own tensorboard/ event files have them
+
+    def artifacts(self, paths: list) -> None:
+        pass
+
+    def end(self, status: str) -> None:
+        pass
+
+
+BACKENDS = {"mlflow": MLflow, "wandb": Wandb, "tensorboard": TensorBoard}
+
+
+class Trackers:
+    """Rank 0's trackers for one run: ``start``, ``epoch``, ``finish``, then ``close``."""
+
+    def __init__(self, names, run_dir: str, required: bool, notice: Callable[[str], None]):
+        self.names, self.run_dir, self.required, self.notice = tuple(names), run_dir, required, notice
+        self.live: dict = {}  # name: backend, while it works
+        self.failed: Optional[str] = None  # the first failure's line (--track-required)
+        self.record: dict = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    # --- the training thread's calls --------------------------------------------------------
+    def start(self, config: dict, completed_epochs: int) -> None:
+        """Open (or continue) each tracker's run with the run's settings."""
+        self.record = self._read()
+        self._thread = threading.Thread(target=self._work, name="hvdtrain-trackers",
+                                        daemon=True)
+        self._thread.start()
+        self._put(self._start, config)
+        if self.required:  # the tracker must be there before training starts
+            done = threading.Event()
+            self._put(done.set)
+            if not done.wait(START_SECONDS):
+                self._fail("start", TimeoutError(f"no answer in {START_SECONDS:.0f} s"))
+        self.check()
+
+    def epoch(self, record: dict) -> None:
+        self.check()
+        self._put(self._epoch, dict(record))
+
+    def finish(self, result: dict) -> None:
+        self.check()
+        self._put(self._finish, dict(result))
+
+    def close(self, status: str, seconds: Optional[float] = None) -> None:
+        """End each tracker's run with ``status`` (FINISHED, KILLED, FAILED); wait up to
+        ``seconds`` (FLUSH_SECONDS) for the calls still queued."""
+        if self._thread is None:
+            return
+        seconds = FLUSH_SECONDS if seconds is None else seconds
+        self._put(self._end, status)
+        self._put(None)
+        self._thread.join(seconds)
+        if self._thread.is_alive():
+            self.notice(f"hvdtrain: warning: the trackers ({', '.join(self.live)}) still had "
+                        f"not answered after {seconds:.0f} s: left behind, the run is saved in "
+                        f"{self.run_dir}")
+        self._thread = None
+
+    def check(self) -> None:
+        """--track-required: raise the first failure (on rank 0; ``Run.rank0_writes`` makes
+        it every rank's)."""
+        if self.failed:
+            raise TrackerError(self.failed)
+
+    # --- the trackers' thread --------------------------------------------------------------
+    def _put(self, fn, *args) -> None:
+        self._queue.put(None if fn is None else (fn, args))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args = item
+            fn(*args)
+
+    def _each(self, what: str, call) -> None:
+        for name, tracker in list(self.live.items()):
+            try:
+                call(tracker)
+            except Exception as e:  # noqa: BLE001 (a tracker's failure is never training's)
+                self._fail(what, e, name)
+
+    def _fail(self, what: str, e: BaseException, name: Optional[str] = None) -> None:
+        names = [name] if name else list(self.live)
+        for n in names:
+            self.live.pop(n, None)
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        line = (f"tracker {'/'.join(names) or ', '.join(self.names)} failed at the {what}: "
+                f"{type(e).__name__}: {reason}")
+        if self.required:
+            self.failed = self.failed or (f"{line}; the run stops (--track-required); the "
+                                          f"checkpoints are in {self.run_dir}")
+        else:
+            self.notice(f"hvdtrain: warning: {line}; training goes on without it "
+                        "(--track-required stops instead)")
+
+    def _start(self, config: dict) -> None:
+        run_name = os.path.basename(self.run_dir.rstrip(os.sep))
+        for name in self.names:
+            try:
+                tracker = BACKENDS[name]()
+                saved = self.record.get(name, {})
+                info = tracker.start(saved, saved.get("run_name", run_name), config,
+                                     self.run_dir)
+            except Exception as e:  # noqa: BLE001
+                self.live[name] = None
+                self._fail("start", e, name)
+                continue
+            self.live[name] = tracker
+            self.record[name] = {**saved, **info, "epochs_logged": saved.get("epochs_logged", 0)}
+        self._write()
+
+    def _epoch(self, record: dict) -> None:
+        values = {k: v for k, v in record.items()
+                  if k not in NOT_METRICS and isinstance(v, (int, float))
+                  and not isinstance(v, bool)}
+        values["epoch"] = record["epoch"]
+        for name, tracker in list(self.live.items()):
+            if record["epoch"] <= self.record[name].get("epochs_logged", 0):
+                continue  # logged before the run was stopped; trained to the same numbers
+            try:
+                tracker.metrics(values, record["global_step"])
+            except Exception as e:  # noqa: BLE001
+                self._fail(f"epoch {record['epoch']}", e, name)
+                continue
+            self.record[name]["epochs_logged"] = record["epoch"]
+        self._write()
+
+    def _finish(self, result: dict) -> None:
+        numbers = {k: v for k, v in result.items() if isinstance(v, (int, float))
+                   and not isinstance(v, bool) and k not in ("world_size", "epochs")}
+        numbers.update({f"time_{k}": v for k, v in (result.get("timings") or {}).items()
+                        if isinstance(v, (int, float))})
+        paths = [os.path.join(self.run_dir, f) for f in ARTIFACTS
+                 if os.path.exists(os.path.join(self.run_dir, f))]
+        model = result.get("model")
+        if model and os.path.exists(model):
+            paths.append(model)
+        with tempfile.TemporaryDirectory(prefix="hvdtrain-track-") as tmp:
+            listing = os.path.join(tmp, "checkpoints.json")
+            with open(listing, "w") as f:
+                json.dump(_checkpoints(os.path.join(self.run_dir, "checkpoints")), f, indent=1)
+            paths.append(listing)
+            step = int(result.get("global_step", 0))
+            self._each("end", lambda t: (t.summary(numbers) if hasattr(t, "summary")
+                                         else t.metrics(numbers, step)))
+            self._each("end", lambda t: t.artifacts(paths))
+
+    def _end(self, status: str) -> None:
+        self._each("close", lambda t: t.end(status))
+        self._write()
+
+    # --- RUN_DIR/tracking.json --------------------------------------------------------------
+    def _read(self) -> dict:
+        try:
+            with open(os.path.join(self.run_dir, RECORD)) as f:
+                saved = json.load(f)
+            return saved if isinstance(saved, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _write(self) -> None:
+        try:
+            write_json_atomic(os.path.join(self.run_dir, RECORD), self.record)
+        except Exception as e:  # noqa: BLE001 (the run directory's own writes will say it)
+            self.notice(f"hvdtrain: warning: cannot write {RECORD}: {e}")
+
+
+def _checkpoints(directory: str) -> list:
+    """The checkpoints on disk: name, bytes and modification time (not their contents)."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path) and not name.endswith(".tmp"):
+            st = os.stat(path)
+            out.append({"file": name, "bytes": st.st_size, "mtime": st.st_mtime})
+    return out
