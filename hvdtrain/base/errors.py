@@ -145,6 +145,11 @@ class StepError(Error, RuntimeError):
     line names the step and the rank."""
 
 
+class CallbackError(Error, RuntimeError):
+    """A callback that runs on rank 0 alone (``hk.on_chief``) raised, or outran its time
+    bound, there: one rank's error, which the watchdog takes to the others."""
+
+
 class StorageError(Together, RuntimeError):
     """Rank 0 cannot write a file of the run (disk full, read-only, a file where a directory
     belongs): ``cannot write PATH: [Errno 28] No space left on device``. Rank 0 tells every

@@ -9,6 +9,7 @@ compiled loop and ``hvdtrain.fit``'s ``model.fit``).
 - ``rundir``: the run directory's policy (its default name, what may not be in it, the lock
   that rank 0 holds); ``agreement``: every rank's weights compared at the end;
 - ``report``: the console lines and the files of the run directory, written by rank 0;
+  ``tracking``: the experiment trackers (MLflow, W&B, TensorBoard) it feeds, from a thread;
 - ``watchdog``: no rank waits forever on a dead or frozen peer;
 - ``preflight``: before step 0, the checks that every rank agrees with rank 0.
 

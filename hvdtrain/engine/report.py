@@ -14,11 +14,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from hvdtrain.base.errors import StorageError
 from hvdtrain.base.files import (atomic_open, finite_json, make_dirs, remove_leftovers, replacing,
                                  write_json_atomic, writing)
 from hvdtrain.engine.rundir import RunLock, default_run_dir, run_dir_problem
+
+# Where no live progress bar is drawn (a launcher's pipe, a SLURM or Kubernetes log), rank 0
+# prints a plain line this often inside an epoch (HVDTRAIN_PROGRESS_SECONDS; 0: never).
+PROGRESS_SECONDS = 30.0
 
 
 def _scalars(values: dict) -> bytes:
@@ -49,6 +54,8 @@ class Reporter:
             self.run_dir = os.path.abspath(world.broadcast_object(path))
         self._tb = None
         self._lock = None
+        self._progress_every = _progress_seconds()
+        self._epoch_began = self._progress_at = time.monotonic()
 
     def problem(self):
         """Rank 0: why the run directory cannot be used (None if it can); creates nothing."""
@@ -103,6 +110,31 @@ class Reporter:
         interleaves their lines, so a bar's carriage returns end up in the log.)"""
         from hvdtrain.base.launch import launcher_size
         return sys.stdout.isatty() and launcher_size() == 1
+
+    def epoch_began(self) -> None:
+        """An epoch's steps start now (the periodic progress lines count from here)."""
+        self._epoch_began = self._progress_at = time.monotonic()
+
+    def progress_due(self, drawn: bool = False) -> bool:
+        """Rank 0 at verbose 1 with no live bar (``drawn``): is a progress line due?"""
+        if self.verbose != 1 or drawn or not self._progress_every:
+            return False
+        now = time.monotonic()
+        if now - self._progress_at < self._progress_every:
+            return False
+        self._progress_at = now
+        return True
+
+    def progress(self, epoch: int, epochs: int, step: int, steps: int, done: int,
+                 global_batch: int, metrics: dict) -> None:
+        """One plain progress line: the epoch's step, rank 0's running metrics, the rate of
+        the ``done`` steps since the epoch began, and the epoch's time left."""
+        seconds = max(time.monotonic() - self._epoch_began, 1e-9)
+        rate = done / seconds
+        left = (steps - step) / rate if rate else float("nan")
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        self.print(f"Epoch {epoch}/{epochs}  step {step}/{steps}  {shown}  "
+                   f"{rate * global_batch:,.0f} samples/s  epoch ETA {_duration(left)}")
 
     def print(self, message: str, level: int = 1) -> None:
         if self.verbose >= level:
@@ -229,6 +261,28 @@ def _epoch(line: str):
         return json.loads(line)["epoch"]
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _progress_seconds() -> float:
+    text = os.environ.get("HVDTRAIN_PROGRESS_SECONDS", "")
+    try:
+        value = float(text) if text else PROGRESS_SECONDS
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        from hvdtrain.base.errors import EnvError
+
+        raise EnvError(f"HVDTRAIN_PROGRESS_SECONDS={text}: must be a number of seconds, 0 or "
+                       "more (0: no progress lines)")
+    return value
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds:  # NaN: no step done yet
+        return "?"
+    seconds = int(round(seconds))
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def _whole_line(stream, message: str) -> None:

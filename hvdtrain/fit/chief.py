@@ -18,7 +18,7 @@ from __future__ import annotations
 import signal
 import threading
 
-from hvdtrain.base.errors import user_code
+from hvdtrain.base.errors import CallbackError, Error, error_line, show_tracebacks, user_frame
 
 # Class names of callbacks that report the run to a tracker: rank 0's alone, as hk.on_chief's.
 TRACKER_CALLBACKS = ("WandbMetricsLogger", "WandbModelCheckpoint", "WandbEvalCallback",
@@ -61,8 +61,14 @@ def keras_proxy(keras, wrapped: OnChief):
             fn = getattr(inner, method, None)
             if fn is None:
                 return None
-            with user_code(f"hk.on_chief callback {name}.{method}"), _bound(timeout, name, method):
-                return fn(*args, **kwargs)
+            try:
+                with _bound(timeout):
+                    return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 (said in one line: rank 0's alone)
+                if isinstance(e, Error) or show_tracebacks():
+                    raise
+                raise CallbackError(f"hk.on_chief callback {name}.{method} raised "
+                                    f"{error_line(e)}{user_frame(e)}") from None
         return call
 
     # The events the callback handles (a batch hook that it leaves to the base class would
@@ -96,8 +102,8 @@ def _overrides(callback, method: str) -> bool:
 class _bound:
     """The block within ``seconds`` (SIGALRM, on the main thread), else TimeoutError."""
 
-    def __init__(self, seconds, name, method):
-        self.seconds, self.what = seconds, f"{name}.{method}"
+    def __init__(self, seconds):
+        self.seconds = seconds
 
     def __enter__(self):
         self.armed = (self.seconds is not None

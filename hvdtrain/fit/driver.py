@@ -251,6 +251,7 @@ class FitRun:
             self.train.check_unchanged(f"before epoch {epoch + 1}")
         self.epoch, self.step, self.started = epoch, self.first_step, self.first_step
         self.first_step, self.tick = 0, time.perf_counter()
+        self.out.epoch_began()
 
     def batch_begin(self):
         self.calls.begin(self.train.steps - self.step)
@@ -287,6 +288,10 @@ class FitRun:
             if logs is not None:
                 logs.update(self.train_logs)
             return  # the epoch's end saves, and stops if a stop is pending
+        if self.out.progress_due(drawn=self.out.interactive):  # Keras' bar draws it there
+            self.out.progress(self.epoch + 1, self.epochs, self.step, self.train.steps,
+                              self.step - self.started, self.global_batch,
+                              {k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0})
         if self.micro % self.passes:
             return  # inside an update: its gradients are half accumulated, not in a checkpoint
         if self.stop_pending:

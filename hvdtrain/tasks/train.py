@@ -301,6 +301,7 @@ class _Epochs:
         base_step = run.global_step - first
         step = first
         tick = time.perf_counter()
+        self.out.epoch_began()
         while step < self.steps:
             done = self._call(batches, base_step, step)
             step += done
@@ -313,6 +314,11 @@ class _Epochs:
                 run.preempt(global_step)
             if config.elastic and global_step % config.commit_every == 0 and step < self.steps:
                 run.commit(progress, self._partial_sums())
+            if bar is None and step < self.steps and self.out.progress_due():
+                local = self.sums.numpy()  # rank 0's running means, for the eye only
+                self.out.progress(epoch + 1, config.epochs, step, self.steps, step - first,
+                                  global_batch, {k: local[0 if i == 0 else i + 1] / local[1]
+                                                 for i, k in enumerate(self.names)})
             if bar is not None and step < self.steps:
                 every = max(1, self.steps // 20)
                 if step // every > (step - done) // every:

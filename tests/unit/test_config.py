@@ -80,6 +80,7 @@ def test_field_metadata_decides_resume_and_preflight():
     (["--data-dir", "/no/such/dir"], "--data-dir", "/no/such/dir"),
     (["--learning-rate", "fast"], "--learning-rate", "fast"),
     (["--hidden-units", "0"], "--hidden-units", "0"),
+    (["--track", "mlflow", "comet"], "--track", "comet"),
 ])
 def test_bad_value_exits_2_naming_flag_and_value(args, flag, value, capsys):
     with pytest.raises(SystemExit) as e:
@@ -152,3 +153,23 @@ def test_sparse_gradients_go_gathered_or_dense_by_one_ratio(monkeypatch):
     assert gathers(None, 20, 2, 1.0) and gathers(96, 20, 2, 1.0, elastic=True)
     assert not gathers(None, 20, 2, 0.0) and not gathers(1, 10 ** 6, 2, 0.0, elastic=True)
     assert gathers(10 ** 6, 10, 64, float("inf"))
+
+
+def test_track_takes_several_trackers_in_one_or_more_words():
+    c = parse_args(MnistTask(), ["--track", "mlflow,WandB", "tensorboard", "mlflow"])
+    assert c.track == ("mlflow", "wandb", "tensorboard") and c.track_required is False
+    assert Config(track="wandb").validate().track == ("wandb",)  # hk.fit(track="wandb")
+    assert Config().validate().track == ()
+
+
+def test_the_trackers_callbacks_and_on_chief_run_on_rank_0_only():
+    from wandb.integration.keras import WandbMetricsLogger
+
+    from hvdtrain.fit.chief import OnChief, chief_only, on_chief
+    logger = object.__new__(WandbMetricsLogger)  # its __init__ wants a live wandb run
+    assert isinstance(chief_only(logger), OnChief) and chief_only(logger).callback is logger
+    wrapped = on_chief(logger, timeout=None)
+    assert chief_only(wrapped) is wrapped and wrapped.timeout is None
+    assert chief_only(object()) is None
+    with pytest.raises(ValueError, match=r"hk.on_chief\(timeout=0\): must be more than 0"):
+        on_chief(logger, timeout=0)
