@@ -61,8 +61,9 @@ setup(
                  "kubernetes-validate>=1.29,<2",
                  "jsonschema>=4.18,<5", "PyYAML>=6"],
         "bench": ["matplotlib>=3.8"],  # python -m hvdtrain.bench's PNG plots
-        # The documentation site (mkdocs.yml, docs/): mkdocs build --strict in the quick tests.
-        "docs": ["mkdocs-material>=9.5,<10"],
+        # The documentation site (mkdocs.yml, docs/): mkdocs build --strict in the quick tests;
+        # mkdocstrings renders the API reference (docs/reference/api/) from the docstrings.
+        "docs": ["mkdocs-material>=9.5,<10", "mkdocstrings[python]>=1.0,<2"],
     },
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.__main__:main"]},
 )
