@@ -212,7 +212,7 @@ def _kind(value) -> str:
 def files(pattern: str) -> list:
     """The files matching a pattern, sorted: the same list on every rank.
 
-    For a ``tf.data`` pipeline that ``hk.fit`` shards by file (``docs/guides/data.md``).
+    For a ``tf.data`` pipeline that ``hk.fit`` shards by file (see the data guide).
 
     Args:
         pattern: a glob pattern (``"data/train-*.tfrecord"``).

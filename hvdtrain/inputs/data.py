@@ -258,8 +258,8 @@ def load_sample(path: str = SAMPLE_PATH) -> Data:
         path: the sample's file (the one shipped by default).
 
     Returns:
-        A ``Data`` of 4,000 training and 1,000 test digits, split per class, the same split
-        whatever the seed.
+        A ``Data`` of 4,000 training and 1,000 test digits, split per class (the same split
+        for every ``--seed``).
 
     Raises:
         DataError: the file is missing or malformed.

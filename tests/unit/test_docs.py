@@ -100,6 +100,23 @@ def test_every_public_name_is_in_the_api_reference(strict_build):
     assert not missing, f"not in docs/reference/api/, or without a docstring: {missing}"
 
 
+def test_the_api_reference_speaks_to_users(strict_build):
+    """The docstrings the API pages render, held to the rules of the other pages (below): no
+    history, not the project's own words, no path into the repository."""
+    import html
+
+    p, site = strict_build
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    pages = sorted((site / "reference" / "api").rglob("index.html"))
+    assert len(pages) >= 5
+    for page in pages:
+        text = page.read_text()
+        text = html.unescape(re.sub(r"<[^>]+>", "", text[text.index("<article"):]))
+        found = [m.group(0) for pattern in (HISTORY, PROJECT_WORDS, re.compile(r"\bdocs/\S+"))
+                 for m in pattern.finditer(text)]
+        assert not found, (str(page.relative_to(site)), found)
+
+
 def test_the_fit_guide_says_which_settings_hk_fit_takes():
     """The Keras fit guide's table, generated from Config's fit_refusal metadata: each field
     refused by hk.fit with its reason, or taken by its name."""
