@@ -65,8 +65,9 @@ setup(
         # --track mlflow / wandb (hvdtrain.engine.tracking): imported only when a run asks.
         "track": ["mlflow>=3,<4", "wandb>=0.19,<1"],
         "bench": ["matplotlib>=3.8"],  # python -m hvdtrain.bench's PNG plots
-        # The documentation site (mkdocs.yml, docs/): mkdocs build --strict in the quick tests.
-        "docs": ["mkdocs-material>=9.5,<10"],
+        # The documentation site (mkdocs.yml, docs/): mkdocs build --strict in the quick tests;
+        # mkdocstrings renders the API reference (docs/reference/api/) from the docstrings.
+        "docs": ["mkdocs-material>=9.5,<10", "mkdocstrings[python]>=1.0,<2"],
     },
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.__main__:main"]},
 )

@@ -52,13 +52,33 @@ with _timings.phase("imports"):
 
 
 def preset(task: str, **overrides) -> Config:
-    """A built-in task's training configuration ("linear", "mnist"), with ``overrides``."""
+    """A built-in task's training configuration, with some settings changed.
+
+    Args:
+        task: a built-in task's name (``"linear"``, ``"mnist"``) or
+            ``"package.module:Class"``.
+        **overrides: ``Config`` fields to set, by name (``learning_rate=0.1``).
+
+    Returns:
+        The task's ``Config``: its defaults, then ``overrides``, validated.
+
+    Raises:
+        ConfigError: a value in ``overrides`` is out of range.
+        ValueError: ``task`` names no task.
+        TypeError: ``overrides`` names no ``Config`` field.
+    """
     return load_task(task).config(**overrides)
 
 
 def world():
-    """This process's place in the job: ``.rank``, ``.size``, ``.local_rank``,
-    ``.local_size``, ``.is_chief`` (Horovod is started if hvdtrain has not started it)."""
+    """This process's place in the job.
+
+    Horovod is started if hvdtrain has not started it yet (one process without a launcher).
+
+    Returns:
+        The World: ``.rank``, ``.size``, ``.local_rank``, ``.local_size`` and ``.is_chief``
+        (rank 0, which prints and writes the run directory).
+    """
     from hvdtrain import distributed
     return distributed.current()
 

@@ -62,15 +62,39 @@ _DEFAULT = {f.name: f.default for f in dataclasses.fields(Config)}
 
 
 def init(backend: str = "auto") -> distributed.World:
-    """Start Horovod (or one process), pin devices and thread pools; return the World."""
+    """Start Horovod (or one process), and pin this rank's devices and thread pools.
+
+    Call it first, on every rank, before building the model.
+
+    Args:
+        backend: ``"auto"`` (Horovod if it is installed, else one process), ``"horovod"``
+            (require it) or ``"single"`` (one process, no Horovod).
+
+    Returns:
+        The World: ``.rank``, ``.size``, ``.local_rank``, ``.local_size``, ``.is_chief``.
+
+    Raises:
+        Error: the processes cannot train together as launched (a launcher started several
+            processes, or ``"horovod"`` was asked for, and Horovod cannot be imported).
+    """
     return distributed.init(backend)
 
 
 def size() -> int:
+    """The number of ranks (processes) in the job; 1 without a launcher.
+
+    Returns:
+        ``hk.init()``'s World's size (Horovod is started if ``hk.init`` was not called).
+    """
     return distributed.current().size
 
 
 def rank() -> int:
+    """This process's rank, from 0; rank 0 prints and writes the run directory.
+
+    Returns:
+        ``hk.init()``'s World's rank (Horovod is started if ``hk.init`` was not called).
+    """
     return distributed.current().rank
 
 
@@ -125,13 +149,27 @@ class Dataset:
 
 
 def adapt(layer, data, **kwargs):
-    """``layer.adapt(data, **kwargs)`` on rank 0, and every rank given rank 0's state: its
-    vocabulary (TextVectorization, StringLookup, IntegerLookup: ``set_vocabulary``), its
-    adapted variables (Normalization's mean and variance) and the arrays, tensors and lists
-    of floats it keeps outside them (``preflight.state_attributes``: Normalization's mean
-    and variance tensors, Discretization's bin boundaries). Each rank adapting on its own
-    shard would give each rank another model; hk.fit refuses that before the first step.
-    All ranks; returns ``layer``."""
+    """Adapt a preprocessing layer on rank 0 and give every rank rank 0's state.
+
+    Each rank adapting on its own shard would give each rank another model; ``hk.fit``
+    refuses that before the first step. Call it on every rank.
+
+    The state handed on: the vocabulary (TextVectorization, StringLookup, IntegerLookup:
+    ``set_vocabulary``), the adapted variables (Normalization's mean and variance) and the
+    arrays, tensors and lists of floats the layer keeps outside them (Normalization's mean
+    and variance tensors, Discretization's bin boundaries).
+
+    Args:
+        layer: a Keras preprocessing layer.
+        data: what ``layer.adapt`` takes (rank 0's is used).
+        **kwargs: ``layer.adapt``'s other arguments.
+
+    Returns:
+        ``layer``, adapted, on every rank.
+
+    Raises:
+        TaskError: ``layer.adapt`` raised on rank 0 (every rank raises it).
+    """
     from hvdtrain.base.errors import TaskError, user_code
     from hvdtrain.engine.preflight import state_attributes
 
@@ -173,16 +211,51 @@ def _kind(value) -> str:
 
 
 def files(pattern: str) -> list:
-    """The files matching ``pattern``, sorted: the same list on every rank, for a tf.data
-    pipeline that hvdtrain shards by file. One line (every rank) when none matches."""
+    """The files matching a pattern, sorted: the same list on every rank.
+
+    For a ``tf.data`` pipeline that ``hk.fit`` shards by file (see the data guide).
+
+    Args:
+        pattern: a glob pattern (``"data/train-*.tfrecord"``).
+
+    Returns:
+        The paths, sorted.
+
+    Raises:
+        DataError: no file matches on some rank (one line, on every rank).
+    """
     return sources.files(pattern, distributed.current())
 
 
 @timings.timed("data")
 def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True,
             sample_weight=None) -> Dataset:
-    """This rank's batches of (x, y) or (x, y, sample_weight): arrays, or dicts, tuples and
-    lists of them as ``model.fit`` takes them (see ``Dataset``)."""
+    """This rank's batches of ``(x, y)`` or ``(x, y, sample_weight)``, for ``hk.fit``.
+
+    One permutation of all examples per (seed, epoch), the same on every rank: global step k
+    takes the k-th block of ``batch_size * hk.size()`` examples, rank r its r-th slice. The
+    examples that do not fill a global batch wait for another epoch. ``hk.fit`` resumes the
+    order at the step of a checkpoint.
+
+    Args:
+        x: the inputs: an array, or dicts (by input name), tuples and lists of arrays,
+            nested, as ``model.fit`` takes them; every array holds the same examples along
+            its first axis.
+        y: the labels, as ``x``.
+        batch_size: examples per rank per step (Horovod's per-rank batch size); None or 0:
+            each rank's whole shard per step.
+        seed: the order's seed (the same on every rank).
+        shuffle: False: the examples in their order.
+        sample_weight: per-example weights, as ``y``, or None.
+
+    Returns:
+        This rank's batches, which ``hk.fit`` takes as ``train``.
+
+    Raises:
+        ConfigError: ``batch_size`` is negative, or a global batch needs more examples than
+            there are.
+        DataError: the arrays do not hold the same number of examples.
+    """
     try:
         return Dataset(nest.arrays(x), nest.arrays(y), batch_size, seed, shuffle,
                        distributed.current(),
@@ -197,32 +270,49 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
         checkpoint_every: int = _DEFAULT["checkpoint_every"],
         keep_checkpoints: int = _DEFAULT["keep_checkpoints"],
         resume: Optional[bool] = _DEFAULT["resume"], **settings):
-    """``model.fit`` on every rank from rank 0's state or its newest checkpoint in
-    ``run_dir``; returns the History (all ranks).
+    """``model.fit`` on every rank, from rank 0's state or the newest checkpoint in ``run_dir``.
 
-    ``train``: ``hk.dataset(x, y, ...)``, or a ``tf.data.Dataset`` of this rank's batches
-    built as for one process ((x, y) or (x, y, sample_weight), Horovod's per-rank batch
-    size), which hvdtrain shards (by file, else by batch; ``sharded=True``: the user did)
-    and counts (every rank takes the fewest steps any rank has, or ``steps_per_epoch``,
-    required for a dataset that repeats forever): ``hvdtrain.inputs.pipeline``. ``validation_data``:
-    (x, y) or (x, y, sample_weight) of arrays (or dicts, tuples, lists of them, as the
-    training data), or a ``tf.data.Dataset`` of batches, each example scored by one rank.
+    Call it on every rank. Gradients are averaged by the optimizer
+    (``hk.DistributedOptimizer``); metrics are exact over all ranks; rank 0 writes the run
+    directory and its checkpoints; a SIGTERM on any rank stops every rank after the same
+    step. A ``run_dir`` holding a finished run of at least ``epochs`` epochs with the same
+    settings (the same script run again) trains nothing and rewrites nothing: the model gets
+    the run's final state, and the History is the run's. Each ``hk.fit`` of one script (two
+    phases of transfer learning) needs its own ``run_dir``.
 
-    A ``run_dir`` holding a finished run of at least ``epochs`` epochs with the same settings
-    (the same script run again) trains nothing and rewrites nothing: the model gets the run's
-    final state, and the History is the run's. Each hk.fit of one script (two phases of
-    transfer learning) needs its own ``run_dir``.
+    Args:
+        model: a compiled Keras model (its optimizer an ``hk.DistributedOptimizer``).
+        train: ``hk.dataset(x, y, ...)``, or a ``tf.data.Dataset`` of this rank's batches
+            built as for one process (``(x, y)`` or ``(x, y, sample_weight)``, Horovod's
+            per-rank batch size), which hvdtrain shards (by file, else by batch) and counts
+            (every rank takes the fewest steps any rank has).
+        epochs: the epochs to train, in all (a resumed run trains those left).
+        validation_data: ``(x, y)`` or ``(x, y, sample_weight)`` of arrays (or dicts,
+            tuples, lists of them, as the training data), or a ``tf.data.Dataset`` of
+            batches; each example is scored by one rank. None: no validation.
+        callbacks: Keras callbacks; those that write files run on rank 0 only.
+        validation_batch_size: the batch of arrays given as ``validation_data``.
+        steps_per_epoch: for a ``tf.data.Dataset``: the steps of an epoch (required for one
+            that repeats forever).
+        sharded: for a ``tf.data.Dataset``: True when each rank's dataset is already its own
+            shard, so hvdtrain does not shard it.
+        run_dir: where rank 0 writes the run (None: ``runs/fit-<time>``).
+        checkpoint_every: updates between checkpoints (0: at epoch ends only).
+        keep_checkpoints: how many of the newest checkpoints to keep.
+        resume: None: resume from the newest checkpoint if there is one; True: require one;
+            False: refuse a ``run_dir`` that holds checkpoints.
+        **settings: the other settings a fit script may set, by their names in
+            ``hvdtrain.Config`` and with the same defaults (``peer_timeout=30``,
+            ``stop_on_divergence``, ``save_model``, ``verbose``, ...); those that the model,
+            the optimizer or the dataset decide are refused (the settings table says which).
 
-    ``run_dir``: where rank 0 writes the run (None: ``runs/fit-<time>``); ``checkpoint_every``
-    (updates between checkpoints; 0: at epoch ends only), ``keep_checkpoints``, ``resume``
-    (None: resume from the newest checkpoint if there is one; True: require one; False:
-    refuse a run_dir that holds checkpoints): ``hvdtrain.Config``'s fields of those names.
-    ``settings``: Config's other fields that a fit script may set, by the same names and with
-    the same defaults (``peer_timeout=30``, ``stop_on_divergence``, ``save_model``,
-    ``verbose``, ...); those the model, the optimizer or the dataset decide are refused
-    (``Config``'s ``fit_refusal``).
-    Raises an ``hk.Error`` (``hvdtrain.base.errors.Error``: one line; ``Preempted`` after a
-    SIGTERM: rerun the same command to resume).
+    Returns:
+        The Keras History, on every rank.
+
+    Raises:
+        Error: one line, with its exit status (``hk.report_error`` says it):
+            ``ConfigError`` for a bad argument, ``Preempted`` after a SIGTERM (rerun the
+            same command to resume), ``Diverged`` for a NaN or infinite loss, ...
     """
     settings = dict(run_dir=run_dir, checkpoint_every=checkpoint_every,
                     keep_checkpoints=keep_checkpoints, resume=resume, **settings)
@@ -256,8 +346,19 @@ def _fit(model, train, epochs, validation_data, callbacks, validation_batch_size
 
 
 def report_error(e: Error, prog: str = None) -> int:
-    """Say ``e`` in one line on stderr (once, by rank 0, when every rank raised it) and return
-    its exit status: what a fit script does with an ``hvdtrain.keras.Error``."""
+    """Say an error in one line on stderr and return its exit status.
+
+    What a fit script does with an ``hk.Error``: ``sys.exit(hk.report_error(e))``. An error
+    that every rank raised is said once, by rank 0.
+
+    Args:
+        e: the error.
+        prog: the program's name that starts the line (default: the script's file name).
+
+    Returns:
+        The exit status for ``sys.exit`` (75 after a SIGTERM: run the same command again to
+        resume; the exit codes page lists them all).
+    """
     import os
     import sys
 

@@ -9,3 +9,6 @@ def __getattr__(name):
         from hvdtrain.distributed import layers
         return layers.SyncBatchNormalization
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["SyncBatchNormalization", "global_moments"]

@@ -34,7 +34,21 @@ PRECISIONS = ("none", "float16", "bfloat16")  # --mixed-precision: see precision
 
 
 def setting(default, help: str, defines_run: bool = True, per_rank: bool = False, **meta):
-    """A field with its CLI help and what it means for a run (see the module docstring)."""
+    """A field of a task's ``Settings`` dataclass: its default, its ``--help`` line.
+
+    Each field of a task's ``Settings`` is a command-line flag named after it (``width:
+    int = hvdtrain.setting(64, "hidden units")`` gives ``--width``).
+
+    Args:
+        default: the default value (a list or tuple is stored as a tuple).
+        help: the flag's line in ``--help``.
+        defines_run: a resume refuses a checkpoint made with another value.
+        per_rank: the value may differ between ranks (a path, chattiness).
+        **meta: more metadata: ``choices=(...)`` limits the values.
+
+    Returns:
+        A ``dataclasses.field``.
+    """
     meta = dict(help=help, defines_run=defines_run, per_rank=per_rank, **meta)
     if isinstance(default, (list, tuple)):
         return field(default_factory=lambda: tuple(default), metadata=meta)
@@ -45,8 +59,11 @@ def setting(default, help: str, defines_run: bool = True, per_rank: bool = False
 class Config:
     """The training settings of one run, whatever the task.
 
-    The defaults are Keras's own (SGD at 0.01, batches of 32); a task's ``defaults`` replace
-    them (the built-in tasks: their learning rates, batch sizes and two workers).
+    Each field is a keyword argument (``Config(learning_rate=0.1, epochs=3)``) and a
+    command-line flag (``--learning-rate``); the settings table of the command-line
+    reference lists every field with its flag, its default and its meaning. The defaults are
+    Keras's own (SGD at 0.01, batches of 32); a task's ``defaults`` replace them (the
+    built-in tasks: their learning rates, batch sizes and two workers).
     """
 
     # Optimisation. Gradients are averaged over workers, as SyncReplicasOptimizer does,
@@ -135,7 +152,14 @@ class Config:
                            defines_run=False, per_rank=True, choices=(0, 1, 2))
 
     def validate(self) -> "Config":
-        """Raise ConfigError for the first bad field; return self when all are good."""
+        """Check every field.
+
+        Returns:
+            This Config, when every field is good.
+
+        Raises:
+            ConfigError: the first bad field, with its flag, its value and why.
+        """
         if self.seed < 0:
             raise ConfigError("seed", self.seed, "must be 0 or more")
         for name in ("learning_rate", "epochs"):
@@ -180,6 +204,11 @@ class Config:
         return self
 
     def to_dict(self) -> dict:
+        """The settings as a dict, by field name.
+
+        Returns:
+            ``{name: value}`` of every field.
+        """
         return dataclasses.asdict(self)
 
 

@@ -23,6 +23,8 @@ EXIT_PEER_LOST = 69   # EX_UNAVAILABLE: a rank died or froze (the watchdog); its
 EXIT_RUN_DIR_HELD = 73  # EX_CANTCREAT: the run directory's lock outlived HVDTRAIN_LOCK_WAIT
 EXIT_STORAGE = 74     # EX_IOERR: the storage failed under a write (EIO, ESTALE, a timeout)
 EXIT_PREEMPTED = 75   # EX_TEMPFAIL: stopped by SIGTERM after saving; rerun to resume
+"""The exit status after a SIGTERM (``Preempted``): a checkpoint was saved, and the same
+command run again resumes from it."""
 RETRIED = (EXIT_PEER_LOST, EXIT_RUN_DIR_HELD, EXIT_STORAGE, EXIT_PREEMPTED)
 
 # Write errors of a storage that is failing or unreachable, not full or misconfigured: a
@@ -34,7 +36,17 @@ TRANSIENT_ERRNOS = frozenset(getattr(errno, n) for n in (
 
 
 class Error(Exception):
-    """An hvdtrain error: one line, an exit status."""
+    """The base of every error hvdtrain raises: one line, and an exit status.
+
+    ``str(e)`` is the line a user sees. A fit script catches ``hk.Error`` and ends with
+    ``sys.exit(hk.report_error(e))``.
+
+    Attributes:
+        status: the exit status the program ends with (1 unless the class says otherwise;
+            the exit codes page lists them).
+        together: True when every rank raises it at the same point (rank 0 alone reports
+            it); False when it is one rank's.
+    """
 
     status = EXIT_FAILED
     together = False
@@ -49,8 +61,24 @@ class Together(Error):
 # --- bad input: exit 2 -------------------------------------------------------------------------
 
 class ConfigError(Together, ValueError):
-    """A bad setting. ``str()`` is ``--flag=value: reason`` (the command line's flag), or,
-    raised through a fit script's call, ``hk.fit(name=value): reason`` (``in_call``)."""
+    """A bad setting; exit status 2.
+
+    ``str(e)`` is ``--flag=value: reason`` (the command line's flag) or, raised through a
+    fit script's call, ``hk.fit(name=value): reason``.
+
+    Args:
+        name: the setting (a ``Config`` field's or an argument's name).
+        value: the value refused.
+        reason: why.
+        call: the call that took it (``"hk.fit"``), or None for the command line.
+
+    Attributes:
+        flag: the setting's flag (``--learning-rate``).
+        name: the setting.
+        value: the value refused.
+        reason: why.
+        call: the call that took it, or None.
+    """
 
     status = EXIT_USAGE
 
@@ -62,8 +90,15 @@ class ConfigError(Together, ValueError):
                          f"{self.flag}={shown}: {reason}")
 
     def in_call(self, call: str) -> "ConfigError":
-        """The same refusal naming the argument of ``call`` (``hk.fit``, ``hk.dataset``) the
-        user wrote, not a command-line flag the script does not have."""
+        """The same refusal, naming the argument of a call rather than a flag.
+
+        Args:
+            call: the call the user wrote (``"hk.fit"``, ``"hk.dataset"``).
+
+        Returns:
+            A ``ConfigError`` that says ``call(name=value): reason``; this one when it
+            already names a call.
+        """
         return self if self.call else ConfigError(self.name, self.value, self.reason, call)
 
 
@@ -93,7 +128,12 @@ class SpecError(Error, ValueError):
 # --- the run's own failures: exit 1 --------------------------------------------------------------
 
 class TaskError(Together, ValueError):
-    """The task's code broke one of the Task interface's rules."""
+    """The task's code broke one of the Task interface's rules; exit status 1.
+
+    For example a ``loss`` that does not return one value per example, or an exception
+    raised in the user's own ``build_model``: the line names the method and the user's file
+    and line.
+    """
 
 
 class KerasVersionError(Together, RuntimeError):
@@ -105,7 +145,11 @@ class RankError(Together, RuntimeError):
 
 
 class Diverged(Together, RuntimeError):
-    """The loss (or the weights) became NaN or infinite; every rank stopped at that step."""
+    """The loss (or the weights) became NaN or infinite; exit status 1.
+
+    Every rank stops at that step; the checkpoints from before it are kept
+    (``stop_on_divergence=False`` trains on instead).
+    """
 
 
 class RanksDiffer(Together, RuntimeError):
@@ -113,7 +157,10 @@ class RanksDiffer(Together, RuntimeError):
 
 
 class DataError(Error, RuntimeError):
-    """A data file is missing, corrupt or not what the task expects."""
+    """A data file is missing, corrupt or not what the task expects; exit status 1.
+
+    A task's ``load_data`` raises it for a bad file: every rank then stops with one line.
+    """
 
 
 class InputError(Together, DataError):
@@ -166,7 +213,10 @@ class StorageError(Together, RuntimeError):
 # --- not a failure: exit 75 -----------------------------------------------------------------------
 
 class Preempted(Together, RuntimeError):
-    """SIGTERM reached a rank; every rank stopped after the same step, rank 0 saved."""
+    """A SIGTERM reached a rank: every rank stopped after the same step; exit status 75.
+
+    Rank 0 saved a checkpoint at that step: the same command run again resumes from it.
+    """
 
     status = EXIT_PREEMPTED
 

@@ -1,22 +1,29 @@
-"""Synchronized BatchNormalization: batch statistics over the global batch, under Horovod.
+"""Keras' BatchNormalization with its batch statistics over every rank's batch.
 
-    from hvdtrain.layers import SyncBatchNormalization     # or hvdtrain.SyncBatchNormalization
-    x = SyncBatchNormalization()(x)        # where keras.layers.BatchNormalization() stood
+``from hvdtrain.layers import SyncBatchNormalization`` (or ``hvdtrain.SyncBatchNormalization``),
+then ``SyncBatchNormalization()(x)`` where ``keras.layers.BatchNormalization()(x)`` stood: it
+takes BatchNormalization's arguments. Keras 3 and Keras 2 (``TF_USE_LEGACY_KERAS=1``) each get
+a subclass of their own BatchNormalization, made on first use.
 
 In training, each call normalizes with the mean and variance of every rank's batch together:
 each rank's per-channel [count, sum, sum of squares] go into one Horovod Sum allreduce, so the
-count is right when the ranks' batches differ in size, and the gradient flows back through it
-(Horovod's gradient of a Sum allreduce is a Sum allreduce). With the gradients averaged over
-the ranks (``hvdtrain.DistributedOptimizer``), training on N ranks gives one process's
-weights and moving statistics at the global batch. Its cost: one small allreduce per layer
-per step in the forward pass and one in the backward pass. In inference (``training=False``)
-it uses the moving statistics, with no collective; in one process it is Keras'
-BatchNormalization. Keras 3 and Keras 2 (``TF_USE_LEGACY_KERAS=1``) each get a subclass of
-their own BatchNormalization.
+count is right when the ranks' batches differ in size, and the gradient flows back through it.
+With the gradients averaged over the ranks (``hvdtrain.DistributedOptimizer``), training on N
+ranks gives one process's weights and moving statistics at the global batch. Its cost: one
+small allreduce per layer per step in the forward pass and one in the backward pass. In
+inference (``training=False``) it uses the moving statistics, with no collective; in one
+process it is Keras' BatchNormalization.
 
-Saved (``model.save``, hvdtrain's model.keras) it is Keras' own BatchNormalization, so the
-file opens without hvdtrain and predicts the same; loaded, it normalizes per rank again: build
-the model in code to train on from a checkpoint.
+Saved (``model.save``, the run directory's model.keras) it is Keras' own BatchNormalization, so
+the file opens without hvdtrain and predicts the same; loaded, it normalizes per rank again:
+build the model in code to train on from a checkpoint.
+
+Args:
+    **kwargs: BatchNormalization's arguments. Keras 2: ``fused=True`` and
+        ``virtual_batch_size`` are refused (both keep the statistics per rank).
+
+Raises:
+    ValueError: Keras 2: ``fused=True`` or ``virtual_batch_size`` was given.
 """
 from __future__ import annotations
 
@@ -25,11 +32,23 @@ from hvdtrain.distributed.start import current
 
 
 def global_moments(x, axes, world, weights=None, keepdims=False):
-    """Mean and variance of ``x`` over ``axes`` and over every rank's ``x``.
+    """Mean and variance of a tensor over some axes and over every rank's tensor.
 
-    ``weights`` (0/1, broadcastable to ``x``, from a mask) choose the entries counted. Each
-    rank's sums are taken about its own mean (two passes, as tf.nn.moments) and combined in
-    float64, so that a large mean does not cancel the variance away.
+    What ``SyncBatchNormalization`` normalizes with, for a layer of one's own. Each rank's
+    sums are taken about its own mean (two passes, as ``tf.nn.moments``) and combined in
+    float64, so that a large mean does not cancel the variance away. Every rank must call
+    it, with the same axes.
+
+    Args:
+        x: this rank's tensor.
+        axes: the axes to reduce over (as ``tf.nn.moments``).
+        world: the World to reduce over (``hvdtrain.world()``).
+        weights: 0/1 weights broadcastable to ``x`` (from a mask) that choose the entries
+            counted; None: all of them.
+        keepdims: keep the reduced axes, of length 1.
+
+    Returns:
+        ``(mean, variance)``, in ``x``'s dtype.
     """
     import tensorflow as tf
 

@@ -56,24 +56,39 @@ from hvdtrain.base.errors import ConfigError
 def DistributedOptimizer(optimizer, op: str = "average", compression: str = "none",
                          gradient_predivide_factor: float = 1.0, world=None,
                          backward_passes_per_step: int = 1):
-    """Wrap ``optimizer`` so that every update uses gradients reduced over all ranks.
+    """Wrap an optimizer so that every update uses gradients reduced over all ranks.
 
-    op: ``"average"`` (the default: the learning rate keeps its single-process meaning),
-        ``"sum"`` or ``"adasum"`` (Keras 3 only: Horovod's Keras 2 wrapper refuses it);
-        Horovod's ``hvd.Average`` etc. are accepted too.
-    compression: ``"none"`` or ``"fp16"`` (gradients travel as float16), or
-        ``hvd.Compression.*``.
-    gradient_predivide_factor: average as ``sum(g / f) * f / size`` instead of
-        ``sum(g) / size`` (guards float16 sums against overflow); op ``"average"`` only.
-    world: the ``World`` to reduce over (default: this process's, ``hvdtrain.world()``).
-    backward_passes_per_step: N > 1 accumulates the gradients of N calls (micro-batches) on
-        each rank and applies their mean, reduced over the ranks once, every N-th call: N
-        micro-batches of b train as one batch of N * b with a mean loss. Keras 3:
-        the optimizer must not be built yet (its accumulators are created with its slots).
+    Any Keras optimizer, under Keras 3 as under Keras 2 (``TF_USE_LEGACY_KERAS=1``, where it
+    is Horovod's ``horovod.tensorflow.keras.DistributedOptimizer``). Horovod is started if
+    hvdtrain has not started it yet. Float16 loss scaling composes with it in either order
+    (``compile`` under a ``mixed_float16`` policy wraps it in a ``LossScaleOptimizer``).
 
-    Horovod is started (``hvd.init()``) if hvdtrain has not started it yet. Under Keras 3 the
-    optimizer is wrapped in place and returned: its state, learning-rate schedule and saved
-    form stay those of its own class, so a model saved with it loads without hvdtrain.
+    Args:
+        optimizer: a Keras optimizer of the Keras in use.
+        op: ``"average"`` (the default: the learning rate keeps its single-process meaning),
+            ``"sum"`` or ``"adasum"`` (Keras 3 only: Horovod's Keras 2 wrapper refuses it);
+            Horovod's ``hvd.Average`` etc. are accepted too.
+        compression: ``"none"`` or ``"fp16"`` (gradients travel as float16), or
+            ``hvd.Compression.*``.
+        gradient_predivide_factor: average as ``sum(g / f) * f / size`` instead of
+            ``sum(g) / size`` (guards float16 sums against overflow); op ``"average"`` only.
+        world: the World to reduce over (default: this process's, ``hvdtrain.world()``).
+        backward_passes_per_step: N > 1 accumulates the gradients of N calls (micro-batches)
+            on each rank and applies their mean, reduced over the ranks once, every N-th
+            call: N micro-batches of b train as one batch of N * b with a mean loss. Keras 3:
+            the optimizer must not be built yet.
+
+    Returns:
+        The optimizer to give ``model.compile`` (or to use in a custom loop). Under Keras 3
+        it is ``optimizer`` itself, wrapped in place: its state, learning-rate schedule and
+        saved form stay those of its own class, so a model saved with it loads without
+        hvdtrain. In one process under Keras 2, ``optimizer`` unchanged.
+
+    Raises:
+        ValueError: ``op``, ``compression`` or ``gradient_predivide_factor`` is not one of
+            the values above.
+        ConfigError: ``backward_passes_per_step`` is not an integer of at least 1, or
+            cannot accumulate here (with float16 loss scaling; an optimizer already built).
     """
     reduction = (world or current()).reduction(op, compression,
                                                            gradient_predivide_factor)

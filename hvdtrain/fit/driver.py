@@ -38,6 +38,9 @@ from hvdtrain.inputs.sources import is_dataset
 # calls shorter than this, the flag rides in the gradients' allreduce instead
 # (optimizer.StopFlags), and a check reads it: no round trip of its own.
 STOP_CHECK_EVERY = 10
+"""Steps between two checks for a SIGTERM on any rank, at most: a preempted ``hk.fit`` stops
+every rank within that many steps of the signal (at the end of a compiled call when a call
+is longer)."""
 
 # The run directories this process's hk.fit calls finished: given again, a second phase of
 # training (transfer learning) would be taken for a rerun of the first.

@@ -34,11 +34,25 @@ IDX_FILES = {  # split -> (images, labels), as published (also accepted without 
 }
 NPZ_NAMES = {"mnist": "mnist.npz", "fashion_mnist": "fashion-mnist.npz"}
 DATASETS = tuple(NPZ_NAMES)  # the MNIST-format datasets the loaders know
+"""The MNIST-format datasets the loaders know: ``"mnist"`` and ``"fashion_mnist"``."""
 
 
 @dataclass
 class Data:
-    """A task's examples. ``x_test`` may be None (the linear task has no test set)."""
+    """A task's examples, what ``Task.load_data`` returns.
+
+    The arrays are numpy arrays or random-access array-likes (``np.load(path,
+    mmap_mode="r")``), each ``x`` as long as its ``y``. In place of ``x_train`` and
+    ``y_train`` (or ``x_test`` and ``y_test``), a ``tf.data.Dataset`` of unbatched
+    ``(x, y)`` examples, with the ``y`` left None.
+
+    Attributes:
+        x_train: the training inputs.
+        y_train: their labels.
+        x_test: the test inputs, or None for no test set.
+        y_test: their labels, or None.
+        info: what result.json records about the data (``dataset``, ``source``, ...).
+    """
 
     x_train: np.ndarray
     y_train: np.ndarray
@@ -50,7 +64,17 @@ class Data:
 # --- linear -----------------------------------------------------------------------------
 
 def linear_data(num_samples, true_weights, true_bias, seed) -> Data:
-    """The seed's data: x ~ N(0, 1), y = x @ w + b, identical on every rank for one seed."""
+    """The linear task's synthetic data: ``x ~ N(0, 1)``, ``y = x @ w + b``.
+
+    Args:
+        num_samples: how many examples.
+        true_weights: ``w``, one weight per input feature.
+        true_bias: ``b``.
+        seed: the random seed; one seed gives the same data on every rank.
+
+    Returns:
+        A ``Data`` of float32 training examples and no test set.
+    """
     rng = np.random.default_rng(seed)
     w = np.asarray(true_weights, dtype=np.float64).reshape(-1, 1)
     x = rng.standard_normal((num_samples, len(w)))
@@ -77,7 +101,19 @@ def _read_bytes(path: str) -> bytes:
 
 
 def read_idx(path: str, expect_ndim: int) -> np.ndarray:
-    """Read one IDX file (ubyte images of ndim 3, or labels of ndim 1), checking its size."""
+    """Read one IDX file (gzipped or not), checking its header and size.
+
+    Args:
+        path: the file.
+        expect_ndim: 3 for images, 1 for labels.
+
+    Returns:
+        Its unsigned-byte array.
+
+    Raises:
+        DataError: the file is missing, unreadable, truncated, or not an unsigned-byte IDX
+            file of ``expect_ndim`` dimensions.
+    """
     raw = _read_bytes(path)
     if len(raw) < 4:
         raise DataError(f"{path}: truncated: {len(raw)} bytes, no IDX header")
@@ -134,7 +170,19 @@ def _check_pair(x, y, x_path, y_path, what=("images", "labels")):
 
 
 def load_idx_dir(directory: str) -> Optional[Data]:
-    """The four standard IDX files in ``directory``; None when there are none at all."""
+    """The four standard MNIST IDX files in a directory.
+
+    Args:
+        directory: where to look for ``train-images-idx3-ubyte.gz`` and the other three
+            (also accepted without ``.gz``).
+
+    Returns:
+        A ``Data`` of their training and test examples, or None when the directory holds
+        none of them.
+
+    Raises:
+        DataError: some of the four files are missing, or one is bad.
+    """
     found = {split: [_find(directory, n) for n in names] for split, names in IDX_FILES.items()}
     paths = [p for pair in found.values() for p in pair]
     if not any(paths):
@@ -152,7 +200,18 @@ def load_idx_dir(directory: str) -> Optional[Data]:
 
 
 def load_npz(path: str) -> Data:
-    """A Keras-format npz (x_train, y_train, x_test, y_test), checked."""
+    """A Keras-format npz file, checked as MNIST-format examples.
+
+    Args:
+        path: an npz with the arrays ``x_train``, ``y_train``, ``x_test`` and ``y_test``.
+
+    Returns:
+        A ``Data`` of its arrays, as uint8.
+
+    Raises:
+        DataError: the file is unreadable, lacks one of the arrays, or holds no 28 x 28
+            images with labels 0-9.
+    """
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = {"x_train", "y_train", "x_test", "y_test"} - set(f.files)
@@ -170,7 +229,18 @@ def load_npz(path: str) -> Data:
 
 
 def load_dir(directory: str, dataset: str) -> Optional[Data]:
-    """IDX files, else the dataset's npz, in ``directory``; None when it holds neither."""
+    """An MNIST-format dataset in a directory: its IDX files, else its npz.
+
+    Args:
+        directory: the directory.
+        dataset: one of ``DATASETS``; names the npz (``mnist.npz``, ``fashion-mnist.npz``).
+
+    Returns:
+        A ``Data``, or None when the directory holds neither.
+
+    Raises:
+        DataError: a file found is bad.
+    """
     data = load_idx_dir(directory)
     if data is None:
         npz = os.path.join(directory, NPZ_NAMES[dataset])
@@ -182,7 +252,18 @@ def load_dir(directory: str, dataset: str) -> Optional[Data]:
 # --- the bundled sample ----------------------------------------------------------------
 
 def load_sample(path: str = SAMPLE_PATH) -> Data:
-    """The 5,000 real MNIST digits shipped with hvdtrain, split 4,000 / 1,000 per class."""
+    """The 5,000 real MNIST digits shipped with hvdtrain.
+
+    Args:
+        path: the sample's file (the one shipped by default).
+
+    Returns:
+        A ``Data`` of 4,000 training and 1,000 test digits, split per class (the same split
+        for every ``--seed``).
+
+    Raises:
+        DataError: the file is missing or malformed.
+    """
     raw = _read_bytes(path)
     try:
         table = np.loadtxt(io.BytesIO(raw), delimiter=",", dtype=np.int64)
@@ -223,10 +304,27 @@ def download_mnist(cache_dir: str = KERAS_CACHE, timeout: float = 20.0) -> str:
 
 def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, world,
                       notice=print) -> Data:
-    """Find the dataset without network where possible; see docs/guides/data.md.
+    """Find an MNIST-format dataset, without the network where possible.
 
-    Order: ``data_dir``; the Keras cache; (MNIST) a download by one process per host while
-    the others wait; (MNIST) the bundled 5,000-digit sample, announced by ``notice``.
+    The order: ``data_dir``; the Keras cache (``~/.keras/datasets``); for MNIST, a download
+    by one process per host while the others wait, then the bundled 5,000-digit sample
+    (``load_sample``), announced by ``notice``. Fashion-MNIST is also looked for in
+    ``/usr/share/datasets/fashion-mnist`` (Debian's ``dataset-fashion-mnist``).
+
+    Args:
+        dataset: one of ``DATASETS``.
+        data_dir: a directory that must hold it (IDX files or the npz), or None.
+        download: MNIST: download it when it is not in the Keras cache (every rank must
+            call, as they wait for each other).
+        world: this process's place in the job (``hvdtrain.world()``).
+        notice: called with one line when the bundled sample is used.
+
+    Returns:
+        A ``Data``; its ``info`` names the dataset and where it was found.
+
+    Raises:
+        DataError: ``data_dir`` does not hold it, a file is bad, or Fashion-MNIST is
+            nowhere.
     """
     def tagged(data: Data) -> Data:
         data.info["dataset"] = dataset
@@ -273,18 +371,39 @@ def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, wor
 # --- sharding ---------------------------------------------------------------------------
 
 def steps_per_epoch(num_examples: int, batch_size: int, world_size: int) -> int:
-    """Synchronous steps per epoch: every rank takes this many (uneven counts deadlock)."""
+    """Synchronous steps per epoch: every rank takes this many.
+
+    Args:
+        num_examples: the training examples, all ranks together.
+        batch_size: examples per rank per step.
+        world_size: the number of ranks.
+
+    Returns:
+        The full global batches in ``num_examples``; the remainder is left out of the epoch.
+    """
     return num_examples // (batch_size * world_size)
 
 
 def epoch_plan(num_examples: int, batch_size: int, rank: int, world_size: int, seed: int,
                epoch: int, shuffle: bool = True) -> np.ndarray:
-    """This rank's example indices for one epoch, shaped [steps, batch_size].
+    """This rank's example indices for one epoch.
 
     One permutation of all examples per (seed, epoch), identical on every rank; global
     step k uses the k-th block of ``batch_size * world_size`` examples and rank r takes
     the r-th slice of it. The ranks' shards are disjoint and equal; the remainder that
     does not fill a global batch is left out of this epoch (another one next epoch).
+
+    Args:
+        num_examples: the training examples, all ranks together.
+        batch_size: examples per rank per step.
+        rank: this rank.
+        world_size: the number of ranks.
+        seed: the run's seed.
+        epoch: the epoch, from 0.
+        shuffle: False: the examples in their order.
+
+    Returns:
+        The indices, shaped ``[steps, batch_size]``.
     """
     steps = steps_per_epoch(num_examples, batch_size, world_size)
     if shuffle:
@@ -296,5 +415,14 @@ def epoch_plan(num_examples: int, batch_size: int, rank: int, world_size: int, s
 
 
 def test_shard(num_examples: int, rank: int, world_size: int) -> np.ndarray:
-    """This rank's part of the test set: every example is evaluated by exactly one rank."""
+    """This rank's part of the test set: every example is evaluated by exactly one rank.
+
+    Args:
+        num_examples: the test examples.
+        rank: this rank.
+        world_size: the number of ranks.
+
+    Returns:
+        The indices of this rank's examples.
+    """
     return np.arange(rank, num_examples, world_size)

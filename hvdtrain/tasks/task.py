@@ -34,16 +34,32 @@ BUILTIN = {"linear": "hvdtrain.linear:LinearTask", "mnist": "hvdtrain.mnist:Mnis
 
 
 class Task:
-    """Base class of every task. Subclasses set ``name`` and implement ``load_data``,
-    ``build_model`` and ``loss``; everything else has a default.
+    """Base class of every task: a model, its data, its loss.
 
-    Class attributes:
-      name         names the run directory, the program and the results.
-      description  one line for ``--help``.
-      Settings     a dataclass of the task's own settings (each field a flag; see
-                   ``hvdtrain.setting`` for help text and metadata), or None.
-      defaults     the task's values for ``Config`` fields (e.g. its learning rate).
-      progress_bar draw a per-epoch progress bar on a terminal (off for full-batch tasks).
+    Subclasses set ``name`` and implement ``load_data``, ``build_model`` and ``loss``;
+    everything else has a default. ``hvdtrain.train(task, config)`` trains an instance, and
+    ``hvdtrain.cli.run(task)`` gives it the command line (every ``Config`` field and every
+    field of ``Settings`` a flag).
+
+    Args:
+        settings: an instance of ``Settings``; by default one is made from ``**values``.
+        **values: ``Settings`` fields to set, by name (``MyTask(width=32)``).
+
+    Attributes:
+        name: names the run directory, the program and the results.
+        description: one line for ``--help``.
+        Settings: a dataclass of the task's own settings (each field a flag; see
+            ``hvdtrain.setting`` for help text and metadata), or None.
+        settings: the ``Settings`` instance this task trains with (None without ``Settings``).
+        defaults: the task's values for ``Config`` fields (e.g. its learning rate).
+        progress_bar: draw a per-epoch progress bar on a terminal (off for full-batch
+            tasks).
+
+    Raises:
+        TypeError: ``values`` name no ``Settings`` field, or the task declares no
+            ``Settings``.
+        ConfigError: a setting is not one of its field's ``choices``, or the
+            ``Settings``' own ``validate()`` refuses it.
     """
 
     name = "task"
@@ -69,54 +85,124 @@ class Task:
         self.settings = settings
 
     def config(self, **overrides) -> Config:
-        """This task's training configuration: ``Config`` with the task's defaults and
-        ``overrides`` applied, validated."""
+        """This task's training configuration.
+
+        Args:
+            **overrides: ``Config`` fields to set, by name.
+
+        Returns:
+            ``Config`` with the task's ``defaults``, then ``overrides``, validated.
+
+        Raises:
+            ConfigError: a value is out of range.
+        """
         return Config(**{**self.defaults, **overrides}).validate()
 
     # --- what every task provides ---------------------------------------------------------
     def load_data(self, config: Config, world) -> Data:
-        """Every example of the task, the same on every rank (the loop shards them per rank).
+        """Every example of the task, the same on every rank (hvdtrain shards them per rank).
 
         ``Data``'s arrays may be numpy arrays (held in memory, gathered on the device) or any
         random-access array-like too big for memory, e.g. ``np.load(path, mmap_mode="r")``:
-        each rank then reads only its own batches. Raise ``hvdtrain.data.DataError`` for a bad
-        file: all ranks then stop together with one line.
+        each rank then reads only its own batches.
+
+        Args:
+            config: the run's ``Config``.
+            world: this process's place in the job (``hvdtrain.world()``).
+
+        Returns:
+            A ``hvdtrain.data.Data`` of the training examples and, optionally, the test
+            examples.
+
+        Raises:
+            DataError: a data file is missing or bad (``hvdtrain.data.DataError``): all ranks
+                then stop together with one line.
         """
         raise NotImplementedError
 
     def build_model(self, config: Config):
-        """A built Keras model (its variables exist), identical in shape on every rank. Build
-        it with the Keras in use: ``hvdtrain.compat.keras()`` (or plain ``import keras``
-        unless TF_USE_LEGACY_KERAS=1 is set). Under ``--mixed-precision`` it is called
+        """The task's Keras model, built, and identical in shape on every rank.
+
+        Build it with the Keras in use: ``hvdtrain.compat.keras()`` (or plain ``import keras``
+        unless ``TF_USE_LEGACY_KERAS=1`` is set). Under ``--mixed-precision`` it is called
         with Keras' mixed policy set (16-bit layers, float32 variables); its outputs may be
-        16-bit: they are cast to float32 before ``loss`` and the metrics."""
+        16-bit: they are cast to float32 before ``loss`` and the metrics.
+
+        Args:
+            config: the run's ``Config``.
+
+        Returns:
+            A built Keras model (its variables exist).
+        """
         raise NotImplementedError
 
     def loss(self, y, pred):
-        """Per-example loss, shape [batch]: the loop averages it over the global batch (a
-        loss that is already reduced to a number is refused: the global mean needs the
-        parts). Regularisation losses of the model (``model.losses``) are added to it."""
+        """The loss of each example of a batch.
+
+        hvdtrain averages it over the global batch; the model's regularisation losses
+        (``model.losses``) are added to it.
+
+        Args:
+            y: the batch's labels, after ``preprocess``.
+            pred: the model's outputs for the batch.
+
+        Returns:
+            One value per example, shape ``[batch]``. A loss already reduced to one number
+            is refused: the global mean needs the parts
+            (``keras.losses.sparse_categorical_crossentropy(y, pred)``, not a ``Loss``
+            object's mean).
+        """
         raise NotImplementedError
 
     # --- optional -------------------------------------------------------------------------
     def build_optimizer(self, config: Config, learning_rate: float):
-        """Any Keras optimizer (a learning-rate schedule too); hvdtrain wraps it so that the
-        gradients are averaged over all ranks. ``learning_rate`` is the run's learning rate:
-        ``--learning-rate``, times the world size with ``--scale-lr``; the ``config`` a task
-        is handed (here and in ``load_data``/``build_model``) carries the same value in
-        ``config.learning_rate``. Default: SGD with ``--momentum``."""
+        """The task's optimizer: by default SGD with ``--momentum``.
+
+        Any Keras optimizer (a learning-rate schedule too); hvdtrain wraps it so that the
+        gradients are averaged over all ranks.
+
+        Args:
+            config: the run's ``Config``; ``config.learning_rate`` is ``learning_rate``.
+            learning_rate: the run's learning rate: ``--learning-rate``, times the world size
+                with ``--scale-lr``.
+
+        Returns:
+            A Keras optimizer of the Keras in use.
+        """
         from hvdtrain.base.compat import keras
         return keras().optimizers.SGD(learning_rate=learning_rate, momentum=config.momentum)
 
     def preprocess(self, x, y):
-        """Turn stored examples into model inputs, inside the compiled step (tensors)."""
+        """Turn stored examples into model inputs, inside the compiled step.
+
+        Args:
+            x: a batch of stored inputs (tensors).
+            y: their labels (tensors).
+
+        Returns:
+            ``(x, y)`` as the model and ``loss`` take them; by default unchanged.
+        """
         return x, y
 
     def metrics(self) -> Dict[str, Callable]:
-        """name -> fn(y, pred) giving per-example values; reported as exact global means."""
+        """The task's metrics, reported as exact means over every rank's examples.
+
+        Returns:
+            ``{name: fn(y, pred)}``, each function giving one value per example (as ``loss``
+            does); by default none.
+        """
         return {}
 
     def format_epoch(self, record: dict) -> str:
+        """The line rank 0 prints at the end of an epoch when it draws no progress bar.
+
+        Args:
+            record: the epoch's numbers (``epoch``, ``epochs``, ``global_step``, ``loss``,
+                each metric by its name, ``samples_per_sec``, ...).
+
+        Returns:
+            One line.
+        """
         parts = [f"Epoch {record['epoch']}/{record['epochs']}", f"step {record['global_step']}",
                  f"loss {record['loss']:.6f}"]
         parts += [f"{k} {record[k]:.4f}" for k in self.metrics()]
@@ -124,14 +210,33 @@ class Task:
         return "  ".join(parts)
 
     def summarize(self, model) -> dict:
-        """Task-specific fields for result.json (e.g. the learned weights)."""
+        """Task-specific fields for result.json.
+
+        Args:
+            model: the trained model.
+
+        Returns:
+            A dict of JSON values (e.g. the learned weights); by default empty.
+        """
         return {}
 
     def format_result(self, result: dict) -> str:
-        """The closing line rank 0 prints."""
+        """The closing line rank 0 prints.
+
+        Args:
+            result: what result.json holds (``final_loss``, the metrics, ...).
+
+        Returns:
+            One line; by default the final loss.
+        """
         return f"Final loss: {result['final_loss']:.6f}"
 
     def describe_settings(self) -> dict:
+        """The task's settings.
+
+        Returns:
+            ``settings`` as a dict (empty without ``Settings``).
+        """
         return {} if self.settings is None else dataclasses.asdict(self.settings)
 
 

@@ -36,11 +36,25 @@ AUTO_MAX_STEPS = 64
 
 def train(task: Task, config: Optional[Config] = None,
           world: Optional[distributed.World] = None) -> dict:
-    """Train ``task`` under ``config`` (default: the task's own defaults) on every rank and
-    return the result (all ranks).
+    """Train a task on every rank, and return the result.
 
-    Rank 0 prints and writes the run directory. Raises an ``hvdtrain.base.errors.Error``: one
-    line, with its exit status (``Preempted`` after a SIGTERM: rerun to resume).
+    Call it on every rank. Rank 0 prints and writes the run directory; a run directory that
+    holds checkpoints is resumed from the newest (``Config.resume``).
+
+    Args:
+        task: the ``Task`` to train.
+        config: the run's settings (default: the task's own, ``task.config()``).
+        world: the World to train in (default: Horovod started, or one process, as
+            ``config.backend`` says).
+
+    Returns:
+        The result, as result.json holds it (``final_loss``, the metrics, the timings,
+        ...), on every rank.
+
+    Raises:
+        Error: one line, with its exit status (``hk.report_error`` says it): ``ConfigError``
+            for a bad setting, ``TaskError`` when the task breaks the Task interface's
+            rules, ``Preempted`` after a SIGTERM (rerun to resume), ...
     """
     with timings.phase("other"):  # the run: what no named phase inside claims
         compat.keras()  # fail early, with one line, if the Keras in use cannot train here

@@ -29,11 +29,19 @@ def mkdocs_command():
     return [sys.executable, "-m", "mkdocs"]
 
 
-def test_the_site_builds_with_warnings_as_errors(tmp_path):
+@pytest.fixture(scope="module")
+def strict_build(tmp_path_factory):
+    """The site, built once with warnings as errors: (the build's output, the site's folder)."""
+    site = tmp_path_factory.mktemp("strict") / "site"
     p = subprocess.run([*mkdocs_command(), "build", "--strict", "--clean",
-                        "-f", os.path.join(ROOT, "mkdocs.yml"), "-d", str(tmp_path / "site")],
+                        "-f", os.path.join(ROOT, "mkdocs.yml"), "-d", str(site)],
                        cwd=ROOT, capture_output=True, text=True, timeout=240,
                        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    return p, site
+
+
+def test_the_site_builds_with_warnings_as_errors(strict_build):
+    p, site = strict_build
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     warnings = [l for l in out.splitlines() if re.match(r"\s*(WARNING|ERROR)\b", l)]
@@ -42,9 +50,71 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     import dataclasses
 
     from hvdtrain.base.config import Config
-    html = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
+    html = (site / "reference" / "cli" / "index.html").read_text()
     for f in dataclasses.fields(Config):
         assert "--" + f.name.replace("_", "-") in html, f.name
+
+
+# The modules the Python API reference (docs/reference/api/) documents, by their source file.
+API_MODULES = {"hvdtrain": "hvdtrain/__init__.py", "hvdtrain.keras": "hvdtrain/keras.py",
+               "hvdtrain.data": "hvdtrain/data.py", "hvdtrain.layers": "hvdtrain/layers.py"}
+
+
+def public_names(module: str) -> list:
+    """A module's ``__all__``, read from its source (importing hvdtrain.keras imports
+    TensorFlow)."""
+    import ast
+
+    tree = ast.parse(open(os.path.join(ROOT, API_MODULES[module])).read())
+    found = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+             and any(getattr(t, "id", None) == "__all__" for t in n.targets)]
+    assert len(found) == 1, (module, found)
+    return found[0]
+
+
+def documented_objects(site) -> dict:
+    """{id: summary} of every object the API pages render (mkdocstrings' headings): the
+    first paragraph of its docstring, "" when it has none."""
+    out = {}
+    for page in (site / "reference" / "api").rglob("index.html"):
+        html = page.read_text()
+        headings = list(re.finditer(r'<h\d id="([^"]+)" class="doc doc-heading">', html))
+        for here, after in zip(headings, headings[1:] + [None]):
+            body = html[here.end():after.start() if after else len(html)]
+            first = re.search(r'<div class="doc doc-contents[^"]*">.*?<p>(.*?)</p>', body, re.S)
+            text = re.sub(r"<[^>]+>", "", first.group(1)).strip() if first else ""
+            out[here.group(1)] = "" if text.endswith(":") else text  # "Returns:": no summary
+    return out
+
+
+def test_every_public_name_is_in_the_api_reference(strict_build):
+    """Each name of each documented module's ``__all__`` is an object of the API pages,
+    under its public path (``hvdtrain.keras.fit``), with a docstring: a new public name
+    needs its docstring and its line (``::: hvdtrain.keras.NAME``) on a page."""
+    p, site = strict_build
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    documented = documented_objects(site)
+    assert documented["hvdtrain.keras.fit"].startswith("model.fit on every rank")
+    missing = [f"{m}.{n}" for m in API_MODULES for n in public_names(m)
+               if not documented.get(f"{m}.{n}")]
+    assert not missing, f"not in docs/reference/api/, or without a docstring: {missing}"
+
+
+def test_the_api_reference_speaks_to_users(strict_build):
+    """The docstrings the API pages render, held to the rules of the other pages (below): no
+    history, not the project's own words, no path into the repository."""
+    import html
+
+    p, site = strict_build
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    pages = sorted((site / "reference" / "api").rglob("index.html"))
+    assert len(pages) >= 5
+    for page in pages:
+        text = page.read_text()
+        text = html.unescape(re.sub(r"<[^>]+>", "", text[text.index("<article"):]))
+        found = [m.group(0) for pattern in (HISTORY, PROJECT_WORDS, re.compile(r"\bdocs/\S+"))
+                 for m in pattern.finditer(text)]
+        assert not found, (str(page.relative_to(site)), found)
 
 
 def test_the_fit_guide_says_which_settings_hk_fit_takes():
