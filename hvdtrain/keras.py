@@ -290,7 +290,8 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
         validation_data: ``(x, y)`` or ``(x, y, sample_weight)`` of arrays (or dicts,
             tuples, lists of them, as the training data), or a ``tf.data.Dataset`` of
             batches; each example is scored by one rank. None: no validation.
-        callbacks: Keras callbacks; those that write files run on rank 0 only.
+        callbacks: Keras callbacks; those that write files run on rank 0 only, and so do
+            those wrapped in ``hk.on_chief`` and the trackers' own.
         validation_batch_size: the batch of arrays given as ``validation_data``.
         steps_per_epoch: for a ``tf.data.Dataset``: the steps of an epoch (required for one
             that repeats forever).
@@ -303,7 +304,8 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
             False: refuse a ``run_dir`` that holds checkpoints.
         **settings: the other settings a fit script may set, by their names in
             ``hvdtrain.Config`` and with the same defaults (``peer_timeout=30``,
-            ``stop_on_divergence``, ``save_model``, ``verbose``, ...); those that the model,
+            ``stop_on_divergence``, ``save_model``, ``verbose``, ``track=["mlflow"]``
+            for experiment trackers, ...); those that the model,
             the optimizer or the dataset decide are refused (the settings table says which).
 
     Returns:

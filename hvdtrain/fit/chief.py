@@ -36,8 +36,26 @@ class OnChief:
 
 
 def on_chief(callback, timeout: float | None = TIMEOUT) -> OnChief:
-    """Run ``callback`` (a Keras callback) on rank 0 only, each of its calls within
-    ``timeout`` seconds (None: no bound); for ``hk.fit``'s ``callbacks``."""
+    """Run a Keras callback on rank 0 only, for ``hk.fit``'s ``callbacks``.
+
+    For callbacks that report the run (a logger, a tracker): on the other ranks it does not
+    run at all. Its logs are the epoch's metrics over every rank. A call that raises, or
+    does not return within ``timeout`` seconds, stops every rank with one line naming the
+    callback (exit 1) instead of leaving the other ranks waiting. The trackers' own
+    callbacks (W&B's ``WandbMetricsLogger``, MLflow's ``MlflowCallback`` ...) run on rank 0
+    only without it.
+
+    Args:
+        callback: a Keras callback that only observes the run (not one that changes it,
+            such as ``EarlyStopping``: every rank must decide that the same).
+        timeout: seconds each of its calls may take; None: no bound.
+
+    Returns:
+        The wrapped callback, to put in ``hk.fit(..., callbacks=[...])``.
+
+    Raises:
+        ValueError: ``timeout`` is not more than 0.
+    """
     return OnChief(callback, timeout)
 
 
