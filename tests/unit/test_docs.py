@@ -76,6 +76,35 @@ def test_every_page_is_in_the_navigation():
         assert page in nav, page
 
 
+def fences_without_a_language(text):
+    """The line numbers of the opening fences of TEXT that name no language (``` alone):
+    the site highlights a block by its language, and a reader sees what it is."""
+    found, inside = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        m = re.match(r"\s*(`{3,}|~{3,})\s*(\S*)", line)
+        if not m:
+            continue
+        if inside is None:
+            inside = m.group(1)
+            if not m.group(2):
+                found.append(number)
+        elif m.group(1).startswith(inside) and not m.group(2):
+            inside = None
+    return found
+
+
+def test_fences_without_a_language_are_found():
+    text = "```bash\nls\n```\n\n```\nplain\n```\n  ~~~python\nx = 1\n  ~~~\n````\n"
+    assert fences_without_a_language(text) == [5, 11]
+
+
+@pytest.mark.parametrize("page", ["README.md"] + [f"docs/{p}" for p in docs_pages()])
+def test_every_code_block_names_its_language(page):
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        missing = fences_without_a_language(f.read())
+    assert not missing, f"{page}: fences with no language (```bash, ```text, ...) at lines {missing}"
+
+
 def test_the_readme_fit_diff_is_the_examples_diff():
     """The README's before/after of a Keras fit script: each removed line is a line of the
     plain script, each added line one of its hvdtrain port."""
