@@ -2,6 +2,7 @@
 as errors (a broken link or anchor, a page left out of the navigation), the README stays a
 short front door, what the README prints is what the examples and the guides hold, and no
 page speaks of the project's own history (that is CHANGELOG.md's)."""
+import html as html_module
 import os
 import re
 import shlex
@@ -47,6 +48,77 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
         assert "--" + f.name.replace("_", "-") in html, f.name
 
 
+# The widest line of a code block a reader copies. Measured with tools/docs_screenshots.py
+# (headless Chromium, 1280 x 1600 window, Material's code font): a character is 8.18 px and a
+# code block's box holds 111 characters (the table of contents sits in the left sidebar,
+# toc.integrate); 100 leaves the margin of a scroll bar and a narrower window. Program output
+# (text and console blocks) is printed as the program prints it and scrolls sideways.
+CODE_LINE_LIMIT = 100
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+    site = tmp_path_factory.mktemp("site") / "site"
+    p = subprocess.run([*mkdocs_command(), "build", "--strict", "-q",
+                        "-f", os.path.join(ROOT, "mkdocs.yml"), "-d", str(site)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return site
+
+
+def site_pages(site):
+    return sorted(str(p.relative_to(site)) for p in site.rglob("index.html")
+                  if p.parent.name != "search")
+
+
+def too_wide(language, line, limit=CODE_LINE_LIMIT):
+    """A code line wider than LIMIT that is not program output and not one quoted shell word
+    (a JSON or jsonpath argument, which no line break may split)."""
+    if len(line) <= limit or language in ("text", "console"):
+        return False
+    return max(map(len, re.findall(r"'[^']*'", line)), default=0) < 60
+
+
+def test_too_wide_finds_a_long_command_but_not_output_or_a_quoted_argument():
+    assert too_wide("bash", "horovodrun " + "--flag " * 20)
+    assert not too_wide("text", "x" * 200) and not too_wide("bash", "ls")
+    assert not too_wide("bash", "TF_CONFIG='" + "x" * 100 + "' python train.py")
+
+
+def test_nothing_is_cut_at_1280_px(built_site):
+    """What cuts a page at 1280 px, checked in the built HTML (tools/docs_screenshots.py does it
+    in a browser): every code block is a <pre><code> in a highlight div (Material's
+    `pre > code { overflow: auto }` scrolls it sideways), every table a plain <table>
+    (Material's script wraps each in div.md-typeset__scrollwrap, overflow-x: auto) whose
+    code stays on one line (extra.css), and no line a reader copies is wider than the box."""
+    assets = built_site / "assets"
+    css = "".join(p.read_text() for p in (assets / "stylesheets").glob("main.*.css"))
+    js = "".join(p.read_text() for p in (assets / "javascripts").glob("bundle.*.js"))
+    assert re.search(r"\.md-typeset pre>code\{[^}]*overflow:auto", css)
+    assert re.search(r"\.md-typeset__scrollwrap\{[^}]*overflow-x:auto", css)
+    assert 'class:"md-typeset__scrollwrap"' in js and 'class:"md-typeset__table"' in js
+    extra = (built_site / "stylesheets" / "extra.css").read_text()
+    assert re.search(r"td code,[^{]*\{[^}]*white-space: nowrap", extra), extra
+    wide, pages = [], site_pages(built_site)
+    assert len(pages) > 30
+    for page in pages:
+        html = (built_site / page).read_text()
+        assert "stylesheets/extra.css" in html, page
+        content = html[html.index('<article class="md-content__inner'):]
+        content = content[:content.index("</article>")]
+        pres = re.findall(r"<pre\b", content)
+        blocks = re.findall(r'<div class="language-(\w+) highlight"><pre><span></span><code>'
+                            r'(.*?)</code></pre></div>', content, re.S)
+        assert len(blocks) == len(pres), (page, len(blocks), len(pres))
+        assert all(not re.search(r"<table\s+class=", t) for t in re.findall(r"<table[^>]*>",
+                                                                            content)), page
+        for language, code in blocks:
+            text = html_module.unescape(re.sub(r"<[^>]+>", "", code))
+            wide += [(page, len(l), l[:60]) for l in text.splitlines() if too_wide(language, l)]
+    assert not wide, wide
+
+
 def test_the_fit_guide_says_which_settings_hk_fit_takes():
     """The Keras fit guide's table, generated from Config's fit_refusal metadata: each field
     refused by hk.fit with its reason, or taken by its name."""
@@ -59,6 +131,30 @@ def test_the_fit_guide_says_which_settings_hk_fit_takes():
         row = (f"| `{f.name}` | refused |" if f.name in refused
                else f"| `{f.name}` | `{f.name}=` |")
         assert row in text, f.name
+    # What an argument left at None does, not a literal "none" (hk.fit's docstring says it).
+    assert ("| `run_dir` | `run_dir=` | an argument of hk.fit, default none "
+            "(`runs/fit-<time>`) |") in text
+
+
+def test_the_cli_page_splits_the_tasks_defaults_out():
+    """The settings table has five columns (its meaning column keeps its width at 1280 px);
+    the built-in tasks' defaults, where they differ from Config's, are a table of their own."""
+    import dataclasses
+
+    from hvdtrain.base.config import Config
+    from hvdtrain.linear import LinearTask
+    from hvdtrain.mnist import MnistTask
+    text = docs_text("reference/cli.md")
+    assert "| flag | default | defines the run | hk.fit | meaning |" in text
+    tables = text.split("| flag | default | linear | mnist |")
+    assert len(tables) == 2
+    rows = [l for l in tables[1].split("\n\n")[0].splitlines() if l.startswith("| `--")]
+    config = Config()
+    differ = [f.name for f in dataclasses.fields(Config)
+              if any(t.defaults.get(f.name, getattr(config, f.name)) != getattr(config, f.name)
+                     for t in (LinearTask, MnistTask))]
+    assert differ and len(rows) == len(differ), (rows, differ)
+    assert "| `--learning-rate` | 0.01 | 0.5 | 0.001 |" in rows
 
 
 def test_the_readme_is_a_short_front_door():
