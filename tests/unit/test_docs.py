@@ -201,6 +201,17 @@ def test_every_code_block_names_its_language(page):
     assert not missing, f"{page}: fences with no language (```bash, ```text, ...) at lines {missing}"
 
 
+def test_the_gpu_status_is_said_where_a_newcomer_looks():
+    """The home page and the GPUs guide say it in a warning admonition, the README in a note,
+    in the same words: one status, changed in all three places at once."""
+    status = "Built and tested on CPU; not yet run on a GPU"
+    for page in ("index.md", "guides/gpus.md"):
+        assert f'!!! warning "{status}"' in docs_text(page), page
+    assert f"> **Note:** {status[0].lower()}{status[1:]}." in readme_text()
+    first_screen = "\n".join(readme_text().splitlines()[:12])
+    assert "not yet run on a GPU" in first_screen
+
+
 def test_the_readme_fit_diff_is_the_examples_diff():
     """The README's before/after of a Keras fit script: each removed line is a line of the
     plain script, each added line one of its hvdtrain port."""
@@ -273,23 +284,62 @@ HISTORY = re.compile(r"(?<!horovod)#\d{2,}\b|\b[Ii]ssues? \d+|\b[Rr]ound \d\b|"
                      r"\bprevious (stack|commit|main)\b|\bthe commit before\b")
 
 
-@pytest.mark.parametrize("page", ["README.md"] + [f"docs/{p}" for p in docs_pages()])
+# The Changelog page is CHANGELOG.md, whose subject is the history.
+@pytest.mark.parametrize("page", ["README.md"] + [f"docs/{p}" for p in docs_pages()
+                                                  if p != "changelog.md"])
 def test_no_page_tells_the_projects_history(page):
     text = readme_text() if page == "README.md" else docs_text(page[len("docs/"):])
     found = [m.group(0) for m in HISTORY.finditer(text)]
     assert not found, found
 
 
-# The built-in tasks' origin, said in the project's own word ("the seeds") rather than the
-# reader's: "the reference programs" (Synchronous training introduces them).
+# The project's own words rather than the reader's: the built-in tasks' origin ("the seeds":
+# say "the reference programs", which Synchronous training introduces), and the machines it
+# is developed on ("tested here", "busy cores", "this project's machines").
 PROJECT_WORDS = re.compile(r"\bthe seeds?\b(?!\s*(=|of\b|for\b|\)))|\bseed's\b|"
                            r"(?<!random )\bseeds'|"
-                           r"\bseed (documents?|tasks?|programs?)\b", re.I)
+                           r"\bseed (documents?|tasks?|programs?)\b|"
+                           r"\btested here\b|\bbusy cores\b|\bthis project's machines?\b|"
+                           r"\bmachines? this project has\b", re.I)
+
+
+def test_project_words_are_found():
+    for said in ("the seed's MNIST", "as the seeds do", "not tested here", "on 2 busy cores",
+                 "on this project's machines"):
+        assert PROJECT_WORDS.search(said), said
+    for said in ("the seed of the shuffle", "seed=0", "hk.dataset's seed"):
+        assert not PROJECT_WORDS.search(said), said
+
+
+def development_pages():
+    """The pages under the Development section of mkdocs.yml's navigation: for the people
+    who work on hvdtrain, so they may speak of its machines and its tests."""
+    import yaml
+
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
+        nav = yaml.load(f, Loader=yaml.BaseLoader)["nav"]
+
+    def pages(entry):
+        if isinstance(entry, str):
+            return [entry]
+        if isinstance(entry, list):
+            return [p for e in entry for p in pages(e)]
+        return [p for value in entry.values() for p in pages(value)]
+
+    (section,) = [e["Development"] for e in nav if isinstance(e, dict) and "Development" in e]
+    return set(pages(section))
+
+
+def test_the_development_section_holds_the_lab_pages():
+    dev = development_pages()
+    assert {"development.md", "concepts/architecture.md", "reference/horovod-upstream.md",
+            "performance/speed.md", "changelog.md"} <= dev
+    assert not dev & {"index.md", "performance/index.md", "performance/reproduce.md",
+                      "reference/cli.md", "guides/gpus.md"}
 
 
 @pytest.mark.parametrize("page", ["README.md"] + [
-    f"docs/{p}" for p in docs_pages()
-    if p != "development.md" and not p.startswith("performance/")])
+    f"docs/{p}" for p in docs_pages() if p not in development_pages()])
 def test_no_user_page_speaks_the_projects_own_words(page):
     text = readme_text() if page == "README.md" else docs_text(page[len("docs/"):])
     found = [m.group(0) for m in PROJECT_WORDS.finditer(text)]
