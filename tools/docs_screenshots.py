@@ -2,6 +2,7 @@
 
     python tools/docs_screenshots.py            # build, serve on 127.0.0.1, screenshot, measure
     python tools/docs_screenshots.py --measure  # measure only, no PNGs written
+    python tools/docs_screenshots.py --all      # measure every page of the site, no PNGs
 
 Builds the site (mkdocs build --strict) into a temporary folder, serves it on a loopback port,
 and opens each page in headless Chromium with a 1280 x 1600 window:
@@ -20,6 +21,7 @@ Needs Chromium (Debian: apt-get install -y chromium) and the docs extra (pip ins
 """
 import argparse
 import functools
+import glob
 import http.server
 import json
 import os
@@ -148,7 +150,9 @@ def screenshot(base, path, png):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", action="store_true", help="measure only, write no PNGs")
+    parser.add_argument("--all", action="store_true", help="measure every page, write no PNGs")
     args = parser.parse_args(argv)
+    args.measure |= args.all
     chromium()
     pages = list(PAGES)
     if os.path.exists(os.path.join(ROOT, "docs", "reference", "api.md")):
@@ -158,6 +162,13 @@ def main(argv=None):
         site = os.path.join(tmp, "site")
         build(site)
         base = serve(site)
+        if args.all:
+            pages = [(os.path.dirname(os.path.relpath(p, site)) or "home",
+                      os.path.relpath(os.path.dirname(p), site).replace(".", "") + "/")
+                     for p in sorted(glob.glob(os.path.join(site, "**", "index.html"),
+                                               recursive=True))
+                     if "/search/" not in p]
+            pages = [(n, "" if p == "/" else p) for n, p in pages]
         if not args.measure:
             os.makedirs(OUT, exist_ok=True)
         for name, path in pages:

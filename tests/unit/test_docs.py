@@ -15,6 +15,7 @@ import pytest
 from docs_pages import ROOT, block, docs_pages, docs_text, readme_text
 
 pytestmark = pytest.mark.quick
+DOCS_DIR = os.path.join(ROOT, "docs")
 README_LINES = 300
 
 
@@ -117,6 +118,30 @@ def test_nothing_is_cut_at_1280_px(built_site):
             text = html_module.unescape(re.sub(r"<[^>]+>", "", code))
             wide += [(page, len(l), l[:60]) for l in text.splitlines() if too_wide(language, l)]
     assert not wide, wide
+
+
+def test_the_screenshot_commands_parse_and_the_screenshots_are_shown():
+    """The Development page's tools/docs_screenshots.py block: each line's flags parse (its
+    --help; the screenshots themselves need Chromium, which CI has not); every page it
+    screenshots has its PNG, shown on that page and small."""
+    lines = block("development.md", "python tools/docs_screenshots.py").commands()
+    assert len(lines) == 2
+    for line in lines:
+        words = shlex.split(line)
+        assert words[:2] == ["python", "tools/docs_screenshots.py"], line
+        p = subprocess.run([sys.executable, *words[1:], "--help"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "usage:" in p.stdout, p.stderr
+        for flag in words[2:]:
+            assert flag in p.stdout, flag
+    script = open(os.path.join(ROOT, "tools", "docs_screenshots.py")).read()
+    names = re.findall(r'^    \("([\w-]+)", "[\w/-]*"\),$', script, re.M)
+    assert "home" in names and "cli" in names, names
+    shown = docs_text("development.md")
+    for name in names:
+        png = os.path.join(DOCS_DIR, "development", "screenshots", name + ".png")
+        assert os.path.getsize(png) < 300_000, png
+        assert f"(development/screenshots/{name}.png)" in shown, name
 
 
 def test_the_fit_guide_says_which_settings_hk_fit_takes():
