@@ -35,7 +35,7 @@ class LinearSettings:
 
 class LinearTask(Task):
     name = "linear"
-    description = "The reference program's linear regression, by full-batch SGD"
+    description = "Linear regression by full-batch SGD"
     Settings = LinearSettings
     defaults = dict(
         learning_rate=0.5,  # seed: GradientDescentOptimizer(0.5)

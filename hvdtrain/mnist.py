@@ -44,7 +44,7 @@ class MnistSettings:
 
 class MnistTask(Task):
     name = "mnist"
-    description = "The reference program's MNIST softmax regression (or a small MLP)"
+    description = "MNIST softmax regression (or a small MLP)"
     Settings = MnistSettings
     defaults = dict(
         learning_rate=0.001,  # seed: GradientDescentOptimizer(0.001)

@@ -2,7 +2,7 @@
 
 Tests that hold a page's commands and code blocks to the code read them through here, so a
 page that moves is renamed in one place. ``docs_text`` renders a page's generated parts (the
-settings tables of docs/hooks/settings.py) as mkdocs does.
+settings tables of docs/hooks/settings.py, CHANGELOG.md in docs/changelog.md) as mkdocs does.
 """
 import importlib.util
 import os
@@ -12,9 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 
 
-def _hook():
+def _hook(name="settings"):
     spec = importlib.util.spec_from_file_location(
-        "hvdtrain_docs_settings_hook", os.path.join(DOCS, "hooks", "settings.py"))
+        f"hvdtrain_docs_{name}_hook", os.path.join(DOCS, "hooks", name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -26,10 +26,13 @@ def readme_text() -> str:
 
 
 def docs_text(page: str) -> str:
-    """The Markdown of docs/PAGE (e.g. "guides/install.md"), generated tables filled in."""
+    """The Markdown of docs/PAGE (e.g. "guides/install.md"), generated tables (and the
+    Changelog page's CHANGELOG.md) filled in."""
     with open(os.path.join(DOCS, page), encoding="utf-8") as f:
         text = f.read()
-    return _hook().render(text) if "{{" in text else text
+    if "{{" not in text:
+        return text
+    return _hook("changelog").render(_hook().render(text))
 
 
 def docs_pages() -> list:

@@ -1,7 +1,8 @@
 """mkdocs hook: the settings tables of docs/reference/cli.md, generated from the code.
 
 A page writes ``{{ settings_table }}`` (every field of ``hvdtrain.base.config.Config``: its
-flag, default, the built-in tasks' defaults, whether ``hk.fit`` takes it, and its help),
+flag, default, whether it defines the run, whether ``hk.fit`` takes it, and its help),
+``{{ task_defaults_table }}`` (the fields a built-in task sets to another default),
 ``{{ task_settings_table }}`` (the built-in tasks' own settings) or ``{{ fit_settings_table }}``
 (each field as a fit script sets it: an argument of ``hk.fit``, or refused with the reason,
 from the fields' ``fit_refusal`` and ``fit_name`` metadata). Nothing is copied by hand, so a
@@ -17,6 +18,7 @@ import ast
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import types
 import typing
@@ -69,6 +71,12 @@ def _cell(text):
             .replace("|", "\\|").replace("\n", " "))
 
 
+def _cell_with_code(text):
+    """_cell, but `code spans` are left as they are (Markdown shows their text literally)."""
+    parts = str(text).split("`")
+    return "`".join(p if i % 2 else _cell(p) for i, p in enumerate(parts))
+
+
 def _default(f):
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -81,13 +89,13 @@ def settings_table():
 
 
 def _settings_table(config, linear, mnist):
+    """flag, Config's default, defines the run, hk.fit, meaning: five columns, so the meaning
+    keeps its width at 1280 px (the built-in tasks' defaults are a table of their own)."""
     hints = typing.get_type_hints(config.Config)
     refused = config.fit_refusals()
-    rows = ["| flag | default | linear | mnist | defines the run | hk.fit | meaning |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| flag | default | defines the run | hk.fit | meaning |",
+            "| --- | --- | --- | --- | --- |"]
     for f in dataclasses.fields(config.Config):
-        default = _default(f)
-        tasks = [_value(t.defaults.get(f.name, default)) for t in (linear, mnist)]
         defines = "yes" if f.metadata.get("defines_run", True) else "no"
         if f.metadata.get("per_rank"):
             defines += " (per rank)"
@@ -95,8 +103,26 @@ def _settings_table(config, linear, mnist):
         if "choices" in f.metadata:
             help_ += " (choices: " + ", ".join(map(str, f.metadata["choices"])) + ")"
         fit = "no" if f.name in refused else "yes"
-        rows.append(f"| {_flag(f, hints[f.name])} | {_value(default)} | {tasks[0]} | "
-                    f"{tasks[1]} | {defines} | {fit} | {_cell(help_)} |")
+        rows.append(f"| {_flag(f, hints[f.name])} | {_value(_default(f))} | {defines} | {fit} | "
+                    f"{_cell(help_)} |")
+    return "\n".join(rows)
+
+
+def task_defaults_table():
+    with _modules() as (config, linear, mnist):
+        return _task_defaults_table(config, linear, mnist)
+
+
+def _task_defaults_table(config, linear, mnist):
+    """The training settings a built-in task sets to another value than Config's default."""
+    hints = typing.get_type_hints(config.Config)
+    rows = ["| flag | default | linear | mnist |", "| --- | --- | --- | --- |"]
+    for f in dataclasses.fields(config.Config):
+        default = _default(f)
+        tasks = [t.defaults.get(f.name, default) for t in (linear, mnist)]
+        if any(t != default for t in tasks):
+            rows.append(f"| {_flag(f, hints[f.name])} | {_value(default)} | "
+                        f"{_value(tasks[0])} | {_value(tasks[1])} |")
     return "\n".join(rows)
 
 
@@ -134,12 +160,41 @@ def fit_named_arguments():
     raise LookupError("hvdtrain/keras.py defines no fit()")
 
 
+def fit_none_meanings():
+    """{name: what None means}, from hk.fit's docstring: "``run_dir``: ... (None: X)" says
+    what an argument left at None does (``runs/fit-<time>``, not a literal "none")."""
+    with open(os.path.join(ROOT, "hvdtrain", "keras.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "fit":
+            doc = ast.get_docstring(node) or ""
+            # Its Args: section, one entry per argument ("    name: text", continued by
+            # deeper-indented lines): "(None: X)" or "None: X;" says what None does.
+            args, name = {}, None
+            for line in doc.split("Args:", 1)[-1].splitlines():
+                entry = re.match(r"    (\w+): (.*)", line)
+                if entry:
+                    name, args[entry.group(1)] = entry.group(1), entry.group(2)
+                elif name and line.startswith("        "):
+                    args[name] += " " + line.strip()
+                elif line.strip() and not line.startswith(" "):
+                    break  # Returns:, Raises:
+            out = {}
+            for name, text in args.items():
+                found = re.search(r"\(None: (.*?)\)|^None: (.*?);", text)
+                if found:
+                    out[name] = " ".join((found.group(1) or found.group(2)).replace(
+                        "``", "`").split())
+            return out
+    raise LookupError("hvdtrain/keras.py defines no fit()")
+
+
 def fit_settings_table():
     with _modules() as (config, _, _):
-        return _fit_settings_table(config, fit_named_arguments())
+        return _fit_settings_table(config, fit_named_arguments(), fit_none_meanings())
 
 
-def _fit_settings_table(config, named):
+def _fit_settings_table(config, named, none_means=None):
     refused = config.fit_refusals()
     rows = ["| setting | hk.fit | how a fit script sets it |", "| --- | --- | --- |"]
     for f in dataclasses.fields(config.Config):
@@ -152,12 +207,15 @@ def _fit_settings_table(config, named):
             rows.append(f"| `{f.name}` | `{f.name}=` | an argument of hk.fit, required |")
         else:
             how = "an argument of hk.fit" if f.name in named else "a keyword (`**settings`)"
-            rows.append(f"| `{f.name}` | `{f.name}=` | {how}, default "
-                        f"{_cell(_value(_default(f)))} |")
+            default = _default(f)
+            shown = (f"none ({none_means[f.name]})" if default is None
+                     and f.name in (none_means or {}) else _value(default))
+            rows.append(f"| `{f.name}` | `{f.name}=` | {how}, default {_cell_with_code(shown)} |")
     return "\n".join(rows)
 
 
 MARKERS = {"{{ settings_table }}": settings_table,
+           "{{ task_defaults_table }}": task_defaults_table,
            "{{ task_settings_table }}": task_settings_table,
            "{{ fit_settings_table }}": fit_settings_table}
 

@@ -2,6 +2,7 @@
 as errors (a broken link or anchor, a page left out of the navigation), the README stays a
 short front door, what the README prints is what the examples and the guides hold, and no
 page speaks of the project's own history (that is CHANGELOG.md's)."""
+import html as html_module
 import os
 import re
 import shlex
@@ -14,6 +15,7 @@ import pytest
 from docs_pages import ROOT, block, docs_pages, docs_text, readme_text
 
 pytestmark = pytest.mark.quick
+DOCS_DIR = os.path.join(ROOT, "docs")
 README_LINES = 300
 
 
@@ -117,6 +119,102 @@ def test_the_api_reference_speaks_to_users(strict_build):
         assert not found, (str(page.relative_to(site)), found)
 
 
+# The widest line of a code block a reader copies. Measured with tools/docs_screenshots.py
+# (headless Chromium, 1280 x 1600 window, Material's code font): a character is 8.18 px and a
+# code block's box holds 111 characters (the table of contents sits in the left sidebar,
+# toc.integrate); 100 leaves the margin of a scroll bar and a narrower window. Program output
+# (text and console blocks) is printed as the program prints it and scrolls sideways.
+CODE_LINE_LIMIT = 100
+
+
+@pytest.fixture(scope="module")
+def built_site(strict_build):
+    """The strict build's site folder (the build must have passed)."""
+    p, site = strict_build
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return site
+
+
+def site_pages(site):
+    return sorted(str(p.relative_to(site)) for p in site.rglob("index.html")
+                  if p.parent.name != "search")
+
+
+def too_wide(language, line, limit=CODE_LINE_LIMIT):
+    """A code line wider than LIMIT that is not program output and not one quoted shell word
+    (a JSON or jsonpath argument, which no line break may split)."""
+    if len(line) <= limit or language in ("text", "console"):
+        return False
+    return max(map(len, re.findall(r"'[^']*'", line)), default=0) < 60
+
+
+def test_too_wide_finds_a_long_command_but_not_output_or_a_quoted_argument():
+    assert too_wide("bash", "horovodrun " + "--flag " * 20)
+    assert not too_wide("text", "x" * 200) and not too_wide("bash", "ls")
+    assert not too_wide("bash", "TF_CONFIG='" + "x" * 100 + "' python train.py")
+
+
+def test_nothing_is_cut_at_1280_px(built_site):
+    """What cuts a page at 1280 px, checked in the built HTML (tools/docs_screenshots.py does it
+    in a browser): every code block is a <pre><code> in a highlight div (Material's
+    `pre > code { overflow: auto }` scrolls it sideways), every table a plain <table>
+    (Material's script wraps each in div.md-typeset__scrollwrap, overflow-x: auto) whose
+    code stays on one line (extra.css), and no line a reader copies is wider than the box."""
+    assets = built_site / "assets"
+    css = "".join(p.read_text() for p in (assets / "stylesheets").glob("main.*.css"))
+    js = "".join(p.read_text() for p in (assets / "javascripts").glob("bundle.*.js"))
+    assert re.search(r"\.md-typeset pre>code\{[^}]*overflow:auto", css)
+    assert re.search(r"\.md-typeset__scrollwrap\{[^}]*overflow-x:auto", css)
+    assert 'class:"md-typeset__scrollwrap"' in js and 'class:"md-typeset__table"' in js
+    extra = (built_site / "stylesheets" / "extra.css").read_text()
+    assert re.search(r"td code,[^{]*\{[^}]*white-space: nowrap", extra), extra
+    wide, pages = [], site_pages(built_site)
+    assert len(pages) > 30
+    for page in pages:
+        html = (built_site / page).read_text()
+        assert "stylesheets/extra.css" in html, page
+        content = html[html.index('<article class="md-content__inner'):]
+        content = content[:content.index("</article>")]
+        pres = re.findall(r"<pre\b", content)
+        # The API reference's signatures are blocks too ("language-python doc-signature"):
+        # not copied, they scroll sideways as program output does.
+        blocks = re.findall(r'<div class="language-(\w+(?: doc-signature)?) highlight"><pre>'
+                            r'<span></span><code>(.*?)</code></pre></div>', content, re.S)
+        blocks = [("text" if "signature" in language else language, code)
+                  for language, code in blocks]
+        assert len(blocks) == len(pres), (page, len(blocks), len(pres))
+        assert all(not re.search(r"<table\s+class=", t) for t in re.findall(r"<table[^>]*>",
+                                                                            content)), page
+        for language, code in blocks:
+            text = html_module.unescape(re.sub(r"<[^>]+>", "", code))
+            wide += [(page, len(l), l[:60]) for l in text.splitlines() if too_wide(language, l)]
+    assert not wide, wide
+
+
+def test_the_screenshot_commands_parse_and_the_screenshots_are_shown():
+    """The Development page's tools/docs_screenshots.py block: each line's flags parse (its
+    --help; the screenshots themselves need Chromium, which CI has not); every page it
+    screenshots has its PNG, shown on that page and small."""
+    lines = block("development.md", "python tools/docs_screenshots.py").commands()
+    assert len(lines) == 2
+    for line in lines:
+        words = shlex.split(line)
+        assert words[:2] == ["python", "tools/docs_screenshots.py"], line
+        p = subprocess.run([sys.executable, *words[1:], "--help"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "usage:" in p.stdout, p.stderr
+        for flag in words[2:]:
+            assert flag in p.stdout, flag
+    script = open(os.path.join(ROOT, "tools", "docs_screenshots.py")).read()
+    names = re.findall(r'^    \("([\w-]+)", "[\w/-]*"\),$', script, re.M)
+    assert "home" in names and "cli" in names, names
+    shown = docs_text("development.md")
+    for name in names:
+        png = os.path.join(DOCS_DIR, "development", "screenshots", name + ".png")
+        assert os.path.getsize(png) < 300_000, png
+        assert f"(development/screenshots/{name}.png)" in shown, name
+
+
 def test_the_fit_guide_says_which_settings_hk_fit_takes():
     """The Keras fit guide's table, generated from Config's fit_refusal metadata: each field
     refused by hk.fit with its reason, or taken by its name."""
@@ -129,6 +227,30 @@ def test_the_fit_guide_says_which_settings_hk_fit_takes():
         row = (f"| `{f.name}` | refused |" if f.name in refused
                else f"| `{f.name}` | `{f.name}=` |")
         assert row in text, f.name
+    # What an argument left at None does, not a literal "none" (hk.fit's docstring says it).
+    assert ("| `run_dir` | `run_dir=` | an argument of hk.fit, default none "
+            "(`runs/fit-<time>`) |") in text
+
+
+def test_the_cli_page_splits_the_tasks_defaults_out():
+    """The settings table has five columns (its meaning column keeps its width at 1280 px);
+    the built-in tasks' defaults, where they differ from Config's, are a table of their own."""
+    import dataclasses
+
+    from hvdtrain.base.config import Config
+    from hvdtrain.linear import LinearTask
+    from hvdtrain.mnist import MnistTask
+    text = docs_text("reference/cli.md")
+    assert "| flag | default | defines the run | hk.fit | meaning |" in text
+    tables = text.split("| flag | default | linear | mnist |")
+    assert len(tables) == 2
+    rows = [l for l in tables[1].split("\n\n")[0].splitlines() if l.startswith("| `--")]
+    config = Config()
+    differ = [f.name for f in dataclasses.fields(Config)
+              if any(t.defaults.get(f.name, getattr(config, f.name)) != getattr(config, f.name)
+                     for t in (LinearTask, MnistTask))]
+    assert differ and len(rows) == len(differ), (rows, differ)
+    assert "| `--learning-rate` | 0.01 | 0.5 | 0.001 |" in rows
 
 
 def test_the_readme_is_a_short_front_door():
@@ -144,6 +266,46 @@ def test_every_page_is_in_the_navigation():
     nav = open(os.path.join(ROOT, "mkdocs.yml")).read()
     for page in docs_pages():
         assert page in nav, page
+
+
+def fences_without_a_language(text):
+    """The line numbers of the opening fences of TEXT that name no language (``` alone):
+    the site highlights a block by its language, and a reader sees what it is."""
+    found, inside = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        m = re.match(r"\s*(`{3,}|~{3,})\s*(\S*)", line)
+        if not m:
+            continue
+        if inside is None:
+            inside = m.group(1)
+            if not m.group(2):
+                found.append(number)
+        elif m.group(1).startswith(inside) and not m.group(2):
+            inside = None
+    return found
+
+
+def test_fences_without_a_language_are_found():
+    text = "```bash\nls\n```\n\n```\nplain\n```\n  ~~~python\nx = 1\n  ~~~\n````\n"
+    assert fences_without_a_language(text) == [5, 11]
+
+
+@pytest.mark.parametrize("page", ["README.md"] + [f"docs/{p}" for p in docs_pages()])
+def test_every_code_block_names_its_language(page):
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        missing = fences_without_a_language(f.read())
+    assert not missing, f"{page}: fences with no language (```bash, ```text, ...) at lines {missing}"
+
+
+def test_the_gpu_status_is_said_where_a_newcomer_looks():
+    """The home page and the GPUs guide say it in a warning admonition, the README in a note,
+    in the same words: one status, changed in all three places at once."""
+    status = "Built and tested on CPU; not yet run on a GPU"
+    for page in ("index.md", "guides/gpus.md"):
+        assert f'!!! warning "{status}"' in docs_text(page), page
+    assert f"> **Note:** {status[0].lower()}{status[1:]}." in readme_text()
+    first_screen = "\n".join(readme_text().splitlines()[:12])
+    assert "not yet run on a GPU" in first_screen
 
 
 def test_the_readme_fit_diff_is_the_examples_diff():
@@ -218,23 +380,62 @@ HISTORY = re.compile(r"(?<!horovod)#\d{2,}\b|\b[Ii]ssues? \d+|\b[Rr]ound \d\b|"
                      r"\bprevious (stack|commit|main)\b|\bthe commit before\b")
 
 
-@pytest.mark.parametrize("page", ["README.md"] + [f"docs/{p}" for p in docs_pages()])
+# The Changelog page is CHANGELOG.md, whose subject is the history.
+@pytest.mark.parametrize("page", ["README.md"] + [f"docs/{p}" for p in docs_pages()
+                                                  if p != "changelog.md"])
 def test_no_page_tells_the_projects_history(page):
     text = readme_text() if page == "README.md" else docs_text(page[len("docs/"):])
     found = [m.group(0) for m in HISTORY.finditer(text)]
     assert not found, found
 
 
-# The built-in tasks' origin, said in the project's own word ("the seeds") rather than the
-# reader's: "the reference programs" (Synchronous training introduces them).
+# The project's own words rather than the reader's: the built-in tasks' origin ("the seeds":
+# say "the reference programs", which Synchronous training introduces), and the machines it
+# is developed on ("tested here", "busy cores", "this project's machines").
 PROJECT_WORDS = re.compile(r"\bthe seeds?\b(?!\s*(=|of\b|for\b|\)))|\bseed's\b|"
                            r"(?<!random )\bseeds'|"
-                           r"\bseed (documents?|tasks?|programs?)\b", re.I)
+                           r"\bseed (documents?|tasks?|programs?)\b|"
+                           r"\btested here\b|\bbusy cores\b|\bthis project's machines?\b|"
+                           r"\bmachines? this project has\b", re.I)
+
+
+def test_project_words_are_found():
+    for said in ("the seed's MNIST", "as the seeds do", "not tested here", "on 2 busy cores",
+                 "on this project's machines"):
+        assert PROJECT_WORDS.search(said), said
+    for said in ("the seed of the shuffle", "seed=0", "hk.dataset's seed"):
+        assert not PROJECT_WORDS.search(said), said
+
+
+def development_pages():
+    """The pages under the Development section of mkdocs.yml's navigation: for the people
+    who work on hvdtrain, so they may speak of its machines and its tests."""
+    import yaml
+
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
+        nav = yaml.load(f, Loader=yaml.BaseLoader)["nav"]
+
+    def pages(entry):
+        if isinstance(entry, str):
+            return [entry]
+        if isinstance(entry, list):
+            return [p for e in entry for p in pages(e)]
+        return [p for value in entry.values() for p in pages(value)]
+
+    (section,) = [e["Development"] for e in nav if isinstance(e, dict) and "Development" in e]
+    return set(pages(section))
+
+
+def test_the_development_section_holds_the_lab_pages():
+    dev = development_pages()
+    assert {"development.md", "concepts/architecture.md", "reference/horovod-upstream.md",
+            "performance/speed.md", "changelog.md"} <= dev
+    assert not dev & {"index.md", "performance/index.md", "performance/reproduce.md",
+                      "reference/cli.md", "guides/gpus.md"}
 
 
 @pytest.mark.parametrize("page", ["README.md"] + [
-    f"docs/{p}" for p in docs_pages()
-    if p != "development.md" and not p.startswith("performance/")])
+    f"docs/{p}" for p in docs_pages() if p not in development_pages()])
 def test_no_user_page_speaks_the_projects_own_words(page):
     text = readme_text() if page == "README.md" else docs_text(page[len("docs/"):])
     found = [m.group(0) for m in PROJECT_WORDS.finditer(text)]
