@@ -122,9 +122,6 @@ def test_the_same_command_continues_where_it_stopped(runs, stop_step):
     r, s = runs.resumed, runs.stopped
     assert r.returncode == 0, r.stderr[-3000:]
     first = stop_step // STEPS + 1  # the epoch the stop fell in
-    said = (f"hvdtrain: resumed from {runs.run_dir}/checkpoints/ckpt-{stop_step:09d}.hvdt at "
-            f"epoch {first}, step {stop_step}")
-    assert said in lines(r.stderr), r.stderr[-3000:]
     epochs = [int(l.split()[1].split("/")[0]) for l in lines(r.stdout) if l.startswith("Epoch ")]
     assert epochs == list(range(first, EPOCHS + 1)), r.stdout  # nothing trained twice
     records = metrics(runs.run_dir)
@@ -136,6 +133,9 @@ def test_the_same_command_continues_where_it_stopped(runs, stop_step):
     assert res["world_size"] == 2 and res["ranks_identical"] is True
     assert res["batch_size"] == 32 and res["global_batch_size"] == 64
     assert res["sharding"] == "data" and res["examples_left_out"] == 0
+    said = (f"hvdtrain: resumed from {runs.run_dir}/checkpoints/ckpt-{stop_step:09d}.hvdt at "
+            f"epoch {first}, step {stop_step}")
+    assert said in lines(r.stderr), r.stderr[-3000:]
     steps = checkpoint_steps(runs.run_dir)
     assert len(steps) == 3 and steps[-1] == EPOCHS * STEPS  # the newest 3, one at the end
     assert os.path.exists(os.path.join(runs.run_dir, "model.keras"))
