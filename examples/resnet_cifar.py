@@ -109,7 +109,7 @@ def main(argv=None):
 
     (x_train, y_train), (x_test, y_test) = load_data(args.samples)
     train = pipeline(x_train, y_train, args.batch_size, training=True)
-    test = pipeline(x_test, y_test, 256, training=False)
+    test = pipeline(x_test, y_test, args.batch_size, training=False)
 
     k.utils.set_random_seed(0)
     model = resnet(args.width, args.blocks)

@@ -5,9 +5,9 @@ terminal sends it) and run again; the output it prints is what those runs print,
 excerpts of examples/resnet_cifar.py it prints are the script's, and its CIFAR-10 load_data
 gives what the script's synthetic one does. One launch sequence, shared by the module's tests.
 
-Keras 3 only: under Keras 2 the fit path's exact resume after a signal is test_resume_edges',
-test_models' and test_accumulate's, and a third and fourth launch would double this module's
-time."""
+Keras 3 only: the Keras 2 pass would make the three launches again (a minute or more on two
+cores); under Keras 2 the fit path's exact resume after a signal is test_resume_edges',
+test_models' and test_accumulate's."""
 import importlib.util
 import json
 import math
