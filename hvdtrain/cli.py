@@ -37,6 +37,12 @@ def report(prog: str, e: Error) -> int:
         label = "" if isinstance(e, Preempted) else "error: "
         sys.stderr.write(f"{prog}: {label}{e}\n")
         sys.stderr.flush()
+    world = getattr(e, "world", None)  # a preemption: every rank waits for rank 0's line,
+    if world is not None and world.size > 1:  # since mpirun ends the job at the first
+        try:  # rank's exit and its line would be lost with it
+            world.barrier()
+        except Exception:  # noqa: BLE001 (the line is said; the status is the same)
+            pass
     return e.status
 
 

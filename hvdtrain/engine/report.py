@@ -171,7 +171,8 @@ class Reporter:
 
             self.trackers = Trackers(self._track, self.run_dir, self._track_required,
                                      self.notice)
-            self.trackers.start(config_dict, completed_epochs)
+            # The kept epochs too: those a stopped run could not send are sent now.
+            self.trackers.start(config_dict, self.records())
 
     def records(self) -> list:
         """Rank 0: metrics.jsonl's records, in order ([] if none)."""
@@ -250,6 +251,8 @@ class Reporter:
         if self.trackers is not None:
             from hvdtrain.base.errors import Preempted
 
+            # A stopped or failed run waits briefly (the other ranks wait for rank 0's last line;
+            # what is not sent by then, a resumed run sends).
             status = "FINISHED" if e is None else "KILLED" if isinstance(e, Preempted) else "FAILED"
             self.trackers.close(status, seconds=None if e is None else 10.0)
             self.trackers = None

@@ -307,8 +307,10 @@ class Run:
         # Nobody exits (and gets the job killed) before the save; the signal the ranks saw.
         seen = [s for s in self.world.allgather_object(
             self.stop_signal if self.stop_requested else None) if s] or ["SIGTERM"]
-        raise Preempted(f"stopped by {seen[0]} at step {global_step}; checkpoint saved in "
-                        f"{self.ckpt_dir}; run the same command to resume")
+        stop = Preempted(f"stopped by {seen[0]} at step {global_step}; checkpoint saved in "
+                         f"{self.ckpt_dir}; run the same command to resume")
+        stop.world = self.world  # report(): no rank exits before rank 0 has said the line
+        raise stop
 
     @timings.timed("results")
     def epoch_end(self, record: dict) -> None:

@@ -100,12 +100,18 @@ class MLflow:
         problem = reachable(uri)
         if problem:
             raise ConnectionError(problem)
-        if saved.get("run_id"):
-            run = self.client.get_run(saved["run_id"])  # raises when the server lost it
+        experiment = self._experiment()
+        # The job's run: by its saved id, else by the job's tag (a run made by a process
+        # that was stopped before it could save the id), else a new one.
+        found = [self.client.get_run(saved["run_id"])] if saved.get("run_id") else \
+            self.client.search_runs([experiment], f"tags.`hvdtrain.job` = '{saved['job']}'",
+                                    max_results=1)
+        if found:
+            run = found[0]
             self.client.update_run(run.info.run_id, status="RUNNING")
         else:
-            run = self.client.create_run(self._experiment(), run_name=run_name,
-                                         tags={"hvdtrain.run_dir": run_dir})
+            run = self.client.create_run(experiment, run_name=run_name, tags={
+                "hvdtrain.run_dir": run_dir, "hvdtrain.job": saved["job"]})
         self.run_id = run.info.run_id
         known = run.data.params
         params = [Param(k, str(v)[:6000]) for k, v in flat(settings).items() if k not in known]
@@ -161,7 +167,7 @@ class Wandb:
             problem = reachable(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
             if problem:
                 raise ConnectionError(problem)
-        run_id = saved.get("run_id") or uuid.uuid4().hex[:8]
+        run_id = saved.get("run_id") or saved["job"][:8]
         self.run = wandb.init(
             id=run_id, resume="allow", name=run_name,
             project=os.environ.get("WANDB_PROJECT", "hvdtrain"),
@@ -230,13 +236,23 @@ class Trackers:
         self._thread: Optional[threading.Thread] = None
 
     # --- the training thread's calls --------------------------------------------------------
-    def start(self, config: dict, completed_epochs: int) -> None:
-        """Open (or continue) each tracker's run with the run's settings."""
+    def start(self, config: dict, kept: list) -> None:
+        """Open (or continue) each tracker's run with the run's settings; send it the
+        ``kept`` epochs' records (metrics.jsonl's, a resume's) that it does not have: a
+        stopped run's last epochs can be lost on their way when its launcher ends it."""
         self.record = self._read()
+        # Each tracker's run gets the job's id first, written before any tracker is called:
+        # a process stopped before it saved a tracker's run id leaves the next one a way to
+        # find that run (MLflow: a tag; W&B: the run's id).
+        for name in self.names:
+            self.record.setdefault(name, {}).setdefault("job", uuid.uuid4().hex)
+        self._write()
         self._thread = threading.Thread(target=self._work, name="hvdtrain-trackers",
                                         daemon=True)
         self._thread.start()
         self._put(self._start, config)
+        for record in kept:
+            self._put(self._epoch, dict(record))
         if self.required:  # the tracker must be there before training starts
             done = threading.Event()
             self._put(done.set)
@@ -261,7 +277,7 @@ class Trackers:
         self._put(self._end, status)
         self._put(None)
         self._thread.join(seconds)
-        if self._thread.is_alive():
+        if self._thread.is_alive() and seconds:
             self.notice(f"hvdtrain: warning: the trackers ({', '.join(self.live)}) still had "
                         f"not answered after {seconds:.0f} s: left behind, the run is saved in "
                         f"{self.run_dir}")
@@ -311,7 +327,7 @@ class Trackers:
         for name in self.names:
             try:
                 tracker = BACKENDS[name]()
-                saved = self.record.get(name, {})
+                saved = self.record[name]
                 info = tracker.start(saved, saved.get("run_name", run_name), config,
                                      self.run_dir)
             except Exception as e:  # noqa: BLE001
@@ -320,7 +336,7 @@ class Trackers:
                 continue
             self.live[name] = tracker
             self.record[name] = {**saved, **info, "epochs_logged": saved.get("epochs_logged", 0)}
-        self._write()
+            self._write()  # at once: the run's id, for the next run of this job
 
     def _epoch(self, record: dict) -> None:
         values = {k: v for k, v in record.items()
