@@ -24,8 +24,6 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--no-scale-lr", action="store_true", help="keep --lr at any world size")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: epoch ends only)")
-    p.add_argument("--track", nargs="+", default=[], metavar="TRACKER",
-                   help="log the run, once, to mlflow, wandb and/or tensorboard")
     args = p.parse_args(argv)
     k = keras()
 
@@ -65,8 +63,7 @@ def main(argv=None):
     # Horovod: broadcast, global metrics, rank-0 checkpoints and logs, SIGTERM, watchdog.
     try:
         hk.fit(model, train, epochs=args.epochs, validation_data=(x_test, y_test),
-               run_dir=args.run_dir, checkpoint_every=args.checkpoint_every,
-               track=args.track)
+               run_dir=args.run_dir, checkpoint_every=args.checkpoint_every)
     except hk.Error as e:  # one line; exit 75 after SIGTERM: run the same command to resume
         return hk.report_error(e)
     return 0
