@@ -44,6 +44,8 @@ PAGES = [
     ("keras-fit", "guides/keras-fit/"),
     ("cli", "reference/cli/"),
     ("kubernetes", "guides/clusters/kubernetes/"),
+    ("api-keras", "reference/api/keras/"),
+    ("tracking", "guides/tracking/"),
 ]
 
 # Runs in the page after Material's own script has wrapped the tables: every code block and

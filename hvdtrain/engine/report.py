@@ -47,6 +47,7 @@ class Reporter:
         self.world, self._verbose = world, verbose
         self._track, self._track_required = tuple(track), track_required
         self.trackers = None  # tracking.Trackers, on rank 0 once the run starts
+        self._config = None  # config.json's dict, once the run starts
         if run_dir:
             self.run_dir = os.path.abspath(run_dir)
         else:  # rank 0 names the directory (its clock decides) and tells the others
@@ -147,6 +148,7 @@ class Reporter:
 
     def start(self, config_dict: dict, completed_epochs: int = 0) -> None:
         """Create the run directory; keep only the metrics of epochs a resume starts after."""
+        self._config = config_dict  # every rank: an elastic run's next rank 0 tracks from it
         if not self.enabled:
             return
         with writing(self.run_dir):
@@ -166,13 +168,17 @@ class Reporter:
             board = os.path.join(self.run_dir, "tensorboard")
             with writing(board, also=(tf.errors.OpError,)):
                 self._tb = tf.summary.create_file_writer(board)
+        self._start_trackers()
+
+    def _start_trackers(self) -> None:
+        """Rank 0: the trackers (``--track``), with the run's settings; the kept epochs too,
+        so that those a stopped run could not send are sent now."""
         if self._track and self.trackers is None:
             from hvdtrain.engine.tracking import Trackers
 
             self.trackers = Trackers(self._track, self.run_dir, self._track_required,
                                      self.notice)
-            # The kept epochs too: those a stopped run could not send are sent now.
-            self.trackers.start(config_dict, self.records())
+            self.trackers.start(self._config, self.records())
 
     def records(self) -> list:
         """Rank 0: metrics.jsonl's records, in order ([] if none)."""
@@ -205,6 +211,8 @@ class Reporter:
                     {k: v for k, v in record.items()
                      if k not in ("epoch", "epochs", "global_step") and isinstance(v, float)}))
             self._tb.flush()
+        if self.trackers is None and self._config is not None:
+            self._start_trackers()  # an elastic run whose rank 0 changed: it tracks now
         if self.trackers is not None:
             self.trackers.epoch(record)
 
