@@ -25,6 +25,7 @@ their packages are imported only when a run asks for them (``pip install "hvdtra
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import queue
@@ -211,14 +212,8 @@ class TensorBoard:
         writer.close()
         return {"run_name": run_name}
 
-    def metrics(self, values: dict, step: int) -> None:
-        pass  # the run's own tensorboard/ event files have them
-
-    def artifacts(self, paths: list) -> None:
-        pass
-
-    def end(self, status: str) -> None:
-        pass
+    # Its metrics are the run's own tensorboard/ event files; no artifacts, no end.
+    metrics = artifacts = end = staticmethod(lambda *args: None)
 
 
 BACKENDS = {"mlflow": MLflow, "wandb": Wandb, "tensorboard": TensorBoard}
@@ -396,14 +391,6 @@ class Trackers:
 
 def _checkpoints(directory: str) -> list:
     """The checkpoints on disk: name, bytes and modification time (not their contents)."""
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        path = os.path.join(directory, name)
-        if os.path.isfile(path) and not name.endswith(".tmp"):
-            st = os.stat(path)
-            out.append({"file": name, "bytes": st.st_size, "mtime": st.st_mtime})
-    return out
+    paths = sorted(glob.glob(os.path.join(glob.escape(directory), "ckpt-*")))
+    return [{"file": os.path.basename(p), "bytes": os.path.getsize(p),
+             "mtime": os.path.getmtime(p)} for p in paths if not p.endswith(".tmp")]
