@@ -407,6 +407,28 @@ def test_project_words_are_found():
         assert not PROJECT_WORDS.search(said), said
 
 
+# The project's tests named on a page for users: a path into the test folder (but
+# tests/k8s_manifests.py, the manifest check the Kubernetes guide has a user run on a copy of
+# the manifests), what "the tests" check or where a thing is "tested in", what the cluster
+# emulation proves, what was "seen here". Telling a user to run the tests (`scripts/test.sh
+# --quick`) is not among them; the Development section may say all of it.
+TEST_WORDS = re.compile(r"(?<![\w.-])tests/(?!k8s_manifests\.py\b)|\bthe tests (check|show)|"
+                        r"\btested in\b|\bemulation proves\b|\bseen here\b|"
+                        r"\bthe tests here\b|\bhvdtrain's tests\b", re.I)
+
+
+def test_test_words_are_found():
+    for said in ("(tested in tests/runs/test_fit.py)", "`tests/clusters/test_slurm.py` builds",
+                 "the tests check that every rank stops", "What the emulation proves",
+                 "seen here, not a test", "1 of 6 such stops in the tests here",
+                 "hvdtrain's tests do not cover it"):
+        assert TEST_WORDS.search(said), said
+    for said in ("scripts/test.sh --quick", "python tests/k8s_manifests.py DIR",
+                 "the test accuracy", "pip install \".[test,bench,docs]\"",
+                 "interested in", "every rank stops at the same step"):
+        assert not TEST_WORDS.search(said), said
+
+
 def development_pages():
     """The pages under the Development section of mkdocs.yml's navigation: for the people
     who work on hvdtrain, so they may speak of its machines and its tests."""
@@ -438,7 +460,8 @@ def test_the_development_section_holds_the_lab_pages():
     f"docs/{p}" for p in docs_pages() if p not in development_pages()])
 def test_no_user_page_speaks_the_projects_own_words(page):
     text = readme_text() if page == "README.md" else docs_text(page[len("docs/"):])
-    found = [m.group(0) for m in PROJECT_WORDS.finditer(text)]
+    found = [m.group(0) for pattern in (PROJECT_WORDS, TEST_WORDS)
+             for m in pattern.finditer(text)]
     assert not found, found
 
 
