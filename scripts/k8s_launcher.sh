@@ -91,9 +91,9 @@ echo "k8s_launcher.sh: $task on $np processes, ${#hosts[@]} workers (${hosts[*]}
 # shutdown stopped stays in phase Failed, out of the DNS, for good. scripts/k8s_pods.py asks
 # the API server for that pod (at most once per worker every HVDTRAIN_API_EVERY s, 10) and
 # deletes it if it is Failed, with the launcher's Role (get and delete on this job's worker
-# pods, by name), so that the operator makes a new one. No service account token: said once,
-# with the kubectl command, and not tried again; an API error: one line (again only if it
-# changes), and the wait goes on.
+# pods, by name), so that the operator makes a new one. No service account token, or a 403
+# (the account lacks the Role): said once, with the kubectl command, and not tried again; an
+# API error: one line (again only if it changes), and the wait goes on.
 api_off=0
 declare -A api_checked=() api_said=()
 check_worker() {
@@ -102,7 +102,7 @@ check_worker() {
     ((SECONDS - ${api_checked[$host]:--100000} >= ${HVDTRAIN_API_EVERY:-10})) || return 0
     api_checked[$host]=$SECONDS
     out=$(python3 "$root/scripts/k8s_pods.py" replace-failed "$host" 2>&1) || rc=$?
-    ((rc != 3)) || api_off=1
+    ((rc != 3 && rc != 5)) || api_off=1
     if [[ -n $out && ($rc == 10 || ${api_said[$host]:-} != "$out") ]]; then
         echo "k8s_launcher.sh: $out" >&2
     fi

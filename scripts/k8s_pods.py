@@ -19,7 +19,8 @@ only: the image has no kubectl.
 
 Prints at most one line (what it did, or why it could not) and exits 0 (nothing to do: the
 pod runs, is pending, or is gone and being re-created), 10 (deleted a Failed pod), 3 (no
-service account token: nothing can be done from here), 4 (the API server refused or failed).
+service account token: nothing can be done from here), 5 (403: the launcher's account lacks
+the Role, which asking again does not change), 4 (the API server refused or failed).
 """
 import json
 import os
@@ -32,7 +33,7 @@ SA_DIR = os.environ.get("HVDTRAIN_K8S_SA_DIR", "/var/run/secrets/kubernetes.io/s
 API = os.environ.get("HVDTRAIN_K8S_API", "https://kubernetes.default.svc").rstrip("/")
 TIMEOUT = 10
 
-NOTHING, DELETED, NO_TOKEN, API_ERROR = 0, 10, 3, 4
+NOTHING, DELETED, NO_TOKEN, API_ERROR, FORBIDDEN = 0, 10, 3, 4, 5
 
 
 def _read(name):
@@ -84,6 +85,7 @@ def replace_failed(host: str) -> int:
             print(f"cannot {verb} worker pod {pod} through the API server (403: {why}): the "
                   f"launcher lacks '{verb}' on pods/{pod} (its Role, deploy/kubernetes/base, "
                   f"is not applied or not bound); a Failed worker is left to you: {by_hand}")
+            return FORBIDDEN
         else:
             print(f"cannot {verb} worker pod {pod} through the API server {API} (HTTP "
                   f"{status}: {why}); a Failed worker is left to you: {by_hand}")

@@ -122,8 +122,11 @@ class MLflow:
                    if k in known and known[k] != str(v)[:6000]}
         for k, v in changed.items():  # a parameter cannot change; a resume with more epochs
             self.client.set_tag(self.run_id, f"hvdtrain.resumed.{k}", v)
+        # The epochs the server has (a stopped process may have sent one it did not record).
+        logged = [m.value for m in self.client.get_metric_history(self.run_id, "epoch")]
         return {"run_id": self.run_id, "experiment_id": run.info.experiment_id,
-                "tracking_uri": uri, "run_name": run.info.run_name}
+                "tracking_uri": uri, "run_name": run.info.run_name,
+                "epochs_logged": int(max(logged, default=0))}
 
     def _experiment(self) -> str:
         if os.environ.get("MLFLOW_EXPERIMENT_ID"):
@@ -330,7 +333,8 @@ class Trackers:
                 self._fail("start", e, name)
                 continue
             self.live[name] = tracker
-            self.record[name] = {**saved, **info, "epochs_logged": saved.get("epochs_logged", 0)}
+            self.record[name] = {**saved, **info, "epochs_logged": max(
+                saved.get("epochs_logged", 0), info.get("epochs_logged", 0))}
             self._write()  # at once: the run's id, for the next run of this job
 
     def _epoch(self, record: dict) -> None:

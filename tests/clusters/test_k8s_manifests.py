@@ -519,7 +519,7 @@ def test_k8s_the_launchers_api_client_deletes_only_a_failed_worker(tmp_path):
         assert replace("hvdtrain-smoke-worker-1") == (0, "")  # gone: being re-created
         # Another job's pod of the same namespace: outside the Role's names.
         rc, line = replace("hvdtrain-worker-1")
-        assert rc == 4 and line.startswith(
+        assert rc == 5 and line.startswith(
             "cannot get worker pod hvdtrain-worker-1 through the API server (403: pods "
             '"hvdtrain-worker-1" is forbidden: User "system:serviceaccount:default:'
             'hvdtrain-launcher-smoke" cannot get resource "pods"'), line
@@ -530,7 +530,7 @@ def test_k8s_the_launchers_api_client_deletes_only_a_failed_worker(tmp_path):
         assert "hvdtrain-worker-1" in pods.pods
         # The namespace's default account (the manifests without the launcher's Role).
         rc, line = replace("hvdtrain-smoke-worker-0", account="default")
-        assert rc == 4 and "system:serviceaccount:default:default" in line and line.endswith(
+        assert rc == 5 and "system:serviceaccount:default:default" in line and line.endswith(
             "kubectl delete pod hvdtrain-smoke-worker-0 -n default"), line
         # No token (automountServiceAccountToken: false): said, nothing asked.
         n = len(api.requests)

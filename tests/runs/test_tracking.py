@@ -286,3 +286,32 @@ def test_the_guides_callback_lines_are_the_scripts():
                     block("guides/tracking.md", "    hk.fit(model, hk.dataset(")):
         for line in excerpt.text.splitlines():
             assert line in script, line
+
+
+def test_an_epoch_sent_but_not_recorded_is_not_sent_again(server, tmp_path, monkeypatch):
+    """A process stopped after MLflow got an epoch but before tracking.json said so (the
+    moment a launcher's kill can fall in): the next run asks the server, and sends the kept
+    epoch once, not twice."""
+    from hvdtrain.engine.tracking import RECORD, Trackers
+
+    url, client = server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "sent-not-recorded")
+    said = []
+    first = {"epoch": 1, "epochs": 2, "global_step": 10, "loss": 0.5}
+    trackers = Trackers(["mlflow"], str(tmp_path), False, said.append)
+    trackers.start({"task": "t", "epochs": 2}, [])
+    trackers.epoch(first)
+    trackers.close("KILLED", seconds=60)
+    saved = json.load(open(tmp_path / RECORD))
+    assert saved["mlflow"]["epochs_logged"] == 1
+    saved["mlflow"]["epochs_logged"] = 0  # the write the kill prevented
+    (tmp_path / RECORD).write_text(json.dumps(saved))
+    trackers = Trackers(["mlflow"], str(tmp_path), False, said.append)
+    trackers.start({"task": "t", "epochs": 2}, [first])  # metrics.jsonl's kept epoch
+    trackers.epoch({"epoch": 2, "epochs": 2, "global_step": 20, "loss": 0.25})
+    trackers.close("FINISHED", seconds=60)
+    assert not said, said
+    history = client.get_metric_history(saved["mlflow"]["run_id"], "loss")
+    assert sorted((m.step, m.value) for m in history) == [(10, 0.5), (20, 0.25)]
+    assert client.get_run(saved["mlflow"]["run_id"]).info.status == "FINISHED"
