@@ -175,7 +175,9 @@ def check_tracked(run_dir, client, experiment, first):
             "checkpoints.json"} <= artifacts, artifacts
     # W&B offline: one run id for both sessions, each epoch once across them.
     folders, rows = wandb_history(run_dir, saved["wandb"]["run_id"])
-    assert len(folders) == 2  # the stopped session and the resumed one
+    # A folder per session that reached W&B: the stopped one (unless it was stopped before its
+    # tracker thread got to W&B) and the resumed one, all of the one run id (wandb_history).
+    assert 1 <= len(folders) <= 2, folders
     logged = [(r["_step"], r["epoch"], r["loss"]) for r in rows if "epoch" in r]
     assert logged == [(r["global_step"], r["epoch"], r["loss"]) for r in epochs]
     # TensorBoard: the settings as hyperparameters, beside the scalars.
