@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from hvdtrain.base.errors import ConfigError, TaskError, user_code
+from hvdtrain.base.errors import ConfigError, EnvError, TaskError, user_code
 
 BACKENDS = ("auto", "horovod", "single")
 TRACKERS = ("mlflow", "wandb", "tensorboard")  # --track: see hvdtrain.engine.tracking
@@ -210,6 +211,21 @@ class Config:
             ``{name: value}`` of every field.
         """
         return dataclasses.asdict(self)
+
+
+def env_number(name: str, default: float, valid, advice: str, strip: bool = False) -> float:
+    """The number an environment variable gives (``default`` when unset or empty; ``strip``:
+    blanks around it ignored), or EnvError ``NAME=value: advice`` when it is not a number or
+    ``valid(value)`` is false (never for NaN): the settings read from the environment."""
+    raw = os.environ.get(name, "")
+    raw = raw.strip() if strip else raw
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or not valid(value):
+        raise EnvError(f"{name}={raw}: {advice}")
+    return value
 
 
 def values(obj, defines_run: Optional[bool] = None, per_rank: Optional[bool] = None) -> dict:

@@ -24,9 +24,7 @@ model trains alike at any world size only if every world size applies it dense.)
 """
 from __future__ import annotations
 
-import os
-
-from hvdtrain.base.errors import EnvError
+from hvdtrain.base.config import env_number
 
 # HVDTRAIN_SPARSE_AS_DENSE_RATIO's default: gathered when the ranks' rows are fewer than the
 # table's, where an allgather sends at most about half a ring allreduce's bytes.
@@ -35,16 +33,10 @@ SPARSE_AS_DENSE_RATIO = 1.0
 
 def ratio() -> float:
     """HVDTRAIN_SPARSE_AS_DENSE_RATIO, checked: a number, 0 or more (``inf`` allowed)."""
-    raw = os.environ.get("HVDTRAIN_SPARSE_AS_DENSE_RATIO", "").strip()
-    try:
-        value = float(raw) if raw else SPARSE_AS_DENSE_RATIO
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # NaN too
-        raise EnvError(f"HVDTRAIN_SPARSE_AS_DENSE_RATIO={raw}: give a number, 0 or more "
-                       f"(0: sparse gradients reduced dense; inf: always gathered; default "
-                       f"{SPARSE_AS_DENSE_RATIO:g})")
-    return value
+    return env_number("HVDTRAIN_SPARSE_AS_DENSE_RATIO", SPARSE_AS_DENSE_RATIO,
+                      lambda v: v >= 0, "give a number, 0 or more (0: sparse gradients "
+                      "reduced dense; inf: always gathered; default "
+                      f"{SPARSE_AS_DENSE_RATIO:g})", strip=True)
 
 
 def gathers(rows, table_rows, size: int, ratio: float, elastic: bool = False) -> bool:

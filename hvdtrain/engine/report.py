@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+from hvdtrain.base.config import env_number
 from hvdtrain.base.errors import StorageError
 from hvdtrain.base.files import (atomic_open, finite_json, make_dirs, remove_leftovers, replacing,
                                  write_json_atomic, writing)
@@ -55,7 +56,9 @@ class Reporter:
             self.run_dir = os.path.abspath(world.broadcast_object(path))
         self._tb = None
         self._lock = None
-        self._progress_every = _progress_seconds()
+        self._progress_every = env_number(
+            "HVDTRAIN_PROGRESS_SECONDS", PROGRESS_SECONDS, lambda v: v >= 0,
+            "must be a number of seconds, 0 or more (0: no progress lines)")
         self._epoch_began = self._progress_at = time.monotonic()
 
     def problem(self):
@@ -272,20 +275,6 @@ def _epoch(line: str):
         return json.loads(line)["epoch"]
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _progress_seconds() -> float:
-    text = os.environ.get("HVDTRAIN_PROGRESS_SECONDS", "")
-    try:
-        value = float(text) if text else PROGRESS_SECONDS
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        from hvdtrain.base.errors import EnvError
-
-        raise EnvError(f"HVDTRAIN_PROGRESS_SECONDS={text}: must be a number of seconds, 0 or "
-                       "more (0: no progress lines)")
-    return value
 
 
 def _duration(seconds: float) -> str:

@@ -9,7 +9,8 @@ import socket
 import sys
 import time
 
-from hvdtrain.base.errors import EnvError, RunDirBusy, RunDirHeld
+from hvdtrain.base.config import env_number
+from hvdtrain.base.errors import RunDirBusy, RunDirHeld
 from hvdtrain.base.files import make_dirs, writing
 
 
@@ -61,15 +62,8 @@ LOCK_WAIT = 120.0  # HVDTRAIN_LOCK_WAIT's default: NFSv4's 90 s lease, and a mar
 
 def lock_wait() -> float:
     """HVDTRAIN_LOCK_WAIT: seconds to wait for a run directory held by a run elsewhere."""
-    raw = os.environ.get("HVDTRAIN_LOCK_WAIT", "")
-    try:
-        value = float(raw) if raw else LOCK_WAIT
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 86400:
-        raise EnvError(f"HVDTRAIN_LOCK_WAIT={raw}: give seconds from 0 to 86400 (default "
-                       f"{LOCK_WAIT:g})")
-    return value
+    return env_number("HVDTRAIN_LOCK_WAIT", LOCK_WAIT, lambda v: 0 <= v <= 86400,
+                      f"give seconds from 0 to 86400 (default {LOCK_WAIT:g})")
 
 
 def _identity(pid: int) -> str:

@@ -194,6 +194,8 @@ def test_the_guides_commands_track_one_run_continued_after_sigterm(path, server,
     url, client = server
     cwd = checkout_like(tmp_path / "cwd")
     line = COMMANDS[0 if path == "task" else 1]
+    assert line.startswith("horovodrun -np 2 python " + (
+        "-m hvdtrain.mnist " if path == "task" else "examples/keras_fit_tracked.py ")), line
     printed = line.split("--run-dir ")[1].split()[0]
     run_dir = cwd / printed
     env = tracked_env(tmp_path, url, path)
