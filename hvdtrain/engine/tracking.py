@@ -114,12 +114,11 @@ class MLflow:
             run = self.client.create_run(experiment, run_name=run_name, tags={
                 "hvdtrain.run_dir": run_dir, "hvdtrain.job": saved["job"]})
         self.run_id = run.info.run_id
-        known = run.data.params
-        params = [Param(k, str(v)[:6000]) for k, v in flat(settings).items() if k not in known]
+        known, text = run.data.params, {k: str(v) for k, v in flat(settings).items()}
+        params = [Param(k, v[:6000]) for k, v in text.items() if k not in known]
         for i in range(0, len(params), 100):  # log_batch takes 100 parameters at most
             self.client.log_batch(self.run_id, params=params[i:i + 100])
-        changed = {k: str(v) for k, v in flat(settings).items()
-                   if k in known and known[k] != str(v)[:6000]}
+        changed = {k: v for k, v in text.items() if k in known and known[k] != v[:6000]}
         for k, v in changed.items():  # a parameter cannot change; a resume with more epochs
             self.client.set_tag(self.run_id, f"hvdtrain.resumed.{k}", v)
         # The epochs the server has (a stopped process may have sent one it did not record).
