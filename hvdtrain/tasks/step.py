@@ -189,7 +189,9 @@ class TrainStep:
         x, y = self.sample[:2] if self.sample is not None else (self.x, self.y)
         n = min(2, len(x))
         x, y = self.task.preprocess(tf.constant(np.asarray(x[:n])), tf.constant(np.asarray(y[:n])))
-        pred = self.model(x, training=False)
+        # In float32, as the step and the scores give them to the loss and the metrics (a
+        # mixed-precision model's outputs are 16-bit).
+        pred = to_float32(self.model(x, training=False))
         check_loss_shape(self.task, self.task.loss(y, pred), n)
         for name, fn in self.metric_fns.items():
             check_metric_shape(self.task, name, tf.convert_to_tensor(fn(y, pred)), n)
