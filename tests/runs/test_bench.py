@@ -120,9 +120,11 @@ def test_the_performance_pages_commands_run_the_cases_they_say():
     assert (bench_plan(everything).chosen, bench_plan(everything).level) == (list(CASES), "full")
     assert (bench_plan(quick).chosen, bench_plan(quick).level) == (list(QUICK_CASES), "quick")
     assert bench_plan(one).chosen == ["keras_speed"] and bench_plan(one).level == "full"
-    pages = {"index.md": list(CASES), "input-pipelines.md": ["pipeline"],
+    pages = {"index.md": list(CASES), "suite.md": list(CASES),
+             "input-pipelines.md": ["pipeline"],
              "keras-paths.md": ["keras_speed"]}
     held = [block("performance/index.md", "python -m hvdtrain.bench --out bench-out"),
+            block("performance/suite.md", "python -m hvdtrain.bench --out bench-out"),
             block("performance/input-pipelines.md", "python -m hvdtrain.bench --cases pipeline"),
             block("performance/keras-paths.md", "python -m hvdtrain.bench --cases keras_speed")]
     for page_block in held:
