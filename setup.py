@@ -61,9 +61,14 @@ setup(
                  "kubernetes-validate>=1.29,<2",
                  "jsonschema>=4.18,<5", "PyYAML>=6",
                  # tests/runs/test_tracking.py: a real MLflow server, W&B offline.
-                 "mlflow>=3,<4", "wandb>=0.19,<1"],
+                 "mlflow>=3,<4", "wandb>=0.19,<1",
+                 # tests/runs/test_ray.py: Horovod's RayExecutor on a local Ray cluster.
+                 "ray==2.60.0"],
         # --track mlflow / wandb (hvdtrain.engine.tracking): imported only when a run asks.
         "track": ["mlflow>=3,<4", "wandb>=0.19,<1"],
+        # Horovod's horovod.ray (RayExecutor, ElasticRayExecutor) on a Ray cluster: Ray 2.60,
+        # with scripts/patches/python/horovod-0.28.1-ray2.patch. Plain ray: no dashboard.
+        "ray": ["ray==2.60.0"],
         "bench": ["matplotlib>=3.8"],  # python -m hvdtrain.bench's PNG plots
         # The documentation site (mkdocs.yml, docs/): mkdocs build --strict in the quick tests;
         # mkdocstrings renders the API reference (docs/reference/api/) from the docstrings.

@@ -20,7 +20,8 @@
 # -np 2, changed only in: the digits come from hvdtrain.datasets.mnist() instead of a download,
 # the step counts are cut; and under Keras 3 the Keras 2-only code that
 # docs/guides/horovod-scripts.md lists is left out (`experimental_run_tf_function=False`,
-# `opt.variables()`).
+# `opt.variables()`). With the "ray" extra installed, Horovod's Ray tests (test/single/test_ray.py,
+# test_ray_elastic.py) too, on TensorFlow where they use PyTorch (below).
 # Needs pytest's `parameterized` and `mock` (pip install parameterized mock; Horovod's tests
 # import them). About 10 minutes on 2 cores, and as much again for the elastic files.
 set -uo pipefail
@@ -82,6 +83,51 @@ for keras in ${HVDTRAIN_UPSTREAM_KERAS:-3 2}; do
         (cd "$copy/test/integration" && timeout 1800 python -m pytest -q -p no:cacheprovider --color=no -rf "$f") >"$log" 2>&1
         echo "Keras $keras $f: $(grep -E '^=* ?[0-9]+ (passed|failed|skipped).* in ' "$log" | tail -1 | tr -d '=')"
         grep -oE '^FAILED [^ ]+' "$log" | sed 's/^/    /' | sort -u
+    done
+    # Horovod's Ray tests (the "ray" extra), plain pytest one file at a time, in a copy: this
+    # stack has no PyTorch, so `torch` is a stand-in that says no CUDA (the GPU tests skip),
+    # the tests that only start Horovod on the Ray workers (hvd.init, hvd.rank) do it with
+    # horovod.tensorflow, and the elastic tests' training function trains a Keras model with
+    # hvd.elastic.KerasState; the tests that train a PyTorch model (test_ray.py's _train) are
+    # deselected. Ray 1.x's ray.init(_redis_max_memory=...), which Ray 2 refuses, is left
+    # out; `mock` is unittest's.
+    for f in test_ray.py test_ray_elastic.py; do
+        wanted "$f" || continue
+        if ! python -c 'import ray' 2>/dev/null; then
+            echo "Keras $keras $f: not run (no ray: pip install -c constraints.txt '.[ray]')"; continue
+        fi
+        copy="$work/keras$keras-ray"
+        mkdir -p "$copy" && cp "$src/test/single/$f" "$copy/$f"
+        python - "$copy/$f" <<'PY'
+import re, sys
+path = sys.argv[1]
+s = open(path).read()
+s = re.sub(r"^import torch$", "class torch:  # no PyTorch here\n    class cuda:\n"
+           "        is_available = staticmethod(lambda: False)\n"
+           "        device_count = staticmethod(lambda: 0)", s, flags=re.M)
+s = s.replace("import mock\n", "from unittest import mock\n")
+s = s.replace(", _redis_max_memory=1024 * 1024 * 1024", "")
+if path.endswith("test_ray_elastic.py"):
+    s = s.replace("        import torch\n        import horovod.torch as hvd\n",
+                  "        import tensorflow as tf\n        import horovod.tensorflow.keras as hvd\n")
+    s = s.replace("model = torch.nn.Sequential(torch.nn.Linear(2, 2))",
+                  "model = tf.keras.Sequential([tf.keras.Input(shape=(2,)), tf.keras.layers.Dense(2)])")
+    s = s.replace("optimizer = torch.optim.SGD(model.parameters(), lr=0.1)",
+                  "optimizer = tf.keras.optimizers.SGD(0.1)")
+    s = s.replace("hvd.elastic.TorchState(", "hvd.elastic.KerasState(")
+else:
+    s = s.replace("import horovod.torch as hvd", "import horovod.tensorflow as hvd")
+open(path, "w").write(s)
+PY
+        echo "Keras $keras $f, changed lines:"
+        diff "$src/test/single/$f" "$copy/$f" | grep '^[<>]' | sed "s/^/    $f /"
+        deselect=()
+        [[ $f == test_ray.py ]] && deselect=(-k "not horovod_train and not remote_client_train")
+        log="$work/keras$keras-$f.log"
+        (cd "$copy" && RAY_USAGE_STATS_ENABLED=0 timeout 1800 python -m pytest -q -p no:cacheprovider \
+            --color=no -rfE -o addopts= "${deselect[@]}" "$f") >"$log" 2>&1
+        echo "Keras $keras $f: $(grep -E '^=* ?[0-9]+ (passed|failed|skipped|deselected|error).* in ' "$log" | tail -1 | tr -d '=')"
+        grep -oE '^(FAILED|ERROR) [^ ]+' "$log" | sed 's/^/    /' | sort -u
     done
     for ex in tensorflow2_mnist.py tensorflow2_keras_mnist.py; do
         wanted "$ex" || continue

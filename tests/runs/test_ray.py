@@ -1,0 +1,161 @@
+"""Horovod on a Ray cluster: Horovod's own ``horovod.ray.RayExecutor`` on Ray 2.60 (the
+"ray" extra; scripts/patches/python/horovod-0.28.1-ray2.patch), under Keras 3 and Keras 2.
+
+The module starts one real Ray cluster for its tests: ``ray start --head`` on loopback (a
+free port, 2 CPUs, no dashboard, its temporary files under the module's tmp dir), then this
+pytest connects to it as the driver. Each test starts two Horovod workers as Ray actors
+(``RayExecutor(settings, num_workers=2, cpus_per_worker=1)``), runs a plain Horovod function
+from tests/ray_train.py on them (Gloo, which RayExecutor sets up), and asserts that both
+ranks end with the same weights, equal to the same steps taken in one process on the whole
+batch (a Ray task). The cluster's processes inherit this pytest's environment, so under
+scripts/test.sh's Keras 2 pass (TF_USE_LEGACY_KERAS=1) the workers train on tf_keras.
+At the end every process the cluster started is killed (by its session: never `ray stop`,
+which would end any Ray on the machine).
+"""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import numpy as np
+import pytest
+import ray  # the test extra has it (the "ray" extra's pin)
+
+from conftest import ROOT, TESTS, TIME_SCALE, clean_env, keras_flavour, wait_for
+
+pytestmark = [pytest.mark.keras2, pytest.mark.timeout(240)]
+EXACT = 1e-6  # float32 arithmetic done in another order than Horovod's
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def session_pids(sid):
+    """The live processes of session ``sid`` (all that `ray start` started, and theirs)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":  # state, ppid, pgrp, session
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A one-node Ray cluster on 127.0.0.1 started by ``ray start --head --block`` in its own
+    session; this process is its driver. Yields the address."""
+    base = tmp_path_factory.mktemp("ray")
+    port = free_port()
+    env = clean_env(base / "home", PYTHONPATH=os.pathsep.join([ROOT, TESTS]),
+                    RAY_USAGE_STATS_ENABLED="0", TF_CPP_MIN_LOG_LEVEL="3",
+                    # Ray's single-machine mode: its node address stays 127.0.0.1 (otherwise
+                    # Ray trades a loopback --node-ip-address for the machine's own address).
+                    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    # Ray's socket paths (TEMP/session_<date>_<pid>/sockets/plasma_store) must fit AF_UNIX's
+    # 107 bytes: under the module's tmp dir when it is short enough (pytest's own, outside
+    # xdist), else a short directory of /tmp, removed at the end.
+    temp = str(base / "t")
+    short = len(temp) > 44
+    if short:
+        temp = tempfile.mkdtemp(prefix="ray-")
+    log = open(base / "ray_start.log", "w")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
+           "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
+           "--num-gpus", "0", "--include-dashboard=false", "--disable-usage-stats",
+           "--ray-client-server-port", str(free_port()),
+           "--object-store-memory", str(200 << 20), "--temp-dir", temp]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        started = wait_for(lambda: proc.poll() is not None or
+                           "Ray runtime started" in open(base / "ray_start.log").read(), 120)
+        assert started and proc.poll() is None, open(base / "ray_start.log").read()[-3000:]
+        # This driver in the same single-machine mode (Ray reads the variable when imported,
+        # as this module imports it: its constant is set for the module's time).
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+            ray.init(address=address, log_to_driver=False)
+            yield address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        proc.send_signal(signal.SIGTERM)  # `ray start --block` stops what it started
+        try:
+            proc.wait(30 * TIME_SCALE)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in session_pids(proc.pid):  # what did not stop
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(30)
+        log.close()
+        if short:
+            shutil.rmtree(temp, ignore_errors=True)
+        left = wait_for(lambda: not session_pids(proc.pid), 10) is not None
+        assert left, f"processes of the Ray cluster still running: {session_pids(proc.pid)}"
+
+
+def train_on_ray(fn, timeout=180):
+    """``fn`` on two Horovod workers started by RayExecutor; their answers, by rank."""
+    from horovod.ray import RayExecutor
+
+    settings = RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
+    executor = RayExecutor(settings, num_workers=2, cpus_per_worker=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            executor.start()
+        answers = ray.get(executor.run_remote(fn), timeout=timeout * TIME_SCALE)
+    finally:
+        executor.shutdown()
+    # Ray 2's APIs only: Horovod 0.28.1 as released placed its workers with options Ray
+    # deprecated (placement_group=...), warnings at each start (the ray2 patch).
+    assert [str(w.message) for w in caught if "deprecated" in str(w.message).lower()] == []
+    return sorted(answers, key=lambda a: a["rank"])
+
+
+def one_process(kind, timeout=120):
+    import ray_train
+    return ray.get(ray.remote(num_cpus=1)(ray_train.reference).remote(kind),
+                   timeout=timeout * TIME_SCALE)
+
+
+def weights(answer):
+    return np.concatenate([np.ravel(w) for w in answer["weights"]])
+
+
+def check(kind, answers, ref):
+    assert [a["rank"] for a in answers] == [0, 1] and {a["size"] for a in answers} == {2}
+    assert {a["keras"] for a in answers} == {ref["keras"]} == {keras_flavour()}
+    w0, w1 = weights(answers[0]), weights(answers[1])
+    assert np.array_equal(w0, w1), (w0, w1)  # the ranks in step
+    # trained (far from the start), and the steps of one process on the whole batch
+    assert np.abs(weights(ref) - np.concatenate([np.ravel(w) for w in ref["initial"]])).max() > 0.1
+    assert np.abs(w0 - weights(ref)).max() < EXACT, (kind, w0, weights(ref))
+
+
+def test_gradient_tape_on_two_ray_workers(cluster):
+    import ray_train
+    answers = train_on_ray(ray_train.gradient_tape)
+    check("gradient_tape", answers, one_process("gradient_tape"))
+
+
+def test_keras_fit_on_two_ray_workers(cluster):
+    import ray_train
+    answers = train_on_ray(ray_train.keras_fit)
+    check("keras_fit", answers, one_process("keras_fit"))
