@@ -186,6 +186,15 @@ def rank_pids(marker):
     return found
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server a test starts)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def running(pid) -> bool:
     """Whether process ``pid`` exists and is not a zombie; a process that ends between two
     reads of /proc (ProcessLookupError, FileNotFoundError) is not running."""

@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from conftest import as_printed, clean_env, finish, run, start, wait_for
+from conftest import as_printed, clean_env, finish, result, run, start, wait_for
 from docs_pages import block
 
 RESUME = block("guides/checkpoints.md",
@@ -30,6 +30,8 @@ FLOAT32 = BF16.replace("--mixed-precision bfloat16 ", "").replace("runs/bf16", "
 
 
 def read(run_dir, name):
+    """config.json (a JSON object) or metrics.jsonl (one per line) of ``run_dir``;
+    result.json is conftest's ``result``."""
     with open(os.path.join(run_dir, name)) as f:
         return json.load(f) if name.endswith(".json") else [json.loads(l) for l in f if l.strip()]
 
@@ -45,7 +47,7 @@ def runs(tmp_path_factory):
         assert p.returncode == 0, (line, p.stderr[-3000:])
         out[name] = p
         if name == "first":  # what the first command left for the second
-            out["first_result"] = read(cwd / "runs" / "lin", "result.json")
+            out["first_result"] = result(cwd / "runs" / "lin")
     out["cwd"] = cwd
     return out
 
@@ -54,8 +56,7 @@ def test_the_checkpoints_pages_commands_continue_one_run(runs):
     assert RESUME[1] == RESUME[0].replace("--epochs 2", "--epochs 4")
     first, cwd = runs["first_result"], runs["cwd"]
     assert (first["global_step"], first["epochs"]) == (100, 2)  # "global step 100"
-    continued, whole = read(cwd / "runs" / "lin", "result.json"), read(cwd / "runs" / "whole",
-                                                                       "result.json")
+    continued, whole = result(cwd / "runs" / "lin"), result(cwd / "runs" / "whole")
     assert continued["global_step"] == whole["global_step"] == 200
     assert continued["weights_sha256"] == whole["weights_sha256"]
     assert continued["ranks_identical"] is True
@@ -69,8 +70,7 @@ def test_the_checkpoints_pages_commands_continue_one_run(runs):
 
 def test_the_mixed_precision_pages_command(runs):
     cwd = runs["cwd"]
-    bf16, f32 = read(cwd / "runs" / "bf16", "result.json"), read(cwd / "runs" / "whole",
-                                                                 "result.json")
+    bf16, f32 = result(cwd / "runs" / "bf16"), result(cwd / "runs" / "whole")
     settings = read(cwd / "runs" / "bf16", "config.json"), read(cwd / "runs" / "whole",
                                                                  "config.json")
     assert [c["mixed_precision"] for c in settings] == ["bfloat16", "none"]
@@ -121,8 +121,7 @@ def test_ctrl_c_on_the_faults_pages_command_and_the_same_command_again(stopped):
     steps = [int(m.group(1)) for l in said for m in [re.search(pattern + "$", l)] if m]
     assert len(steps) == 1, said  # one line, rank 0's
     assert 2 * 500 <= steps[0] < 100 * 500  # after epoch 2 (500 steps an epoch), before the end
-    again, whole = read(stopped["run_dir"], "result.json"), read(cwd / "runs" / "whole",
-                                                                 "result.json")
+    again, whole = result(stopped["run_dir"]), result(cwd / "runs" / "whole")
     assert again["global_step"] == whole["global_step"] == 100 * 500
     assert again["weights_sha256"] == whole["weights_sha256"] and again["ranks_identical"]
     # the second run trained only from the stop on: its first epoch line is a later epoch

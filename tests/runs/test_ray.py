@@ -15,7 +15,6 @@ which would end any Ray on the machine).
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,16 +24,11 @@ import numpy as np
 import pytest
 import ray  # the test extra has it (the "ray" extra's pin)
 
-from conftest import ROOT, TESTS, TIME_SCALE, clean_env, keras_flavour, wait_for
+from conftest import ROOT, TESTS, TIME_SCALE, clean_env, free_port, keras_flavour, wait_for
 
 pytestmark = [pytest.mark.keras2, pytest.mark.timeout(240)]
 EXACT = 1e-6  # float32 arithmetic done in another order than Horovod's
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def session_pids(sid):

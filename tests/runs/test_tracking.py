@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -20,8 +19,8 @@ import urllib.request
 
 import pytest
 
-from conftest import (ROOT, as_printed, checkout_like, clean_env, finish, launch, rank_pids,
-                      result, run, running, script_cmd, start, wait_for)
+from conftest import (ROOT, as_printed, checkout_like, clean_env, finish, free_port, launch,
+                      rank_pids, result, run, running, script_cmd, start, wait_for)
 from docs_pages import block
 from hvdtrain.engine.tracking import flat
 
@@ -33,11 +32,6 @@ def untagged(line: str) -> str:
     """A rank's line without horovodrun's ``[0]<stderr>:`` tag."""
     return re.sub(r"^\[\d+\]<std(out|err)>:", "", line)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def up(url) -> bool:
