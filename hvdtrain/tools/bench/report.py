@@ -307,7 +307,8 @@ def plots(results, out: str) -> list:
         ax.set_xlabel("bytes (float32)")
         ax.set_ylabel("bus bandwidth, GB/s")
         ax.set_title(f"Allreduce, {ar['ranks']} processes")
-        ax.legend(fontsize=8)
+        # Beside the axes, not on them: the lines run into every corner.
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
         ax.grid(True, which="both", alpha=0.3)
         made.append(_save(fig, os.path.join(out, "bench_allreduce.png")))
     tp = results.get("throughput")
@@ -327,7 +328,14 @@ def plots(results, out: str) -> list:
             ax.set_xlabel("global batch")
             ax.set_ylabel("samples/s")
             ax.set_title(model)
-        axes[0][0].legend(fontsize=6)
+        # Beside the last panel, not over the first one's bars; every panel's variants (one
+        # model may have a variant another lacks).
+        handles = {}
+        for ax in axes[0]:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(label, handle)
+        axes[0][-1].legend(list(handles.values()), list(handles), fontsize=7, loc="upper left",
+                           bbox_to_anchor=(1.02, 1))
         made.append(_save(fig, os.path.join(out, "bench_throughput.png")))
     for key, name in (("models", "bench_models.png"), ("models_np1", "bench_models_np1.png")):
         if results.get(key) and results[key]["rows"]:
@@ -357,7 +365,7 @@ def _models_plot(plt, m, path):
 
 def _save(fig, path):
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")  # a legend beside the axes included
     import matplotlib.pyplot as plt
     plt.close(fig)
     return path
