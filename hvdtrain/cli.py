@@ -86,9 +86,10 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
-def run(task, argv=None, prog=None) -> int:
+def run(task, argv=None, prog=None, on_result=None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]) as ``task``'s flags, train, return the exit
-    status. ``task.settings`` takes the values of the task's own flags."""
+    status. ``task.settings`` takes the values of the task's own flags; ``on_result`` (if
+    given) is called with what the run returned (result.json's dict) when it trained."""
     prog = prog or f"python -m hvdtrain.{task.name}"
     try:
         try:
@@ -97,7 +98,9 @@ def run(task, argv=None, prog=None) -> int:
             if e.code not in (0, None):
                 note_exit(e.code)
             raise
-        train(task, config)
+        result = train(task, config)
+        if on_result is not None:
+            on_result(result)
     except Error as e:
         return report(prog, e)
     except KeyboardInterrupt:  # Ctrl-C before training started (after: a preemption, 75)

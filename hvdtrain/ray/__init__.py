@@ -1,0 +1,120 @@
+"""hvdtrain on a Ray cluster: a Task, a fit script or a function, trained by Horovod workers
+that Ray places, with the guarantees of a ``horovodrun`` launch.
+
+    python -m hvdtrain.ray --num-workers 4 --cpus-per-worker 2 mnist --epochs 3
+    python -m hvdtrain.ray --num-workers 2 train.py --run-dir /shared/runs/a   # a fit script
+
+    import hvdtrain.ray
+    result = hvdtrain.ray.run("mnist", argv=["--epochs", "3"], num_workers=4)
+    result = hvdtrain.ray.run(my_function, num_workers=2, use_gpu=True)
+
+Each worker is a Horovod worker actor (``horovod.ray.RayExecutor``: one placement-group
+bundle of ``cpus_per_worker`` CPUs, and ``gpus_per_worker`` GPUs, per worker), and starts its
+rank as a process of its own, exactly as ``horovodrun`` starts one: the same flags, output,
+checkpoints, exact resume, SIGTERM stop, watchdog and exit statuses
+(``hvdtrain.ray.driver`` says what ends a job and what restarts it). The ranks run in the
+directory the driver was started from, which must exist on every node, and a run directory
+they share must be on storage every node sees.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional, Sequence, Union
+
+from hvdtrain.ray.driver import RayJobError
+
+__all__ = ["run", "RayJobError"]
+
+MAX_RESTARTS = 3
+PLACEMENT_TIMEOUT = 120  # seconds to wait for the cluster to have room for every worker
+
+
+def is_script(target: str) -> bool:
+    return target.endswith(".py") or os.path.isfile(target)
+
+
+def _is_task(target) -> bool:
+    from hvdtrain.tasks.task import Task
+    return isinstance(target, Task) or (isinstance(target, str) and not is_script(target))
+
+
+def job_for(target, argv=(), args=(), kwargs=None, prog: Optional[str] = None):
+    """(job, default worker count): what each rank runs. A task named by a string is checked
+    here first (its flags: one line and status 2 before any worker starts)."""
+    from ray import cloudpickle
+
+    from hvdtrain.base.errors import EXIT_USAGE
+    from hvdtrain.tasks.task import Task
+
+    argv = list(argv)
+    if isinstance(target, str) and is_script(target):
+        if not os.path.isfile(target):
+            raise RayJobError(f"{target}: no such script", 2)
+        return {"kind": "script", "script": os.path.abspath(target), "argv": argv}, None
+    if isinstance(target, (str, Task)):
+        from hvdtrain.base.config import parse_args
+        from hvdtrain.tasks.task import load_task
+
+        task = load_task(target) if isinstance(target, str) else target
+        prog = prog or f"hvdtrain.ray {target if isinstance(target, str) else task.name}"
+        try:
+            config = parse_args(task, argv, prog)  # a bad flag: its line, then status 2
+        except SystemExit as e:
+            if e.code in (0, None):  # --help
+                raise
+            raise RayJobError("", EXIT_USAGE, said=True) from None
+        payload = {"kind": "task", "task": target, "argv": argv, "prog": prog}
+        return {"kind": "task", "argv": argv, "payload": cloudpickle.dumps(payload)}, \
+            config.num_workers
+    if callable(target):
+        prog = prog or f"hvdtrain.ray {getattr(target, '__name__', 'function')}"
+        payload = {"kind": "function", "function": target, "args": list(args),
+                   "kwargs": dict(kwargs or {}), "prog": prog}
+        return {"kind": "function", "argv": [], "payload": cloudpickle.dumps(payload)}, None
+    raise RayJobError(f"{target!r}: give a task (a built-in name, package.module:TaskClass "
+                      "or a Task), a script path or a function", 2)
+
+
+def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Sequence = (),
+        kwargs: Optional[dict] = None, num_workers: Optional[int] = None,
+        cpus_per_worker: int = 1, gpus_per_worker: int = 0, use_gpu: bool = False,
+        address: Optional[str] = None, max_restarts: int = MAX_RESTARTS,
+        placement_timeout: int = PLACEMENT_TIMEOUT, prog: Optional[str] = None) -> Any:
+    """Train ``target`` on ``num_workers`` Horovod workers of a Ray cluster; rank 0's result.
+
+    target: a task (a built-in name such as ``"mnist"``, ``"package.module:TaskClass"``, or
+        a Task instance) trained with the flags ``argv``, returning result.json's dict; a
+        script path (a fit script) run with ``argv``, returning None; or a function called
+        as ``target(*args, **kwargs)`` on every rank, returning rank 0's return value.
+    num_workers: the ranks (default: the task's configured count, else 1).
+    cpus_per_worker, gpus_per_worker: each worker's Ray resources; ``use_gpu=True`` is
+        ``gpus_per_worker=1`` (one rank per GPU).
+    address: the Ray cluster's (default: ``RAY_ADDRESS``, a cluster started on this machine,
+        else a new one here).
+    max_restarts: how many times a job whose infrastructure failed (a rank or its node lost,
+        storage, preemption) starts again from its newest checkpoint.
+
+    Raises ``RayJobError`` (its ``status`` is the command line's exit status) when the job
+    does not finish.
+    """
+    from hvdtrain.ray.driver import run_job
+
+    if use_gpu and not gpus_per_worker:
+        gpus_per_worker = 1
+    for name, value, least in (("num_workers", num_workers, 1),
+                               ("cpus_per_worker", cpus_per_worker, 1),
+                               ("gpus_per_worker", gpus_per_worker, 0),
+                               ("max_restarts", max_restarts, 0),
+                               ("placement_timeout", placement_timeout, 1)):
+        if value is not None and (not isinstance(value, int) or value < least):
+            raise RayJobError(f"{name}={value!r}: must be an integer of at least {least}", 2)
+    argv = list(argv)
+    if num_workers and _is_task(target) and not any(
+            a == "--num-workers" or a.startswith("--num-workers=") for a in argv):
+        argv += ["--num-workers", str(num_workers)]  # the task's count is the launch's
+    job, configured = job_for(target, argv, args, kwargs, prog)
+    job["cwd"] = os.getcwd()
+    placement = {"num_workers": num_workers or configured or 1,
+                 "cpus_per_worker": cpus_per_worker, "gpus_per_worker": gpus_per_worker,
+                 "timeout_s": placement_timeout}
+    return run_job(job, placement, address, max_restarts)

@@ -1,0 +1,273 @@
+"""The driver of a job on Ray: place the workers, start the ranks, relay their output, restart
+the job from its newest checkpoint when the infrastructure failed, return rank 0's result.
+
+One attempt: Horovod's ``RayExecutor`` reserves one placement-group bundle per worker (its CPUs,
+its GPU with ``gpus_per_worker``) and starts a Horovod worker actor in each, with the Gloo
+rendezvous set up; each actor starts its rank as a child process (``hvdtrain.ray.rank``). A
+small ``Hub`` actor (no CPU) carries the ranks' output to this process and the driver's stop
+request to the ranks.
+
+An attempt ends:
+- every rank with 0: the job is done, rank 0's result is returned;
+- a rank with 1 or 2 (the user's: a bad flag, a data file, a diverged loss): that status, after
+  the rank's own line; never retried;
+- a rank with a status after which the same command resumes (69 a rank died or froze, 73 the
+  run directory still held, 74 the storage failed, 75 preempted), a worker actor or its node
+  lost, a rank killed by a signal: the job is started again from its newest checkpoint, up to
+  ``max_restarts`` times, one line each time; after them, the attempt's status;
+- this process stopped (SIGINT, SIGTERM): the signal goes to every rank, which save at a step
+  they agree on and exit 75; so does this process.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+from hvdtrain.base.errors import (EXIT_FAILED, EXIT_PEER_LOST, EXIT_PREEMPTED, RETRIED,
+                                  LaunchError)
+
+# The driver's environment the ranks get (the actors have the environment of the node's
+# `ray start`): hvdtrain's and its frameworks' switches, the trackers' settings.
+FORWARDED = ("HVDTRAIN_", "TF_", "KERAS_", "MLFLOW_", "WANDB_", "NCCL_", "HOROVOD_", "OMP_",
+             "GLIBC_TUNABLES", "PYTHONPATH")
+# Horovod's variables that describe one launch: RayExecutor sets them for each worker.
+LAUNCH_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+               "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME",
+               "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT",
+               "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS", "HOROVOD_GLOO_IFACE",
+               "HOROVOD_ELASTIC")
+PROG = "hvdtrain.ray"
+RELEASE_SECONDS = 20.0
+
+
+class RayJobError(LaunchError):
+    """The job on Ray did not finish; ``status`` is what the command line exits with."""
+
+    def __init__(self, message: str, status: int = EXIT_FAILED, said: bool = False):
+        super().__init__(message)
+        self.status = status
+        self.said = said  # the ranks said why already: nothing more to print
+
+
+def forwarded_env(environ=os.environ) -> dict:
+    return {k: v for k, v in environ.items()
+            if k.startswith(FORWARDED) and k not in LAUNCH_VARS}
+
+
+def say(line: str) -> None:
+    sys.stderr.write(f"{PROG}: {line}\n")
+    sys.stderr.flush()
+
+
+def _hub_class():
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class Hub:
+        """The ranks' output on its way to the driver, and the driver's stop request."""
+
+        def __init__(self):
+            self.chunks, self.stop = [], 0
+
+        def write(self, rank, stream, chunk):
+            self.chunks.append((rank, stream, chunk))
+
+        def drain(self):
+            chunks, self.chunks = self.chunks, []
+            return chunks
+
+        def request_stop(self, signum):
+            self.stop = self.stop or int(signum)
+
+        def stop_signal(self):
+            return self.stop
+
+    return Hub
+
+
+class _Stop:
+    """This process's SIGINT and SIGTERM while a job runs: remembered, then sent to the ranks."""
+
+    def __init__(self):
+        self.signum, self._old = 0, {}
+
+    def __enter__(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[s] = signal.signal(s, self._on)
+            except ValueError:  # not the main thread (a notebook's worker thread): no handler
+                pass
+        return self
+
+    def _on(self, signum, frame):
+        if not self.signum:
+            self.signum = signum
+            say(f"{signal.Signals(signum).name}: stopping the ranks (they save a checkpoint "
+                "first)")
+
+    def __exit__(self, *exc):
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        return False
+
+
+def bounded(fn, what: str, seconds: float = RELEASE_SECONDS) -> None:
+    """``fn()`` in a thread, waited for at most ``seconds``: a Ray call whose daemons are gone
+    (a local Ray instance killed with this process's group) blocks forever."""
+    errors = []
+
+    def call():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (said below; the job's status stands)
+            errors.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive() or errors:
+        say(f"{what}: {'no answer from Ray within %g s' % seconds if t.is_alive() else errors[0]}"
+            " (left to Ray)")
+
+
+def _write(chunks) -> None:
+    for _, stream, chunk in chunks:
+        out = sys.stdout if stream == "out" else sys.stderr
+        try:
+            out.buffer.write(chunk)
+        except AttributeError:  # a stream without bytes (a notebook's): text
+            out.write(chunk.decode(errors="replace"))
+        out.flush()
+
+
+def _attempt(job: dict, placement: dict, stop: _Stop) -> dict:
+    """Run the job once on fresh workers; the ranks' answers (or why there are none)."""
+    import ray
+    from horovod.ray import RayExecutor
+    from hvdtrain.ray.rank import run_rank
+
+    hub = _hub_class().remote()
+    settings = RayExecutor.create_settings(timeout_s=placement["timeout_s"],
+                                           placement_group_timeout_s=placement["timeout_s"])
+    executor = RayExecutor(settings, num_workers=placement["num_workers"],
+                           cpus_per_worker=placement["cpus_per_worker"],
+                           use_gpu=placement["gpus_per_worker"] > 0,
+                           gpus_per_worker=placement["gpus_per_worker"] or None)
+    try:
+        try:
+            executor.start()
+        except TimeoutError:  # Horovod's placement group wait
+            raise RayJobError(_no_room(placement)) from None
+        refs = executor.run_remote(run_rank, args=[job, hub])
+        pending, sent = list(refs), False
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            _write(ray.get(hub.drain.remote()))
+            if stop.signum and not sent:
+                ray.get(hub.request_stop.remote(stop.signum))
+                sent = True
+        answers = []
+        for rank, ref in enumerate(refs):
+            try:
+                answers.append(ray.get(ref))
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                    ray.exceptions.NodeDiedError) as e:
+                answers.append({"rank": rank, "host": "?", "status": None, "signal": None,
+                                "stderr": "", "result": None,
+                                "error": f"its Ray worker was lost ({type(e).__name__})"})
+        time.sleep(0.2)  # the last chunks the actors sent as their ranks ended
+        _write(ray.get(hub.drain.remote()))
+        return {"answers": answers}
+    finally:
+        def release():
+            for worker in getattr(getattr(executor, "adapter", None), "workers", None) or []:
+                ray.kill(worker)  # now, not when Python collects the handles
+            executor.shutdown()  # its placement group
+            ray.kill(hub)
+        bounded(release, "releasing the workers")
+
+
+def _no_room(placement: dict) -> str:
+    import ray
+
+    free = ray.available_resources()
+    want = f"{placement['cpus_per_worker']} CPU" + (
+        f" and {placement['gpus_per_worker']} GPU" if placement["gpus_per_worker"] else "")
+    return (f"the Ray cluster has no room for {placement['num_workers']} workers of {want} "
+            f"each within {placement['timeout_s']} s (free now: "
+            f"{free.get('CPU', 0):g} CPU, {free.get('GPU', 0):g} GPU)")
+
+
+def outcome(answers: list, stopped: bool) -> tuple:
+    """(status, why, retry): what an attempt's answers mean for the job."""
+    statuses = [a["status"] for a in answers]
+    if all(s == 0 for s in statuses):
+        return 0, "", False
+    user = [a for a in answers if a["status"] in (1, 2) and not a.get("error")]
+    if user:  # the rank said its line; the lowest rank's status
+        return user[0]["status"], "", False
+    errors = [a for a in answers if a.get("error") and a["status"] is not None]
+    if errors:
+        return errors[0]["status"], f"rank {errors[0]['rank']}: {errors[0]['error']}", False
+    if stopped:  # the ranks' (75 once they saved); a rank stopped before it trained: its own
+        first = answers[0]["status"]
+        return (first if first not in (None, 0) else EXIT_PREEMPTED), "", False
+    lost = [a for a in answers if a["status"] is None or a["signal"]]
+    if lost:
+        a = lost[0]
+        why = (f"rank {a['rank']} on {a['host']} was killed by {a['signal']}" if a["signal"]
+               else f"rank {a['rank']}: {a['error']}")
+        return EXIT_PEER_LOST, why, True
+    retried = [s for s in statuses if s in RETRIED]
+    if retried:
+        return retried[0], f"the ranks ended with status {retried[0]}", True
+    odd = next(a for a in answers if a["status"] != 0)
+    return odd["status"] or EXIT_FAILED, (f"rank {odd['rank']} on {odd['host']} ended with "
+                                          f"status {odd['status']}"), False
+
+
+def run_job(job: dict, placement: dict, address: Optional[str], max_restarts: int) -> Any:
+    """Run ``job`` on the Ray cluster at ``address`` (None: the one Ray finds, or a new one on
+    this machine) until it finishes; rank 0's result."""
+    import ray
+
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, log_to_driver=False,
+                     configure_logging=True, logging_level="warning")
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise RayJobError(f"cannot connect to the Ray cluster"
+                              f"{f' at {address}' if address else ''}: {e}") from None
+        started = True  # this process connected: it disconnects, within a bound
+    else:
+        started = False
+    job = dict(job, env={**forwarded_env(), **job.get("env", {})})
+    try:
+        return _run(job, placement, max_restarts)
+    finally:
+        if started:
+            bounded(ray.shutdown, "disconnecting from Ray")
+            atexit.unregister(ray.shutdown)  # done, or hung: not again at exit
+
+
+def _run(job: dict, placement: dict, max_restarts: int) -> Any:
+    with _Stop() as stop:
+        for attempt in range(max_restarts + 1):
+            answers = _attempt(job, placement, stop)["answers"]
+            status, why, retry = outcome(answers, bool(stop.signum))
+            if status == 0:
+                data = answers[0]["result"]
+                return pickle.loads(data) if data is not None else None
+            if retry and not stop.signum and attempt < max_restarts:
+                say(f"{why}: the job starts again from its newest checkpoint "
+                    f"(restart {attempt + 1} of {max_restarts})")
+                continue
+            if retry and attempt == max_restarts and max_restarts:
+                why = f"{why}, after {max_restarts} restarts"
+            raise RayJobError(why, status, said=not why)
