@@ -101,3 +101,24 @@ def reference(kind):
         m.fit(x, y, batch_size=BATCH, epochs=STEPS, shuffle=False, verbose=0)
     return {"keras": keras_module(m), "weights": [w.tolist() for w in m.get_weights()],
             "initial": [w.tolist() for w in initial_weights(0)]}
+
+
+def world_sum(scale):
+    """For ``hvdtrain.ray.run``: this rank's place in hvdtrain's world, and the sum over the
+    ranks of (rank + 1) * scale, reduced by that world."""
+    import os
+
+    import hvdtrain
+
+    w = hvdtrain.world()
+    total = w.allreduce_sum([(w.rank + 1) * scale])
+    return {"rank": w.rank, "size": w.size, "sum": float(total[0]), "pid": os.getpid()}
+
+
+def fails(rank):
+    """For ``hvdtrain.ray.run``: rank ``rank`` raises."""
+    import hvdtrain
+
+    if hvdtrain.world().rank == rank:
+        raise ValueError(f"rank {rank} refuses")
+    return "done"

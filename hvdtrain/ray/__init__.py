@@ -63,7 +63,7 @@ def job_for(target, argv=(), args=(), kwargs=None, prog: Optional[str] = None):
             if e.code in (0, None):  # --help
                 raise
             raise RayJobError("", EXIT_USAGE, said=True) from None
-        payload = {"kind": "task", "task": target, "argv": argv, "prog": prog}
+        payload = {"kind": "task", "task": target, "prog": prog}
         return {"kind": "task", "argv": argv, "payload": cloudpickle.dumps(payload)}, \
             config.num_workers
     if callable(target):

@@ -82,7 +82,8 @@ def run_rank(job: dict, hub) -> dict:
         if job["kind"] == "script":
             cmd = [sys.executable, job["script"], *job["argv"]]
         else:
-            cmd = [sys.executable, "-m", "hvdtrain.ray.worker", result_path]
+            # The task's flags on the command line (what ps shows), the rest on stdin.
+            cmd = [sys.executable, "-m", "hvdtrain.ray.worker", result_path, *job["argv"]]
         try:
             proc = subprocess.Popen(cmd, cwd=job["cwd"], env=child_env(job),
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -1,7 +1,8 @@
-"""A rank of a job on Ray, as the actor starts it: ``python -m hvdtrain.ray.worker RESULT``.
+"""A rank of a job on Ray, as the actor starts it: ``python -m hvdtrain.ray.worker RESULT
+[FLAGS]``.
 
-Reads the job from stdin (pickled by the driver: a Task and its flags, or a function and its
-arguments), runs it as a launched rank runs (``hvdtrain.cli.run`` for a Task: the same flags,
+Reads the job from stdin (pickled by the driver: a Task, or a function and its arguments),
+runs it (a Task with FLAGS) as a launched rank runs (``hvdtrain.cli.run`` for a Task: the same flags,
 lines and exit statuses as ``python -m hvdtrain``), writes what it returned to RESULT
 (pickled), and exits with its status.
 """
@@ -12,7 +13,7 @@ import traceback
 from hvdtrain.base.errors import EXIT_FAILED, Error
 
 
-def main(result_path: str) -> int:
+def main(result_path: str, argv: list) -> int:
     from hvdtrain.cli import report, run
 
     job = pickle.loads(sys.stdin.buffer.read())
@@ -26,7 +27,7 @@ def main(result_path: str) -> int:
                 task = load_task(task)
             except Error as e:
                 return report(prog, e)
-        status = run(task, job["argv"], prog, on_result=returned.append)
+        status = run(task, argv, prog, on_result=returned.append)
     else:  # a function: what it returns is the result
         try:
             returned.append(job["function"](*job["args"], **job["kwargs"]))
@@ -47,4 +48,4 @@ def main(result_path: str) -> int:
 if __name__ == "__main__":
     from hvdtrain.cli import exit_now
 
-    exit_now(main(sys.argv[1]))
+    exit_now(main(sys.argv[1], sys.argv[2:]))

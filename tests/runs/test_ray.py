@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 import ray  # the test extra has it (the "ray" extra's pin)
 
-from conftest import ROOT, TESTS, TIME_SCALE, clean_env, free_port, keras_flavour, wait_for
+from conftest import (LINEAR, ROOT, TESTS, TIME_SCALE, checkpoints, clean_env, finish,
+                      free_port, keras_flavour, rank_pids, result, run, start, wait_for)
 
 pytestmark = [pytest.mark.keras2, pytest.mark.timeout(240)]
 EXACT = 1e-6  # float32 arithmetic done in another order than Horovod's
@@ -153,3 +154,107 @@ def test_keras_fit_on_two_ray_workers(cluster):
     import ray_train
     answers = train_on_ray(ray_train.keras_fit)
     check("keras_fit", answers, one_process("keras_fit"))
+
+
+# --- hvdtrain.ray: hvdtrain's own front, on the same cluster ------------------------------
+
+def driver_env(tmp_path):
+    """A driver's environment for this module's cluster (on loopback: Ray's single-machine
+    mode, read when Ray is imported)."""
+    return clean_env(tmp_path / "home", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+                     PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
+
+
+def ray_cmd(address, *args):
+    return [sys.executable, "-m", "hvdtrain.ray", "--address", address, *map(str, args)]
+
+
+def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(cluster, tmp_path,
+                                                                             references):
+    """The linear task through ``python -m hvdtrain.ray`` on 2 workers; rank 1's process
+    SIGKILLed after the first checkpoint: the driver says so in one line, starts the job
+    again, and it resumes to the weights of the same job under horovodrun, uninterrupted."""
+    ref = references.run("gloo", 2, "linear", *LINEAR)
+    run_dir = tmp_path / "run"
+    proc = start(ray_cmd(cluster, "--num-workers", 2, "linear", *LINEAR, "--run-dir", run_dir),
+                 driver_env(tmp_path))
+    try:
+        assert wait_for(lambda: checkpoints(run_dir), 120), "no checkpoint appeared"
+        pids = rank_pids(str(run_dir))
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGKILL)
+        rc, out, err = finish(proc, 180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 0, err[-3000:]
+    assert err.count("hvdtrain.ray: rank 1 on ") == 1 and "killed by SIGKILL: the job starts " \
+        "again from its newest checkpoint (restart 1 of 3)" in err, err[-3000:]
+    assert "resumed from" in err
+    r = result(run_dir)
+    assert (r["world_size"], r["global_step"]) == (2, ref["global_step"])
+    assert r["weights_sha256"] == ref["weights_sha256"]
+
+
+def test_sigterm_to_the_driver_saves_and_75_then_the_same_command_resumes(cluster, tmp_path,
+                                                                          references):
+    ref = references.run("gloo", 2, "linear", *LINEAR)
+    run_dir = tmp_path / "run"
+    cmd = ray_cmd(cluster, "--num-workers", 2, "linear", *LINEAR, "--run-dir", run_dir)
+    proc = start(cmd, driver_env(tmp_path))
+    try:
+        assert wait_for(lambda: checkpoints(run_dir), 120), "no checkpoint appeared"
+        os.kill(proc.pid, signal.SIGTERM)
+        rc, out, err = finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 75, err[-3000:]
+    lines = [l for l in err.splitlines() if "stopped by SIGTERM at step" in l]
+    assert len(lines) == 1 and lines[0].startswith("python -m hvdtrain.ray linear: "), err
+    step = int(lines[0].split("at step ")[1].split(";")[0])
+    assert checkpoints(run_dir)[0][0] == step < ref["global_step"]
+    assert not rank_pids(str(run_dir))  # the ranks are gone with it
+    p = run(cmd, driver_env(tmp_path), timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"step {step}" in p.stderr and "resumed from" in p.stderr
+    assert result(run_dir)["weights_sha256"] == ref["weights_sha256"]
+
+
+def test_the_python_call_returns_rank_0s_value_and_a_tasks_result(cluster, tmp_path):
+    """``hvdtrain.ray.run`` from a Python process already connected to Ray (a notebook's):
+    a function on 3 ranks returns rank 0's value, computed with the world hvdtrain made
+    there; a Task instance returns its result.json; a function that raises on one rank is a
+    RayJobError with status 1, after that rank's traceback."""
+    import ray_train
+
+    import hvdtrain.ray
+    from hvdtrain.linear import LinearTask
+
+    value = hvdtrain.ray.run(ray_train.world_sum, args=[2.0], num_workers=2)
+    assert (value["rank"], value["size"], value["sum"]) == (0, 2, 2.0 * (1 + 2))
+    assert value["pid"] != os.getpid()
+    run_dir = tmp_path / "run"
+    res = hvdtrain.ray.run(LinearTask(), argv=["--epochs", "2", "--run-dir", str(run_dir)],
+                           num_workers=2)
+    assert res == result(run_dir) and res["world_size"] == 2 and res["epochs"] == 2
+    with pytest.raises(hvdtrain.ray.RayJobError) as e:
+        hvdtrain.ray.run(ray_train.fails, args=[1], num_workers=2)
+    assert e.value.status == 1
+
+
+def test_bad_input_is_one_line_before_any_worker_starts(cluster, tmp_path):
+    env = driver_env(tmp_path)
+    cases = [
+        (["linear", "--epochs", "0"], 2, "hvdtrain.ray linear: error: --epochs=0: must be"),
+        (["nosuchtask"], 2, "'nosuchtask'"),
+        (["--num-workers", "0", "linear"], 2, "num_workers=0: must be an integer of at least 1"),
+        (["no_such_script.py"], 2, "no_such_script.py: no such script"),
+        (["--cpus-per-worker", "64", "--placement-timeout", "3", "linear"], 1,
+         "the Ray cluster has no room for 2 workers of 64 CPU each within 3 s"),
+    ]
+    for args, status, said in cases:
+        p = run(ray_cmd(cluster, *args), env, timeout=90)
+        err = [l for l in p.stderr.splitlines() if "WARNING" not in l]
+        assert p.returncode == status and said in p.stderr, (args, p.returncode, p.stderr)
+        assert len(err) == 1, (args, p.stderr)
