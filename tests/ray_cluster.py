@@ -27,7 +27,6 @@ cluster is left.
 """
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
