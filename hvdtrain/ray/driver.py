@@ -164,6 +164,10 @@ def _attempt(job: dict, placement: dict, stop: _Stop) -> dict:
             executor.start()
         except TimeoutError:  # Horovod's placement group wait
             raise RayJobError(_no_room(placement)) from None
+        workers = executor.adapter.workers
+        hosts = ray.get([w.hostname.remote() for w in workers])
+        say(f"{len(hosts)} workers: " + ", ".join(f"rank {r} on {h}"
+                                                for r, h in enumerate(hosts)))
         refs = executor.run_remote(run_rank, args=[job, hub])
         pending, sent = list(refs), False
         while pending:
@@ -178,8 +182,8 @@ def _attempt(job: dict, placement: dict, stop: _Stop) -> dict:
                 answers.append(ray.get(ref))
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
                     ray.exceptions.NodeDiedError) as e:
-                answers.append({"rank": rank, "host": "?", "status": None, "signal": None,
-                                "stderr": "", "result": None,
+                answers.append({"rank": rank, "host": hosts[rank], "status": None,
+                                "signal": None, "stderr": "", "result": None,
                                 "error": f"its Ray worker was lost ({type(e).__name__})"})
         time.sleep(0.2)  # the last chunks the actors sent as their ranks ended
         _write(ray.get(hub.drain.remote()))
@@ -222,7 +226,7 @@ def outcome(answers: list, stopped: bool) -> tuple:
     if lost:
         a = lost[0]
         why = (f"rank {a['rank']} on {a['host']} was killed by {a['signal']}" if a["signal"]
-               else f"rank {a['rank']}: {a['error']}")
+               else f"rank {a['rank']} on {a['host']}: {a['error']}")
         return EXIT_PEER_LOST, why, True
     retried = [s for s in statuses if s in RETRIED]
     if retried:
