@@ -86,6 +86,7 @@ class RayCluster(Hosts):
         self.temp = None      # the nodes' temporary directories are under it
         self.nodes = {}       # name -> its `ray start --block` (Popen), while it runs
         self.starts = 0       # node starts so far (each gets its own --temp-dir)
+        self.commands = {}    # name -> its latest `ray start` command line
 
     # --- making it ------------------------------------------------------------------------
     def create(self):
@@ -108,6 +109,7 @@ class RayCluster(Hosts):
         flags = HEAD_FLAGS if name == HEAD else ["--address", self.address]
         cmd = [RAY, "start", "--block", *flags, "--node-ip-address", NODES[name], *NODE_FLAGS,
                "--temp-dir", temp]
+        self.commands[name] = cmd
         self.nodes[name] = self.start(f"{name}-{self.starts}", self.on_node(name, cmd))
         return self.nodes[name]
 

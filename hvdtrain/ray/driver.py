@@ -152,7 +152,12 @@ def _attempt(job: dict, placement: dict, stop: _Stop) -> dict:
     from horovod.ray import RayExecutor
     from hvdtrain.ray.rank import run_rank
 
-    hub = _hub_class().remote()
+    # The hub on this process's node: a node that dies takes this process with it, and a
+    # node lost but not yet known to be (Ray's health checks take seconds) would take the hub.
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    here = ray.get_runtime_context().get_node_id()
+    hub = _hub_class().options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        here, soft=False)).remote()
     settings = RayExecutor.create_settings(timeout_s=placement["timeout_s"],
                                            placement_group_timeout_s=placement["timeout_s"])
     executor = RayExecutor(settings, num_workers=placement["num_workers"],

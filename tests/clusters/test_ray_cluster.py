@@ -9,12 +9,14 @@ the cluster has three live nodes again.
 """
 import json
 import os
+import re
 import sys
 
 import pytest
 
-from conftest import (LINEAR, ROOT, checkpoints, clean_env, finish, launch_example, rank_pids,
-                      result, run, start, wait_for)
+from conftest import (LINEAR, as_printed, checkout_like, checkpoints, clean_env, finish,
+                      launch_example, rank_pids, result, run, start, wait_for)
+from docs_pages import block
 from ray_cluster import NODES, RayCluster
 
 # The bound covers the module's fixture: three nodes started, then stopped.
@@ -104,17 +106,54 @@ def test_a_task_and_a_fit_script_end_with_horovodruns_weights(ray_cluster, tmp_p
     assert r["weights_sha256"] == ref["weights_sha256"]
     assert r["test_accuracy"] == ref["test_accuracy"]
 
-    example = os.path.join(ROOT, "examples", "keras_fit_mnist.py")
-    q = run(launch_example(2, "keras_fit_mnist.py", *FIT, "--run-dir", tmp_path / "fit_ref"),
-            clean_env(tmp_path / "home"), timeout=240)
+    # The page's fit-script command, as printed (in a directory like the checkout).
+    line, = block("guides/clusters/ray.md", "python -m hvdtrain.ray --num-workers 2 examples/").commands()
+    args = as_printed(line)[5:]  # examples/keras_fit_mnist.py and its flags
+    assert args[0] == "examples/keras_fit_mnist.py"
+    ref_dir = tmp_path / "fit_ref"
+    q = run(launch_example(2, "keras_fit_mnist.py", *args[1:args.index("--run-dir")],
+                           "--run-dir", ref_dir), clean_env(tmp_path / "home"), timeout=240)
     assert q.returncode == 0, q.stderr[-3000:]
-    p = run(hvdtrain_ray(ray_cluster, "--num-workers", 2, example, *FIT, "--run-dir",
-                         tmp_path / "fit"), ray_cluster.env, timeout=240, cwd=tmp_path)
+    cwd = checkout_like(tmp_path / "checkout")
+    p = run(ray_cluster.driver_cmd(as_printed(line)), ray_cluster.env, timeout=240, cwd=cwd)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("Epoch 1/1") == 1  # rank 0's Keras lines, relayed once
-    r, ref = result(tmp_path / "fit"), result(tmp_path / "fit_ref")
+    r, ref = result(cwd / "runs" / "fit"), result(ref_dir)
     assert (r["world_size"], r["ranks_identical"]) == (2, True)
     assert r["weights_sha256"] == ref["weights_sha256"]
+
+
+def test_the_pages_cluster_and_mnist_commands_as_printed(ray_cluster, tmp_path):
+    """The page's `ray start` lines are the cluster's (its own flags added); its MNIST command
+    and its Python call, run as printed on the head, train the same job: the same weights,
+    the accuracy the call printed, the first lines the page shows."""
+    head, *others = block("guides/clusters/ray.md", "ray start --head").commands()
+    assert len(others) == 1
+    for line, node in ((head, "rayhead"), (others[0], "raynode1")):
+        words = as_printed(line.replace("HEAD", NODES["rayhead"]))
+        cmd = [os.path.basename(ray_cluster.commands[node][0]), *ray_cluster.commands[node][1:]]
+        assert all(w in cmd for w in words) and cmd[cmd.index("--address" if node != "rayhead"
+                                                               else "--port") + 1] == words[-1]
+    cwd = checkout_like(tmp_path / "checkout")
+    line, = block("guides/clusters/ray.md", "python -m hvdtrain.ray --num-workers 2 mnist").commands()
+    p = run(ray_cluster.driver_cmd(as_printed(line)), ray_cluster.env, timeout=240, cwd=cwd)
+    assert p.returncode == 0, p.stderr[-3000:]
+    shown = block("guides/clusters/ray.md", "hvdtrain.ray: 2 workers:").text.splitlines()
+    said = [l for l in (p.stderr + "\n" + p.stdout).splitlines() if l.startswith(("hvdtrain.ray:",
+                                                                            "hvdtrain: mnist"))]
+    assert re.fullmatch(shown[0].replace("node1", r"(\w+)").replace("node2", r"(\w+)"),
+                        said[0]), said
+    assert said[1].startswith(shown[1].rstrip(".").rstrip(", ")), said
+    r = result(cwd / "runs" / "ray")
+    assert (r["world_size"], r["epochs"]) == (2, 1) and 0.5 < r["test_accuracy"] <= 1.0
+
+    code = block("guides/clusters/ray.md", "import hvdtrain.ray").text
+    p = run(ray_cluster.driver_cmd([sys.executable, "-c", code]), ray_cluster.env,
+            timeout=240, cwd=cwd)
+    assert p.returncode == 0, p.stderr[-3000:]
+    py = result(cwd / "runs" / "ray-py")
+    assert p.stdout.strip().splitlines()[-1] == str(py["test_accuracy"])
+    assert py["weights_sha256"] == r["weights_sha256"]
 
 
 def test_a_lost_node_restarts_the_job_on_the_others_to_the_same_weights(ray_cluster, tmp_path,

@@ -62,6 +62,11 @@ def imported_by(package):
     return found - {package}
 
 
+# Public faces that are packages (their modules are entry points, with the faces' rule):
+# ``python -m hvdtrain.bench``, and ``python -m hvdtrain.ray`` with ``hvdtrain.ray.run``.
+FACE_PACKAGES = ("bench", "ray")
+
+
 def may_import():
     """The architecture page's table: package -> the names its "may import" cell gives."""
     out = {}
@@ -75,7 +80,7 @@ def test_the_picture_draws_every_package_on_a_floor():
     drawn = floors()
     assert drawn[0][0] == "faces", drawn
     below = [name for floor in drawn[1:] for name in floor]
-    assert sorted(below) == sorted(p for p in packages() if p not in ("tools", "bench")), below
+    assert sorted(below) == sorted(p for p in packages() if p not in ("tools", *FACE_PACKAGES)), below
     names = block("concepts/architecture.md", "  your script ").text
     for face in faces():  # the faces row names every module at the top
         assert re.search(rf"\b{face}\b", names), face
@@ -85,7 +90,7 @@ def test_each_package_imports_only_what_the_page_allows_and_only_below_it():
     drawn = floors()
     level = {name: len(drawn) - i for i, floor in enumerate(drawn) for name in floor}
     allowed = may_import()
-    assert set(allowed) == {p for p in packages() if p != "bench"}, allowed
+    assert set(allowed) == {p for p in packages() if p not in FACE_PACKAGES}, allowed
     for package, cell in allowed.items():
         if package == "tools":  # beside the stack: anything of hvdtrain
             continue
@@ -102,6 +107,9 @@ def test_each_package_imports_only_what_the_page_allows_and_only_below_it():
     for package in packages():
         if package not in ("tools", "bench"):
             assert "tools" not in imported_by(package), package
+    # The face packages import no tools but the bench's.
+    for package in FACE_PACKAGES:
+        assert package == "bench" or "tools" not in imported_by(package), package
 
 
 def test_a_backward_import_fails_the_check(tmp_path):
