@@ -27,6 +27,7 @@ __all__ = ["run", "RayJobError"]
 
 MAX_RESTARTS = 3
 PLACEMENT_TIMEOUT = 120  # seconds to wait for the cluster to have room for every worker
+COOLDOWN = (10, 60)  # an elastic job's lost address is tried again after 10 s, then longer
 
 
 def is_script(target: str) -> bool:
@@ -79,7 +80,9 @@ def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Se
         kwargs: Optional[dict] = None, num_workers: Optional[int] = None,
         cpus_per_worker: int = 1, gpus_per_worker: int = 0, use_gpu: bool = False,
         address: Optional[str] = None, max_restarts: int = MAX_RESTARTS,
-        placement_timeout: int = PLACEMENT_TIMEOUT, prog: Optional[str] = None) -> Any:
+        placement_timeout: int = PLACEMENT_TIMEOUT, min_workers: Optional[int] = None,
+        max_workers: Optional[int] = None, cooldown: Sequence[int] = COOLDOWN,
+        prog: Optional[str] = None) -> Any:
     """Train ``target`` on ``num_workers`` Horovod workers of a Ray cluster; rank 0's result.
 
     target: a task (a built-in name such as ``"mnist"``, ``"package.module:TaskClass"``, or
@@ -93,6 +96,10 @@ def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Se
         else a new one here).
     max_restarts: how many times a job whose infrastructure failed (a rank or its node lost,
         storage, preemption) starts again from its newest checkpoint.
+    min_workers, max_workers: an elastic job (a task: its ``--elastic``) on as many workers as
+        Ray has free slots, between these: a lost rank or node leaves the others going on
+        from their last commit, and a node that returns joins after Horovod's cool-down of
+        its address (``cooldown``: (least, most) seconds).
 
     Raises ``RayJobError`` (its ``status`` is the command line's exit status) when the job
     does not finish.
@@ -101,7 +108,16 @@ def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Se
 
     if use_gpu and not gpus_per_worker:
         gpus_per_worker = 1
+    elastic = min_workers is not None or max_workers is not None
+    if elastic and num_workers is not None:
+        raise RayJobError("num_workers or min_workers/max_workers: a job is elastic or not", 2)
+    if elastic:
+        min_workers = min_workers or 1
+        if max_workers is not None and max_workers < min_workers:
+            raise RayJobError(f"max_workers={max_workers}: must be at least min_workers="
+                              f"{min_workers}", 2)
     for name, value, least in (("num_workers", num_workers, 1),
+                               ("min_workers", min_workers, 1), ("max_workers", max_workers, 1),
                                ("cpus_per_worker", cpus_per_worker, 1),
                                ("gpus_per_worker", gpus_per_worker, 0),
                                ("max_restarts", max_restarts, 0),
@@ -109,6 +125,8 @@ def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Se
         if value is not None and (not isinstance(value, int) or value < least):
             raise RayJobError(f"{name}={value!r}: must be an integer of at least {least}", 2)
     argv = list(argv)
+    if elastic and _is_task(target) and "--elastic" not in argv:
+        argv.append("--elastic")
     if num_workers and _is_task(target) and not any(
             a == "--num-workers" or a.startswith("--num-workers=") for a in argv):
         argv += ["--num-workers", str(num_workers)]  # the task's count is the launch's
@@ -117,4 +135,7 @@ def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Se
     placement = {"num_workers": num_workers or configured or 1,
                  "cpus_per_worker": cpus_per_worker, "gpus_per_worker": gpus_per_worker,
                  "timeout_s": placement_timeout}
+    if elastic:
+        placement.update(min_workers=min_workers, max_workers=max_workers,
+                         cooldown=tuple(cooldown))
     return run_job(job, placement, address, max_restarts)

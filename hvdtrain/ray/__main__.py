@@ -35,6 +35,10 @@ def parser() -> argparse.ArgumentParser:
                    "storage (default %(default)s)")
     p.add_argument("--placement-timeout", type=int, default=PLACEMENT_TIMEOUT,
                    help="seconds to wait for room for every worker (default %(default)s)")
+    p.add_argument("--min-workers", type=int, default=None,
+                   help="an elastic job: at least this many ranks (a task gets --elastic)")
+    p.add_argument("--max-workers", type=int, default=None,
+                   help="an elastic job: at most this many ranks (default: every free slot)")
     p.add_argument("target", help="a task (mnist, linear, package.module:TaskClass) or a "
                    "script path")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the target's flags")
@@ -56,7 +60,8 @@ def main(argv=None) -> int:
         run(args.target, argv=args.args, num_workers=args.num_workers,
             cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
             address=args.address, max_restarts=args.max_restarts,
-            placement_timeout=args.placement_timeout, prog=prog)
+            placement_timeout=args.placement_timeout, min_workers=args.min_workers,
+            max_workers=args.max_workers, prog=prog)
     except Error as e:
         if not getattr(e, "said", False):
             sys.stderr.write(f"{PROG}: error: {e}\n")

@@ -21,6 +21,7 @@ An attempt ends:
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import pickle
 import signal
@@ -73,7 +74,7 @@ def _hub_class():
         """The ranks' output on its way to the driver, and the driver's stop request."""
 
         def __init__(self):
-            self.chunks, self.stop = [], 0
+            self.chunks, self.stop, self.ended = [], 0, []
 
         def write(self, rank, stream, chunk):
             self.chunks.append((rank, stream, chunk))
@@ -87,6 +88,12 @@ def _hub_class():
 
         def stop_signal(self):
             return self.stop
+
+        def answer(self, answer):
+            self.ended.append(answer)
+
+        def answers(self):
+            return sorted(self.ended, key=lambda a: a["rank"])
 
     return Hub
 
@@ -202,6 +209,59 @@ def _attempt(job: dict, placement: dict, stop: _Stop) -> dict:
         bounded(release, "releasing the workers")
 
 
+def _attempt_elastic(job: dict, placement: dict, stop: _Stop) -> dict:
+    """The job under Horovod's elastic driver on Ray (``ElasticRayExecutor``): between
+    ``min_workers`` and ``max_workers`` ranks, one per free slot of the nodes Ray has. A rank
+    or node lost: the others reset and go on from their last commit (hvdtrain's ``--elastic``);
+    a node that returns (after Horovod's cool-down of its address) joins at the next commit.
+    The answers are the ranks' that ended by themselves."""
+    import ray
+    from horovod.ray import ElasticRayExecutor
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from hvdtrain.ray.rank import run_rank_elastic
+
+    here = ray.get_runtime_context().get_node_id()
+    hub = _hub_class().options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        here, soft=False)).remote()
+    settings = ElasticRayExecutor.create_settings(
+        min_num_proc=placement["min_workers"], max_num_proc=placement["max_workers"],
+        elastic_timeout=placement["timeout_s"], timeout_s=placement["timeout_s"],
+        cooldown_range=placement["cooldown"])
+    executor = ElasticRayExecutor(settings, use_gpu=placement["gpus_per_worker"] > 0,
+                                  cpus_per_slot=placement["cpus_per_worker"],
+                                  gpus_per_slot=placement["gpus_per_worker"] or None)
+    failure = []
+
+    def drive():
+        try:
+            executor.start()
+            executor.run(functools.partial(run_rank_elastic, job, hub))
+        except BaseException as e:  # noqa: BLE001 (read below, with the ranks' answers)
+            failure.append(e)
+
+    thread = threading.Thread(target=drive, daemon=True)
+    thread.start()
+    sent = False
+    try:
+        while thread.is_alive():
+            thread.join(0.2)
+            _write(ray.get(hub.drain.remote()))
+            if stop.signum and not sent:
+                ray.get(hub.request_stop.remote(stop.signum))
+                sent = True
+        time.sleep(0.2)
+        _write(ray.get(hub.drain.remote()))
+        answers = ray.get(hub.answers.remote())
+    finally:
+        bounded(lambda: ray.kill(hub), "releasing the hub")
+    if not answers:
+        why = f"{failure[0]}" if failure else "no rank ended"
+        answers = [{"rank": 0, "host": "?", "status": EXIT_FAILED, "signal": None, "stderr": "",
+                    "result": None, "error": f"the elastic job failed: {why}"}]
+    return {"answers": answers}
+
+
 def _no_room(placement: dict) -> str:
     import ray
 
@@ -268,10 +328,11 @@ def run_job(job: dict, placement: dict, address: Optional[str], max_restarts: in
 def _run(job: dict, placement: dict, max_restarts: int) -> Any:
     with _Stop() as stop:
         for attempt in range(max_restarts + 1):
-            answers = _attempt(job, placement, stop)["answers"]
+            attempt_fn = _attempt_elastic if placement.get("min_workers") else _attempt
+            answers = attempt_fn(job, placement, stop)["answers"]
             status, why, retry = outcome(answers, bool(stop.signum))
             if status == 0:
-                data = answers[0]["result"]
+                data = next((a["result"] for a in answers if a["result"] is not None), None)
                 return pickle.loads(data) if data is not None else None
             if retry and not stop.signum and attempt < max_restarts:
                 say(f"{why}: the job starts again from its newest checkpoint "

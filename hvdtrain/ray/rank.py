@@ -133,7 +133,18 @@ def run_rank(job: dict, hub) -> dict:
         answer["status"] = code if code >= 0 else 128 - code
         answer["signal"] = signal.Signals(-code).name if code < 0 else None
         answer["stderr"] = tail.decode(errors="replace")
-        if rank == 0 and code == 0 and os.path.exists(result_path):
+        if code == 0 and os.path.exists(result_path):
             with open(result_path, "rb") as f:
                 answer["result"] = f.read()  # pickled by the child; the driver loads it
     return answer
+
+
+def run_rank_elastic(job: dict, hub) -> dict:
+    """``run_rank`` under Horovod's elastic driver: the answer goes to the hub (the driver
+    reads the ranks' answers there), and a rank that did not end with 0 raises, so that the
+    elastic driver counts its slot as failed."""
+    answer = run_rank(job, hub)
+    hub.answer.remote(answer)
+    if answer["status"] != 0:
+        raise RuntimeError(f"rank ended with status {answer['status']}")
+    return answer["status"]
