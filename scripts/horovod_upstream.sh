@@ -21,7 +21,8 @@
 # the step counts are cut; and under Keras 3 the Keras 2-only code that
 # docs/guides/horovod-scripts.md lists is left out (`experimental_run_tf_function=False`,
 # `opt.variables()`). With the "ray" extra installed, Horovod's Ray tests (test/single/test_ray.py,
-# test_ray_elastic.py) too, on TensorFlow where they use PyTorch (below).
+# test_ray_elastic.py) too, on TensorFlow where they use PyTorch, and its Ray example
+# (examples/ray/tensorflow2_mnist_ray.py) as a Ray driver (below).
 # Needs pytest's `parameterized` and `mock` (pip install parameterized mock; Horovod's tests
 # import them). About 10 minutes on 2 cores, and as much again for the elastic files.
 set -uo pipefail
@@ -147,5 +148,34 @@ PY
             echo "    FAILED:"; grep -v "I0000\|WARNING" "$copy.log" | tail -5 | sed 's/^/    /'; status=1
         fi
     done
+    # Horovod's Ray example: run as a Ray driver (it starts a Ray of its own here), changed as
+    # the examples above are, and in its executor: it passes RayExecutor arguments of an older
+    # horovod.ray (num_slots=, cpus_per_slot=), which 0.28.1's refuses (a TypeError as
+    # released), and asks for 2 hosts of 4 workers of 8 CPUs: 2 workers of 1 CPU here.
+    ex=tensorflow2_mnist_ray.py
+    if wanted "$ex"; then
+        if ! python -c 'import ray' 2>/dev/null; then
+            echo "Keras $keras $ex: not run (no ray: pip install -c constraints.txt '.[ray]')"
+        else
+            copy="$work/keras$keras-$ex"
+            sed -e "s|tf.keras.datasets.mnist.load_data(path='mnist-%d.npz' % hvd.rank())|((lambda d: (d['x'], d['y']))(__import__('numpy').load('$work/mnist.npz')), None)|" \
+                -e 's|steps_per_epoch=500 // hvd.size(),|steps_per_epoch=16 // hvd.size(),|' \
+                -e 's|settings, num_hosts=2, num_slots=4, use_gpu=False, cpus_per_slot=8)|settings, num_workers=2, use_gpu=False, cpus_per_worker=1)|' \
+                "$src/examples/ray/$ex" >"$copy"
+            if [[ $keras == 3 ]]; then
+                sed -i -e 's|^\(\s*\)experimental_run_tf_function=False)|\1)|' \
+                    -e "s|'./checkpoint-{epoch}.h5'|'./checkpoint-{epoch}.keras'|" "$copy"
+            fi
+            echo "Keras $keras $ex, changed lines:"
+            diff "$src/examples/ray/$ex" "$copy" | grep '^>' | sed 's/^/    /'
+            rm -f "$work"/checkpoint-1.*
+            if (cd "$work" && RAY_USAGE_STATS_ENABLED=0 timeout 600 python "$copy") >"$copy.log" 2>&1 \
+                    && ls "$work"/checkpoint-1.* >/dev/null 2>&1; then
+                echo "    ran to the end: rank 0 saved $(cd "$work" && ls checkpoint-1.*) after its epoch"
+            else
+                echo "    FAILED:"; grep -v "I0000\|WARNING" "$copy.log" | tail -5 | sed 's/^/    /'; status=1
+            fi
+        fi
+    fi
 done
 exit $status

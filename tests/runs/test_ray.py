@@ -254,6 +254,10 @@ def test_bad_input_is_one_line_before_any_worker_starts(cluster, tmp_path):
         (["nosuchtask"], 2, "'nosuchtask'"),
         (["--num-workers", "0", "linear"], 2, "num_workers=0: must be an integer of at least 1"),
         (["no_such_script.py"], 2, "no_such_script.py: no such script"),
+        (["--num-workers", "2", "--min-workers", "1", "linear"], 2,
+         "num_workers or min_workers/max_workers: a job is elastic or not"),
+        (["--min-workers", "3", "--max-workers", "2", "linear"], 2,
+         "max_workers=2: must be at least min_workers=3"),
         (["--cpus-per-worker", "64", "--placement-timeout", "3", "linear"], 1,
          "the Ray cluster has no room for 2 workers of 64 CPU each within 3 s"),
     ]
