@@ -138,4 +138,5 @@ def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Se
     if elastic:
         placement.update(min_workers=min_workers, max_workers=max_workers,
                          cooldown=tuple(cooldown))
+        job["elastic"] = True
     return run_job(job, placement, address, max_restarts)

@@ -98,6 +98,17 @@ def _hub_class():
     return Hub
 
 
+def _hub():
+    """A new hub, on this process's node: a node that dies takes this process with it, and a
+    node lost but not yet known to be (Ray's health checks take seconds) would take the hub."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return _hub_class().options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        here, soft=False)).remote()
+
+
 class _Stop:
     """This process's SIGINT and SIGTERM while a job runs: remembered, then sent to the ranks."""
 
@@ -159,12 +170,7 @@ def _attempt(job: dict, placement: dict, stop: _Stop) -> dict:
     from horovod.ray import RayExecutor
     from hvdtrain.ray.rank import run_rank
 
-    # The hub on this process's node: a node that dies takes this process with it, and a
-    # node lost but not yet known to be (Ray's health checks take seconds) would take the hub.
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    here = ray.get_runtime_context().get_node_id()
-    hub = _hub_class().options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        here, soft=False)).remote()
+    hub = _hub()
     settings = RayExecutor.create_settings(timeout_s=placement["timeout_s"],
                                            placement_group_timeout_s=placement["timeout_s"])
     executor = RayExecutor(settings, num_workers=placement["num_workers"],
@@ -195,7 +201,7 @@ def _attempt(job: dict, placement: dict, stop: _Stop) -> dict:
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
                     ray.exceptions.NodeDiedError) as e:
                 answers.append({"rank": rank, "host": hosts[rank], "status": None,
-                                "signal": None, "stderr": "", "result": None,
+                                "signal": None, "result": None,
                                 "error": f"its Ray worker was lost ({type(e).__name__})"})
         time.sleep(0.2)  # the last chunks the actors sent as their ranks ended
         _write(ray.get(hub.drain.remote()))
@@ -217,13 +223,10 @@ def _attempt_elastic(job: dict, placement: dict, stop: _Stop) -> dict:
     The answers are the ranks' that ended by themselves."""
     import ray
     from horovod.ray import ElasticRayExecutor
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from hvdtrain.ray.rank import run_rank_elastic
 
-    here = ray.get_runtime_context().get_node_id()
-    hub = _hub_class().options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        here, soft=False)).remote()
+    hub = _hub()
     settings = ElasticRayExecutor.create_settings(
         min_num_proc=placement["min_workers"], max_num_proc=placement["max_workers"],
         elastic_timeout=placement["timeout_s"], timeout_s=placement["timeout_s"],
@@ -257,7 +260,7 @@ def _attempt_elastic(job: dict, placement: dict, stop: _Stop) -> dict:
         bounded(lambda: ray.kill(hub), "releasing the hub")
     if not answers:
         why = f"{failure[0]}" if failure else "no rank ended"
-        answers = [{"rank": 0, "host": "?", "status": EXIT_FAILED, "signal": None, "stderr": "",
+        answers = [{"rank": 0, "host": "?", "status": EXIT_FAILED, "signal": None,
                     "result": None, "error": f"the elastic job failed: {why}"}]
     return {"answers": answers}
 

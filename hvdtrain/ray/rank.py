@@ -11,7 +11,8 @@ run directory lock, huge pages from its first instruction. The actor only:
 - forwards a stop the driver asks for (its own SIGINT or SIGTERM) to the child, as that signal;
 - ends the child when the actor itself dies (the child's parent-death signal is SIGTERM: it
   saves at a step the ranks agree on, as a preempted rank does);
-- returns the child's exit status, its host, the end of its stderr, and rank 0's result.
+- returns the child's exit status, its host, and rank 0's result (any rank's in an elastic
+  job, whose ranks change).
 
 Imports only the standard library and Ray's: the actor has Horovod and Ray loaded already,
 and must not import TensorFlow (it would hold the GPU the child needs).
@@ -30,7 +31,6 @@ import threading
 PR_SET_PDEATHSIG = 1
 POLL = 0.25       # seconds between two looks at the driver's stop request
 CHUNK = 1 << 16   # bytes relayed at once
-TAIL = 4096       # bytes of the child's stderr kept for the driver's last line
 
 
 def _rank_start() -> None:
@@ -70,8 +70,8 @@ def run_rank(job: dict, hub) -> dict:
 
     rank = int(os.environ.get("HOROVOD_RANK", "0"))
     host = socket.gethostname()
-    answer = {"rank": rank, "host": host, "status": None, "signal": None, "stderr": "",
-              "result": None, "error": None}
+    answer = {"rank": rank, "host": host, "status": None, "signal": None, "result": None,
+              "error": None}
     if not os.path.isdir(job["cwd"]):
         answer["error"] = (f"the driver's working directory {job['cwd']} does not exist on "
                            f"host {host}: start the driver from a directory every node sees")
@@ -91,7 +91,6 @@ def run_rank(job: dict, hub) -> dict:
         except OSError as e:
             answer["error"], answer["status"] = f"cannot start {cmd[0]} on {host}: {e}", 1
             return answer
-        tail = bytearray()
 
         def relay(stream, name):
             fd = stream.fileno()
@@ -99,9 +98,6 @@ def run_rank(job: dict, hub) -> dict:
                 chunk = os.read(fd, CHUNK)
                 if not chunk:
                     return
-                if name == "err":
-                    tail.extend(chunk)
-                    del tail[:-TAIL]
                 hub.write.remote(rank, name, chunk)
 
         threads = [threading.Thread(target=relay, args=(proc.stdout, "out"), daemon=True),
@@ -132,8 +128,7 @@ def run_rank(job: dict, hub) -> dict:
         code = proc.returncode
         answer["status"] = code if code >= 0 else 128 - code
         answer["signal"] = signal.Signals(-code).name if code < 0 else None
-        answer["stderr"] = tail.decode(errors="replace")
-        if code == 0 and os.path.exists(result_path):
+        if code == 0 and (rank == 0 or job.get("elastic")) and os.path.exists(result_path):
             with open(result_path, "rb") as f:
                 answer["result"] = f.read()  # pickled by the child; the driver loads it
     return answer
