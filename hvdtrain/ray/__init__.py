@@ -83,26 +83,39 @@ def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Se
         placement_timeout: int = PLACEMENT_TIMEOUT, min_workers: Optional[int] = None,
         max_workers: Optional[int] = None, cooldown: Sequence[int] = COOLDOWN,
         prog: Optional[str] = None) -> Any:
-    """Train ``target`` on ``num_workers`` Horovod workers of a Ray cluster; rank 0's result.
+    """Train ``target`` on Horovod workers of a Ray cluster; rank 0's result.
 
-    target: a task (a built-in name such as ``"mnist"``, ``"package.module:TaskClass"``, or
-        a Task instance) trained with the flags ``argv``, returning result.json's dict; a
-        script path (a fit script) run with ``argv``, returning None; or a function called
-        as ``target(*args, **kwargs)`` on every rank, returning rank 0's return value.
-    num_workers: the ranks (default: the task's configured count, else 1).
-    cpus_per_worker, gpus_per_worker: each worker's Ray resources; ``use_gpu=True`` is
-        ``gpus_per_worker=1`` (one rank per GPU).
-    address: the Ray cluster's (default: ``RAY_ADDRESS``, a cluster started on this machine,
-        else a new one here).
-    max_restarts: how many times a job whose infrastructure failed (a rank or its node lost,
-        storage, preemption) starts again from its newest checkpoint.
-    min_workers, max_workers: an elastic job (a task: its ``--elastic``) on as many workers as
-        Ray has free slots, between these: a lost rank or node leaves the others going on
-        from their last commit, and a node that returns joins after Horovod's cool-down of
-        its address (``cooldown``: (least, most) seconds).
+    Args:
+        target: a task (a built-in name such as ``"mnist"``, ``"package.module:TaskClass"``,
+            or a Task instance) trained with the flags ``argv``, returning result.json's
+            dictionary; a script path (a fit script) run with ``argv``, returning None; or a
+            function called as ``target(*args, **kwargs)`` on every rank, returning rank 0's
+            return value.
+        argv: the task's or the script's flags.
+        args: the function's positional arguments.
+        kwargs: the function's keyword arguments.
+        num_workers: the ranks (default: the task's configured count, else 1).
+        cpus_per_worker: the Ray CPUs each worker reserves.
+        gpus_per_worker: the Ray GPUs each worker reserves (1: one rank per GPU).
+        use_gpu: ``gpus_per_worker=1``.
+        address: the Ray cluster's address (default: ``RAY_ADDRESS``, a cluster started on
+            this machine, else a new one here for the job).
+        max_restarts: how many times a job whose infrastructure failed (a rank or its node
+            lost, storage, preemption) starts again from its newest checkpoint.
+        placement_timeout: seconds to wait for room for every worker.
+        min_workers: an elastic job (a task gets ``--elastic``) on at least this many ranks:
+            a lost rank or node leaves the others going on from their last commit.
+        max_workers: an elastic job's most ranks (default: every free slot).
+        cooldown: (least, most) seconds before an elastic job tries a failed address again:
+            a node that returns joins after it.
+        prog: the name the ranks' lines start with (default ``hvdtrain.ray TARGET``).
 
-    Raises ``RayJobError`` (its ``status`` is the command line's exit status) when the job
-    does not finish.
+    Returns:
+        Rank 0's result, as above.
+
+    Raises:
+        RayJobError: the job did not finish; its ``status`` is the command line's exit
+            status.
     """
     from hvdtrain.ray.driver import run_job
 
