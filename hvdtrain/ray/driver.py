@@ -61,9 +61,15 @@ def forwarded_env(environ=os.environ) -> dict:
             if k.startswith(FORWARDED) and k not in LAUNCH_VARS}
 
 
+# Whether the ranks' output relayed last on each stream ended mid-line (a progress bar, a
+# write cut in two): the driver's own line then starts on a new one.
+_mid_line = {"out": False, "err": False}
+
+
 def say(line: str) -> None:
-    sys.stderr.write(f"{PROG}: {line}\n")
+    sys.stderr.write(f"{chr(10) if _mid_line['err'] else ''}{PROG}: {line}\n")
     sys.stderr.flush()
+    _mid_line["err"] = False
 
 
 def _hub_class():
@@ -156,6 +162,8 @@ def bounded(fn, what: str, seconds: float = RELEASE_SECONDS) -> None:
 
 def _write(chunks) -> None:
     for _, stream, chunk in chunks:
+        if chunk:
+            _mid_line[stream] = not chunk.endswith(b"\n")
         out = sys.stdout if stream == "out" else sys.stderr
         try:
             out.buffer.write(chunk)

@@ -185,6 +185,7 @@ def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(clus
         pids = rank_pids(str(run_dir))
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[1], signal.SIGKILL)
+        assert not (run_dir / "result.json").exists(), "the job ended before the kill"
         rc, out, err = finish(proc, 180)
     finally:
         if proc.poll() is None:
@@ -194,10 +195,10 @@ def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(clus
     shown, = block("guides/clusters/ray.md", "hvdtrain.ray: rank 1 on node2 was killed").text.splitlines()
     lines = [l for l in err.splitlines() if l.startswith("hvdtrain.ray: rank 1 on ")]
     assert lines == [shown.replace("node2", socket.gethostname())], err[-3000:]
-    assert "resumed from" in err
+    assert "resumed from" in err, err[-3000:]
     r = result(run_dir)
-    assert (r["world_size"], r["global_step"]) == (2, ref["global_step"])
-    assert r["weights_sha256"] == ref["weights_sha256"]
+    assert (r["world_size"], r["global_step"]) == (2, ref["global_step"]), err[-3000:]
+    assert r["weights_sha256"] == ref["weights_sha256"], err[-3000:]
 
 
 def test_sigterm_to_the_driver_saves_and_75_then_the_same_command_resumes(cluster, tmp_path,
