@@ -44,6 +44,8 @@ from hvdtrain.datasets import mnist
 (x, y), _ = mnist()  # Keras' cached MNIST, else the bundled sample: no download
 np.savez(sys.argv[1], x=x, y=y)
 PY
+# The examples' MNIST: the digits above instead of a download.
+digits="s|tf.keras.datasets.mnist.load_data(path='mnist-%d.npz' % hvd.rank())|((lambda d: (d['x'], d['y']))(__import__('numpy').load('$work/mnist.npz')), None)|"
 for keras in ${HVDTRAIN_UPSTREAM_KERAS:-3 2}; do
     if [[ $keras == 2 ]]; then export TF_USE_LEGACY_KERAS=1; else unset TF_USE_LEGACY_KERAS; fi
     for f in test_tensorflow.py test_tensorflow2_keras.py test_tensorflow_process_sets.py \
@@ -133,7 +135,7 @@ PY
     for ex in tensorflow2_mnist.py tensorflow2_keras_mnist.py; do
         wanted "$ex" || continue
         copy="$work/keras$keras-$ex"
-        sed -e "s|tf.keras.datasets.mnist.load_data(path='mnist-%d.npz' % hvd.rank())|((lambda d: (d['x'], d['y']))(__import__('numpy').load('$work/mnist.npz')), None)|" \
+        sed -e "$digits" \
             -e 's|dataset.take(10000 // hvd.size())|dataset.take(40 // hvd.size())|' \
             -e 's|steps_per_epoch=500 // hvd.size(), callbacks=callbacks, epochs=24|steps_per_epoch=16 // hvd.size(), callbacks=callbacks, epochs=4|' \
             "$src/examples/tensorflow2/$ex" >"$copy"
@@ -158,7 +160,7 @@ PY
             echo "Keras $keras $ex: not run (no ray: pip install -c constraints.txt '.[ray]')"
         else
             copy="$work/keras$keras-$ex"
-            sed -e "s|tf.keras.datasets.mnist.load_data(path='mnist-%d.npz' % hvd.rank())|((lambda d: (d['x'], d['y']))(__import__('numpy').load('$work/mnist.npz')), None)|" \
+            sed -e "$digits" \
                 -e 's|steps_per_epoch=500 // hvd.size(),|steps_per_epoch=16 // hvd.size(),|' \
                 -e 's|settings, num_hosts=2, num_slots=4, use_gpu=False, cpus_per_slot=8)|settings, num_workers=2, use_gpu=False, cpus_per_worker=1)|' \
                 "$src/examples/ray/$ex" >"$copy"
