@@ -46,6 +46,8 @@ np.savez(sys.argv[1], x=x, y=y)
 PY
 # The examples' MNIST: the digits above instead of a download.
 digits="s|tf.keras.datasets.mnist.load_data(path='mnist-%d.npz' % hvd.rank())|((lambda d: (d['x'], d['y']))(__import__('numpy').load('$work/mnist.npz')), None)|"
+# Keras 3: compile() without Keras 2's experimental_run_tf_function=False.
+no_tf_function='s|^\(\s*\)experimental_run_tf_function=False)|\1)|'
 for keras in ${HVDTRAIN_UPSTREAM_KERAS:-3 2}; do
     if [[ $keras == 2 ]]; then export TF_USE_LEGACY_KERAS=1; else unset TF_USE_LEGACY_KERAS; fi
     for f in test_tensorflow.py test_tensorflow2_keras.py test_tensorflow_process_sets.py \
@@ -140,7 +142,7 @@ PY
             -e 's|steps_per_epoch=500 // hvd.size(), callbacks=callbacks, epochs=24|steps_per_epoch=16 // hvd.size(), callbacks=callbacks, epochs=4|' \
             "$src/examples/tensorflow2/$ex" >"$copy"
         if [[ $keras == 3 ]]; then
-            sed -i -e 's|^\(\s*\)experimental_run_tf_function=False)|\1)|' -e 's|opt.variables()|opt.variables|' "$copy"
+            sed -i -e "$no_tf_function" -e 's|opt.variables()|opt.variables|' "$copy"
         fi
         echo "Keras $keras $ex, changed lines:"
         diff "$src/examples/tensorflow2/$ex" "$copy" | grep '^>' | sed 's/^/    /'
@@ -165,7 +167,7 @@ PY
                 -e 's|settings, num_hosts=2, num_slots=4, use_gpu=False, cpus_per_slot=8)|settings, num_workers=2, use_gpu=False, cpus_per_worker=1)|' \
                 "$src/examples/ray/$ex" >"$copy"
             if [[ $keras == 3 ]]; then
-                sed -i -e 's|^\(\s*\)experimental_run_tf_function=False)|\1)|' \
+                sed -i -e "$no_tf_function" \
                     -e "s|'./checkpoint-{epoch}.h5'|'./checkpoint-{epoch}.keras'|" "$copy"
             fi
             echo "Keras $keras $ex, changed lines:"

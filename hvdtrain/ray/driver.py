@@ -72,6 +72,7 @@ def say(line: str) -> None:
     _mid_line["err"] = False
 
 
+@functools.lru_cache(maxsize=None)  # one actor class per process, not one per attempt
 def _hub_class():
     import ray
 
@@ -172,7 +173,29 @@ def _write(chunks) -> None:
         out.flush()
 
 
-def _attempt(job: dict, placement: dict, stop: _Stop) -> dict:
+def _relay(hub, stop: _Stop, running) -> None:
+    """While ``running()`` (which waits a moment) is true: print the ranks' output as it
+    comes, and hand this process's stop to the ranks, once. Then the last chunks the actors
+    sent as their ranks ended."""
+    import ray
+
+    sent = False
+    while running():
+        _write(ray.get(hub.drain.remote()))
+        if stop.signum and not sent:
+            ray.get(hub.request_stop.remote(stop.signum))
+            sent = True
+    time.sleep(0.2)
+    _write(ray.get(hub.drain.remote()))
+
+
+def failed(rank: int, host: str, status, error: str) -> dict:
+    """A rank's answer when the rank could not give one (its worker lost, the job failed)."""
+    return {"rank": rank, "host": host, "status": status, "signal": None, "result": None,
+            "error": error}
+
+
+def _attempt(job: dict, placement: dict, stop: _Stop) -> list:
     """Run the job once on fresh workers; the ranks' answers (or why there are none)."""
     import ray
     from horovod.ray import RayExecutor
@@ -195,25 +218,23 @@ def _attempt(job: dict, placement: dict, stop: _Stop) -> dict:
         say(f"{len(hosts)} workers: " + ", ".join(f"rank {r} on {h}"
                                                 for r, h in enumerate(hosts)))
         refs = executor.run_remote(run_rank, args=[job, hub])
-        pending, sent = list(refs), False
-        while pending:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
-            _write(ray.get(hub.drain.remote()))
-            if stop.signum and not sent:
-                ray.get(hub.request_stop.remote(stop.signum))
-                sent = True
+        pending = list(refs)
+
+        def running():
+            nonlocal pending
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            return bool(pending)
+
+        _relay(hub, stop, running)
         answers = []
         for rank, ref in enumerate(refs):
             try:
                 answers.append(ray.get(ref))
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
                     ray.exceptions.NodeDiedError) as e:
-                answers.append({"rank": rank, "host": hosts[rank], "status": None,
-                                "signal": None, "result": None,
-                                "error": f"its Ray worker was lost ({type(e).__name__})"})
-        time.sleep(0.2)  # the last chunks the actors sent as their ranks ended
-        _write(ray.get(hub.drain.remote()))
-        return {"answers": answers}
+                answers.append(failed(rank, hosts[rank], None,
+                                      f"its Ray worker was lost ({type(e).__name__})"))
+        return answers
     finally:
         def release():
             for worker in getattr(getattr(executor, "adapter", None), "workers", None) or []:
@@ -223,7 +244,7 @@ def _attempt(job: dict, placement: dict, stop: _Stop) -> dict:
         bounded(release, "releasing the workers")
 
 
-def _attempt_elastic(job: dict, placement: dict, stop: _Stop) -> dict:
+def _attempt_elastic(job: dict, placement: dict, stop: _Stop) -> list:
     """The job under Horovod's elastic driver on Ray (``ElasticRayExecutor``): between
     ``min_workers`` and ``max_workers`` ranks, one per free slot of the nodes Ray has. A rank
     or node lost: the others reset and go on from their last commit (hvdtrain's ``--elastic``);
@@ -253,24 +274,15 @@ def _attempt_elastic(job: dict, placement: dict, stop: _Stop) -> dict:
 
     thread = threading.Thread(target=drive, daemon=True)
     thread.start()
-    sent = False
     try:
-        while thread.is_alive():
-            thread.join(0.2)
-            _write(ray.get(hub.drain.remote()))
-            if stop.signum and not sent:
-                ray.get(hub.request_stop.remote(stop.signum))
-                sent = True
-        time.sleep(0.2)
-        _write(ray.get(hub.drain.remote()))
+        _relay(hub, stop, lambda: (thread.join(0.2), thread.is_alive())[1])
         answers = ray.get(hub.answers.remote())
     finally:
         bounded(lambda: ray.kill(hub), "releasing the hub")
     if not answers:
         why = f"{failure[0]}" if failure else "no rank ended"
-        answers = [{"rank": 0, "host": "?", "status": EXIT_FAILED, "signal": None,
-                    "result": None, "error": f"the elastic job failed: {why}"}]
-    return {"answers": answers}
+        answers = [failed(0, "?", EXIT_FAILED, f"the elastic job failed: {why}")]
+    return answers
 
 
 def _no_room(placement: dict) -> str:
@@ -340,7 +352,7 @@ def _run(job: dict, placement: dict, max_restarts: int) -> Any:
     with _Stop() as stop:
         for attempt in range(max_restarts + 1):
             attempt_fn = _attempt_elastic if placement.get("min_workers") else _attempt
-            answers = attempt_fn(job, placement, stop)["answers"]
+            answers = attempt_fn(job, placement, stop)
             status, why, retry = outcome(answers, bool(stop.signum))
             if status == 0:
                 data = next((a["result"] for a in answers if a["result"] is not None), None)

@@ -28,6 +28,8 @@ import sys
 import tempfile
 import threading
 
+from hvdtrain.base import malloc  # the standard library's only
+
 PR_SET_PDEATHSIG = 1
 POLL = 0.25       # seconds between two looks at the driver's stop request
 CHUNK = 1 << 16   # bytes relayed at once
@@ -54,13 +56,9 @@ def child_env(job: dict, environ=os.environ) -> dict:
     paths = [p for p in (job["cwd"], job["env"].get("PYTHONPATH"), environ.get("PYTHONPATH"))
              if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(os.pathsep.join(paths).split(os.pathsep)))
-    try:
-        from hvdtrain.base import malloc  # standard library only
-        value = malloc.tunables(env)
-        if value:
-            env["GLIBC_TUNABLES"] = value
-    except ImportError:
-        pass
+    value = malloc.tunables(env)
+    if value:
+        env["GLIBC_TUNABLES"] = value
     return env
 
 
