@@ -63,12 +63,20 @@ setup(
                  # tests/runs/test_tracking.py: a real MLflow server, W&B offline.
                  "mlflow>=3,<4", "wandb>=0.19,<1",
                  # tests/runs/test_ray.py: Horovod's RayExecutor on a local Ray cluster.
-                 "ray==2.60.0"],
+                 "ray==2.60.0",
+                 # tests/clusters/test_spark_cluster.py: a standalone Spark cluster (its Java
+                 # comes from scripts/setup_test.sh).
+                 "pyspark==4.3.0", "fsspec>=2024.6"],
         # --track mlflow / wandb (hvdtrain.engine.tracking): imported only when a run asks.
         "track": ["mlflow>=3,<4", "wandb>=0.19,<1"],
         # Horovod's horovod.ray (RayExecutor, ElasticRayExecutor) on a Ray cluster: Ray 2.60,
         # with scripts/patches/python/horovod-0.28.1-ray2.patch. Plain ray: no dashboard.
         "ray": ["ray==2.60.0"],
+        # Horovod's horovod.spark (run, run_elastic, KerasEstimator) and hvdtrain.spark on
+        # PySpark 4.3, which needs Java 17 or 21 (Debian: openjdk-17-jre-headless). fsspec: the
+        # estimator's Store. Petastorm is not used: its last release imports pyarrow.filesystem,
+        # gone from the pyarrow this stack locks (the estimator reads Parquet with pyarrow).
+        "spark": ["pyspark==4.3.0", "fsspec>=2024.6"],
         "bench": ["matplotlib>=3.8"],  # python -m hvdtrain.bench's PNG plots
         # The documentation site (mkdocs.yml, docs/): mkdocs build --strict in the quick tests;
         # mkdocstrings renders the API reference (docs/reference/api/) from the docstrings.

@@ -8,13 +8,15 @@
 #   openssh-server openssh-client iproute2: tests/clusters/test_multihost.py runs an sshd per host in
 #       network namespaces, reached by horovodrun -H and mpirun over ssh
 #   procps: ps and pgrep (the fault tests find ranks); shellcheck: tests/runs/test_scripts.py
+#   openjdk-17-jre-headless: the Java that PySpark 4.3 runs on (tests/clusters/test_spark_cluster.py
+#       starts a standalone Spark master and two workers, tests/runs/test_spark.py a local Spark)
 #   patchelf: scripts/test_gpu_build.sh's GPU build (setup.sh needs it for HVDTRAIN_GPU=1, and
 #       runs there with HVDTRAIN_SKIP_APT=1)
 #   dataset-fashion-mnist (optional, not in every distribution): the full Fashion-MNIST test
 set -euo pipefail
 
 packages=(slurmctld slurmd slurm-client munge openssh-server openssh-client iproute2 procps shellcheck
-          patchelf)
+          patchelf openjdk-17-jre-headless)
 optional=(dataset-fashion-mnist)
 log() { printf '[setup_test] %s\n' "$*"; }
 
