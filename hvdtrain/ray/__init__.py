@@ -30,52 +30,6 @@ PLACEMENT_TIMEOUT = 120  # seconds to wait for the cluster to have room for ever
 COOLDOWN = (10, 60)  # an elastic job's lost address is tried again after 10 s, then longer
 
 
-def is_script(target: str) -> bool:
-    return target.endswith(".py") or os.path.isfile(target)
-
-
-def _is_task(target) -> bool:
-    from hvdtrain.tasks.task import Task
-    return isinstance(target, Task) or (isinstance(target, str) and not is_script(target))
-
-
-def job_for(target, argv=(), args=(), kwargs=None, prog: Optional[str] = None):
-    """(job, default worker count): what each rank runs. A task named by a string is checked
-    here first (its flags: one line and status 2 before any worker starts)."""
-    from ray import cloudpickle
-
-    from hvdtrain.base.errors import EXIT_USAGE
-    from hvdtrain.tasks.task import Task
-
-    argv = list(argv)
-    if isinstance(target, str) and is_script(target):
-        if not os.path.isfile(target):
-            raise RayJobError(f"{target}: no such script", 2)
-        return {"kind": "script", "script": os.path.abspath(target), "argv": argv}, None
-    if isinstance(target, (str, Task)):
-        from hvdtrain.base.config import parse_args
-        from hvdtrain.tasks.task import load_task
-
-        task = load_task(target) if isinstance(target, str) else target
-        prog = prog or f"hvdtrain.ray {target if isinstance(target, str) else task.name}"
-        try:
-            config = parse_args(task, argv, prog)  # a bad flag: its line, then status 2
-        except SystemExit as e:
-            if e.code in (0, None):  # --help
-                raise
-            raise RayJobError("", EXIT_USAGE, said=True) from None
-        payload = {"kind": "task", "task": target, "prog": prog}
-        return {"kind": "task", "argv": argv, "payload": cloudpickle.dumps(payload)}, \
-            config.num_workers
-    if callable(target):
-        prog = prog or f"hvdtrain.ray {getattr(target, '__name__', 'function')}"
-        payload = {"kind": "function", "function": target, "args": list(args),
-                   "kwargs": dict(kwargs or {}), "prog": prog}
-        return {"kind": "function", "argv": [], "payload": cloudpickle.dumps(payload)}, None
-    raise RayJobError(f"{target!r}: give a task (a built-in name, package.module:TaskClass "
-                      "or a Task), a script path or a function", 2)
-
-
 def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Sequence = (),
         kwargs: Optional[dict] = None, num_workers: Optional[int] = None,
         cpus_per_worker: int = 1, gpus_per_worker: int = 0, use_gpu: bool = False,
@@ -117,6 +71,9 @@ def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Se
         RayJobError: the job did not finish; its ``status`` is the command line's exit
             status.
     """
+    from ray import cloudpickle
+
+    from hvdtrain.jobs.job import check_counts, job_for, task_argv
     from hvdtrain.ray.driver import run_job
 
     if use_gpu and not gpus_per_worker:
@@ -129,21 +86,13 @@ def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Se
         if max_workers is not None and max_workers < min_workers:
             raise RayJobError(f"max_workers={max_workers}: must be at least min_workers="
                               f"{min_workers}", 2)
-    for name, value, least in (("num_workers", num_workers, 1),
-                               ("min_workers", min_workers, 1), ("max_workers", max_workers, 1),
-                               ("cpus_per_worker", cpus_per_worker, 1),
-                               ("gpus_per_worker", gpus_per_worker, 0),
-                               ("max_restarts", max_restarts, 0),
-                               ("placement_timeout", placement_timeout, 1)):
-        if value is not None and (not isinstance(value, int) or value < least):
-            raise RayJobError(f"{name}={value!r}: must be an integer of at least {least}", 2)
-    argv = list(argv)
-    if elastic and _is_task(target) and "--elastic" not in argv:
-        argv.append("--elastic")
-    if num_workers and _is_task(target) and not any(
-            a == "--num-workers" or a.startswith("--num-workers=") for a in argv):
-        argv += ["--num-workers", str(num_workers)]  # the task's count is the launch's
-    job, configured = job_for(target, argv, args, kwargs, prog)
+    check_counts(RayJobError, num_workers=(num_workers, 1), min_workers=(min_workers, 1),
+                 max_workers=(max_workers, 1), cpus_per_worker=(cpus_per_worker, 1),
+                 gpus_per_worker=(gpus_per_worker, 0), max_restarts=(max_restarts, 0),
+                 placement_timeout=(placement_timeout, 1))
+    argv = task_argv(target, argv, num_workers, elastic)
+    job, configured = job_for(target, argv, args, kwargs, prog, "hvdtrain.ray",
+                              cloudpickle.dumps, RayJobError)
     job["cwd"] = os.getcwd()
     placement = {"num_workers": num_workers or configured or 1,
                  "cpus_per_worker": cpus_per_worker, "gpus_per_worker": gpus_per_worker,

@@ -7,69 +7,32 @@ rendezvous set up; each actor starts its rank as a child process (``hvdtrain.ray
 small ``Hub`` actor (no CPU) carries the ranks' output to this process and the driver's stop
 request to the ranks.
 
-An attempt ends:
-- every rank with 0: the job is done, rank 0's result is returned;
-- a rank with 1 or 2 (the user's: a bad flag, a data file, a diverged loss): that status, after
-  the rank's own line; never retried;
-- a rank with a status after which the same command resumes (69 a rank died or froze, 73 the
-  run directory still held, 74 the storage failed, 75 preempted), a worker actor or its node
-  lost, a rank killed by a signal: the job is started again from its newest checkpoint, up to
-  ``max_restarts`` times, one line each time; after them, the attempt's status;
-- this process stopped (SIGINT, SIGTERM): the signal goes to every rank, which save at a step
-  they agree on and exit 75; so does this process.
+An attempt ends as ``hvdtrain.jobs.outcome`` says (done, the user's error, started again from
+the newest checkpoint up to ``max_restarts`` times, stopped); a worker actor or its node lost
+counts as a rank lost.
 """
 from __future__ import annotations
 
 import atexit
 import functools
-import os
 import pickle
-import signal
-import sys
 import threading
 import time
 from typing import Any, Optional
 
-from hvdtrain.base.errors import (EXIT_FAILED, EXIT_PEER_LOST, EXIT_PREEMPTED, RETRIED,
-                                  LaunchError)
+from hvdtrain.base.errors import EXIT_FAILED
+from hvdtrain.jobs.job import JobError
+from hvdtrain.jobs.outcome import (Console, Stop, failed, forwarded_env, outcome,
+                                   restart_or_raise)
 
-# The driver's environment the ranks get (the actors have the environment of the node's
-# `ray start`): hvdtrain's and its frameworks' switches, the trackers' settings.
-FORWARDED = ("HVDTRAIN_", "TF_", "KERAS_", "MLFLOW_", "WANDB_", "NCCL_", "HOROVOD_", "OMP_",
-             "GLIBC_TUNABLES", "PYTHONPATH")
-# Horovod's variables that describe one launch: RayExecutor sets them for each worker.
-LAUNCH_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
-               "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME",
-               "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT",
-               "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS", "HOROVOD_GLOO_IFACE",
-               "HOROVOD_ELASTIC")
 PROG = "hvdtrain.ray"
 RELEASE_SECONDS = 20.0
+console = Console(PROG)
+say = console.say
 
 
-class RayJobError(LaunchError):
+class RayJobError(JobError):
     """The job on Ray did not finish; ``status`` is what the command line exits with."""
-
-    def __init__(self, message: str, status: int = EXIT_FAILED, said: bool = False):
-        super().__init__(message)
-        self.status = status
-        self.said = said  # the ranks said why already: nothing more to print
-
-
-def forwarded_env(environ=os.environ) -> dict:
-    return {k: v for k, v in environ.items()
-            if k.startswith(FORWARDED) and k not in LAUNCH_VARS}
-
-
-# Whether the ranks' output relayed last on each stream ended mid-line (a progress bar, a
-# write cut in two): the driver's own line then starts on a new one.
-_mid_line = {"out": False, "err": False}
-
-
-def say(line: str) -> None:
-    sys.stderr.write(f"{chr(10) if _mid_line['err'] else ''}{PROG}: {line}\n")
-    sys.stderr.flush()
-    _mid_line["err"] = False
 
 
 @functools.lru_cache(maxsize=None)  # one actor class per process, not one per attempt
@@ -116,32 +79,6 @@ def _hub():
         here, soft=False)).remote()
 
 
-class _Stop:
-    """This process's SIGINT and SIGTERM while a job runs: remembered, then sent to the ranks."""
-
-    def __init__(self):
-        self.signum, self._old = 0, {}
-
-    def __enter__(self):
-        for s in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[s] = signal.signal(s, self._on)
-            except ValueError:  # not the main thread (a notebook's worker thread): no handler
-                pass
-        return self
-
-    def _on(self, signum, frame):
-        if not self.signum:
-            self.signum = signum
-            say(f"{signal.Signals(signum).name}: stopping the ranks (they save a checkpoint "
-                "first)")
-
-    def __exit__(self, *exc):
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-        return False
-
-
 def bounded(fn, what: str, seconds: float = RELEASE_SECONDS) -> None:
     """``fn()`` in a thread, waited for at most ``seconds``: a Ray call whose daemons are gone
     (a local Ray instance killed with this process's group) blocks forever."""
@@ -163,17 +100,10 @@ def bounded(fn, what: str, seconds: float = RELEASE_SECONDS) -> None:
 
 def _write(chunks) -> None:
     for _, stream, chunk in chunks:
-        if chunk:
-            _mid_line[stream] = not chunk.endswith(b"\n")
-        out = sys.stdout if stream == "out" else sys.stderr
-        try:
-            out.buffer.write(chunk)
-        except AttributeError:  # a stream without bytes (a notebook's): text
-            out.write(chunk.decode(errors="replace"))
-        out.flush()
+        console.write(stream, chunk)
 
 
-def _relay(hub, stop: _Stop, running) -> None:
+def _relay(hub, stop: Stop, running) -> None:
     """While ``running()`` (which waits a moment) is true: print the ranks' output as it
     comes, and hand this process's stop to the ranks, once. Then the last chunks the actors
     sent as their ranks ended."""
@@ -189,13 +119,7 @@ def _relay(hub, stop: _Stop, running) -> None:
     _write(ray.get(hub.drain.remote()))
 
 
-def failed(rank: int, host: str, status, error: str) -> dict:
-    """A rank's answer when the rank could not give one (its worker lost, the job failed)."""
-    return {"rank": rank, "host": host, "status": status, "signal": None, "result": None,
-            "error": error}
-
-
-def _attempt(job: dict, placement: dict, stop: _Stop) -> list:
+def _attempt(job: dict, placement: dict, stop: Stop) -> list:
     """Run the job once on fresh workers; the ranks' answers (or why there are none)."""
     import ray
     from horovod.ray import RayExecutor
@@ -244,7 +168,7 @@ def _attempt(job: dict, placement: dict, stop: _Stop) -> list:
         bounded(release, "releasing the workers")
 
 
-def _attempt_elastic(job: dict, placement: dict, stop: _Stop) -> list:
+def _attempt_elastic(job: dict, placement: dict, stop: Stop) -> list:
     """The job under Horovod's elastic driver on Ray (``ElasticRayExecutor``): between
     ``min_workers`` and ``max_workers`` ranks, one per free slot of the nodes Ray has. A rank
     or node lost: the others reset and go on from their last commit (hvdtrain's ``--elastic``);
@@ -296,34 +220,6 @@ def _no_room(placement: dict) -> str:
             f"{free.get('CPU', 0):g} CPU, {free.get('GPU', 0):g} GPU)")
 
 
-def outcome(answers: list, stopped: bool) -> tuple:
-    """(status, why, retry): what an attempt's answers mean for the job."""
-    statuses = [a["status"] for a in answers]
-    if all(s == 0 for s in statuses):
-        return 0, "", False
-    user = [a for a in answers if a["status"] in (1, 2) and not a.get("error")]
-    if user:  # the rank said its line; the lowest rank's status
-        return user[0]["status"], "", False
-    errors = [a for a in answers if a.get("error") and a["status"] is not None]
-    if errors:
-        return errors[0]["status"], f"rank {errors[0]['rank']}: {errors[0]['error']}", False
-    if stopped:  # the ranks' (75 once they saved); a rank stopped before it trained: its own
-        first = answers[0]["status"]
-        return (first if first not in (None, 0) else EXIT_PREEMPTED), "", False
-    lost = [a for a in answers if a["status"] is None or a["signal"]]
-    if lost:
-        a = lost[0]
-        why = (f"rank {a['rank']} on {a['host']} was killed by {a['signal']}" if a["signal"]
-               else f"rank {a['rank']} on {a['host']}: {a['error']}")
-        return EXIT_PEER_LOST, why, True
-    retried = [s for s in statuses if s in RETRIED]
-    if retried:
-        return retried[0], f"the ranks ended with status {retried[0]}", True
-    odd = next(a for a in answers if a["status"] != 0)
-    return odd["status"] or EXIT_FAILED, (f"rank {odd['rank']} on {odd['host']} ended with "
-                                          f"status {odd['status']}"), False
-
-
 def run_job(job: dict, placement: dict, address: Optional[str], max_restarts: int) -> Any:
     """Run ``job`` on the Ray cluster at ``address`` (None: the one Ray finds, or a new one on
     this machine) until it finishes; rank 0's result."""
@@ -349,7 +245,7 @@ def run_job(job: dict, placement: dict, address: Optional[str], max_restarts: in
 
 
 def _run(job: dict, placement: dict, max_restarts: int) -> Any:
-    with _Stop() as stop:
+    with Stop(console) as stop:
         for attempt in range(max_restarts + 1):
             attempt_fn = _attempt_elastic if placement.get("min_workers") else _attempt
             answers = attempt_fn(job, placement, stop)
@@ -357,10 +253,5 @@ def _run(job: dict, placement: dict, max_restarts: int) -> Any:
             if status == 0:
                 data = next((a["result"] for a in answers if a["result"] is not None), None)
                 return pickle.loads(data) if data is not None else None
-            if retry and not stop.signum and attempt < max_restarts:
-                say(f"{why}: the job starts again from its newest checkpoint "
-                    f"(restart {attempt + 1} of {max_restarts})")
-                continue
-            if retry and attempt == max_restarts and max_restarts:
-                why = f"{why}, after {max_restarts} restarts"
-            raise RayJobError(why, status, said=not why)
+            restart_or_raise(status, why, retry, bool(stop.signum), attempt, max_restarts,
+                             console, RayJobError)

@@ -63,8 +63,9 @@ def imported_by(package):
 
 
 # Public faces that are packages (their modules are entry points, with the faces' rule):
-# ``python -m hvdtrain.bench``, and ``python -m hvdtrain.ray`` with ``hvdtrain.ray.run``.
-FACE_PACKAGES = ("bench", "ray")
+# ``python -m hvdtrain.bench``; the cluster fronts ``python -m hvdtrain.ray`` and ``python -m
+# hvdtrain.spark``, and ``jobs`` (what they share: ``python -m hvdtrain.jobs.worker``).
+FACE_PACKAGES = ("bench", "jobs", "ray", "spark")
 
 
 def may_import():

@@ -1,9 +1,9 @@
-"""A rank of a job on Ray, as the actor starts it: ``python -m hvdtrain.ray.worker RESULT
-[FLAGS]``.
+"""A rank of a job on a cluster front, as its process starts: ``python -m hvdtrain.jobs.worker
+RESULT [FLAGS]``.
 
 Reads the job from stdin (pickled by the driver: a Task, or a function and its arguments),
-runs it (a Task with FLAGS) as a launched rank runs (``hvdtrain.cli.run`` for a Task: the same flags,
-lines and exit statuses as ``python -m hvdtrain``), writes what it returned to RESULT
+runs it (a Task with FLAGS) as a launched rank runs (``hvdtrain.cli.run`` for a Task: the same
+flags, lines and exit statuses as ``python -m hvdtrain``), writes what it returned to RESULT
 (pickled), and exits with its status.
 """
 import pickle
