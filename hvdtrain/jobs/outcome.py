@@ -89,8 +89,9 @@ class Stop:
         return False
 
 
-def failed(rank: int, host: str, status, error: str) -> dict:
-    """A rank's answer when the rank could not give one (its process lost, the job failed)."""
+def failed(rank: int, host, status, error: str) -> dict:
+    """A rank's answer when the rank could not give one (its process lost; the job failed as
+    a whole: ``host`` None)."""
     return {"rank": rank, "host": host, "status": status, "signal": None, "result": None,
             "error": error}
 
@@ -113,7 +114,8 @@ def outcome(answers: list, stopped: bool) -> tuple:
     if lost:
         a = lost[0]
         why = (f"rank {a['rank']} on {a['host']} was killed by {a['signal']}" if a["signal"]
-               else f"rank {a['rank']} on {a['host']}: {a['error']}")
+               else f"rank {a['rank']} on {a['host']}: {a['error']}" if a["host"]
+               else a["error"])  # the job failed as a whole: no rank to name
         return EXIT_PEER_LOST, why, True
     retried = [s for s in statuses if s in RETRIED]
     if retried:

@@ -60,7 +60,8 @@ def test_the_site_builds_with_warnings_as_errors(strict_build):
 # The modules the Python API reference (docs/reference/api/) documents, by their source file.
 API_MODULES = {"hvdtrain": "hvdtrain/__init__.py", "hvdtrain.keras": "hvdtrain/keras.py",
                "hvdtrain.data": "hvdtrain/data.py", "hvdtrain.layers": "hvdtrain/layers.py",
-               "hvdtrain.ray": "hvdtrain/ray/__init__.py"}
+               "hvdtrain.ray": "hvdtrain/ray/__init__.py",
+               "hvdtrain.spark": "hvdtrain/spark/__init__.py"}
 
 
 def public_names(module: str) -> list:

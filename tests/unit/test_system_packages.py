@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from docs_pages import block
 
 pytestmark = [pytest.mark.quick,
               pytest.mark.skipif(shutil.which("dpkg-query") is None, reason="not Debian")]
@@ -33,7 +34,7 @@ COMMANDS = {
     "apt-get": None, "dpkg-query": None, "dpkg": None,
     # scripts/setup_test.sh's
     "patchelf": None, "shellcheck": None, "sshd": None, "ssh": None, "ssh-keygen": None,
-    "ip": None,
+    "ip": None, "java": None,
     "sbatch": None, "srun": None, "slurmd": None, "slurmctld": None, "munged": None,
     # util-linux, mount, coreutils, sh: every Debian system
     "setpriv": None, "unshare": None, "nsenter": None, "mount": None, "umount": None,
@@ -170,3 +171,11 @@ def test_a_command_from_a_package_nobody_installs_is_named():
     never a problem."""
     assert unmet(["patchelf", "rm"], apt_lists() - {"patchelf"}) == [
         "patchelf: from patchelf, which no set-up script installs"]
+
+
+def test_the_java_the_spark_page_installs_is_what_the_tests_run_on():
+    line, = block("guides/clusters/spark.md", "apt-get install -y openjdk").commands()
+    package = line.split()[-1]
+    assert package in apt_lists(), package
+    assert "java" in {os.path.basename(p) for p in dpkg("-L", package).split()} | {
+        os.path.basename(os.path.realpath(shutil.which("java") or ""))}
