@@ -50,6 +50,7 @@ cluster is left.
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,9 +68,6 @@ IFACE = "hvds0"   # each host's end of its veth to the bridge (the Ray cluster's
 PORT = 7077       # the Master's, on the head's address
 WEBUI = 8080      # the Master's web UI (its /json/), on the head's address
 MASTER = f"spark://{NODES[HEAD]}:{PORT}"
-SPARK_HOME = os.path.join(os.path.dirname(sys.executable), "..", "lib",
-                          f"python{sys.version_info.major}.{sys.version_info.minor}",
-                          "site-packages", "pyspark")
 JAVA_OPTS = "-XX:-UsePerfData"
 
 # What a driver on the head gets without asking (SPARK_CONF_DIR/spark-defaults.conf).
@@ -113,6 +111,15 @@ def spark_home():
     return os.path.dirname(os.path.abspath(pyspark.__file__))
 
 
+def parent(pid):
+    """The parent of process ``pid`` (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 class SparkCluster(Hosts):
     def __init__(self, base, pythonpath=(ROOT, TESTS)):
         super().__init__(base, NODES, tag="hvds", iface=IFACE, etc_hosts=True)
@@ -129,7 +136,7 @@ class SparkCluster(Hosts):
 
     # --- making it ------------------------------------------------------------------------
     def create(self):
-        if not os.access("/usr/bin/java", os.X_OK) and not shutil_which("java"):
+        if not shutil.which("java"):
             pytest.skip("no Java here (Spark needs it): apt-get install openjdk-17-jre-headless")
         super().create()
         (self.base / "home").mkdir()
@@ -243,12 +250,16 @@ class SparkCluster(Hosts):
 
     def kill_executor(self, name):
         """Host ``name``'s executor lost: SIGKILL to every process of the host but its Worker
-        (the executor's JVM, its Python workers, what they started). Returns the pids."""
+        (the executor's JVM, its Python workers, what they started). The Worker launches
+        the executor the Master gives in its place at once: a child of the Worker that was
+        not there at the kill is spared. Returns the pids killed."""
         assert name != HEAD, "the head runs no executor"
         worker = self.nodes[name].pid  # ip netns exec ... exec java: the Worker's JVM
+        first = set(self.pids(name)) - {worker}
         killed = set()
         for _ in range(10):  # a process forking as it is killed: its child in turn
-            pids = [p for p in self.pids(name) if p != worker]
+            pids = [p for p in self.pids(name) if p != worker
+                    and (p in first or parent(p) != worker)]
             if not pids:
                 break
             for pid in pids:
@@ -312,8 +323,3 @@ class SparkCluster(Hosts):
                 except OSError:
                     pass
         return left
-
-
-def shutil_which(name):
-    import shutil
-    return shutil.which(name)
