@@ -193,3 +193,34 @@ def test_an_executor_lost_mid_run_raises_in_seconds_and_the_next_run_has_both_ho
     assert {a[3] for a in answers} == {3.0}, answers
     # The driver has stopped: its executors exit; the two Workers are idle and alive.
     spark_cluster.wait_workers(2, 30)
+
+
+# A driver with the cluster's defaults only (no .master(...)): the host names of 8 tasks.
+HOSTS = """
+import json, socket
+from pyspark.sql import SparkSession
+
+spark = SparkSession.builder.getOrCreate()
+print(json.dumps(sorted(set(spark.sparkContext.parallelize(range(8), 8)
+                            .map(lambda _: socket.gethostname()).collect()))))
+spark.stop()
+"""
+
+
+def test_a_lost_worker_leaves_the_master_at_once_and_registers_again(spark_cluster):
+    """A node lost whole (its Worker and all under it SIGKILLed): the Master drops the Worker
+    as its connection closes (no 60 s heartbeat time-out); started again, it registers, and a
+    driver that sets nothing but the defaults runs tasks on both hosts."""
+    lost_at = time.monotonic()
+    spark_cluster.remove_node("sparknode2")
+    spark_cluster.wait_workers(1, 20)
+    dropped = time.monotonic() - lost_at
+    assert [w["host"] for w in spark_cluster.workers() if w["state"] == "ALIVE"] == [
+        NODES["sparknode1"]]
+    spark_cluster.add_node("sparknode2")
+    spark_cluster.wait_workers(2, 60)
+    print({"dropped_after_s": round(dropped, 1)})
+    p = run(spark_cluster.driver_cmd([sys.executable, "-c", HOSTS]), spark_cluster.env,
+            timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == ["sparknode1", "sparknode2"]
