@@ -9,13 +9,13 @@ made by netns.Hosts: sparkhead (10.77.0.1), sparknode1 (10.77.0.2) and sparknode
   --host 10.77.0.1 --port 7077``); each node runs a Worker registered with it (``spark-class
   org.apache.spark.deploy.worker.Worker spark://10.77.0.1:7077 --host ITS-ADDRESS --cores 1
   --memory 1g``). Both run in the foreground, children of the test process, with 256 MB heaps
-  (SPARK_DAEMON_MEMORY; DAEMON_ENV and JAVA_OPTS say what else keeps them small). Their web
+  (SPARK_DAEMON_MEMORY; DAEMON_HEAP and JAVA_OPTS say what else keeps them small). Their web
   UIs stay on (the master's /json/ on 10.77.0.1:8080 is what ``workers`` reads; each
   namespace has its own ports, so nothing collides); the drivers have none.
 - Everything the cluster writes is under one temporary directory (``temp``): SPARK_CONF_DIR
   (conf/, its spark-defaults.conf the drivers' settings), SPARK_LOG_DIR, each host's
   SPARK_LOCAL_DIRS and SPARK_WORKER_DIR (the executors' working directories and output:
-  work/HOST/APP-ID/EXECUTOR-ID/stderr) and TMPDIR. The daemons' output is in
+  work/HOST/APP-ID/EXECUTOR-ID/stderr) and tmp/ (TMPDIR and Java's java.io.tmpdir). The daemons' output is in
   base/NAME-N.out.
 - The cluster's environment (``env``) is the test's clean one with PYSPARK_PYTHON (this
   venv's python, for the executors' Python workers) and PYTHONPATH ``pythonpath`` (default:
@@ -71,12 +71,12 @@ WEBUI = 8080      # the Master's web UI (its /json/), on the head's address
 MASTER = f"spark://{NODES[HEAD]}:{PORT}"
 # Every JVM of the cluster (daemons, executors, drivers): no /tmp/hsperfdata_USER/PID (a JVM
 # killed with SIGKILL leaves its file there), one GC thread and no C2 compiler (fewer threads
-# on a busy machine, about 10% less memory).
+# on a busy machine, about 10% less memory). ``create`` adds -Djava.io.tmpdir=TEMP/tmp.
 JAVA_OPTS = "-XX:-UsePerfData -XX:+UseSerialGC -XX:TieredStopAtLevel=1"
 # The daemons' heaps: 256 MB at most, 32 MB to start with (otherwise a quarter of the 256 MB
 # is touched before the first collection): about 160 MB resident each instead of 250.
-DAEMON_ENV = {"SPARK_DAEMON_MEMORY": "256m", "SPARK_DAEMON_JAVA_OPTS": f"{JAVA_OPTS} -Xms32m",
-              "SPARK_NO_DAEMONIZE": "1"}
+DAEMON_MEMORY = {"SPARK_DAEMON_MEMORY": "256m"}
+DAEMON_HEAP = "-Xms32m"
 
 # What a driver on the head gets without asking (SPARK_CONF_DIR/spark-defaults.conf).
 DEFAULTS = {
@@ -88,8 +88,6 @@ DEFAULTS = {
     "spark.executor.cores": "1",
     "spark.task.cpus": "1",
     "spark.ui.enabled": "false",
-    "spark.driver.extraJavaOptions": JAVA_OPTS,
-    "spark.executor.extraJavaOptions": JAVA_OPTS,
     "spark.ui.showConsoleProgress": "false",
 }
 
@@ -139,7 +137,7 @@ class SparkCluster(Hosts):
         self.env = clean_env(base / "home", PYTHONPATH=os.pathsep.join(pythonpath),
                              TF_CPP_MIN_LOG_LEVEL="3", PYSPARK_PYTHON=sys.executable,
                              PYSPARK_DRIVER_PYTHON=sys.executable, SPARK_HOME=self.home,
-                             **DAEMON_ENV)
+                             SPARK_NO_DAEMONIZE="1", **DAEMON_MEMORY)
 
     # --- making it ------------------------------------------------------------------------
     def create(self):
@@ -149,14 +147,18 @@ class SparkCluster(Hosts):
         (self.base / "home").mkdir()
         self.temp = tempfile.mkdtemp(prefix="sparkcl-")
         self.made.append(("rmtree", self.temp))
-        conf = os.path.join(self.temp, "conf")
-        os.mkdir(conf)
+        conf, tmp = (os.path.join(self.temp, d) for d in ("conf", "tmp"))
+        for d in (conf, tmp, os.path.join(self.temp, "logs")):
+            os.mkdir(d)
+        # Java's temporary files too (SparkSubmit's spark-UUID directories, left behind by a
+        # JVM killed with SIGKILL), not only Python's (TMPDIR).
+        java_opts = f"{JAVA_OPTS} -Djava.io.tmpdir={tmp}"
         with open(os.path.join(conf, "spark-defaults.conf"), "w") as f:
-            f.writelines(f"{k} {v}\n" for k, v in DEFAULTS.items())
-        for sub in ("logs", "tmp"):
-            os.mkdir(os.path.join(self.temp, sub))
+            f.writelines(f"{k} {v}\n" for k, v in {
+                **DEFAULTS, "spark.driver.extraJavaOptions": java_opts,
+                "spark.executor.extraJavaOptions": java_opts}.items())
         self.env.update(SPARK_CONF_DIR=conf, SPARK_LOG_DIR=os.path.join(self.temp, "logs"),
-                        TMPDIR=os.path.join(self.temp, "tmp"))
+                        TMPDIR=tmp, SPARK_DAEMON_JAVA_OPTS=f"{java_opts} {DAEMON_HEAP}")
         for name in NODES:
             self.start_node(name)
             if name == HEAD:  # the workers register with it
