@@ -15,8 +15,8 @@ made by netns.Hosts: sparkhead (10.77.0.1), sparknode1 (10.77.0.2) and sparknode
 - Everything the cluster writes is under one temporary directory (``temp``): SPARK_CONF_DIR
   (conf/, its spark-defaults.conf the drivers' settings), SPARK_LOG_DIR, each host's
   SPARK_LOCAL_DIRS and SPARK_WORKER_DIR (the executors' working directories and output:
-  work/HOST/APP-ID/EXECUTOR-ID/stderr) and tmp/ (TMPDIR and Java's java.io.tmpdir). The daemons' output is in
-  base/NAME-N.out.
+  work/HOST/APP-ID/EXECUTOR-ID/stderr) and tmp/ (TMPDIR and Java's java.io.tmpdir). The
+  daemons' output is in base/NAME-N.out.
 - The cluster's environment (``env``) is the test's clean one with PYSPARK_PYTHON (this
   venv's python, for the executors' Python workers) and PYTHONPATH ``pythonpath`` (default:
   the checkout and tests/), which the executors' Python workers get too.
@@ -49,6 +49,7 @@ its two executors (a JVM and Python workers each) and its driver on the head.
 temporary directory, and checks that no process, namespace, mount or directory of the
 cluster is left.
 """
+import importlib.util
 import json
 import os
 import shutil
@@ -112,11 +113,6 @@ while True:
 """
 
 
-def spark_home():
-    import pyspark
-    return os.path.dirname(os.path.abspath(pyspark.__file__))
-
-
 def parent(pid):
     """The parent of process ``pid`` (None once it is gone)."""
     try:
@@ -130,7 +126,8 @@ class SparkCluster(Hosts):
     def __init__(self, base, pythonpath=(ROOT, TESTS)):
         super().__init__(base, NODES, tag="hvds", iface=IFACE, etc_hosts=True)
         self.master = MASTER
-        self.home = spark_home()
+        spec = importlib.util.find_spec("pyspark")  # its install is SPARK_HOME
+        self.home = os.path.dirname(spec.origin) if spec else None
         self.temp = None      # everything the cluster writes is under it
         self.nodes = {}       # name -> its daemon (Popen), while it runs
         self.starts = 0       # daemon starts so far (each its own output file)
@@ -141,6 +138,8 @@ class SparkCluster(Hosts):
 
     # --- making it ------------------------------------------------------------------------
     def create(self):
+        if self.home is None:
+            pytest.fail("PySpark missing: pip install -c constraints.txt -e .[spark]")
         if not shutil.which("java"):
             pytest.skip("no Java here (Spark needs it): apt-get install openjdk-17-jre-headless")
         super().create()

@@ -9,7 +9,7 @@ within seconds, the ranks left are gone, the Master gives the application a new 
 on that Worker, and a second ``horovod.spark.run`` in the same driver succeeds on both
 hosts again. A lost Worker leaves the Master at once and registers again when it returns.
 
-The module takes about 3.5 minutes on 2 cores shared with other test runs: the cluster's
+The module takes 3.5 to 5 minutes on 2 cores shared with other test runs: the cluster's
 start (10 to 15 s), a driver's JVM and two ranks importing TensorFlow for each run.
 """
 import json
