@@ -82,12 +82,12 @@ def clean_env(home, **extra):
 # These modules are one group together: they compare against the same session references
 # (faults/test_faults' linear run, the multi-host one), and the ones that build network
 # namespaces, daemons and pods (multi-host, SLURM, Kubernetes) never run beside each other.
-# The Ray cluster (its own subnet and namespaces, no references) is a group of its own: it
-# may run beside them.
+# The Ray and Spark clusters (each its own subnet and namespaces, no references) are groups
+# of their own: they may run beside them.
 SHARED = {"test_faults": "references", "test_storage": "references",
           "test_multiprocess": "references", "test_multihost": "references",
           "test_slurm": "references", "test_k8s": "references",
-          "test_ray_cluster": "ray_cluster"}
+          "test_ray_cluster": "ray_cluster", "test_spark_cluster": "spark_cluster"}
 LONGEST = ("references", "test_keras_fit_patterns", "test_pipeline", "test_mixed_precision",
            "test_bench", "test_accumulate", "test_models", "test_no_silent_failure",
            "test_watchdog", "test_horovod_api", "test_wheels")
