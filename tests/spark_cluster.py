@@ -131,6 +131,7 @@ class SparkCluster(Hosts):
         self.temp = None      # everything the cluster writes is under it
         self.nodes = {}       # name -> its daemon (Popen), while it runs
         self.starts = 0       # daemon starts so far (each its own output file)
+        self.commands = {}    # name -> the daemon's command line (spark-class ...)
         self.env = clean_env(base / "home", PYTHONPATH=os.pathsep.join(pythonpath),
                              TF_CPP_MIN_LOG_LEVEL="3", PYSPARK_PYTHON=sys.executable,
                              PYSPARK_DRIVER_PYTHON=sys.executable, SPARK_HOME=self.home,
@@ -177,6 +178,7 @@ class SparkCluster(Hosts):
         else:
             cmd = [cls, "org.apache.spark.deploy.worker.Worker", MASTER, "--host",
                    NODES[name], "--cores", "1", "--memory", "1g", "--work-dir", work]
+        self.commands[name] = cmd
         self.nodes[name] = self.start(f"{name}-{self.starts}", self.on_node(
             name, cmd, SPARK_LOCAL_DIRS=local, SPARK_WORKER_DIR=work,
             SPARK_LOCAL_IP=NODES[name]))

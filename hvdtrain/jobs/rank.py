@@ -16,7 +16,7 @@ from its first instruction. The parent only:
 - returns the child's exit status, its host, and its result (rank 0's; any rank's in an
   elastic job, whose ranks change).
 
-Imports only the standard library: the parent must not import TensorFlow (it would hold the
+Imports only the standard library and hvdtrain's: the parent must not import TensorFlow (it would hold the
 GPU the child needs).
 """
 from __future__ import annotations
@@ -32,6 +32,8 @@ import threading
 from typing import Callable
 
 from hvdtrain.base import malloc  # the standard library's only
+from hvdtrain.base.launch import launcher_rank
+from hvdtrain.jobs.outcome import failed
 
 PR_SET_PDEATHSIG = 1
 POLL = 0.25       # seconds between two looks at the driver's stop request
@@ -65,19 +67,14 @@ def child_env(job: dict, environ=os.environ) -> dict:
     return env
 
 
-def answer_for(rank: int, host: str, status=None, error=None) -> dict:
-    return {"rank": rank, "host": host, "status": status, "signal": None, "result": None,
-            "error": error}
-
-
 def run_rank(job: dict, write: Callable[[str, bytes], None],
              stop_signal: Callable[[], int]) -> dict:
     """Run this process's rank to its end; what the driver needs of it. ``write(stream,
     chunk)`` relays the child's output ("out" or "err"); ``stop_signal()`` is the signal the
     driver asks the ranks to stop with (0: none yet)."""
-    rank = int(os.environ.get("HOROVOD_RANK", "0"))
+    rank = launcher_rank()  # Horovod's (Gloo) or mpirun's
     host = socket.gethostname()
-    answer = answer_for(rank, host)
+    answer = failed(rank, host, None, None)  # until the child says otherwise
     if not os.path.isdir(job["cwd"]):
         answer["error"] = (f"the driver's working directory {job['cwd']} does not exist on "
                            f"host {host}: start the driver from a directory every node sees")

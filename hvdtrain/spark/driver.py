@@ -14,6 +14,7 @@ rank lost; no room for the ranks within ``start_timeout`` ends the job with one 
 """
 from __future__ import annotations
 
+import io
 import pickle
 import re
 import secrets
@@ -37,24 +38,27 @@ class SparkJobError(JobError):
 
 
 class StopService(socketserver.ThreadingTCPServer):
-    """Answers each rank's question (a line: the job's key) with the signal the ranks stop
-    with: 0 while the driver runs."""
+    """Answers each rank's question (a line: the job's key, the rank, its host) with the
+    signal the ranks stop with: 0 while the driver runs. ``hosts``: {rank: host} of the ranks
+    that asked since ``hosts`` was last cleared (one attempt's)."""
 
     daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, stop: Stop):
-        self.stop, self.key = stop, secrets.token_hex(16)
+        self.stop, self.key, self.hosts = stop, secrets.token_hex(16), {}
 
         class Answer(socketserver.StreamRequestHandler):
             timeout = 5
 
             def handle(inner):
                 try:
-                    asked = inner.rfile.readline().strip().decode()
-                except (OSError, UnicodeDecodeError):
+                    key, rank, host = inner.rfile.readline().decode().split()
+                    rank = int(rank)
+                except (OSError, UnicodeDecodeError, ValueError):
                     return
-                if secrets.compare_digest(asked, self.key):
+                if secrets.compare_digest(key, self.key):
+                    self.hosts.setdefault(rank, host)
                     inner.wfile.write(f"{self.stop.signum}\n".encode())
 
         super().__init__(("0.0.0.0", 0), Answer)
@@ -69,6 +73,22 @@ class StopService(socketserver.ThreadingTCPServer):
         self.shutdown()
         self.server_close()
         return False
+
+
+class _Relay(io.TextIOBase):
+    """A rank's stdout or stderr as Horovod's task service streams it to this process (text,
+    each line after ``[RANK]<stdout>:``): printed as it comes. Without it the ranks' output
+    would stay in their executors' logs."""
+
+    def __init__(self, stream: str):
+        self.stream = stream
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        console.write(self.stream, text.encode(errors="replace"))
+        return len(text)
 
 
 def session(master: Optional[str]):
@@ -101,7 +121,7 @@ def _no_room(error: Exception, launch: dict, sc) -> str:
             f"application has {sc.defaultParallelism} cores now): {error}")
 
 
-def _attempt(job: dict, launch: dict, stop: Stop, sc) -> list:
+def _attempt(job: dict, launch: dict, stop: Stop, service: StopService, sc) -> list:
     """Run the job once as fresh Spark tasks; the ranks' answers (or why there are none)."""
     import horovod.spark
     from horovod.runner.common.util.timeout import TimeoutException
@@ -115,15 +135,22 @@ def _attempt(job: dict, launch: dict, stop: Stop, sc) -> list:
             returned.extend(horovod.spark.run(
                 run_rank, args=(job,), num_proc=launch["num_proc"],
                 start_timeout=launch["start_timeout"], use_mpi=launch["use_mpi"],
-                use_gloo=not launch["use_mpi"], env=dict(job["env"]), verbose=0))
+                use_gloo=not launch["use_mpi"], env=dict(job["env"]), verbose=0,
+                stdout=_Relay("out"), stderr=_Relay("err")))
         except BaseException as e:  # noqa: BLE001 (read below)
             failure.append(e)
 
+    service.hosts.clear()
     thread = threading.Thread(target=drive, daemon=True)
     thread.start()
-    waited = 0.0
+    waited, placed = 0.0, False
     while thread.is_alive():
         thread.join(0.2)
+        hosts = dict(service.hosts)
+        if not placed and len(hosts) == launch["num_proc"]:
+            say(f"{len(hosts)} ranks: " + ", ".join(f"rank {r} on {h}"
+                                                 for r, h in sorted(hosts.items())))
+            placed = True
         if stop.signum:
             waited += 0.2
             if waited >= STOP_GRACE:  # the ranks did not end after the stop: end their tasks
@@ -143,10 +170,10 @@ def _attempt(job: dict, launch: dict, stop: Stop, sc) -> list:
 def _why(error: BaseException) -> str:
     """One line for what ended an attempt that returned no answers."""
     text = str(error)
-    lost = re.search(r"Process name: (\S+)\s+Exit code: (-?\d+)", text)
+    lost = re.search(r"Process name: (\S+)\s+Exit code: (\S+)", text)
     if lost:  # Horovod's gloo launcher: a rank's Horovod process ended without an answer
-        return (f"rank {lost.group(1)}'s Horovod process ended with status {lost.group(2)} "
-                "before its rank did (its Spark task, executor or machine lost)")
+        return (f"rank {lost.group(1)}'s process ended before its rank did (its Spark task, "
+                "executor or machine lost)")
     first = (text.strip().splitlines() or [type(error).__name__])[0]
     return f"the Spark job failed ({type(error).__name__}: {first})"
 
@@ -175,7 +202,7 @@ def run_job(job: dict, launch: dict, max_restarts: int, spark=None) -> Any:
         with Stop(console) as stop, StopService(stop) as service:
             job["stop"] = (sc.getConf().get("spark.driver.host"), service.port, service.key)
             for attempt in range(max_restarts + 1):
-                answers = _attempt(job, launch, stop, sc)
+                answers = _attempt(job, launch, stop, service, sc)
                 status, why, retry = outcome(answers, bool(stop.signum))
                 if status == 0:
                     data = next((a["result"] for a in answers if a["result"] is not None), None)

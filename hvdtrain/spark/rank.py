@@ -5,7 +5,7 @@ That process does not train: it starts the rank as a process of its own
 (``hvdtrain.jobs.rank``), whose output goes to this process's stdout and stderr (Horovod's
 task service relays them to the driver, each line after ``[RANK]<stdout>:``), and asks the
 driver's stop service (``hvdtrain.spark.driver.StopService``) every quarter second whether the
-driver was stopped. Imports only the standard library: this process must not import
+driver was stopped (saying its rank and host). Imports only the standard library: this process must not import
 TensorFlow (it would hold the GPU the child needs).
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 
+from hvdtrain.base.launch import launcher_rank
 from hvdtrain.jobs.rank import run_rank as run_child
 
 STOP_TIMEOUT = 5.0  # seconds for one question to the driver's stop service
@@ -26,11 +27,13 @@ class StopClient:
     def __init__(self, address):
         self.host, self.port, self.key = address
         self.misses = 0
+        # Who asks: the driver prints where each rank runs once all have asked.
+        self.asker = f"{launcher_rank()} {socket.gethostname()}"
 
     def __call__(self) -> int:
         try:
             with socket.create_connection((self.host, self.port), timeout=STOP_TIMEOUT) as s:
-                s.sendall(self.key.encode() + b"\n")
+                s.sendall(f"{self.key} {self.asker}\n".encode())
                 answer = s.makefile("rb").readline()
             signum = int(answer)
         except (OSError, ValueError):
