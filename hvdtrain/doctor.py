@@ -50,6 +50,7 @@ PATCHES = ("horovod-0.28.1-gcc14.patch",
            "python/horovod-0.28.1-one-tracker-run.patch",
            "python/horovod-0.28.1-ray2.patch",
            "python/horovod-0.28.1-spark-estimator.patch",
+           "python/horovod-0.28.1-spark4.patch",
            "python/horovod-0.28.1-sync-unbuilt-optimizer.patch")
 WHEEL = ("pip install --no-deps --force-reinstall horovod-0.28.1+hvdtrain.*.whl (from "
          f"scripts/setup.sh --wheels DIR), or pip uninstall -y horovod && {SETUP}")

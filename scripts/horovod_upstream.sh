@@ -22,7 +22,10 @@
 # docs/guides/horovod-scripts.md lists is left out (`experimental_run_tf_function=False`,
 # `opt.variables()`). With the "ray" extra installed, Horovod's Ray tests (test/single/test_ray.py,
 # test_ray_elastic.py) too, on TensorFlow where they use PyTorch, and its Ray example
-# (examples/ray/tensorflow2_mnist_ray.py) as a Ray driver (below).
+# (examples/ray/tensorflow2_mnist_ray.py) as a Ray driver (below). With the "spark" extra and
+# Java, Horovod's Spark tests (test/integration/test_spark.py, test_elastic_spark_tensorflow2.py:
+# horovod.spark.run and run_elastic on a local and a standalone Spark), on TensorFlow where they
+# use PyTorch (below): about 5 minutes for test_spark.py, 30 for the elastic one.
 # Needs pytest's `parameterized` and `mock` (pip install parameterized mock; Horovod's tests
 # import them). About 10 minutes on 2 cores, and as much again for the elastic files.
 set -uo pipefail
@@ -65,7 +68,8 @@ for keras in ${HVDTRAIN_UPSTREAM_KERAS:-3 2}; do
     # The elastic integration files: a copy of test/ (and setup.cfg, its pytest settings)
     # with the training scripts changed.
     copy="$work/keras$keras-src"
-    if wanted test_elastic_tensorflow2.py || wanted test_elastic_tensorflow_keras.py; then
+    if wanted test_elastic_tensorflow2.py || wanted test_elastic_tensorflow_keras.py \
+            || wanted test_spark.py || wanted test_elastic_spark_tensorflow2.py; then
         rm -rf "$copy" && mkdir "$copy" && cp -r "$src/test" "$src/setup.cfg" "$copy/"
         sed -i -e '/^config = tf.ConfigProto()/d' -e '/^config.gpu_options\./d' \
             -e '/tf.keras.backend.set_session(tf.Session/d' \
@@ -88,6 +92,48 @@ for keras in ${HVDTRAIN_UPSTREAM_KERAS:-3 2}; do
         (cd "$copy/test/integration" && timeout 1800 python -m pytest -q -p no:cacheprovider --color=no -rf "$f") >"$log" 2>&1
         echo "Keras $keras $f: $(grep -E '^=* ?[0-9]+ (passed|failed|skipped).* in ' "$log" | tail -1 | tr -d '=')"
         grep -oE '^FAILED [^ ]+' "$log" | sed 's/^/    /' | sort -u
+    done
+    # Horovod's Spark tests (the "spark" extra, and Java): plain pytest one file at a time in the
+    # copy above, as Horovod's CI runs them (SPARK_HOME pyspark's, here a folder of links to it so
+    # that the standalone cluster's logs and work folders stay out of the venv). test_spark.py's
+    # tests that start Horovod with PyTorch do it with horovod.tensorflow (an allgather of the
+    # ranks), and the ranks' stderr the tests compare is without TensorFlow's startup lines
+    # (which TF_CPP_MIN_LOG_LEVEL does not silence: they come before its logging starts).
+    for f in test_spark.py test_elastic_spark_tensorflow2.py; do
+        wanted "$f" || continue
+        if ! python -c 'import pyspark' 2>/dev/null || ! command -v java >/dev/null; then
+            echo "Keras $keras $f: not run (no pyspark or no java: pip install -c constraints.txt '.[spark]')"; continue
+        fi
+        if [[ $f == test_spark.py ]]; then
+            python - "$copy/test/integration/$f" <<'PY'
+import sys
+path = sys.argv[1]
+s = open(path).read()
+s = s.replace("import horovod.torch as hvd", "import horovod.tensorflow as hvd")
+s = s.replace("            import torch\n", "            import tensorflow as tf\n")
+s = s.replace("hvd.allgather(torch.tensor([hvd.rank()])).tolist()",
+              "hvd.allgather(tf.constant([hvd.rank()])).numpy().tolist()")
+s = s.replace("self.assertRegex(stderr.getvalue(),",
+              "self.assertRegex(re.sub(r'\\[[01]\\]<stderr>:(WARNING: All log messages before absl"
+              "|I0000 ).*\\n', '', stderr.getvalue()),")
+open(path, "w").write(s)
+PY
+            echo "Keras $keras $f, changed lines:"
+            diff "$src/test/integration/$f" "$copy/test/integration/$f" | grep '^>' | sed "s/^/    $f /"
+        fi
+        spark_home="$work/spark-home"
+        if [[ ! -d $spark_home ]]; then
+            mkdir -p "$spark_home/pids"
+            for l in "$(python -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')"/*; do
+                [[ ${l##*/} == logs || ${l##*/} == work ]] || ln -s "$l" "$spark_home/"
+            done
+        fi
+        log="$work/keras$keras-$f.log"
+        (cd "$copy/test/integration" && SPARK_HOME=$spark_home SPARK_PID_DIR=$spark_home/pids \
+            SPARK_DRIVER_MEM=512m PYSPARK_PYTHON=$venv/bin/python PYSPARK_DRIVER_PYTHON=$venv/bin/python \
+            timeout 3600 python -m pytest -q -p no:cacheprovider --color=no -rfE "$f") >"$log" 2>&1
+        echo "Keras $keras $f: $(grep -E '^=* ?[0-9]+ (passed|failed|skipped|error).* in ' "$log" | tail -1 | tr -d '=')"
+        grep -oE '^(FAILED|ERROR) [^ ]+' "$log" | sed 's/^/    /' | sort -u
     done
     # Horovod's Ray tests (the "ray" extra), plain pytest one file at a time, in a copy: this
     # stack has no PyTorch, so `torch` is a stand-in that says no CUDA (the GPU tests skip),
