@@ -23,9 +23,10 @@
 # `opt.variables()`). With the "ray" extra installed, Horovod's Ray tests (test/single/test_ray.py,
 # test_ray_elastic.py) too, on TensorFlow where they use PyTorch, and its Ray example
 # (examples/ray/tensorflow2_mnist_ray.py) as a Ray driver (below). With the "spark" extra and
-# Java, Horovod's Spark tests (test/integration/test_spark.py, test_elastic_spark_tensorflow2.py:
-# horovod.spark.run and run_elastic on a local and a standalone Spark), on TensorFlow where they
-# use PyTorch (below): about 5 minutes for test_spark.py, 30 for the elastic one.
+# Java, Horovod's Spark tests (test/integration/test_spark.py, test_spark_keras.py,
+# test_elastic_spark_tensorflow2.py: horovod.spark.run and run_elastic on a local and a
+# standalone Spark, the KerasEstimator), on TensorFlow where they use PyTorch (below): about 5
+# minutes for test_spark.py, 3 for test_spark_keras.py, 30 for the elastic one.
 # Needs pytest's `parameterized` and `mock` (pip install parameterized mock; Horovod's tests
 # import them). About 10 minutes on 2 cores, and as much again for the elastic files.
 set -uo pipefail
@@ -69,7 +70,8 @@ for keras in ${HVDTRAIN_UPSTREAM_KERAS:-3 2}; do
     # with the training scripts changed.
     copy="$work/keras$keras-src"
     if wanted test_elastic_tensorflow2.py || wanted test_elastic_tensorflow_keras.py \
-            || wanted test_spark.py || wanted test_elastic_spark_tensorflow2.py; then
+            || wanted test_spark.py || wanted test_spark_keras.py \
+            || wanted test_elastic_spark_tensorflow2.py; then
         rm -rf "$copy" && mkdir "$copy" && cp -r "$src/test" "$src/setup.cfg" "$copy/"
         sed -i -e '/^config = tf.ConfigProto()/d' -e '/^config.gpu_options\./d' \
             -e '/tf.keras.backend.set_session(tf.Session/d' \
@@ -99,7 +101,7 @@ for keras in ${HVDTRAIN_UPSTREAM_KERAS:-3 2}; do
     # tests that start Horovod with PyTorch do it with horovod.tensorflow (an allgather of the
     # ranks), and the ranks' stderr the tests compare is without TensorFlow's startup lines
     # (which TF_CPP_MIN_LOG_LEVEL does not silence: they come before its logging starts).
-    for f in test_spark.py test_elastic_spark_tensorflow2.py; do
+    for f in test_spark.py test_spark_keras.py test_elastic_spark_tensorflow2.py; do
         wanted "$f" || continue
         if ! python -c 'import pyspark' 2>/dev/null || ! command -v java >/dev/null; then
             echo "Keras $keras $f: not run (no pyspark or no java: pip install -c constraints.txt '.[spark]')"; continue
