@@ -23,6 +23,7 @@ hosts is left (``leftovers``).
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 
@@ -169,6 +170,37 @@ class Hosts:
         return log
 
     # --- removing them --------------------------------------------------------------------
+    def stop_gracefully(self, procs, seconds):
+        """SIGTERM to each of ``procs`` still running (daemons that stop what they started),
+        then up to ``seconds`` for them all; ``destroy`` kills what is left."""
+        procs = list(procs)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + seconds
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+
+    @staticmethod
+    def temp_left(temp):
+        """``temp`` (a directory outside ``base``: short paths) and the processes whose
+        command line names it, while they are there."""
+        if not temp:
+            return []
+        left = [temp] if os.path.exists(temp) else []
+        marker = temp.encode()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker in f.read():
+                        left.append(f"pid {pid}")
+            except OSError:
+                pass
+        return left
+
     def destroy(self):
         namespaces = [what for kind, what in self.made if kind == "netns"]
         for ns in namespaces:

@@ -28,7 +28,6 @@ cluster is left.
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -195,28 +194,9 @@ class RayCluster(Hosts):
 
     # --- removing it ----------------------------------------------------------------------
     def destroy(self):
-        for proc in self.nodes.values():  # `ray start --block` stops what it started
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30 * TIME_SCALE
-        for proc in self.nodes.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        # `ray start --block` stops what it started on SIGTERM.
+        self.stop_gracefully(self.nodes.values(), 30 * TIME_SCALE)
         super().destroy()  # SIGKILL to what is left; the namespaces, the temp dir; checks
 
     def leftovers(self):
-        left = super().leftovers()
-        if self.temp and os.path.exists(self.temp):
-            left.append(self.temp)
-        if self.temp:
-            marker = self.temp.encode()
-            for pid in filter(str.isdigit, os.listdir("/proc")):
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if marker in f.read():
-                            left.append(f"pid {pid}")
-                except OSError:
-                    pass
-        return left
+        return super().leftovers() + self.temp_left(self.temp)

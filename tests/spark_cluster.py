@@ -54,7 +54,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -308,28 +307,8 @@ class SparkCluster(Hosts):
 
     # --- removing it ----------------------------------------------------------------------
     def destroy(self):
-        for proc in self.nodes.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10 * TIME_SCALE
-        for proc in self.nodes.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        self.stop_gracefully(self.nodes.values(), 10 * TIME_SCALE)
         super().destroy()  # SIGKILL to what is left; the namespaces, the temp dir; checks
 
     def leftovers(self):
-        left = super().leftovers()
-        if self.temp and os.path.exists(self.temp):
-            left.append(self.temp)
-        if self.temp:
-            marker = self.temp.encode()
-            for pid in filter(str.isdigit, os.listdir("/proc")):
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if marker in f.read():
-                            left.append(f"pid {pid}")
-                except OSError:
-                    pass
-        return left
+        return super().leftovers() + self.temp_left(self.temp)

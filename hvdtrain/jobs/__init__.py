@@ -6,5 +6,7 @@
   the user's script), exactly as ``horovodrun`` starts one, its output relayed and the
   driver's stop forwarded to it;
 - ``outcome``: what the ranks' answers mean for the job (done, the user's error, started again
-  from the newest checkpoint), the driver's lines and its SIGINT/SIGTERM.
+  from the newest checkpoint), the driver's lines and its SIGINT/SIGTERM;
+- ``cli``: a front's command line once its flags are parsed (its extra checked, the error
+  line, the exit status).
 """

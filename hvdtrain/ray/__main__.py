@@ -8,9 +8,6 @@ script (a path). Exit status: the ranks' (as under horovodrun: 0, 1, 2, 69, 73, 
 at most --max-restarts restarts of a job whose infrastructure failed.
 """
 import argparse
-import sys
-
-from hvdtrain.base.errors import EXIT_USAGE, Error
 
 PROG = "python -m hvdtrain.ray"
 
@@ -46,27 +43,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from hvdtrain.jobs.cli import front_main
+
     args = parser().parse_args(argv)
-    try:
-        import ray  # noqa: F401
-        import horovod.ray  # noqa: F401
-    except ImportError as e:
-        sys.stderr.write(f"{PROG}: error: Ray is not installed ({e}): "
-                         "pip install 'hvdtrain[ray]'\n")
-        return EXIT_USAGE
-    from hvdtrain.ray import run
-    prog = f"{PROG} {args.target}"
-    try:
-        run(args.target, argv=args.args, num_workers=args.num_workers,
-            cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
-            address=args.address, max_restarts=args.max_restarts,
-            placement_timeout=args.placement_timeout, min_workers=args.min_workers,
-            max_workers=args.max_workers, prog=prog)
-    except Error as e:
-        if not getattr(e, "said", False):
-            sys.stderr.write(f"{PROG}: error: {e}\n")
-        return e.status
-    return 0
+
+    def call():
+        from hvdtrain.ray import run
+
+        return run(args.target, argv=args.args, num_workers=args.num_workers,
+                   cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
+                   address=args.address, max_restarts=args.max_restarts,
+                   placement_timeout=args.placement_timeout, min_workers=args.min_workers,
+                   max_workers=args.max_workers, prog=f"{PROG} {args.target}")
+
+    return front_main(PROG, ("ray", "horovod.ray"), "Ray", "ray", call)
 
 
 if __name__ == "__main__":

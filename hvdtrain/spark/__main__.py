@@ -8,9 +8,6 @@ script (a path). Exit status: the ranks' (as under horovodrun: 0, 1, 2, 69, 73, 
 at most --max-restarts restarts of a job whose infrastructure failed.
 """
 import argparse
-import sys
-
-from hvdtrain.base.errors import EXIT_USAGE, Error
 
 PROG = "python -m hvdtrain.spark"
 
@@ -42,24 +39,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from hvdtrain.jobs.cli import front_main
+
     args = parser().parse_args(argv)
-    try:
-        import pyspark  # noqa: F401
-        import horovod.spark  # noqa: F401
-    except ImportError as e:
-        sys.stderr.write(f"{PROG}: error: PySpark is not installed ({e}): "
-                         "pip install 'hvdtrain[spark]'\n")
-        return EXIT_USAGE
-    from hvdtrain.spark import run
-    try:
-        run(args.target, argv=args.args, num_proc=args.num_proc, master=args.master,
-            use_mpi=args.mpi, max_restarts=args.max_restarts,
-            start_timeout=args.start_timeout, prog=f"{PROG} {args.target}")
-    except Error as e:
-        if not getattr(e, "said", False):
-            sys.stderr.write(f"{PROG}: error: {e}\n")
-        return e.status
-    return 0
+
+    def call():
+        from hvdtrain.spark import run
+
+        return run(args.target, argv=args.args, num_proc=args.num_proc, master=args.master,
+                   use_mpi=args.mpi, max_restarts=args.max_restarts,
+                   start_timeout=args.start_timeout, prog=f"{PROG} {args.target}")
+
+    return front_main(PROG, ("pyspark", "horovod.spark"), "PySpark", "spark", call)
 
 
 if __name__ == "__main__":
