@@ -6,8 +6,9 @@ Horovod's own ``horovod.spark.run`` runs across the two hosts, with Gloo and wit
 rank on each host, an allreduce that sums over both. ``python -m hvdtrain.spark`` as the
 Spark page prints it trains MNIST with one rank on each worker to the weights of the same job
 under horovodrun; an executor killed mid-epoch (its JVM and everything under it SIGKILLed,
-the Worker left) restarts the job, which ends with the uninterrupted weights. A lost Worker
-leaves the Master at once and registers again when it returns.
+the Worker left) restarts the job, which ends with the uninterrupted weights. Horovod's
+KerasEstimator fits on a DataFrame with a rank on each worker and predicts every row. A lost
+Worker leaves the Master at once and registers again when it returns.
 
 Measured with the executor-loss probe this module used to run: ``horovod.spark.run`` raises
 a RuntimeError 3 to 5 s after the kill with Gloo ("exited with non-zero status", the lost
@@ -200,3 +201,52 @@ def test_an_executor_killed_mid_epoch_restarts_the_job_to_the_uninterrupted_weig
     r = result(run_dir)
     assert (r["world_size"], r["global_step"]) == (2, ref["global_step"]), err[-3000:]
     assert r["weights_sha256"] == ref["weights_sha256"], err[-3000:]
+
+
+# A driver on the head: Horovod's KerasEstimator fits a linear model on a DataFrame on the two
+# workers (a rank on each: one core each) with its store on storage both see, then its model
+# predicts every row of the DataFrame. One JSON line.
+ESTIMATOR = """
+import json, sys
+
+import numpy as np
+import tensorflow as tf
+from horovod.spark.common.store import Store
+from horovod.spark.keras import KerasEstimator
+from pyspark.ml.feature import VectorAssembler
+from pyspark.sql import SparkSession
+
+if __name__ == "__main__":
+    spark = SparkSession.builder.getOrCreate()
+    x = np.random.default_rng(0).uniform(-1, 1, size=(200, 2))
+    df = spark.createDataFrame([(i, float(a), float(b), float(2 * a - 3 * b + 0.5))
+                                for i, (a, b) in enumerate(x)], ["id", "x1", "x2", "y"])
+    df = VectorAssembler(inputCols=["x1", "x2"], outputCol="features").transform(df)
+    keras = tf.keras
+    inputs = keras.Input(shape=(2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    estimator = KerasEstimator(
+        num_proc=2, store=Store.create(sys.argv[1]), model=model, loss="mse",
+        optimizer=keras.optimizers.SGD(learning_rate=0.1), feature_cols=["features"],
+        label_cols=["y"], batch_size=16, epochs=4, random_seed=1, verbose=0)
+    fitted = estimator.fit(df)
+    out = fitted.transform(df).select("id", "y", "y__output").toPandas()
+    print("RESULT " + json.dumps({
+        "ids": sorted(out["id"].tolist()), "nulls": int(out["y__output"].isna().sum()),
+        "max_error": float((out["y"] - out["y__output"]).abs().max()),
+        "loss": fitted.getHistory()["loss"]}), flush=True)
+    spark.stop()
+"""
+
+
+def test_horovods_keras_estimator_fits_on_the_two_workers_and_predicts_every_row(
+        spark_cluster, tmp_path):
+    script = tmp_path / "estimator.py"
+    script.write_text(ESTIMATOR)
+    p = run(spark_cluster.driver_cmd([sys.executable, str(script), str(tmp_path / "store")]),
+            spark_cluster.env, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert got["ids"] == list(range(200)) and got["nulls"] == 0, got
+    assert len(got["loss"]) == 4 and got["loss"][-1] < got["loss"][0] / 10, got["loss"]
+    assert got["max_error"] < 0.2, got
