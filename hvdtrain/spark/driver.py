@@ -15,10 +15,12 @@ rank lost; no room for the ranks within ``start_timeout`` ends the job with one 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
 import secrets
 import socketserver
+import sys
 import threading
 from typing import Any, Optional
 
@@ -103,6 +105,9 @@ def session(master: Optional[str]):
             raise SparkJobError(f"master={master}: this process's Spark session runs on "
                                 f"{have}; stop it first or leave the master out", 2)
         return active, False
+    # The executors run this Python unless told otherwise (Spark's default is the first
+    # python3 on their PATH, which may lack hvdtrain): the venv at the same path everywhere.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName("hvdtrain").config(
         "spark.ui.showConsoleProgress", "false")  # its bar would cut the ranks' lines
     if master:

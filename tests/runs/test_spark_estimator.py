@@ -9,6 +9,7 @@ data module's exact sharding is checked on its own, with ranks 0 and 1 of 2 give
 on Parquet files that Spark wrote.
 """
 import os
+import sys
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -28,6 +29,9 @@ def target(x1, x2):
 @pytest.fixture(scope="module")
 def spark():
     from pyspark.sql import SparkSession
+
+    # The executors' Python is this venv's (Spark's default is the first python3 on PATH).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     session = (SparkSession.builder.master("local[2]").appName("hvdtrain-estimator")
                .config("spark.ui.enabled", "false")
                .config("spark.driver.memory", "1g")
