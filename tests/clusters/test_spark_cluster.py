@@ -232,9 +232,9 @@ if __name__ == "__main__":
     fitted = estimator.fit(df)
     out = fitted.transform(df).select("id", "y", "y__output").toPandas()
     print("RESULT " + json.dumps({
-        "ids": sorted(out["id"].tolist()), "nulls": int(out["y__output"].isna().sum()),
+        "ids": sorted(int(i) for i in out["id"]), "nulls": int(out["y__output"].isna().sum()),
         "max_error": float((out["y"] - out["y__output"]).abs().max()),
-        "loss": fitted.getHistory()["loss"]}), flush=True)
+        "loss": [float(v) for v in fitted.getHistory()["loss"]]}), flush=True)
     spark.stop()
 """
 

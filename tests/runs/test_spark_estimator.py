@@ -87,6 +87,10 @@ def test_the_estimator_trains_on_two_ranks_and_the_model_predicts_every_row(fitt
     np.testing.assert_allclose(b, [0.5], atol=0.1)
 
     out = keras_model.transform(df).select("id", "x1", "x2", "y__output").toPandas()
+    # The driver's tf.keras is still the Keras this process chose: under Keras 2 the estimator
+    # once loaded Keras 3 as tf.keras (and every later tf.keras call of the driver ran on it).
+    import tensorflow as tf
+    assert tf.keras.Model.__module__.split(".")[0] == keras_flavour()
     assert len(out) == ROWS and sorted(out["id"]) == list(range(ROWS))
     assert out["y__output"].notna().all()
     error = np.abs(out["y__output"] - target(out["x1"], out["x2"]))
