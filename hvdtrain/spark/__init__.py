@@ -78,6 +78,9 @@ def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Se
 
     check_counts(SparkJobError, num_proc=(num_proc, 1), max_restarts=(max_restarts, 0),
                  start_timeout=(start_timeout, 1))
+    if spark is not None and master:
+        raise SparkJobError(f"master={master}: the session given (spark=) has its own "
+                            f"master ({spark.sparkContext.master}); give one or the other", 2)
     argv = task_argv(target, argv, num_proc)
     job, configured = job_for(target, argv, args, kwargs, prog, "hvdtrain.spark",
                               cloudpickle.dumps, SparkJobError)

@@ -133,6 +133,11 @@ def test_the_python_call_trains_from_a_dataframe_as_horovodrun_trains_the_arrays
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, TESTS]))
+    with pytest.raises(hvdtrain.spark.SparkJobError) as e:  # before anything starts
+        hvdtrain.spark.run("linear", num_proc=2, spark=spark, master="local[1]")
+    assert (e.value.status, str(e.value)) == (2, "master=local[1]: the session given (spark=) "
+                                              "has its own master (local[2]); give one or the "
+                                              "other")
     rows = spark_train.rows()
     df = spark.createDataFrame(rows, ["id", "features", "label"]).repartition(3, "id")
     data = str(tmp_path / "data")
