@@ -344,6 +344,27 @@ def kill_when(cmd, env, run_dir, ready, timeout=120, what="no checkpoint appeare
     assert not os.path.exists(os.path.join(run_dir, "result.json")), "job finished before kill"
 
 
+def lose_after_first_checkpoint(cmd, env, run_dir, lose, timeout, cwd=None, first=120):
+    """Start a job of two ranks; once a checkpoint exists, ``lose({rank: pid})`` takes part of
+    it away (a rank's process, its executor, its node) while the job must not have finished;
+    then wait up to ``timeout`` s for the job to end by itself (``first``: for the checkpoint).
+    (rc, out, err); the job's group is killed if it still runs."""
+    import signal
+
+    proc = start(cmd, env, cwd)
+    try:
+        assert wait_for(lambda: checkpoints(run_dir), first), "no checkpoint appeared"
+        pids = rank_pids(str(run_dir))
+        assert sorted(pids) == [0, 1], pids
+        lose(pids)
+        assert not os.path.exists(os.path.join(run_dir, "result.json")), \
+            "the job ended before the kill"
+        return finish(proc, timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def kill_after_first_checkpoint(cmd, env, run_dir, timeout=120):
     """Start a job, SIGKILL all of it once a checkpoint exists; return that checkpoint's step."""
     kill_when(cmd, env, run_dir, lambda: checkpoints(run_dir), timeout)

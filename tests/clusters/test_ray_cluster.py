@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
-from conftest import (LINEAR, as_printed, checkout_like, checkpoints, clean_env, finish,
-                      launch_example, rank_pids, result, run, start, wait_for)
+from conftest import (LINEAR, as_printed, checkout_like, clean_env, finish,
+                      launch_example, lose_after_first_checkpoint, rank_pids, result, run,
+                      start, wait_for)
 from docs_pages import block
 from ray_cluster import NODES, RayCluster
 
@@ -163,19 +164,17 @@ def test_a_lost_node_restarts_the_job_on_the_others_to_the_same_weights(ray_clus
     newest checkpoint to the weights of the uninterrupted job. The node then returns."""
     ref = references.run("gloo", 2, "linear", *LINEAR)
     run_dir = tmp_path / "run"
-    proc = start(hvdtrain_ray(ray_cluster, "--num-workers", 2, "linear", *LINEAR, "--run-dir",
-                              run_dir), ray_cluster.env, cwd=tmp_path)
-    try:
-        assert wait_for(lambda: checkpoints(run_dir), 120), "no checkpoint appeared"
-        ranks = rank_pids(str(run_dir))
-        assert sorted(ranks) == [0, 1], ranks
-        lost = next(n for n in NODES if n != "rayhead"
-                    and set(ranks.values()) & set(ray_cluster.pids(n)))
-        ray_cluster.remove_node(lost)
-        rc, out, err = finish(proc, 240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
+    lost = []
+
+    def lose_node(ranks):  # a worker node holding a rank
+        lost.append(next(n for n in NODES if n != "rayhead"
+                         and set(ranks.values()) & set(ray_cluster.pids(n))))
+        ray_cluster.remove_node(lost[0])
+
+    rc, out, err = lose_after_first_checkpoint(
+        hvdtrain_ray(ray_cluster, "--num-workers", 2, "linear", *LINEAR, "--run-dir", run_dir),
+        ray_cluster.env, run_dir, lose_node, 240, cwd=tmp_path)
+    lost, = lost
     try:
         assert rc == 0, err[-3000:]
         assert "the job starts again from its newest checkpoint (restart 1 of 3)" in err, err

@@ -26,8 +26,8 @@ import time
 
 import pytest
 
-from conftest import (LINEAR, as_printed, checkout_like, checkpoints, finish,
-                      rank_pids, result, run, start, wait_for)
+from conftest import (LINEAR, as_printed, checkout_like, lose_after_first_checkpoint,
+                      result, run)
 from docs_pages import block
 from spark_cluster import NODES, SparkCluster
 
@@ -177,19 +177,14 @@ def test_an_executor_killed_mid_epoch_restarts_the_job_to_the_uninterrupted_weig
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hvdtrain.spark", "--num-proc", "2", "linear", *LINEAR,
            "--run-dir", str(run_dir)]
-    proc = start(spark_cluster.driver_cmd(cmd), spark_cluster.env)
-    try:
-        assert wait_for(lambda: checkpoints(run_dir), 180), "no checkpoint appeared"
-        pids = rank_pids(str(run_dir))
-        assert sorted(pids) == [0, 1], pids
+
+    def lose_executor(pids):  # rank 1's host's
         host = next(h for h in ("sparknode1", "sparknode2") if pids[1] in spark_cluster.pids(h))
         killed = spark_cluster.kill_executor(host)
         assert pids[1] in killed, (pids, killed)
-        assert not (run_dir / "result.json").exists(), "the job ended before the kill"
-        rc, out, err = finish(proc, 300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
+
+    rc, out, err = lose_after_first_checkpoint(spark_cluster.driver_cmd(cmd), spark_cluster.env,
+                                               run_dir, lose_executor, 300, first=180)
     assert rc == 0, err[-3000:]
     said = [l for l in err.splitlines() if l.startswith("hvdtrain.spark: ") and "restart" in l]
     assert said == ["hvdtrain.spark: rank 1's process ended before its rank did (its Spark "

@@ -27,7 +27,8 @@ import ray  # the test extra has it (the "ray" extra's pin)
 
 from docs_pages import block
 from conftest import (LINEAR, ROOT, TESTS, TIME_SCALE, checkpoints, clean_env, finish,
-                      free_port, keras_flavour, rank_pids, result, run, start, wait_for)
+                      free_port, keras_flavour, lose_after_first_checkpoint, rank_pids, result,
+                      run, start, wait_for)
 
 pytestmark = [pytest.mark.keras2, pytest.mark.timeout(240)]
 EXACT = 1e-6  # float32 arithmetic done in another order than Horovod's
@@ -178,18 +179,9 @@ def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(clus
     again, and it resumes to the weights of the same job under horovodrun, uninterrupted."""
     ref = references.run("gloo", 2, "linear", *LINEAR)
     run_dir = tmp_path / "run"
-    proc = start(ray_cmd(cluster, "--num-workers", 2, "linear", *LINEAR, "--run-dir", run_dir),
-                 driver_env(tmp_path))
-    try:
-        assert wait_for(lambda: checkpoints(run_dir), 120), "no checkpoint appeared"
-        pids = rank_pids(str(run_dir))
-        assert sorted(pids) == [0, 1], pids
-        os.kill(pids[1], signal.SIGKILL)
-        assert not (run_dir / "result.json").exists(), "the job ended before the kill"
-        rc, out, err = finish(proc, 180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    rc, out, err = lose_after_first_checkpoint(
+        ray_cmd(cluster, "--num-workers", 2, "linear", *LINEAR, "--run-dir", run_dir),
+        driver_env(tmp_path), run_dir, lambda pids: os.kill(pids[1], signal.SIGKILL), 180)
     assert rc == 0, err[-3000:]
     # The line the Ray page shows, with this host's name.
     shown, = block("guides/clusters/ray.md", "hvdtrain.ray: rank 1 on node2 was killed").text.splitlines()

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from docs_pages import block
-from conftest import (LINEAR, ROOT, TESTS, checkpoints, clean_env, finish, rank_pids, result,
-                      run, script_cmd, start, wait_for)
+from conftest import (LINEAR, ROOT, TESTS, checkpoints, clean_env, finish,
+                      lose_after_first_checkpoint, rank_pids, result, run, script_cmd, start,
+                      wait_for)
 
 pyspark = pytest.importorskip("pyspark")  # the test extra has it (the "spark" extra's pin)
 if not shutil.which("java") and not os.environ.get("JAVA_HOME"):
@@ -69,18 +70,9 @@ def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(tmp_
     under horovodrun, uninterrupted."""
     ref = references.run("gloo", 2, "linear", *LINEAR)
     run_dir = tmp_path / "run"
-    proc = start(spark_cmd("--num-proc", 2, "linear", *LINEAR, "--run-dir", run_dir),
-                 driver_env(tmp_path))
-    try:
-        assert wait_for(lambda: checkpoints(run_dir), 120), "no checkpoint appeared"
-        pids = rank_pids(str(run_dir))
-        assert sorted(pids) == [0, 1], pids
-        os.kill(pids[1], signal.SIGKILL)
-        assert not (run_dir / "result.json").exists(), "the job ended before the kill"
-        rc, out, err = finish(proc, 240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    rc, out, err = lose_after_first_checkpoint(
+        spark_cmd("--num-proc", 2, "linear", *LINEAR, "--run-dir", run_dir),
+        driver_env(tmp_path), run_dir, lambda pids: os.kill(pids[1], signal.SIGKILL), 240)
     assert rc == 0, err[-3000:]
     # The line the Spark page shows, with this host's name.
     shown, = block("guides/clusters/spark.md", "hvdtrain.spark: rank 1 on node2 was killed").text.splitlines()
