@@ -19,15 +19,21 @@ Daemons (``start``) are children of the test process, run in the foreground with
 in ``base``. ``destroy`` kills them and everything left in the namespaces, deletes the
 namespaces and what was made for them, and checks that no process, namespace or mount of the
 hosts is left (``leftovers``).
+
+``Cluster`` is the shape of the Ray and Spark clusters over ``Hosts``: a head and worker nodes,
+one daemon a node started in a clean environment, a node lost (``remove_node``: SIGKILL to its
+namespace's every process) and back (``add_node``).
 """
 import json
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 import pytest
+from conftest import TIME_SCALE
 
 NETNS_ETC = "/etc/netns"
 
@@ -256,3 +262,106 @@ class Hosts:
                 args = cmdline.replace(b"\0", b" ").decode(errors="replace")
                 left.append(f"pid {pid}: {args}")
         return left
+
+
+class Cluster(Hosts):
+    """A head and worker nodes on ``Hosts``, one daemon a node (``start_node``, by the subclass,
+    calls ``launch``). The node's daemon output is base/NAME-N.out, N its start's number."""
+
+    def __init__(self, base, nodes, head, tag, iface, env, stop_seconds):
+        super().__init__(base, nodes, tag=tag, iface=iface, etc_hosts=True)
+        self.head = head
+        self.env = env            # the daemons' whole environment (``on_node``)
+        self.stop_seconds = stop_seconds  # SIGTERM to the daemons, then this, then SIGKILL
+        self.temp = None          # everything the daemons write is under it (short paths)
+        self.nodes = {}           # name -> its daemon (Popen), while it runs
+        self.starts = 0           # daemon starts so far (each its own output file)
+        self.commands = {}        # name -> the daemon's latest command line
+
+    def create(self, prefix):
+        super().create()
+        (self.base / "home").mkdir()
+        self.temp = tempfile.mkdtemp(prefix=prefix)
+        self.made.append(("rmtree", self.temp))
+
+    def launch(self, name, cmd, **extra):
+        """Node ``name``'s daemon ``cmd``, with ``extra`` added to the environment."""
+        self.starts += 1
+        self.commands[name] = cmd
+        self.nodes[name] = self.start(f"{name}-{self.starts}", self.on_node(name, cmd, **extra))
+        return self.nodes[name]
+
+    def on_node(self, name, cmd, **extra):
+        """``cmd`` on host ``name`` with this cluster's environment only."""
+        env = {**self.env, **extra}
+        return self.on(name, ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *cmd])
+
+    def wait_log(self, name, text, timeout):
+        """Until node ``name``'s latest daemon has printed ``text``."""
+        log = self.base / f"{name}-{self.starts}.out"
+        self.wait(lambda: text in log.read_text(errors="replace"), timeout * TIME_SCALE,
+                  f"'{text}' from {name}")
+
+    def logs(self):
+        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}"
+                         for f in sorted(self.base.glob("*.out")))
+
+    def pids(self, name=None):
+        """The processes of host ``name`` (default: every host)."""
+        return [int(p) for n in ([name] if name else self.hosts)
+                for p in sh("ip", "netns", "pids", self.ns[n]).stdout.split()]
+
+    def rss(self, name=None):
+        """Resident memory (bytes) of the processes of host ``name`` (default: every host)."""
+        total = 0
+        for pid in self.pids(name):
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            except OSError:
+                pass
+        return total
+
+    def kill(self, name, spare=lambda pid: False):
+        """SIGKILL to host ``name``'s processes but those ``spare`` keeps, until none is left
+        (a process forking as it is killed: its child in turn). Returns the pids killed."""
+        killed = set()
+        for _ in range(10):
+            pids = [p for p in self.pids(name) if not spare(p)]
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        return sorted(killed)
+
+    def remove_node(self, name):
+        """Worker node ``name`` lost: SIGKILL to every process of its namespace, its daemon
+        too (nothing of it stops the rest in order)."""
+        assert name != self.head, "the head is the cluster"
+        proc = self.nodes.pop(name)
+        self.kill(name)
+        proc.wait(timeout=30)
+        self.daemons = [(n, p) for n, p in self.daemons if p is not proc]
+        left = self.pids(name)
+        assert not left, f"{name}: processes left after SIGKILL: {left}"
+
+    def add_node(self, name):
+        """Worker node ``name`` back: a fresh daemon."""
+        assert name not in self.nodes, f"{name} is running"
+        return self.start_node(name)
+
+    def start_node(self, name):
+        raise NotImplementedError
+
+    def destroy(self):
+        # The daemons stop what they started on SIGTERM.
+        self.stop_gracefully(self.nodes.values(), self.stop_seconds * TIME_SCALE)
+        super().destroy()  # SIGKILL to what is left; the namespaces, the temp dir; checks
+
+    def leftovers(self):
+        return super().leftovers() + self.temp_left(self.temp)

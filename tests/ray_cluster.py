@@ -27,15 +27,12 @@ cluster is left.
 """
 import json
 import os
-import signal
 import sys
-import tempfile
-import time
 
 import pytest
 
 from conftest import ROOT, TESTS, TIME_SCALE, clean_env
-from netns import Hosts, sh
+from netns import Cluster, sh
 
 NODES = {"rayhead": "10.76.0.1", "raynode1": "10.76.0.2", "raynode2": "10.76.0.3"}
 HEAD = "rayhead"
@@ -76,25 +73,18 @@ while True:
 """
 
 
-class RayCluster(Hosts):
+class RayCluster(Cluster):
     def __init__(self, base, pythonpath=(ROOT, TESTS)):
-        super().__init__(base, NODES, tag="hvdr", iface=IFACE, etc_hosts=True)
+        super().__init__(base, NODES, HEAD, tag="hvdr", iface=IFACE, stop_seconds=30,
+                         env=clean_env(base / "home", PYTHONPATH=os.pathsep.join(pythonpath),
+                                       TF_CPP_MIN_LOG_LEVEL="3", **RAY_ENV))
         self.address = f"{NODES[HEAD]}:{PORT}"
-        self.env = clean_env(base / "home", PYTHONPATH=os.pathsep.join(pythonpath),
-                             TF_CPP_MIN_LOG_LEVEL="3", **RAY_ENV)
-        self.temp = None      # the nodes' temporary directories are under it
-        self.nodes = {}       # name -> its `ray start --block` (Popen), while it runs
-        self.starts = 0       # node starts so far (each gets its own --temp-dir)
-        self.commands = {}    # name -> its latest `ray start` command line
 
     # --- making it ------------------------------------------------------------------------
     def create(self):
         if not os.access(RAY, os.X_OK):
             pytest.fail(f"{RAY} missing: pip install -c constraints.txt -e .[ray]")
-        super().create()
-        (self.base / "home").mkdir()
-        self.temp = tempfile.mkdtemp(prefix="raycl-")
-        self.made.append(("rmtree", self.temp))
+        super().create(prefix="raycl-")
         for name in NODES:
             self.start_node(name)
             if name == HEAD:  # the workers register with its GCS
@@ -103,18 +93,10 @@ class RayCluster(Hosts):
         return self
 
     def start_node(self, name):
-        self.starts += 1
-        temp = os.path.join(self.temp, f"{name}-{self.starts}")
+        temp = os.path.join(self.temp, f"{name}-{self.starts + 1}")
         flags = HEAD_FLAGS if name == HEAD else ["--address", self.address]
-        cmd = [RAY, "start", "--block", *flags, "--node-ip-address", NODES[name], *NODE_FLAGS,
-               "--temp-dir", temp]
-        self.commands[name] = cmd
-        self.nodes[name] = self.start(f"{name}-{self.starts}", self.on_node(name, cmd))
-        return self.nodes[name]
-
-    def on_node(self, name, cmd):
-        """``cmd`` on host ``name`` with this cluster's environment only."""
-        return self.on(name, ["env", "-i", *(f"{k}={v}" for k, v in self.env.items()), *cmd])
+        return self.launch(name, [RAY, "start", "--block", *flags, "--node-ip-address",
+                                  NODES[name], *NODE_FLAGS, "--temp-dir", temp])
 
     # --- using it -------------------------------------------------------------------------
     def driver_cmd(self, cmd):
@@ -138,65 +120,3 @@ class RayCluster(Hosts):
         if self.states(want, timeout) is None:
             pytest.fail(f"RayCluster: not {want} within {timeout:.0f}s: "
                         f"{self.states()}\n{self.logs()}")
-
-    def wait_log(self, name, text, timeout):
-        log = self.base / f"{name}-{self.starts}.out"
-        self.wait(lambda: text in log.read_text(errors="replace"), timeout * TIME_SCALE,
-                  f"'{text}' from {name}")
-
-    def logs(self):
-        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}"
-                         for f in sorted(self.base.glob("*.out")))
-
-    def pids(self, name=None):
-        """The processes of host ``name`` (default: all three)."""
-        return [int(p) for n in ([name] if name else NODES)
-                for p in sh("ip", "netns", "pids", self.ns[n]).stdout.split()]
-
-    def rss(self, name=None):
-        """Resident memory (bytes) of the processes of host ``name`` (default: all three)."""
-        total = 0
-        for pid in self.pids(name):
-            try:
-                with open(f"/proc/{pid}/statm") as f:
-                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            except OSError:
-                pass
-        return total
-
-    def remove_node(self, name):
-        """Worker node ``name`` lost: SIGKILL to every process of its namespace, its
-        `ray start` first (nothing of it stops the rest in order)."""
-        assert name != HEAD, "the head is the cluster"
-        proc = self.nodes.pop(name)
-        self.kill(name)
-        proc.wait(timeout=30)
-        self.daemons = [(n, p) for n, p in self.daemons if p is not proc]
-        left = self.pids(name)
-        assert not left, f"{name}: processes left after SIGKILL: {left}"
-
-    def kill(self, name):
-        for _ in range(10):  # a process forking as it is killed: its child in turn
-            pids = self.pids(name)
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.1)
-
-    def add_node(self, name):
-        """Worker node ``name`` back (a fresh `ray start`, a fresh --temp-dir)."""
-        assert name not in self.nodes, f"{name} is running"
-        return self.start_node(name)
-
-    # --- removing it ----------------------------------------------------------------------
-    def destroy(self):
-        # `ray start --block` stops what it started on SIGTERM.
-        self.stop_gracefully(self.nodes.values(), 30 * TIME_SCALE)
-        super().destroy()  # SIGKILL to what is left; the namespaces, the temp dir; checks
-
-    def leftovers(self):
-        return super().leftovers() + self.temp_left(self.temp)

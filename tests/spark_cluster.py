@@ -53,15 +53,12 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import sys
-import tempfile
-import time
 
 import pytest
 
 from conftest import ROOT, TESTS, TIME_SCALE, clean_env
-from netns import Hosts, sh
+from netns import Cluster, sh
 
 NODES = {"sparkhead": "10.77.0.1", "sparknode1": "10.77.0.2", "sparknode2": "10.77.0.3"}
 HEAD = "sparkhead"
@@ -121,20 +118,17 @@ def parent(pid):
         return None
 
 
-class SparkCluster(Hosts):
+class SparkCluster(Cluster):
     def __init__(self, base, pythonpath=(ROOT, TESTS)):
-        super().__init__(base, NODES, tag="hvds", iface=IFACE, etc_hosts=True)
-        self.master = MASTER
         spec = importlib.util.find_spec("pyspark")  # its install is SPARK_HOME
-        self.home = os.path.dirname(spec.origin) if spec else None
-        self.temp = None      # everything the cluster writes is under it
-        self.nodes = {}       # name -> its daemon (Popen), while it runs
-        self.starts = 0       # daemon starts so far (each its own output file)
-        self.commands = {}    # name -> the daemon's command line (spark-class ...)
-        self.env = clean_env(base / "home", PYTHONPATH=os.pathsep.join(pythonpath),
-                             TF_CPP_MIN_LOG_LEVEL="3", PYSPARK_PYTHON=sys.executable,
-                             PYSPARK_DRIVER_PYTHON=sys.executable, SPARK_HOME=self.home,
-                             SPARK_NO_DAEMONIZE="1", **DAEMON_MEMORY)
+        home = os.path.dirname(spec.origin) if spec else None
+        super().__init__(base, NODES, HEAD, tag="hvds", iface=IFACE, stop_seconds=10,
+                         env=clean_env(base / "home", PYTHONPATH=os.pathsep.join(pythonpath),
+                                       TF_CPP_MIN_LOG_LEVEL="3", PYSPARK_PYTHON=sys.executable,
+                                       PYSPARK_DRIVER_PYTHON=sys.executable, SPARK_HOME=home,
+                                       SPARK_NO_DAEMONIZE="1", **DAEMON_MEMORY))
+        self.master = MASTER
+        self.home = home
 
     # --- making it ------------------------------------------------------------------------
     def create(self):
@@ -142,10 +136,7 @@ class SparkCluster(Hosts):
             pytest.fail("PySpark missing: pip install -c constraints.txt -e .[spark]")
         if not shutil.which("java"):
             pytest.skip("no Java here (Spark needs it): apt-get install openjdk-17-jre-headless")
-        super().create()
-        (self.base / "home").mkdir()
-        self.temp = tempfile.mkdtemp(prefix="sparkcl-")
-        self.made.append(("rmtree", self.temp))
+        super().create(prefix="sparkcl-")
         conf, tmp = (os.path.join(self.temp, d) for d in ("conf", "tmp"))
         for d in (conf, tmp, os.path.join(self.temp, "logs")):
             os.mkdir(d)
@@ -166,7 +157,6 @@ class SparkCluster(Hosts):
         return self
 
     def start_node(self, name):
-        self.starts += 1
         local, work = (os.path.join(self.temp, d, name) for d in ("local", "work"))
         os.makedirs(local, exist_ok=True)
         os.makedirs(work, exist_ok=True)
@@ -177,16 +167,8 @@ class SparkCluster(Hosts):
         else:
             cmd = [cls, "org.apache.spark.deploy.worker.Worker", MASTER, "--host",
                    NODES[name], "--cores", "1", "--memory", "1g", "--work-dir", work]
-        self.commands[name] = cmd
-        self.nodes[name] = self.start(f"{name}-{self.starts}", self.on_node(
-            name, cmd, SPARK_LOCAL_DIRS=local, SPARK_WORKER_DIR=work,
-            SPARK_LOCAL_IP=NODES[name]))
-        return self.nodes[name]
-
-    def on_node(self, name, cmd, **extra):
-        """``cmd`` on host ``name`` with this cluster's environment only."""
-        env = {**self.env, **extra}
-        return self.on(name, ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *cmd])
+        return self.launch(name, cmd, SPARK_LOCAL_DIRS=local, SPARK_WORKER_DIR=work,
+                           SPARK_LOCAL_IP=NODES[name])
 
     # --- using it -------------------------------------------------------------------------
     def driver_cmd(self, cmd):
@@ -214,25 +196,11 @@ class SparkCluster(Hosts):
             pytest.fail(f"SparkCluster: not {n} workers alive within {timeout:.0f}s: "
                         f"{self.workers()}\n{self.logs()}")
 
-    def wait_log(self, name, text, timeout):
-        log = self.base / f"{name}-{self.starts}.out"
-        self.wait(lambda: text in log.read_text(errors="replace"), timeout * TIME_SCALE,
-                  f"'{text}' from {name}")
-
     def master_log(self):
         """The Master's output so far (its "Registering worker", "Launching executor",
         "Removing executor" lines)."""
         return "".join(f.read_text(errors="replace")
                        for f in sorted(self.base.glob(f"{HEAD}-*.out")))
-
-    def logs(self):
-        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}"
-                         for f in sorted(self.base.glob("*.out")))
-
-    def pids(self, name=None):
-        """The processes of host ``name`` (default: all three)."""
-        return [int(p) for n in ([name] if name else NODES)
-                for p in sh("ip", "netns", "pids", self.ns[n]).stdout.split()]
 
     def executor_pids(self, name):
         """The executor JVMs (CoarseGrainedExecutorBackend) running on host ``name``."""
@@ -246,17 +214,6 @@ class SparkCluster(Hosts):
                 pass
         return found
 
-    def rss(self, name=None):
-        """Resident memory (bytes) of the processes of host ``name`` (default: all three)."""
-        total = 0
-        for pid in self.pids(name):
-            try:
-                with open(f"/proc/{pid}/statm") as f:
-                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            except OSError:
-                pass
-        return total
-
     def kill_executor(self, name):
         """Host ``name``'s executor lost: SIGKILL to every process of the host but its Worker
         (the executor's JVM, its Python workers, what they started). The Worker launches
@@ -265,50 +222,7 @@ class SparkCluster(Hosts):
         assert name != HEAD, "the head runs no executor"
         worker = self.nodes[name].pid  # ip netns exec ... exec java: the Worker's JVM
         first = set(self.pids(name)) - {worker}
-        killed = set()
-        for _ in range(10):  # a process forking as it is killed: its child in turn
-            pids = [p for p in self.pids(name) if p != worker
-                    and (p in first or parent(p) != worker)]
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.add(pid)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.1)
+        killed = self.kill(name, spare=lambda p: p == worker
+                           or (p not in first and parent(p) == worker))
         assert self.nodes[name].poll() is None, f"{name}'s Worker died with its executor"
-        return sorted(killed)
-
-    def remove_node(self, name):
-        """Host ``name`` lost: SIGKILL to every process of its namespace, its Worker too."""
-        assert name != HEAD, "the head is the cluster"
-        proc = self.nodes.pop(name)
-        for _ in range(10):
-            pids = self.pids(name)
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.1)
-        proc.wait(timeout=30)
-        self.daemons = [(n, p) for n, p in self.daemons if p is not proc]
-        left = self.pids(name)
-        assert not left, f"{name}: processes left after SIGKILL: {left}"
-
-    def add_node(self, name):
-        """Host ``name``'s Worker back (it registers with the Master again)."""
-        assert name not in self.nodes, f"{name} is running"
-        return self.start_node(name)
-
-    # --- removing it ----------------------------------------------------------------------
-    def destroy(self):
-        self.stop_gracefully(self.nodes.values(), 10 * TIME_SCALE)
-        super().destroy()  # SIGKILL to what is left; the namespaces, the temp dir; checks
-
-    def leftovers(self):
-        return super().leftovers() + self.temp_left(self.temp)
+        return killed

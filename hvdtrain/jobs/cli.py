@@ -3,11 +3,24 @@ hvdtrain.spark``) after its own flags are parsed: its extra's packages checked, 
 its error one line with the job's exit status."""
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from typing import Callable, Sequence
 
 from hvdtrain.base.errors import EXIT_USAGE, Error
+
+
+def parser(prog: str, description: str, options) -> argparse.ArgumentParser:
+    """A front's parser: ``options(p)`` adds the front's own flags, then TARGET and its flags."""
+    example = f"{prog} mnist --help"
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog="The target's own "
+                                f"flags follow it ({example} shows the task's).")
+    options(p)
+    p.add_argument("target", help="a task (mnist, linear, package.module:TaskClass) or a "
+                   "script path")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the target's flags")
+    return p
 
 
 def front_main(prog: str, needs: Sequence[str], what: str, extra: str,

@@ -16,8 +16,8 @@ from its first instruction. The parent only:
 - returns the child's exit status, its host, and its result (rank 0's; any rank's in an
   elastic job, whose ranks change).
 
-Imports only the standard library and hvdtrain's: the parent must not import TensorFlow (it would hold the
-GPU the child needs).
+Imports only the standard library and hvdtrain's: the parent must not import TensorFlow (it
+would hold the GPU the child needs).
 """
 from __future__ import annotations
 

@@ -9,42 +9,38 @@ at most --max-restarts restarts of a job whose infrastructure failed.
 """
 import argparse
 
+from hvdtrain.jobs import cli
+
 PROG = "python -m hvdtrain.ray"
 
 
 def parser() -> argparse.ArgumentParser:
     from hvdtrain.ray import MAX_RESTARTS, PLACEMENT_TIMEOUT
 
-    p = argparse.ArgumentParser(
-        prog=PROG, description="Train a task or a fit script on Horovod workers of a Ray "
-        "cluster.", epilog="The target's own flags follow it (python -m hvdtrain.ray mnist "
-        "--help shows the task's).")
-    p.add_argument("--address", default=None,
-                   help="the Ray cluster's address (default: RAY_ADDRESS, a cluster started "
-                   "on this machine, else a new one here)")
-    p.add_argument("--num-workers", type=int, default=None,
-                   help="ranks to start (default: the task's configured count, else 1)")
-    p.add_argument("--cpus-per-worker", type=int, default=1, help="Ray CPUs per worker")
-    p.add_argument("--gpus-per-worker", type=int, default=0,
-                   help="Ray GPUs per worker (1: one rank per GPU)")
-    p.add_argument("--max-restarts", type=int, default=MAX_RESTARTS,
-                   help="restarts from the newest checkpoint after a lost rank, node or "
-                   "storage (default %(default)s)")
-    p.add_argument("--placement-timeout", type=int, default=PLACEMENT_TIMEOUT,
-                   help="seconds to wait for room for every worker (default %(default)s)")
-    p.add_argument("--min-workers", type=int, default=None,
-                   help="an elastic job: at least this many ranks (a task gets --elastic)")
-    p.add_argument("--max-workers", type=int, default=None,
-                   help="an elastic job: at most this many ranks (default: every free slot)")
-    p.add_argument("target", help="a task (mnist, linear, package.module:TaskClass) or a "
-                   "script path")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the target's flags")
-    return p
+    def options(p):
+        p.add_argument("--address", default=None,
+                       help="the Ray cluster's address (default: RAY_ADDRESS, a cluster started "
+                       "on this machine, else a new one here)")
+        p.add_argument("--num-workers", type=int, default=None,
+                       help="ranks to start (default: the task's configured count, else 1)")
+        p.add_argument("--cpus-per-worker", type=int, default=1, help="Ray CPUs per worker")
+        p.add_argument("--gpus-per-worker", type=int, default=0,
+                       help="Ray GPUs per worker (1: one rank per GPU)")
+        p.add_argument("--max-restarts", type=int, default=MAX_RESTARTS,
+                       help="restarts from the newest checkpoint after a lost rank, node or "
+                       "storage (default %(default)s)")
+        p.add_argument("--placement-timeout", type=int, default=PLACEMENT_TIMEOUT,
+                       help="seconds to wait for room for every worker (default %(default)s)")
+        p.add_argument("--min-workers", type=int, default=None,
+                       help="an elastic job: at least this many ranks (a task gets --elastic)")
+        p.add_argument("--max-workers", type=int, default=None,
+                       help="an elastic job: at most this many ranks (default: every free slot)")
+
+    return cli.parser(PROG, "Train a task or a fit script on Horovod workers of a Ray "
+                      "cluster.", options)
 
 
 def main(argv=None) -> int:
-    from hvdtrain.jobs.cli import front_main
-
     args = parser().parse_args(argv)
 
     def call():
@@ -56,7 +52,7 @@ def main(argv=None) -> int:
                    placement_timeout=args.placement_timeout, min_workers=args.min_workers,
                    max_workers=args.max_workers, prog=f"{PROG} {args.target}")
 
-    return front_main(PROG, ("ray", "horovod.ray"), "Ray", "ray", call)
+    return cli.front_main(PROG, ("ray", "horovod.ray"), "Ray", "ray", call)
 
 
 if __name__ == "__main__":

@@ -9,38 +9,34 @@ at most --max-restarts restarts of a job whose infrastructure failed.
 """
 import argparse
 
+from hvdtrain.jobs import cli
+
 PROG = "python -m hvdtrain.spark"
 
 
 def parser() -> argparse.ArgumentParser:
     from hvdtrain.spark import MAX_RESTARTS, START_TIMEOUT
 
-    p = argparse.ArgumentParser(
-        prog=PROG, description="Train a task or a fit script on Horovod processes that run "
-        "as Spark tasks.", epilog="The target's own flags follow it (python -m hvdtrain.spark "
-        "mnist --help shows the task's).")
-    p.add_argument("--master", default=None,
-                   help="the Spark master (spark://HOST:7077, yarn, k8s://..., local[N]; "
-                   "default: spark-submit's or Spark's configuration, else local)")
-    p.add_argument("--num-proc", type=int, default=None,
-                   help="ranks to start, one Spark task each (default: the task's configured "
-                   "count, else Spark's default parallelism)")
-    p.add_argument("--mpi", action="store_true",
-                   help="the ranks talk through Open MPI instead of Gloo")
-    p.add_argument("--max-restarts", type=int, default=MAX_RESTARTS,
-                   help="restarts from the newest checkpoint after a lost rank, executor or "
-                   "storage (default %(default)s)")
-    p.add_argument("--start-timeout", type=int, default=START_TIMEOUT,
-                   help="seconds for Spark to start every rank's task (default %(default)s)")
-    p.add_argument("target", help="a task (mnist, linear, package.module:TaskClass) or a "
-                   "script path")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the target's flags")
-    return p
+    def options(p):
+        p.add_argument("--master", default=None,
+                       help="the Spark master (spark://HOST:7077, yarn, k8s://..., local[N]; "
+                       "default: spark-submit's or Spark's configuration, else local)")
+        p.add_argument("--num-proc", type=int, default=None,
+                       help="ranks to start, one Spark task each (default: the task's configured "
+                       "count, else Spark's default parallelism)")
+        p.add_argument("--mpi", action="store_true",
+                       help="the ranks talk through Open MPI instead of Gloo")
+        p.add_argument("--max-restarts", type=int, default=MAX_RESTARTS,
+                       help="restarts from the newest checkpoint after a lost rank, executor or "
+                       "storage (default %(default)s)")
+        p.add_argument("--start-timeout", type=int, default=START_TIMEOUT,
+                       help="seconds for Spark to start every rank's task (default %(default)s)")
+
+    return cli.parser(PROG, "Train a task or a fit script on Horovod processes that run "
+                      "as Spark tasks.", options)
 
 
 def main(argv=None) -> int:
-    from hvdtrain.jobs.cli import front_main
-
     args = parser().parse_args(argv)
 
     def call():
@@ -50,7 +46,7 @@ def main(argv=None) -> int:
                    use_mpi=args.mpi, max_restarts=args.max_restarts,
                    start_timeout=args.start_timeout, prog=f"{PROG} {args.target}")
 
-    return front_main(PROG, ("pyspark", "horovod.spark"), "PySpark", "spark", call)
+    return cli.front_main(PROG, ("pyspark", "horovod.spark"), "PySpark", "spark", call)
 
 
 if __name__ == "__main__":
