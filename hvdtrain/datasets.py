@@ -26,7 +26,7 @@ def mnist(download: bool = False, notice=None):
         DataError: a file found is bad.
     """
     from hvdtrain import distributed
-    from hvdtrain.inputs.data import load_mnist_format
+    from hvdtrain.inputs.loaders import load_mnist_format
 
     # Without a download no rank waits for another: no collective, no Horovod needed.
     world = distributed.current() if download else distributed.World()
