@@ -5,6 +5,9 @@
 ``~/.keras/datasets/mnist.npz`` (Keras' own cache), else with ``download=True`` one download
 per host, else the 5,000 digits bundled with hvdtrain (4,000 to train, 1,000 to test). The
 same arrays on every rank: ``hk.dataset`` shards them.
+
+A Task's data (``Data``, the loaders it is made with) is ``hvdtrain.data``; the code of both
+is ``hvdtrain.inputs.loaders``.
 """
 from __future__ import annotations
 
