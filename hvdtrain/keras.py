@@ -276,7 +276,7 @@ _MOVED = {
                          "hvdtrain.fit.driver.STOP_CHECK_EVERY"),
     "ConfigError": ("hvdtrain.base.errors", "ConfigError", "hvdtrain.ConfigError"),
     "DataError": ("hvdtrain.base.errors", "DataError", "hvdtrain.data.DataError"),
-    "pipeline": ("hvdtrain.inputs", "pipeline", "hvdtrain.inputs.pipeline"),
+    "pipeline": ("hvdtrain.inputs.pipeline", None, "hvdtrain.inputs.pipeline"),
 }
 _warned = set()
 
@@ -289,7 +289,8 @@ def __getattr__(name):
         _warned.add(name)
         _warnings.warn(f"hvdtrain.keras.{name} is deprecated: use {instead}",
                        DeprecationWarning, stacklevel=2)
-    return getattr(_importlib.import_module(module), attribute)
+    found = _importlib.import_module(module)
+    return found if attribute is None else getattr(found, attribute)
 
 
 __all__ = ["DistributedOptimizer", "Diverged", "Error", "Preempted", "adapt", "dataset",
