@@ -14,10 +14,11 @@ The code stands in layers, each package importing only those below it (its docst
 which): ``base`` (errors, settings, files, the Keras in use); ``inputs`` and
 ``distributed`` (the data each rank trains on; everything rank-dependent, Horovod); ``engine``
 (one run's life, its checkpoints and run directory); the two drivers over it, ``tasks`` (the
-Task path) and ``fit`` (``hk.fit``); then the public modules here (``keras``, ``cli``,
-``mnist``, ``linear``, ``doctor``, ``datasets``; ``compat``, ``data`` and ``layers`` hand on
-their public names). ``tools`` (the test harness, the benchmarks) is for developers:
-nothing else imports it.
+Task path, with the built-in tasks) and ``fit`` (``hk.fit``); then the public modules here
+(``keras``, ``cli``, ``doctor``, ``datasets``; ``mnist`` and ``linear``, the built-in tasks'
+commands; ``compat``, ``data`` and ``layers`` hand on their public names). ``bench`` (the
+benchmarks and their process harness, ``python -m hvdtrain.bench``; its plots need the
+``bench`` extra) is for developers: nothing else imports it.
 """
 # hvdtrain's first code: a launched rank whose environment lacks glibc's huge-page tunable
 # starts itself again with it, before anything is imported (glibc reads it only at start;
@@ -48,7 +49,7 @@ with _timings.phase("imports"):
     from hvdtrain.tasks.task import Task, TaskError, load_task
     from hvdtrain.tasks.train import train
     # hvdtrain.compat (the Keras in use, for a user's code) after `import hvdtrain` alone.
-    from hvdtrain import compat  # noqa: F401
+    from hvdtrain import compat  # noqa: F401 (for the attribute: not a re-export)
 
 
 def preset(task: str, **overrides) -> Config:

@@ -5,6 +5,9 @@
 ``~/.keras/datasets/mnist.npz`` (Keras' own cache), else with ``download=True`` one download
 per host, else the 5,000 digits bundled with hvdtrain (4,000 to train, 1,000 to test). The
 same arrays on every rank: ``hk.dataset`` shards them.
+
+A Task's data (``Data``, the loaders it is made with) is ``hvdtrain.data``; the code of both
+is ``hvdtrain.inputs.loaders``.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def mnist(download: bool = False, notice=None):
         DataError: a file found is bad.
     """
     from hvdtrain import distributed
-    from hvdtrain.inputs.data import load_mnist_format
+    from hvdtrain.inputs.loaders import load_mnist_format
 
     # Without a download no rank waits for another: no collective, no Horovod needed.
     world = distributed.current() if download else distributed.World()

@@ -34,34 +34,40 @@ Mixed precision: set Keras' policy in the script before building the model
 the loss scaler that ``compile`` adds is composed with the distributed optimizer so that it
 sees the reduced gradients (docs/guides/mixed-precision.md).
 """
-from __future__ import annotations
+import importlib as _importlib
+import typing as _typing
+import warnings as _warnings
 
-import dataclasses
-from typing import Optional
+from hvdtrain import datasets
+from hvdtrain import distributed as _distributed
+from hvdtrain.base import timings as _timings
+from hvdtrain.base.errors import ConfigError as _ConfigError
+from hvdtrain.base.errors import Diverged, Error, Preempted
+from hvdtrain.distributed.optimizer import DistributedOptimizer
+from hvdtrain.fit.adapt import adapt_on_chief as _adapt_on_chief
+from hvdtrain.fit.chief import on_chief
+from hvdtrain.fit.entry import fit_model as _fit_model
+from hvdtrain.inputs import nest as _nest
+from hvdtrain.inputs import sources as _sources
+from hvdtrain.inputs.arrays import ArrayBatches as _ArrayBatches
 
-import numpy as np
+if _typing.TYPE_CHECKING:
+    from hvdtrain import distributed
 
-from hvdtrain import datasets, distributed  # noqa: F401 (datasets: public)
-from hvdtrain.base import timings
-from hvdtrain.base.config import Config
-from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, DataError, Diverged,  # noqa: F401
-                                  Error, Preempted)
-from hvdtrain.distributed.optimizer import DistributedOptimizer  # noqa: F401 (public here)
-from hvdtrain.engine.fronts import FIT_SCRIPT
-from hvdtrain.engine.run import Run
-from hvdtrain.fit.chief import on_chief  # noqa: F401 (public here)
-from hvdtrain.fit.driver import STOP_CHECK_EVERY, FitRun
-from hvdtrain.fit.script import FitSettings, fit_config, user_callbacks
-from hvdtrain.inputs import nest, pipeline, sources  # noqa: F401 (pipeline: hk.pipeline)
-from hvdtrain.inputs.data import epoch_plan, steps_per_epoch
-from hvdtrain.inputs.pipeline import Batches
-from hvdtrain.inputs.sources import is_dataset
+
+def _config_defaults() -> dict:
+    import dataclasses
+
+    from hvdtrain.base.config import Config
+
+    return {f.name: f.default for f in dataclasses.fields(Config)}
+
 
 # Config's defaults: hk.fit's keyword arguments that are Config's fields default to them.
-_DEFAULT = {f.name: f.default for f in dataclasses.fields(Config)}
+_DEFAULT = _config_defaults()
 
 
-def init(backend: str = "auto") -> distributed.World:
+def init(backend: str = "auto") -> "distributed.World":
     """Start Horovod (or one process), and pin this rank's devices and thread pools.
 
     Call it first, on every rank, before building the model.
@@ -77,7 +83,7 @@ def init(backend: str = "auto") -> distributed.World:
         Error: the processes cannot train together as launched (a launcher started several
             processes, or ``"horovod"`` was asked for, and Horovod cannot be imported).
     """
-    return distributed.init(backend)
+    return _distributed.init(backend)
 
 
 def size() -> int:
@@ -86,7 +92,7 @@ def size() -> int:
     Returns:
         ``hk.init()``'s World's size (Horovod is started if ``hk.init`` was not called).
     """
-    return distributed.current().size
+    return _distributed.current().size
 
 
 def rank() -> int:
@@ -95,57 +101,7 @@ def rank() -> int:
     Returns:
         ``hk.init()``'s World's rank (Horovod is started if ``hk.init`` was not called).
     """
-    return distributed.current().rank
-
-
-class Dataset:
-    """This rank's batches in hvdtrain's order (``data.epoch_plan``): one permutation of all
-    examples per (seed, epoch); global step k takes the k-th block of ``batch_size * size``
-    examples, rank r its r-th slice. ``batch_size=None``: each rank's whole shard per step.
-
-    ``x``, ``y`` and ``sample_weight`` are arrays or what ``model.fit`` takes besides: dicts
-    (by input or output name), tuples and lists of arrays, nested; every array holds the same
-    examples along its first axis (``hvdtrain.inputs.nest``)."""
-
-    def __init__(self, x, y, batch_size, seed, shuffle, world, sample_weight=None):
-        self.x, self.y, self.seed, self.shuffle, self.world = x, y, seed, shuffle, world
-        self.sample_weight = sample_weight
-        parts = (("x", x), ("y", y)) + ((("sample_weight", sample_weight),)
-                                        if sample_weight is not None else ())
-        n = nest.examples("hk.dataset", parts)
-        if batch_size is not None and batch_size < 0:
-            raise ConfigError("batch_size", batch_size, "must be 0 or None (each rank's whole "
-                              "shard per step) or more")
-        self.batch_size = batch_size or n // world.size
-        self.steps = steps_per_epoch(n, self.batch_size, world.size)
-        if self.steps < 1:
-            raise ConfigError("batch_size", self.batch_size, f"a global batch of "
-                              f"{self.batch_size} x {world.size} ranks needs more than the "
-                              f"{n} examples")
-        self.examples, self.sample = n, nest.take(x, slice(0, 1))
-
-    def info(self) -> dict:
-        return {"train_examples": self.examples}
-
-    def batches(self, first_epoch: int, end_epoch: int, first_step: int = 0):
-        """A tf.data.Dataset of this rank's batches from (first_epoch, first_step) to the end."""
-        import tensorflow as tf
-
-        w = self.world
-        idx = np.concatenate([epoch_plan(self.examples, self.batch_size, w.rank, w.size,
-                                         self.seed, e, self.shuffle)
-                              [first_step if e == first_epoch else 0:]
-                              for e in range(first_epoch, end_epoch)])
-        parts = tuple(nest.map(tf.constant, p) for p in (self.x, self.y, self.sample_weight)
-                      if p is not None)
-        # tf.data's default rewrites serialize the pipeline's graph with the arrays the map
-        # captures (0.3-0.7 s for Fashion-MNIST's 188 MB) for nothing a gather needs: off,
-        # as Keras' own array adapter has them.
-        options = tf.data.Options()
-        options.experimental_optimization.apply_default_optimizations = False
-        return (tf.data.Dataset.from_tensor_slices(idx)
-                .map(lambda i: tuple(nest.map(lambda a: tf.gather(a, i), p) for p in parts))
-                .prefetch(2).with_options(options))
+    return _distributed.current().rank
 
 
 def adapt(layer, data, **kwargs):
@@ -170,44 +126,7 @@ def adapt(layer, data, **kwargs):
     Raises:
         TaskError: ``layer.adapt`` raised on rank 0 (every rank raises it).
     """
-    from hvdtrain.base.errors import TaskError, user_code
-    from hvdtrain.engine.preflight import state_attributes
-
-    world = distributed.current()
-
-    def on_rank0():
-        if not world.is_chief:
-            return None
-        with user_code(f"hk.adapt: {type(layer).__name__}.adapt"):
-            layer.adapt(data, **kwargs)
-        vocabulary = getattr(layer, "get_vocabulary", None)
-        if vocabulary is not None:
-            return {"vocabulary": list(vocabulary())}
-        build = getattr(layer, "get_build_config", lambda: None)()
-        return {"build": build, "variables": [np.asarray(v.numpy()) for v in layer.variables],
-                "attributes": {k: (_kind(v), np.asarray(v))
-                               for k, v in state_attributes(layer).items()}}
-
-    state = world.broadcast_object(world.agree(on_rank0, catch=(TaskError,), merge=TaskError))
-    if world.is_chief:
-        return layer
-    if "vocabulary" in state:
-        layer.set_vocabulary(state["vocabulary"])
-        return layer
-    import tensorflow as tf
-
-    if not layer.built and state["build"]:
-        layer.build_from_config(state["build"])
-    for variable, value in zip(layer.variables, state["variables"]):
-        variable.assign(value)
-    for name, (kind, value) in state["attributes"].items():
-        setattr(layer, name, {"tensor": tf.constant, "list": list}.get(kind, np.asarray)(value))
-    return layer
-
-
-def _kind(value) -> str:
-    return ("tensor" if type(value).__name__ == "EagerTensor" else
-            "array" if isinstance(value, np.ndarray) else "list")
+    return _adapt_on_chief(layer, data, _distributed.current(), kwargs)
 
 
 def files(pattern: str) -> list:
@@ -224,12 +143,11 @@ def files(pattern: str) -> list:
     Raises:
         DataError: no file matches on some rank (one line, on every rank).
     """
-    return sources.files(pattern, distributed.current())
+    return _sources.files(pattern, _distributed.current())
 
 
-@timings.timed("data")
-def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True,
-            sample_weight=None) -> Dataset:
+@_timings.timed("data")
+def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True, sample_weight=None):
     """This rank's batches of ``(x, y)`` or ``(x, y, sample_weight)``, for ``hk.fit``.
 
     One permutation of all examples per (seed, epoch), the same on every rank: global step k
@@ -257,19 +175,19 @@ def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True,
         DataError: the arrays do not hold the same number of examples.
     """
     try:
-        return Dataset(nest.arrays(x), nest.arrays(y), batch_size, seed, shuffle,
-                       distributed.current(),
-                       None if sample_weight is None else nest.arrays(sample_weight))
-    except ConfigError as e:
+        return _ArrayBatches(_nest.arrays(x), _nest.arrays(y), batch_size, seed, shuffle,
+                             _distributed.current(),
+                             None if sample_weight is None else _nest.arrays(sample_weight))
+    except _ConfigError as e:
         raise e.in_call("hk.dataset") from None
 
 
 def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
         validation_batch_size: int = 256, steps_per_epoch: int = None, sharded: bool = False,
-        run_dir: Optional[str] = _DEFAULT["run_dir"],
+        run_dir: str | None = _DEFAULT["run_dir"],
         checkpoint_every: int = _DEFAULT["checkpoint_every"],
         keep_checkpoints: int = _DEFAULT["keep_checkpoints"],
-        resume: Optional[bool] = _DEFAULT["resume"], **settings):
+        resume: bool | None = _DEFAULT["resume"], **settings):
     """``model.fit`` on every rank, from rank 0's state or the newest checkpoint in ``run_dir``.
 
     Call it on every rank. Gradients are averaged by the optimizer
@@ -318,33 +236,12 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
     """
     settings = dict(run_dir=run_dir, checkpoint_every=checkpoint_every,
                     keep_checkpoints=keep_checkpoints, resume=resume, **settings)
-    with timings.phase("other"):  # the run: what no named phase inside claims
+    with _timings.phase("other"):  # the run: what no named phase inside claims
         try:
-            return _fit(model, train, epochs, validation_data, callbacks,
-                        validation_batch_size, steps_per_epoch, sharded, settings)
-        except ConfigError as e:  # named as the script wrote it: hk.fit(epochs=0)
+            return _fit_model(model, train, epochs, validation_data, callbacks,
+                              validation_batch_size, steps_per_epoch, sharded, settings)
+        except _ConfigError as e:  # named as the script wrote it: hk.fit(epochs=0)
             raise e.in_call("hk.fit") from None
-
-
-def _fit(model, train, epochs, validation_data, callbacks, validation_batch_size,
-         steps_per_epoch, sharded, settings):
-    if is_dataset(train):
-        with timings.phase("data"):
-            train = Batches(train, distributed.current(), sharded, steps_per_epoch)
-        source = "tf.data " + train.policy
-    elif steps_per_epoch is not None or sharded:
-        raise ConfigError("steps_per_epoch" if steps_per_epoch is not None else "sharded",
-                          steps_per_epoch if steps_per_epoch is not None else sharded,
-                          "for a tf.data.Dataset only (hk.dataset counts its own steps)")
-    else:
-        source = "arrays"
-    world = train.world
-    config = fit_config(model, train, epochs, world, **settings)
-    callbacks = user_callbacks(list(callbacks), world)  # some write files: rank 0's alone
-    fit_settings = FitSettings(train.shuffle, train.examples, source, steps_per_epoch or 0)
-    with Run(world, config, FIT_SCRIPT, fit_settings) as run:
-        return FitRun(model, train, validation_data, run, sharded).fit(list(callbacks),
-                                                                     validation_batch_size)
 
 
 def report_error(e: Error, prog: str = None) -> int:
@@ -369,5 +266,32 @@ def report_error(e: Error, prog: str = None) -> int:
     return report(prog or os.path.basename(sys.argv[0]), e)
 
 
-__all__ = ["DistributedOptimizer", "adapt", "datasets", "Diverged", "EXIT_PREEMPTED", "Error", "Preempted",
-           "STOP_CHECK_EVERY", "dataset", "files", "fit", "init", "on_chief", "rank", "report_error", "size"]
+# The names this module held that moved, or that it no longer hands on: each still works
+# (with a DeprecationWarning, once, naming what to use).
+_MOVED = {
+    "Dataset": ("hvdtrain.inputs.arrays", "ArrayBatches",
+                "hvdtrain.inputs.arrays.ArrayBatches (hk.dataset makes one)"),
+    "EXIT_PREEMPTED": ("hvdtrain.base.errors", "EXIT_PREEMPTED", "hk.Preempted.status"),
+    "STOP_CHECK_EVERY": ("hvdtrain.fit.driver", "STOP_CHECK_EVERY",
+                         "hvdtrain.fit.driver.STOP_CHECK_EVERY"),
+    "ConfigError": ("hvdtrain.base.errors", "ConfigError", "hvdtrain.ConfigError"),
+    "DataError": ("hvdtrain.base.errors", "DataError", "hvdtrain.data.DataError"),
+    "pipeline": ("hvdtrain.inputs.pipeline", None, "hvdtrain.inputs.pipeline"),
+}
+_warned = set()
+
+
+def __getattr__(name):
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute, instead = _MOVED[name]
+    if name not in _warned:
+        _warned.add(name)
+        _warnings.warn(f"hvdtrain.keras.{name} is deprecated: use {instead}",
+                       DeprecationWarning, stacklevel=2)
+    found = _importlib.import_module(module)
+    return found if attribute is None else getattr(found, attribute)
+
+
+__all__ = ["DistributedOptimizer", "Diverged", "Error", "Preempted", "adapt", "dataset",
+           "datasets", "files", "fit", "init", "on_chief", "rank", "report_error", "size"]

@@ -1,7 +1,9 @@
 """``from hvdtrain.layers import SyncBatchNormalization``: batch statistics over the global
-batch. The class depends on the Keras in use and is made on first use; the code is
-``hvdtrain.distributed.layers``."""
-from hvdtrain.distributed.layers import global_moments  # noqa: F401
+batch. The class depends on the Keras in use and is made on first use.
+
+The public face of ``hvdtrain.distributed.layers``, where the code is (beside the rest of
+what talks to Horovod); this module hands on its names."""
+from hvdtrain.distributed.layers import global_moments
 
 
 def __getattr__(name):
@@ -11,4 +13,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["SyncBatchNormalization", "global_moments"]
+__all__ = ["SyncBatchNormalization", "global_moments"]  # noqa: F822 (made on first use)

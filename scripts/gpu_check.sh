@@ -97,10 +97,10 @@ done
 # every GPU, at the same batch per GPU; 20 steps an epoch, the first of 3 epochs traces.
 model=(--model resnet --batch "${MODEL_BATCH:-256}" --steps 20 --epochs 3)
 echo "== models: one process, one GPU"
-CUDA_VISIBLE_DEVICES=0 "$python" -m hvdtrain.tools.bench.model_workers one --threads 4 \
+CUDA_VISIBLE_DEVICES=0 "$python" -m hvdtrain.bench.model_workers one --threads 4 \
     --out "$out/models-one.json" "${model[@]}" >"$out/models-one.log" 2>&1 ||
     { tail -20 "$out/models-one.log" >&2; status=1; }
-launch models-task "$python" -m hvdtrain.tools.bench.model_workers task \
+launch models-task "$python" -m hvdtrain.bench.model_workers task \
     --out "$out/models-task.json" "${model[@]}"
 
 # --- the table ------------------------------------------------------------------------

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from hvdtrain.distributed import World
-from hvdtrain.tools import harness
-from hvdtrain.tools.harness import BIN, HOROVODRUN, ROOT, start  # noqa: F401 (the tests' names)
+from hvdtrain.bench import harness
+from hvdtrain.bench.harness import BIN, HOROVODRUN, ROOT, start  # noqa: F401 (the tests' names)
 
 # A run started as a background job of a script (`pytest ... &`, as CI may start it) inherits
 # SIGINT and SIGQUIT ignored, and so would every process a test starts: a shell cannot trap a
@@ -310,9 +310,9 @@ def no_horovod(tmp_path):
 
 def checkpoints(run_dir):
     """(global step, path) of the run directory's checkpoints, newest first."""
-    from hvdtrain.engine import checkpoint
+    from hvdtrain.engine import checkpoint_file
 
-    return checkpoint.list_checkpoints(os.path.join(run_dir, "checkpoints"))
+    return checkpoint_file.list_checkpoints(os.path.join(run_dir, "checkpoints"))
 
 
 class Lazy(dict):

@@ -6,7 +6,7 @@ import struct
 
 import numpy as np
 
-from hvdtrain.inputs import data as D
+from hvdtrain.inputs import loaders as D
 
 
 def write_idx(path, array, compress=True):

@@ -39,8 +39,8 @@ def _modules():
         sys.modules["hvdtrain"] = package
     try:
         config = importlib.import_module("hvdtrain.base.config")
-        linear = importlib.import_module("hvdtrain.linear")
-        mnist = importlib.import_module("hvdtrain.mnist")
+        linear = importlib.import_module("hvdtrain.tasks.linear")
+        mnist = importlib.import_module("hvdtrain.tasks.mnist")
         yield config, linear.LinearTask, mnist.MnistTask
     finally:
         for name in (set(sys.modules) - before) if bare else ():

@@ -205,11 +205,12 @@ class Config:
         return self
 
     def to_dict(self) -> dict:
-        """The settings as a dict, by field name.
+        # Deprecated (nothing calls it; undocumented, so the API pages leave it out): still
+        # works, saying what to use.
+        import warnings
 
-        Returns:
-            ``{name: value}`` of every field.
-        """
+        warnings.warn("Config.to_dict is deprecated: use dataclasses.asdict(config)",
+                      DeprecationWarning, stacklevel=2)
         return dataclasses.asdict(self)
 
 

@@ -18,11 +18,16 @@ reach Horovod through this package (``World.reduction``, ``horovod_package()``,
 ``horovod_tensorflow()``, ``horovod_keras()``, ``World.hvd``). This face hands on the
 World's names, so ``from hvdtrain import distributed; distributed.current()`` keeps working.
 """
-from hvdtrain.base.errors import RankError  # noqa: F401 (public here)
-from hvdtrain.distributed.horovod_setup import (  # noqa: F401
-    _horovod_defaults, horovod_keras, horovod_package, horovod_tensorflow, tensorflow_mismatch)
-from hvdtrain.distributed.horovod_world import HorovodWorld, Reduction, broadcast_variables  # noqa: F401
-from hvdtrain.base.launch import (  # noqa: F401
-    LAUNCHER_SIZE_VARS, launcher_rank, launcher_size, usable_cores)  # base's, handed on
-from hvdtrain.distributed.start import current, init  # noqa: F401
-from hvdtrain.distributed.world import COMPRESSIONS, OPS, QUESTIONS, Progress, World  # noqa: F401
+from hvdtrain.base.errors import RankError
+from hvdtrain.base.launch import (LAUNCHER_SIZE_VARS, launcher_rank, launcher_size,
+                                  usable_cores)  # base's, handed on
+from hvdtrain.distributed.horovod_setup import (horovod_keras, horovod_package,
+                                                horovod_tensorflow, tensorflow_mismatch)
+from hvdtrain.distributed.horovod_world import HorovodWorld, Reduction, broadcast_variables
+from hvdtrain.distributed.start import current, init
+from hvdtrain.distributed.world import COMPRESSIONS, OPS, QUESTIONS, Progress, World
+
+__all__ = ["COMPRESSIONS", "HorovodWorld", "LAUNCHER_SIZE_VARS", "OPS", "Progress", "QUESTIONS",
+           "RankError", "Reduction", "World", "broadcast_variables", "current",
+           "horovod_keras", "horovod_package", "horovod_tensorflow", "init", "launcher_rank",
+           "launcher_size", "tensorflow_mismatch", "usable_cores"]

@@ -7,7 +7,6 @@ from typing import Sequence
 
 import numpy as np
 
-from hvdtrain.base.compat import tf_variables
 from hvdtrain.base.errors import ConfigError, LaunchError, first_line
 from hvdtrain.distributed import sparse
 from hvdtrain.distributed.horovod_setup import horovod_keras

@@ -5,7 +5,7 @@ compiled loop and ``hvdtrain.fit``'s ``model.fit``).
   epoch records, divergence, the result; ``fronts``: what the engine serves (a Task from the
   command line, or a fit script), which words its refusals use;
 - ``checkpoints``: a run's checkpoints (found, checked against the run's settings, loaded,
-  saved); ``checkpoint``: the checkpoint file format;
+  saved); ``checkpoint_file``: the checkpoint file format (one self-verifying file);
 - ``rundir``: the run directory's policy (its default name, what may not be in it, the lock
   that rank 0 holds); ``agreement``: every rank's weights compared at the end;
 - ``report``: the console lines and the files of the run directory, written by rank 0;

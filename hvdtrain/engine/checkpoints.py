@@ -1,7 +1,7 @@
 """A run's checkpoints: rank 0 finds the newest valid one (refused when the settings that
 define the run differ, named as the user sets them), loads it into the model's and the
 optimizer's variables, and saves them with the data position and the epoch's metric sums so
-far. The file format is ``checkpoint``."""
+far. The file format is ``checkpoint_file``."""
 from __future__ import annotations
 
 import time
@@ -13,12 +13,12 @@ from hvdtrain.base import compat
 from hvdtrain.base.config import Config
 from hvdtrain.base.errors import CheckpointError, shown
 from hvdtrain.distributed.world import Progress, World
-from hvdtrain.engine import checkpoint
+from hvdtrain.engine import checkpoint_file
 from hvdtrain.engine.fronts import CommandLine, FitScript
 
 
 class Checkpoints:
-    """A run's checkpoints: rank 0 finds, checks, loads and writes them (``checkpoint.py``
+    """A run's checkpoints: rank 0 finds, checks, loads and writes them (``checkpoint_file``
     is the file format); the other ranks get what rank 0 read through the ``Run``.
     ``front`` (``fronts``; a command line's by default) names the settings in refusals as
     the user sets them."""
@@ -30,20 +30,20 @@ class Checkpoints:
 
     def steps(self) -> list:
         """The global steps of the checkpoints on disk, newest first."""
-        return [step for step, _ in checkpoint.list_checkpoints(self.directory)]
+        return [step for step, _ in checkpoint_file.list_checkpoints(self.directory)]
 
     def find(self, defining: dict):
         """Rank 0: the newest valid checkpoint's (meta, arrays, path), or None to start
         fresh; refused when ``defining`` (the settings that define the run) differs."""
         if not self.world.is_chief:
             return None
-        found = checkpoint.list_checkpoints(self.directory)
+        found = checkpoint_file.list_checkpoints(self.directory)
         run_dir, no_resume, resume = self.front.run_dir, self.front.no_resume, self.front.resume
         if self.config.resume is False and found:
             raise CheckpointError(
                 f"{self.directory} holds {len(found)} checkpoint(s) and {no_resume} was given: "
                 f"choose a new {run_dir}, or drop {no_resume} to continue")
-        state = checkpoint.load_latest(self.directory, self.notice) if found else None
+        state = checkpoint_file.load_latest(self.directory, self.notice) if found else None
         if state is None and self.config.resume:
             raise CheckpointError(f"{resume}: no checkpoint in {self.directory}")
         if state is not None:
@@ -87,4 +87,4 @@ class Checkpoints:
                 "time": time.time(), "last_record": last_record}
         arrays = [np.asarray(v.numpy()) for v in state] + [np.asarray(partial_sums, np.float64)]
         names = [compat.variable_name(v) for v in state] + ["metric_sums"]
-        checkpoint.save(self.directory, arrays, names, meta, self.config.keep_checkpoints)
+        checkpoint_file.save(self.directory, arrays, names, meta, self.config.keep_checkpoints)

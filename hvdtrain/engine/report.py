@@ -89,10 +89,10 @@ class Reporter:
         remove the temporary files of writes that a killed or failed run left."""
         if self.enabled and self._lock is None:
             self._lock = RunLock(self.run_dir)
-            from hvdtrain.engine import checkpoint
+            from hvdtrain.engine import checkpoint_file
 
             remove_leftovers(self.run_dir)
-            checkpoint.remove_leftovers(os.path.join(self.run_dir, "checkpoints"))
+            checkpoint_file.remove_leftovers(os.path.join(self.run_dir, "checkpoints"))
 
     def release(self) -> None:
         if self._lock is not None:

@@ -10,6 +10,10 @@
   Keras 3's compiled calls cut to an epoch's last steps;
 - ``chief``: callbacks that run on rank 0 only (``hk.on_chief``, the trackers' own), each
   call bounded in time.
+- ``entry``: one ``hk.fit`` call put together: its input, its ``Config``, the ``Run``, the
+  ``FitRun``;
+- ``adapt``: ``hk.adapt``'s work: a preprocessing layer adapted on rank 0, its state on
+  every rank.
 
 May import: ``hvdtrain.base``, ``hvdtrain.inputs``, ``hvdtrain.distributed``,
 ``hvdtrain.engine``. Not ``hvdtrain.tasks``: the two drivers stand side by side.

@@ -29,7 +29,7 @@ from hvdtrain.fit.callback import Calls, keras_callback
 from hvdtrain.fit.metrics import GlobalMetrics
 from hvdtrain.fit.script import applied_optimizers, check_validation, steps_per_execution
 from hvdtrain.inputs import nest, pipeline
-from hvdtrain.inputs.data import test_shard
+from hvdtrain.inputs.arrays import test_shard
 from hvdtrain.inputs.sources import is_dataset
 
 # Steps between two checks for a SIGTERM on any rank. A host allreduce every step halved

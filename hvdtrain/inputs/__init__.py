@@ -1,7 +1,10 @@
 """Inputs: the data every rank trains on, each rank its own part of it.
 
-- ``data``: ``Data`` (a Task's arrays), the bundled and Keras datasets in MNIST format, and
-  the epoch plans that shard arrays over the ranks;
+- ``loaders``: ``Data`` (a Task's arrays), the linear task's synthetic data, and the
+  loaders of the bundled and Keras datasets in MNIST format;
+- ``batches``: ``TrainBatches``, what a driver reads of its training input;
+- ``arrays``: the epoch plans that deal arrays to the ranks, and ``ArrayBatches``
+  (``hk.dataset``'s arrays as a rank's batches);
 - ``nest``: arrays in dicts, tuples and lists (a model's several inputs) taken apart and back;
 - ``sources``: what a ``tf.data`` pipeline reads (its files), and the lines that say how the
   ranks' inputs differ;

@@ -51,7 +51,8 @@ from hvdtrain.inputs.sources import (batch_sizes_differ, corrupt_file, dataset_n
 
 class Batches:
     """A user's ``tf.data.Dataset`` of per-rank batches ((x, y) or (x, y, sample_weight)),
-    the same interface as ``hvdtrain.keras.Dataset`` for the fit driver.
+    a ``batches.TrainBatches`` for the fit driver, as ``hk.dataset``'s arrays are
+    (``arrays.ArrayBatches``).
 
     All ranks construct it together (one allgather); an error on any rank (a corrupt file on
     one rank's shard) is raised on every rank. ``steps_per_epoch``: steps every rank takes

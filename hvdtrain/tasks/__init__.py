@@ -3,7 +3,9 @@ compiled loop (``hvdtrain.train``, ``python -m hvdtrain run``).
 
 - ``task``: the ``Task`` interface, its checks, and ``load_task`` (``module:Class``);
 - ``step``: ``TrainStep``, the compiled synchronous update (input, loss, averaged gradients);
-- ``train``: the driver: shard, build, wrap, restore, train in compiled calls, evaluate.
+- ``train``: the driver: shard, build, wrap, restore, train in compiled calls, evaluate;
+- ``linear`` and ``mnist``: the built-in tasks (their commands: ``python -m hvdtrain.linear``,
+  ``python -m hvdtrain.mnist``, the faces ``hvdtrain/linear.py`` and ``hvdtrain/mnist.py``).
 
 May import: ``hvdtrain.base``, ``hvdtrain.inputs``, ``hvdtrain.distributed``,
 ``hvdtrain.engine``. Not ``hvdtrain.fit``: the two drivers stand side by side.

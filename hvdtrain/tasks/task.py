@@ -26,11 +26,12 @@ import os
 from typing import Callable, Dict, Optional
 
 from hvdtrain.base.config import Config, ConfigError, validate_settings
-from hvdtrain.inputs.data import Data
+from hvdtrain.inputs.loaders import Data
 from hvdtrain.base.errors import SpecError, TaskError, error_line, user_code, user_frame
 
-# The built-in tasks, by the name their module is run with (python -m hvdtrain.<name>).
-BUILTIN = {"linear": "hvdtrain.linear:LinearTask", "mnist": "hvdtrain.mnist:MnistTask"}
+# The built-in tasks, by the name their command is run with (python -m hvdtrain.<name>).
+BUILTIN = {"linear": "hvdtrain.tasks.linear:LinearTask",
+           "mnist": "hvdtrain.tasks.mnist:MnistTask"}
 
 
 class Task:
@@ -232,11 +233,12 @@ class Task:
         return f"Final loss: {result['final_loss']:.6f}"
 
     def describe_settings(self) -> dict:
-        """The task's settings.
+        # Deprecated (nothing calls it; undocumented, so the API pages leave it out): still
+        # works, saying what to use.
+        import warnings
 
-        Returns:
-            ``settings`` as a dict (empty without ``Settings``).
-        """
+        warnings.warn("Task.describe_settings is deprecated: use "
+                      "dataclasses.asdict(task.settings)", DeprecationWarning, stacklevel=2)
         return {} if self.settings is None else dataclasses.asdict(self.settings)
 
 

@@ -19,7 +19,8 @@ from hvdtrain.inputs import pipeline
 from hvdtrain.inputs.sources import is_dataset
 from hvdtrain.engine import preflight
 from hvdtrain.base.config import Config
-from hvdtrain.inputs.data import DataError, epoch_plan, steps_per_epoch, test_shard
+from hvdtrain.base.errors import DataError
+from hvdtrain.inputs.arrays import epoch_plan, steps_per_epoch, test_shard
 from hvdtrain.engine.fronts import CommandLine
 from hvdtrain.engine.run import PROGRESS_FIELDS, Run
 from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, Diverged, Preempted,  # noqa: F401

@@ -22,7 +22,7 @@ import pytest
 import rank_env
 from conftest import HOROVODRUN, ROOT, clean_env, launch, result, run
 from docs_pages import block
-from hvdtrain.engine import checkpoint as C
+from hvdtrain.engine import checkpoint_file as C
 from slurm_cluster import IFACE, SlurmCluster
 from test_cluster_scripts import job_variables, submissions
 

@@ -102,7 +102,7 @@ def test_the_install_blocks_are_one_set_up():
 def test_the_optional_dataset_package_is_where_hvdtrain_reads():
     """The root block's optional `apt-get install dataset-fashion-mnist`: the package holds
     the IDX files hvdtrain reads for --dataset fashion_mnist, where it reads them."""
-    from hvdtrain.inputs.data import FASHION_SYSTEM_DIR, IDX_FILES
+    from hvdtrain.inputs.loaders import FASHION_SYSTEM_DIR, IDX_FILES
     apt, install, package = shlex.split(ROOT_INSTALL[3])
     assert (apt, install) == ("apt-get", "install")
     files = subprocess.run(["dpkg", "-L", package], capture_output=True, text=True,

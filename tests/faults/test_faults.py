@@ -11,7 +11,7 @@ import pytest
 from conftest import (LINEAR, LINEAR_EPOCHS, Lazy, checkpoints, finish,
                       kill_after_first_checkpoint, launch, module_cmd, rank_pids, result, run,
                       running, start, wait_for)
-from hvdtrain.engine import checkpoint as C
+from hvdtrain.engine import checkpoint_file as C
 
 MNIST = ["--batch-size", "20", "--epochs", "5", "--learning-rate", "0.5", "--no-download",
          "--checkpoint-every", "50", "--verbose", "0"]

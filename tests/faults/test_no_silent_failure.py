@@ -104,7 +104,7 @@ def test_divergence_stops_with_exit_1_keeping_the_last_good_checkpoint(np_, env,
     step = int(line.split("at step ")[1].split(":")[0])
     assert 1 < step < 500
     assert not (tmp_path / "result.json").exists()
-    from hvdtrain.engine import checkpoint as C
+    from hvdtrain.engine import checkpoint_file as C
     newest = C.list_checkpoints(str(tmp_path / "checkpoints"))[0]
     assert newest[0] < step and f"step {newest[0]}" in line
     meta, arrays = C.read(newest[1])
@@ -240,7 +240,7 @@ def test_a_failing_step_is_one_line_naming_the_rank(np_, env, tmp_path):
                                    "range of [0, 10).")
     # The step and rank whose batch holds example 40 (the label 10): hvdtrain's data order.
     from hvdtrain.base.config import Config
-    from hvdtrain.inputs.data import epoch_plan
+    from hvdtrain.inputs.arrays import epoch_plan
     holds = [(k + 1, r) for r in range(np_)
              for k, rows in enumerate(epoch_plan(64, 8, r, np_, Config().seed, 0)) if 40 in rows]
     assert holds == [(step, rank)]
@@ -265,7 +265,7 @@ def test_one_ranks_failing_step_names_its_cause_once_on_both_paths(path, case, e
                          r"function given to tf.data's map\)$", p.stderr, re.M), p.stderr[-3000:]
     else:
         step, rank = the_cause_once(p, "Received a label value of 10 which is outside")
-        from hvdtrain.inputs.data import epoch_plan  # hk.dataset's order: example 40's step and rank
+        from hvdtrain.inputs.arrays import epoch_plan  # hk.dataset's order: example 40's step, rank
         assert [(k + 1, r) for r in range(2) for k, rows in
                 enumerate(epoch_plan(64, 8, r, 2, 0, 0)) if 40 in rows] == [(step, rank)]
     assert rank == 1 and 1 <= step <= 12  # 3 epochs of 4 steps

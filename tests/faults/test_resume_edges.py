@@ -9,7 +9,7 @@ import pytest
 
 from conftest import (Lazy, checkpoints, clean_env, keras_flavour, kill_after_first_checkpoint,
                       launch, launch_example, result, run)
-from hvdtrain.engine import checkpoint as C
+from hvdtrain.engine import checkpoint_file as C
 
 # Task path: the linear task, 2 ranks, 100 steps an epoch. Fit path: the Keras example's
 # dense model, 2 ranks, 4,000 examples in batches of 16: 125 steps an epoch.

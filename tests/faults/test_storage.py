@@ -18,7 +18,7 @@ import pytest
 
 from conftest import (HOROVODRUN, ROOT, checkpoints, finish, launch, launch_example, result,
                       run, script_cmd, start, wait_for)
-from hvdtrain.engine import checkpoint as C
+from hvdtrain.engine import checkpoint_file as C
 
 # test_faults.py's uninterrupted two-process linear run: the session's shared reference.
 LINEAR = ["--batch-size", "5", "--epochs", "10", "--learning-rate", "0.0005",
@@ -165,7 +165,7 @@ FULL_AT_END = textwrap.dedent("""
     import os
     import subprocess
 
-    from hvdtrain.linear import LinearTask
+    from hvdtrain.tasks.linear import LinearTask
 
 
     def fill():
@@ -264,7 +264,7 @@ SITES = textwrap.dedent("""
     import json, os, subprocess, sys
     import numpy as np
     from hvdtrain.base import files
-    from hvdtrain.engine import checkpoint as C, report
+    from hvdtrain.engine import checkpoint_file as C, report
     from hvdtrain.compat import keras
     from hvdtrain.distributed import World
     from hvdtrain.base.errors import StorageError

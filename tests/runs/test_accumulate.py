@@ -16,7 +16,7 @@ import pytest
 
 from conftest import (HOROVODRUN, KERAS2, checkpoints, clean_env, finish, launch, module_cmd,
                       rank_pids, result, run, start, wait_for)
-from hvdtrain.engine import checkpoint as C
+from hvdtrain.engine import checkpoint_file as C
 
 # The linear task far from converged (lr 5e-4), so equal weights mean equal trajectories.
 LINEAR = ["--epochs", "4", "--learning-rate", "0.0005", "--verbose", "0"]
@@ -246,7 +246,7 @@ def test_fit_path_bad_backward_passes_is_one_line(batch, passes, why, fit_script
 def test_task_path_one_negotiation_round_per_update(env, tmp_path):
     """4 micro-batches per update: the gradients and the [stop, diverged] flags still travel
     in one grouped allreduce per update (a Horovod timeline of a real 2-process run)."""
-    from hvdtrain.tools.bench.cases import read_timeline, summarize_timeline
+    from hvdtrain.bench.cases import read_timeline, summarize_timeline
 
     timeline = tmp_path / "timeline.json"
     p = run(launch("mpi", 2, "mnist", "--epochs", "2", "--batch-size", "25",
@@ -309,7 +309,7 @@ def test_fit_path_one_gradient_round_per_update(fit_script, tmp_path):
     optimizer.StopFlags) is negotiated 30 times, once per update, not per micro-batch (a
     Horovod timeline of the real run)."""
     import sys
-    from hvdtrain.tools.bench.cases import read_timeline
+    from hvdtrain.bench.cases import read_timeline
 
     timeline = tmp_path / "timeline.json"
     cmd = [HOROVODRUN, "-np", "2", "--mpi", sys.executable, str(fit_script),

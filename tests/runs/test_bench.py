@@ -11,9 +11,9 @@ import pytest
 
 from conftest import ROOT, clean_env, run
 from docs_pages import block
-from hvdtrain.tools import bench
-from hvdtrain import distributed
-from hvdtrain.tools.bench import cases, fit_cases, report
+from hvdtrain import bench
+from hvdtrain.distributed import horovod_setup
+from hvdtrain.bench import cases, fit_cases, report
 
 
 @pytest.mark.quick
@@ -88,22 +88,22 @@ def test_steps_per_call_report():
 
 @pytest.mark.quick
 def test_horovod_defaults_respect_the_user(monkeypatch):
-    monkeypatch.setattr(distributed.horovod_setup, "usable_cores", lambda: 2)
+    monkeypatch.setattr(horovod_setup, "usable_cores", lambda: 2)
     environ = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "2"}
-    assert distributed._horovod_defaults(environ) == {
+    assert horovod_setup._horovod_defaults(environ) == {
         "HOROVOD_CYCLE_TIME": "0.1", "OMPI_MCA_mpi_yield_when_idle": "1",
         "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "600"}
     # One rank: Horovod's own 1 ms cycle (a 0.1 ms one only steals the compute threads' time).
-    assert "HOROVOD_CYCLE_TIME" not in distributed._horovod_defaults({})
-    assert distributed._horovod_defaults({"HOROVOD_ELASTIC": "1"})["HOROVOD_CYCLE_TIME"] == "0.1"
+    assert "HOROVOD_CYCLE_TIME" not in horovod_setup._horovod_defaults({})
+    assert horovod_setup._horovod_defaults({"HOROVOD_ELASTIC": "1"})["HOROVOD_CYCLE_TIME"] == "0.1"
     user = {"HOROVOD_CYCLE_TIME": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}
-    assert distributed._horovod_defaults(user) == {} and user["HOROVOD_CYCLE_TIME"] == "5"
+    assert horovod_setup._horovod_defaults(user) == {} and user["HOROVOD_CYCLE_TIME"] == "5"
 
 
 def bench_plan(command):
     """The bench's reading of a printed ``python -m hvdtrain.bench ...`` command line."""
-    from hvdtrain.tools.bench.__main__ import plan
+    from hvdtrain.bench.__main__ import plan
     words = shlex.split(command)
     assert words[:3] == ["python", "-m", "hvdtrain.bench"], command
     return plan(words[3:])
@@ -114,7 +114,7 @@ def test_the_performance_pages_commands_run_the_cases_they_say():
     """Each bench command of the performance pages, read by the bench as it reads its command
     line: the cases, the level and the output directory the page says (running them takes
     from minutes to an hour; the --smoke runs below run each case)."""
-    from hvdtrain.tools.bench.__main__ import CASES, QUICK_CASES
+    from hvdtrain.bench.__main__ import CASES, QUICK_CASES
     everything, quick, one = block("performance/reproduce.md",
                                    "python -m hvdtrain.bench --out bench-out").commands()
     assert (bench_plan(everything).chosen, bench_plan(everything).level) == (list(CASES), "full")
@@ -390,7 +390,7 @@ def test_step_split_from_a_timeline(tmp_path):
     """Communication not hidden: from the last gradient ready on every rank to the last
     reduction's end (here the last tensor's 400 us); the earlier tensors' reductions overlap
     the later ones' readiness and count only in 'communication' (first start to last end)."""
-    from hvdtrain.tools.bench import model_cases
+    from hvdtrain.bench import model_cases
     path = tmp_path / "t.json"
     events = _timeline_events(steps=6, tensors=3, ready_gap_us=1000, reduce_us=400)
     for i in range(9):  # a run's own allreduce (metric sums, agreement), more often than steps
@@ -411,7 +411,7 @@ def test_step_split_from_a_timeline(tmp_path):
 
 @pytest.mark.quick
 def test_models_section_reports_median_spread_and_efficiency():
-    from hvdtrain.tools.bench import model_cases
+    from hvdtrain.bench import model_cases
     runs = {v: [100.0, 120.0, 90.0] for v in model_cases.VARIANTS}
     runs["one"] = [60.0, 50.0, 55.0]
     median = {v: sorted(r)[1] for v, r in runs.items()}
@@ -441,7 +441,7 @@ def test_models_section_reports_median_spread_and_efficiency():
 def test_models_case_and_projection_on_the_command_line(capsys):
     """--cases models with --models picks the models case's models; a bad one exits 2;
     ``project`` goes to the projection, which launches nothing."""
-    from hvdtrain.tools.bench.__main__ import MODELS, main, settings
+    from hvdtrain.bench.__main__ import MODELS, main, settings
     args = bench_plan("python -m hvdtrain.bench --cases models --models mlp,bert")
     assert (args.chosen, args.models) == (["models"], ["mlp", "bert"])
     assert bench_plan("python -m hvdtrain.bench --cases models").models == list(MODELS)
@@ -463,8 +463,8 @@ def test_the_models_pages_commands_and_projection_tables():
     and checks are, row for row, what ``project`` prints now, with the calibrated constants
     the code computes (a changed constant fails here until the page is regenerated)."""
     from docs_pages import docs_text
-    from hvdtrain.tools.bench import projection
-    from hvdtrain.tools.bench.__main__ import MODELS
+    from hvdtrain.bench import projection
+    from hvdtrain.bench.__main__ import MODELS
     full, quick, mlp = (bench_plan(c) for c in block(
         "performance/models.md", "python -m hvdtrain.bench --cases models").commands())
     assert (full.chosen, full.level, full.models) == (["models", "models_np1"], "full",
@@ -504,7 +504,7 @@ def test_models_case_through_the_real_launchers(tmp_path):
                 "--models", "mlp", "--out", str(out)], clean_env(tmp_path / "home"),
                timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from hvdtrain.tools.bench import model_cases
+    from hvdtrain.bench import model_cases
     (row,) = json.loads((out / "results.json").read_text())["models"]["rows"]
     assert row["model"] == "mlp" and row["ranks"] == 2
     # 64 -> 128 -> 128 -> 10, float32: the trainable variables' bytes

@@ -8,7 +8,7 @@ import pytest
 
 import usercode
 from conftest import HOROVODRUN, module_cmd, result, run
-from hvdtrain.engine import checkpoint as C
+from hvdtrain.engine import checkpoint_file as C
 
 # One small classification problem, trained by a Task (python -m hvdtrain run) and by a fit
 # script (hvdtrain.keras): the same data, model, optimizer, metric and settings.

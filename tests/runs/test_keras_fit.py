@@ -13,7 +13,7 @@ import pytest
 from conftest import (ROOT, as_printed, checkout_like, finish, launch_example, rank_pids, result,
                       run, script_cmd, start, wait_for)
 from docs_pages import block, docs_text
-from hvdtrain.engine import checkpoint as C
+from hvdtrain.engine import checkpoint_file as C
 
 EXAMPLE = "keras_fit_mnist.py"
 DENSE = ("--model", "dense")
@@ -160,7 +160,8 @@ def test_sigint_to_one_rank_then_resume_equals_uninterrupted(env, tmp_path):
 def test_epoch_metrics_are_global_not_rank_zeros(env, tmp_path):
     """(d) With a learning rate of 0 the weights never move, so the epoch's training and
     validation metrics can be recomputed exactly: over both ranks' examples, not rank 0's."""
-    from hvdtrain.inputs.data import epoch_plan, load_mnist_format, test_shard
+    from hvdtrain.inputs.arrays import epoch_plan, test_shard
+    from hvdtrain.inputs.loaders import load_mnist_format
     from hvdtrain.distributed import World
 
     run_dir = str(tmp_path / "run")

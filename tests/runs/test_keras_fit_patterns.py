@@ -268,7 +268,7 @@ def test_the_same_task_command_again_trains_nothing(scenarios, tmp_path, capfd):
     """The Task path (in this process): a finished run's command again is a no-op that says
     so and returns the run's result; more epochs train on."""
     import hvdtrain
-    from hvdtrain.linear import LinearTask
+    from hvdtrain.tasks.linear import LinearTask
 
     def train(epochs):
         config = hvdtrain.preset("linear", run_dir=str(tmp_path), verbose=0, num_workers=1,

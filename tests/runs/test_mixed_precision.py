@@ -283,7 +283,7 @@ def test_float16_one_negotiation_round_per_step_both_paths(overflowing):
     host stop check on either path."""
     import collections
 
-    from hvdtrain.tools.bench.cases import read_timeline
+    from hvdtrain.bench.cases import read_timeline
 
     def per_step(timeline):
         """(names negotiated once per step, negotiations of the others)."""

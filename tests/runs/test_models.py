@@ -12,7 +12,7 @@ import pytest
 
 import usercode
 from conftest import result, run
-from hvdtrain.engine import checkpoint as C
+from hvdtrain.engine import checkpoint_file as C
 
 # The data, the model and the Task (tests/usercode.py), shared with the SyncBN tests.
 COMMON = usercode.bn_common()

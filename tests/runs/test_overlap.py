@@ -16,7 +16,7 @@ import re
 import pytest
 
 from conftest import KERAS2, TESTS, clean_env, run, script_cmd
-from hvdtrain.tools.bench.cases import read_timeline
+from hvdtrain.bench.cases import read_timeline
 
 STEPS = 8
 # Small enough to cut the small ResNet's 300,000 weights (1.2 MB) in 6 buckets.

@@ -169,7 +169,7 @@ def test_sigterm_and_sigkill_mid_epoch_resume_gives_the_uninterrupted_weights(en
     it has saved a later mid-epoch checkpoint; rerun: the same weights_sha256 as the
     uninterrupted run, so each resume restored the seeded shuffle's epoch order and position
     (one chain of three launches rather than two pairs)."""
-    from hvdtrain.engine import checkpoint as C
+    from hvdtrain.engine import checkpoint_file as C
 
     args = ("--data-dir", records, "--epochs", 3, "--batch-size", 32, "--checkpoint-every", 7)
     whole = str(tmp_path / "whole")

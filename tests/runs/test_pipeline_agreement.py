@@ -618,7 +618,7 @@ def test_resume_on_another_input_names_it_on_the_task_path(tmp_path):
     """The Task path's record holds the pipeline's files and examples per epoch at its top
     level (engine.Run.input): a checkpoint made on other files is refused naming both, as
     the task's flags are named (hk.fit's launch above: the same comparison)."""
-    from hvdtrain.engine import checkpoint
+    from hvdtrain.engine import checkpoint_file
     from hvdtrain.base.config import Config
     from hvdtrain.distributed import World
     from hvdtrain.engine.checkpoints import Checkpoints
@@ -629,7 +629,7 @@ def test_resume_on_another_input_names_it_on_the_task_path(tmp_path):
                 "train_files": files, "train_examples": examples}
 
     saved = record("7 files, 3,352,000 bytes, sha256 201788394cca", 3624)
-    checkpoint.save(str(tmp_path), [np.zeros(2)], ["w"], {
+    checkpoint_file.save(str(tmp_path), [np.zeros(2)], ["w"], {
         "epoch": 1, "offset": 0, "global_step": 57, "run": saved}, keep=2)
     found = Checkpoints(World(), Config(), str(tmp_path), print)
     assert found.find(saved)[0]["global_step"] == 57  # the same input: resumed

@@ -226,7 +226,7 @@ def test_the_python_call_returns_rank_0s_value_and_a_tasks_result(cluster, tmp_p
     import ray_train
 
     import hvdtrain.ray
-    from hvdtrain.linear import LinearTask
+    from hvdtrain.tasks.linear import LinearTask
 
     value = hvdtrain.ray.run(ray_train.world_sum, args=[2.0], num_workers=2)
     assert (value["rank"], value["size"], value["sum"]) == (0, 2, 2.0 * (1 + 2))

@@ -19,7 +19,7 @@ import pytest
 
 import usercode
 from conftest import KERAS2, result, run
-from hvdtrain.tools.bench.cases import timeline_collectives
+from hvdtrain.bench.cases import timeline_collectives
 
 pytestmark = pytest.mark.keras2
 

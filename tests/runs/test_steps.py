@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import HOROVODRUN, KERAS2, clean_env, launch, module_cmd, result, run
-from hvdtrain.tools.bench.cases import read_timeline, summarize_timeline
+from hvdtrain.bench.cases import read_timeline, summarize_timeline
 
 
 def _train(env, tmp_path, np_, k):

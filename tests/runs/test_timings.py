@@ -11,6 +11,7 @@ import pytest
 import usercode
 from conftest import HOROVODRUN, clean_env, launch, module_cmd, result, run
 from hvdtrain import distributed
+from hvdtrain.distributed import horovod_setup
 
 # A fit script with validation (evaluation) and mid-epoch checkpoints: 256 examples, 2 epochs.
 from hvdtrain.base import timings
@@ -132,7 +133,7 @@ def test_horovodrun_transports_on_one_host_leave_libfabric_out():
     """horovodrun --mpi's "-mca btl ^openib" reaches each rank as OMPI_MCA_btl: on one host
     the ofi transport is left out too; across hosts, or a user's own value, is left alone."""
     def chosen(**environ):
-        return distributed._horovod_defaults(environ).get("OMPI_MCA_btl")
+        return horovod_setup._horovod_defaults(environ).get("OMPI_MCA_btl")
 
     one_host = dict(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_SIZE="2")
     assert chosen(OMPI_MCA_btl="^openib", **one_host) == "^openib,ofi"

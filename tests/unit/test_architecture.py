@@ -81,7 +81,7 @@ def test_the_picture_draws_every_package_on_a_floor():
     drawn = floors()
     assert drawn[0][0] == "faces", drawn
     below = [name for floor in drawn[1:] for name in floor]
-    assert sorted(below) == sorted(p for p in packages() if p not in ("tools", *FACE_PACKAGES)), below
+    assert sorted(below) == sorted(p for p in packages() if p not in FACE_PACKAGES), below
     names = block("concepts/architecture.md", "  your script ").text
     for face in faces():  # the faces row names every module at the top
         assert re.search(rf"\b{face}\b", names), face
@@ -93,8 +93,6 @@ def test_each_package_imports_only_what_the_page_allows_and_only_below_it():
     allowed = may_import()
     assert set(allowed) == {p for p in packages() if p not in FACE_PACKAGES}, allowed
     for package, cell in allowed.items():
-        if package == "tools":  # beside the stack: anything of hvdtrain
-            continue
         found = imported_by(package)
         assert found <= cell, (package, found - cell)
         for name in cell:
@@ -102,15 +100,12 @@ def test_each_package_imports_only_what_the_page_allows_and_only_below_it():
                 assert level[name] < level[package], (package, name)
             else:  # a face named in the cell: a leaf that imports nothing of hvdtrain
                 assert name in faces() and not imports(os.path.join(PACKAGE, name + ".py")), name
-    # Nothing but the bench face imports the tools.
+    # Nothing imports the bench (the developers' tool, an optional part), face or package.
     for face in faces():
-        assert "tools" not in imports(os.path.join(PACKAGE, face + ".py")), face
+        assert "bench" not in imports(os.path.join(PACKAGE, face + ".py")), face
     for package in packages():
-        if package not in ("tools", "bench"):
-            assert "tools" not in imported_by(package), package
-    # The face packages import no tools but the bench's.
-    for package in FACE_PACKAGES:
-        assert package == "bench" or "tools" not in imported_by(package), package
+        if package != "bench":
+            assert "bench" not in imported_by(package), package
 
 
 def test_a_backward_import_fails_the_check(tmp_path):

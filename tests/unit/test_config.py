@@ -7,8 +7,8 @@ import pytest
 import hvdtrain
 from conftest import module_cmd, run
 from hvdtrain.base.config import Config, ConfigError, build_parser, parse_args, values
-from hvdtrain.linear import LinearSettings, LinearTask
-from hvdtrain.mnist import MnistSettings, MnistTask
+from hvdtrain.tasks.linear import LinearSettings, LinearTask
+from hvdtrain.tasks.mnist import MnistSettings, MnistTask
 
 # Settings, flags and their errors: in this process or a short one; the inner loop runs them.
 pytestmark = pytest.mark.quick

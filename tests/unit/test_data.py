@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from hvdtrain.inputs import data as D
+from hvdtrain.inputs import arrays as A, loaders as D
 from hvdtrain.distributed import World
 from idx_files import corrupt, make_idx_dir, write_idx
 
@@ -117,24 +117,24 @@ def test_keras_cache_is_used_and_checked(tmp_path, monkeypatch):
 @pytest.mark.parametrize("n, batch, size", [(1000, 500, 2), (4000, 100, 2), (103, 10, 3),
                                             (60000, 100, 1)])
 def test_epoch_plan_is_disjoint_equal_and_deterministic(n, batch, size):
-    steps = D.steps_per_epoch(n, batch, size)
-    plans = [D.epoch_plan(n, batch, r, size, seed=3, epoch=1) for r in range(size)]
+    steps = A.steps_per_epoch(n, batch, size)
+    plans = [A.epoch_plan(n, batch, r, size, seed=3, epoch=1) for r in range(size)]
     assert all(p.shape == (steps, batch) for p in plans)
     flat = np.concatenate([p.ravel() for p in plans])
     assert len(np.unique(flat)) == len(flat) == steps * batch * size
-    np.testing.assert_array_equal(plans[0], D.epoch_plan(n, batch, 0, size, seed=3, epoch=1))
-    assert not np.array_equal(plans[0], D.epoch_plan(n, batch, 0, size, seed=3, epoch=2))
+    np.testing.assert_array_equal(plans[0], A.epoch_plan(n, batch, 0, size, seed=3, epoch=1))
+    assert not np.array_equal(plans[0], A.epoch_plan(n, batch, 0, size, seed=3, epoch=2))
 
 
 def test_global_batches_do_not_depend_on_world_size():
     """Step k covers the same examples with 1 worker x 200 or 2 workers x 100."""
-    one = D.epoch_plan(4000, 200, 0, 1, seed=5, epoch=0)
-    two = [D.epoch_plan(4000, 100, r, 2, seed=5, epoch=0) for r in range(2)]
+    one = A.epoch_plan(4000, 200, 0, 1, seed=5, epoch=0)
+    two = [A.epoch_plan(4000, 100, r, 2, seed=5, epoch=0) for r in range(2)]
     np.testing.assert_array_equal(one, np.concatenate(two, axis=1))
 
 
 def test_test_shards_cover_every_example_once():
-    parts = [D.test_shard(1001, r, 3) for r in range(3)]
+    parts = [A.test_shard(1001, r, 3) for r in range(3)]
     assert sorted(np.concatenate(parts).tolist()) == list(range(1001))
 
 

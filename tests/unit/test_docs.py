@@ -240,8 +240,8 @@ def test_the_cli_page_splits_the_tasks_defaults_out():
     import dataclasses
 
     from hvdtrain.base.config import Config
-    from hvdtrain.linear import LinearTask
-    from hvdtrain.mnist import MnistTask
+    from hvdtrain.tasks.linear import LinearTask
+    from hvdtrain.tasks.mnist import MnistTask
     text = docs_text("reference/cli.md")
     assert "| flag | default | defines the run | hk.fit | meaning |" in text
     tables = text.split("| flag | default | linear | mnist |")
@@ -472,8 +472,8 @@ def test_the_help_speaks_to_users():
     import dataclasses
 
     from hvdtrain.base.config import Config
-    from hvdtrain.linear import LinearSettings, LinearTask
-    from hvdtrain.mnist import MnistSettings, MnistTask
+    from hvdtrain.tasks.linear import LinearSettings, LinearTask
+    from hvdtrain.tasks.mnist import MnistSettings, MnistTask
 
     said = [LinearTask.description, MnistTask.description] + [
         f.metadata.get("help", "") for cls in (Config, LinearSettings, MnistSettings)

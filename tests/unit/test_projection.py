@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hvdtrain.tools.bench import projection as p
+from hvdtrain.bench import projection as p
 
 pytestmark = pytest.mark.quick
 

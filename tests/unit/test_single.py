@@ -11,8 +11,8 @@ from conftest import keras_flavour
 from xor_task import OnDisk, Xor
 from hvdtrain import distributed
 from hvdtrain.data import DataError
-from hvdtrain.linear import LinearTask
-from hvdtrain.mnist import MnistTask
+from hvdtrain.tasks.linear import LinearTask
+from hvdtrain.tasks.mnist import MnistTask
 
 # The real loop in this process, no launcher: the inner loop runs them.
 pytestmark = pytest.mark.quick

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, FakeWorld, clean_env, run
 from docs_pages import block, docs_text
-from hvdtrain.tools import harness
+from hvdtrain.bench import harness
 
 PAGE = "guides/troubleshooting.md"
 TEXT = docs_text(PAGE)

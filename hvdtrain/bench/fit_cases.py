@@ -13,9 +13,9 @@ import collections
 import os
 import statistics
 
-from hvdtrain.tools import bench
-from hvdtrain.tools.bench import progress
-from hvdtrain.tools.bench.cases import (CONTROLLER, NP, WORKERS, _load, _mwms, _steady,
+from hvdtrain import bench
+from hvdtrain.bench import progress
+from hvdtrain.bench.cases import (CONTROLLER, NP, WORKERS, _load, _mwms, _steady,
                                         run_variant)
 
 # The data of the fit, keras_speed and pipeline cases (the others take it from their spec):

@@ -21,10 +21,10 @@ import shutil
 
 import numpy as np
 
-from hvdtrain.tools import bench
-from hvdtrain.tools.bench import BenchError, progress
+from hvdtrain import bench
+from hvdtrain.bench import BenchError, progress
 
-WORKERS = "hvdtrain.tools.bench.workers"
+WORKERS = "hvdtrain.bench.workers"
 NP = 2  # processes of the distributed variants (this machine has 2 cores)
 CONTROLLER = "mpi"  # horovodrun's controller for (c); see docs/performance/reproduce.md
 
@@ -248,11 +248,11 @@ def steps_per_call(out, specs, global_batch, epochs, values, repeats) -> dict:
 
 def _accuracy_per_epoch(run_dir, data):
     """Test accuracy of every epoch-end checkpoint (numpy forward pass, outside the timing)."""
-    from hvdtrain.engine import checkpoint
+    from hvdtrain.engine import checkpoint_file
     x = data.x_test.reshape(-1, 784).astype(np.float32) / 255.0
     found = {}
-    for _, path in checkpoint.list_checkpoints(os.path.join(run_dir, "checkpoints")):
-        meta, arrays = checkpoint.read(path)
+    for _, path in checkpoint_file.list_checkpoints(os.path.join(run_dir, "checkpoints")):
+        meta, arrays = checkpoint_file.read(path)
         if meta["offset"]:
             continue
         h = x
@@ -282,7 +282,7 @@ def tta(out, spec, global_batch, target, max_epochs) -> dict:
     """Training seconds until the test accuracy reaches ``target`` (evaluation not counted),
     and each variant's process wall time for the same job: ``max_epochs`` epochs and the test
     set scored (every variant trains them all, whatever epoch reaches the target)."""
-    from hvdtrain.inputs.data import load_mnist_format
+    from hvdtrain.inputs.loaders import load_mnist_format
     from hvdtrain.distributed import World
     data = load_mnist_format(spec["dataset"], None, False, World(), notice=lambda m: None)
     work = os.path.join(out, "runs")

@@ -1,7 +1,7 @@
 """The sparse case: an Embedding's gradient across 2 ranks, gathered against reduced dense.
 
     sparse(out, rows, columns, batch, steps)   # the bench's case: two 2-rank Task runs
-    python -m hvdtrain.tools.bench.sparse_case RUN_DIR ROWS COLUMNS BATCH STEPS   # one rank
+    python -m hvdtrain.bench.sparse_case RUN_DIR ROWS COLUMNS BATCH STEPS   # one rank
 
 Each variant trains Embedding(ROWS, COLUMNS) -> mean -> Dense(2) with Adam by the Task path,
 BATCH examples of 4 ids per rank, STEPS updates one per compiled call, under a Horovod
@@ -17,8 +17,8 @@ import os
 import shutil
 import sys
 
-from hvdtrain.tools import bench
-from hvdtrain.tools.bench.cases import NP, CONTROLLER, timeline_collectives
+from hvdtrain import bench
+from hvdtrain.bench.cases import NP, CONTROLLER, timeline_collectives
 
 IDS = 4  # ids per example
 VARIANTS = {"gathered": {}, "dense": {"HVDTRAIN_SPARSE_AS_DENSE_RATIO": "0"}}
@@ -34,7 +34,7 @@ def sparse(out, rows: int, columns: int, batch: int, steps: int) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(run_dir)
         timeline = os.path.join(run_dir, "timeline.json")
-        cmd = bench.python("hvdtrain.tools.bench.sparse_case", run_dir, rows, columns, batch,
+        cmd = bench.python("hvdtrain.bench.sparse_case", run_dir, rows, columns, batch,
                            steps)
         wall = bench.run(bench.horovodrun(NP, CONTROLLER, cmd),
                          bench.env(HOROVOD_TIMELINE=timeline, **extra))

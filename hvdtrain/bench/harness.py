@@ -1,8 +1,8 @@
-"""The process harness of the benchmarks and the tests: run hvdtrain as a user would
+"""The process harness of the benchmarks (and of hvdtrain's tests): run hvdtrain as a user would
 (``python -m``, ``horovodrun``, ``mpirun``), each process in its own session and bounded in
 time, its whole process group killed when the bound passes.
 
-    from hvdtrain.tools import harness
+    from hvdtrain.bench import harness
     proc = harness.run(harness.horovodrun(2, "gloo", harness.python("hvdtrain.mnist")),
                        harness.environment(), timeout=180)
 """

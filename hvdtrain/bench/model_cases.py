@@ -28,12 +28,12 @@ import statistics
 
 import numpy as np
 
-from hvdtrain.tools import bench
-from hvdtrain.tools.bench import progress
-from hvdtrain.tools.bench.cases import (_DTYPE_BYTES, CONTROLLER, NP, _load, _mwms, _steady,
+from hvdtrain import bench
+from hvdtrain.bench import progress
+from hvdtrain.bench.cases import (_DTYPE_BYTES, CONTROLLER, NP, _load, _mwms, _steady,
                                         read_timeline)
 
-MODEL_WORKERS = "hvdtrain.tools.bench.model_workers"
+MODEL_WORKERS = "hvdtrain.bench.model_workers"
 VARIANTS = {  # name: label (every variant but "one" runs NP processes)
     "one": "1 process, 1 thread, no Horovod (np 1)",
     "task": "hvdtrain Task path",

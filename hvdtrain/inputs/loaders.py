@@ -1,8 +1,9 @@
-"""Datasets: the linear task's synthetic data, MNIST-format loaders, and per-rank sharding.
+"""A Task's arrays (``Data``) and where they come from: the linear task's synthetic data and
+the MNIST-format loaders (IDX files, Keras' npz, the bundled sample, one download per host).
 
-Everything here is plain numpy; ``hvdtrain.tasks.train`` turns a rank's index plan into a tf.data
-pipeline. Loaders check what they read and raise ``DataError`` with one line naming the
-file and what is wrong, so a bad file never becomes a traceback or a silent wrong answer.
+Everything here is plain numpy; ``arrays`` deals the examples to the ranks. Loaders check
+what they read and raise ``DataError`` with one line naming the file and what is wrong, so a
+bad file never becomes a traceback or a silent wrong answer.
 """
 from __future__ import annotations
 
@@ -367,62 +368,3 @@ def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, wor
     data.info["dataset"] = "mnist_sample"
     return data
 
-
-# --- sharding ---------------------------------------------------------------------------
-
-def steps_per_epoch(num_examples: int, batch_size: int, world_size: int) -> int:
-    """Synchronous steps per epoch: every rank takes this many.
-
-    Args:
-        num_examples: the training examples, all ranks together.
-        batch_size: examples per rank per step.
-        world_size: the number of ranks.
-
-    Returns:
-        The full global batches in ``num_examples``; the remainder is left out of the epoch.
-    """
-    return num_examples // (batch_size * world_size)
-
-
-def epoch_plan(num_examples: int, batch_size: int, rank: int, world_size: int, seed: int,
-               epoch: int, shuffle: bool = True) -> np.ndarray:
-    """This rank's example indices for one epoch.
-
-    One permutation of all examples per (seed, epoch), identical on every rank; global
-    step k uses the k-th block of ``batch_size * world_size`` examples and rank r takes
-    the r-th slice of it. The ranks' shards are disjoint and equal; the remainder that
-    does not fill a global batch is left out of this epoch (another one next epoch).
-
-    Args:
-        num_examples: the training examples, all ranks together.
-        batch_size: examples per rank per step.
-        rank: this rank.
-        world_size: the number of ranks.
-        seed: the run's seed.
-        epoch: the epoch, from 0.
-        shuffle: False: the examples in their order.
-
-    Returns:
-        The indices, shaped ``[steps, batch_size]``.
-    """
-    steps = steps_per_epoch(num_examples, batch_size, world_size)
-    if shuffle:
-        order = np.random.default_rng([seed, epoch]).permutation(num_examples)
-    else:
-        order = np.arange(num_examples)
-    blocks = order[: steps * batch_size * world_size].reshape(steps, world_size, batch_size)
-    return np.ascontiguousarray(blocks[:, rank, :])
-
-
-def test_shard(num_examples: int, rank: int, world_size: int) -> np.ndarray:
-    """This rank's part of the test set: every example is evaluated by exactly one rank.
-
-    Args:
-        num_examples: the test examples.
-        rank: this rank.
-        world_size: the number of ranks.
-
-    Returns:
-        The indices of this rank's examples.
-    """
-    return np.arange(rank, num_examples, world_size)

@@ -215,7 +215,7 @@ def check_rows(overlap=None) -> list:
 def markdown(models, fabrics, overlap, gpus=GPUS) -> str:
     """The assumptions, one table per model (samples/s and efficiency per fabric), and the
     check against the published points."""
-    from hvdtrain.tools.bench.report import table
+    from hvdtrain.bench.report import table
     out = ["### Projected scaling (a cost model, not a measurement)\n",
            f"Overlap of the reduction with the backward pass: {overlap:g}. Horovod fusion "
            f"buffer {FUSION >> 20} MiB. Constants:\n",
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     if args.results:
         import json
 
-        from hvdtrain.tools.bench.report import table
+        from hvdtrain.bench.report import table
         with open(args.results) as f:
             rows = host_rows(json.load(f))
         variants = sorted({v for *_, measured in rows for v in measured})

@@ -259,10 +259,10 @@ def markdown(results, command: str) -> str:
             (label, pl["samples_per_sec"][v]) for v, label in pl["variants"].items()]))
         parts.append("\n" + table(["ratio", "value"], list(pl["ratios"].items())))
     if results.get("models"):
-        from hvdtrain.tools.bench import model_cases
+        from hvdtrain.bench import model_cases
         parts.append(model_cases.section(results["models"], table))
     if results.get("models_np1"):
-        from hvdtrain.tools.bench import model_cases
+        from hvdtrain.bench import model_cases
         parts.append(model_cases.alone_section(results["models_np1"], table))
     return "\n".join(parts)
 

@@ -1,4 +1,4 @@
-"""The fit and tfrecords kinds of ``python -m hvdtrain.tools.bench.workers`` (which parses
+"""The fit and tfrecords kinds of ``python -m hvdtrain.bench.workers`` (which parses
 the flags): ``model.fit`` under hvdtrain.keras, Horovod's own Keras wrapper, plain Keras or
 MultiWorkerMirroredStrategy, from arrays or TFRecord files; and the TFRecord files
 themselves. What each kind does is in ``workers``' docstring.
@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from hvdtrain.tools.bench import write_json
+from hvdtrain.bench import write_json
 
 
 def _fit_model(k, args):
@@ -91,7 +91,7 @@ def tfrecords(args) -> None:
     """The training set (--dataset) as ``--files`` TFRecord files of equal size in the
     directory ``--out``: each example a 784-byte image and an int64 label."""
     import tensorflow as tf
-    from hvdtrain.inputs.data import load_mnist_format
+    from hvdtrain.inputs.loaders import load_mnist_format
     from hvdtrain.distributed import World
 
     data = load_mnist_format(args.dataset, None, False, World(), notice=lambda m: None)
@@ -145,7 +145,8 @@ def fit(args) -> None:
     import tensorflow as tf
     from hvdtrain import distributed
     from hvdtrain.base.compat import keras
-    from hvdtrain.inputs.data import load_mnist_format, steps_per_epoch
+    from hvdtrain.inputs.arrays import steps_per_epoch
+    from hvdtrain.inputs.loaders import load_mnist_format
 
     strategy = None
     if args.impl == "mwms":  # the strategy first: before any other TensorFlow op

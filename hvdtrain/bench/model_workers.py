@@ -1,4 +1,4 @@
-"""What each process of the models case runs: ``python -m hvdtrain.tools.bench.model_workers
+"""What each process of the models case runs: ``python -m hvdtrain.bench.model_workers
 KIND --model resnet|bert|mlp --size full|smoke --batch B --steps S --epochs E --out F``.
 
     one            one process, no Horovod, one thread: a ``tf.function`` step (the np-1
@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from hvdtrain.tools.bench import write_json
+from hvdtrain.bench import write_json
 
 # The models at each size: full (what users train) and smoke (seconds on 2 cores, the tests').
 SHAPES = {
@@ -294,7 +294,7 @@ def _task(args, x, y) -> list:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m hvdtrain.tools.bench.model_workers")
+    p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.model_workers")
     p.add_argument("kind", choices=("one", "tape", "hvd_fit", "hvd_fit_tuned", "hk_fit",
                                     "task", "mwms", "fit"))
     p.add_argument("--model", choices=tuple(SHAPES), required=True)

@@ -1,4 +1,4 @@
-"""What each benchmark process runs: ``python -m hvdtrain.tools.bench.workers KIND [flags]``.
+"""What each benchmark process runs: ``python -m hvdtrain.bench.workers KIND [flags]``.
 
     allreduce --impl hvd|mpi4py   under horovodrun --mpi/--gloo, or mpirun (mpi4py)
     memcpy                        one process: numpy copy bandwidth, the physical reference
@@ -31,8 +31,8 @@ import time
 
 import numpy as np
 
-from hvdtrain.tools.bench import write_json
-from hvdtrain.tools.bench.fit_workers import fit, tfrecords
+from hvdtrain.bench import write_json
+from hvdtrain.bench.fit_workers import fit, tfrecords
 
 
 def iterations(nbytes: int, scale: float = 1.0) -> int:
@@ -108,7 +108,7 @@ def memcpy(args) -> None:
 def _setup(args, rank: int, size: int):
     """Data, task and model exactly as hvdtrain builds them for these flags."""
     from hvdtrain.base.compat import keras
-    from hvdtrain.inputs.data import load_mnist_format
+    from hvdtrain.inputs.loaders import load_mnist_format
     from hvdtrain.distributed import World
     from hvdtrain.mnist import MnistTask
 
@@ -121,7 +121,7 @@ def _setup(args, rank: int, size: int):
 def _train(args, rank, size, step, evaluate=None) -> dict:
     """Run ``args.epochs`` epochs of ``step(idx)`` over this rank's plans; time each epoch."""
     import tensorflow as tf
-    from hvdtrain.inputs.data import epoch_plan, steps_per_epoch
+    from hvdtrain.inputs.arrays import epoch_plan, steps_per_epoch
 
     n = len(args.data.x_train)
     steps = steps_per_epoch(n, args.batch, size)
@@ -220,7 +220,7 @@ def mwms(args) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m hvdtrain.tools.bench.workers")
+    p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.workers")
     p.add_argument("kind", choices=("allreduce", "memcpy", "plain", "mwms", "fit", "tfrecords"))
     p.add_argument("--out", required=True)
     p.add_argument("--impl", choices=("hvd", "mpi4py", "hk", "hvd_keras", "keras", "mwms",
