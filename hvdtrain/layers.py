@@ -11,4 +11,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["SyncBatchNormalization", "global_moments"]
+__all__ = ["SyncBatchNormalization", "global_moments"]  # noqa: F822 (made by __getattr__)
