@@ -61,7 +61,7 @@ if [[ $status == 0 ]]; then
     "$venv/bin/ruff" check --no-cache "${checks[@]}" || status=1
     "$venv/bin/ruff" format --check --no-cache "${checks[@]}" || status=1
     "$venv/bin/mypy" || status=1
-    "$venv/bin/lint-imports" --no-cache || status=1
+    "$venv/bin/lint-imports" --no-cache --no-logo || status=1
 fi
 timed checks "$t"
 echo "=== pytest on $workers worker(s) (HVDTRAIN_TEST_WORKERS) ==="

@@ -72,8 +72,8 @@ def everything_but(*names):
 
 def lint_imports(cwd=ROOT):
     """lint-imports on the hvdtrain and pyproject.toml in CWD: (status, its output)."""
-    out = subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=cwd, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([LINT_IMPORTS, "--no-cache", "--no-logo"], cwd=cwd, capture_output=True,
+                         text=True, timeout=120)
     return out.returncode, out.stdout + out.stderr
 
 
