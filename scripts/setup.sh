@@ -350,7 +350,8 @@ if [[ -f $installing || ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
         mapfile -t reqs < <("$venv/bin/python" - "$root/pyproject.toml" <<'PY'
 import sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb")).get("project", {})
-print(*project.get("dependencies", []), *project.get("optional-dependencies", {}).get("mpi", []), sep="\n")
+extras = project.get("optional-dependencies", {})
+print(*project.get("dependencies", []), *extras.get("mpi", []), sep="\n")
 PY
         )
         ((${#reqs[@]} > 2)) || die "no dependencies found in $root/pyproject.toml"
