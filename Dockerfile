@@ -7,7 +7,8 @@
 # Two stages, ordered so that an edit to hvdtrain rebuilds only the last layers:
 # - build: compilers, MPI headers and `scripts/setup.sh --horovod-only`, which makes the venv
 #   with the locked run-time stack (constraints.txt) and installs Horovod from the wheel it
-#   compiles from the patched sdist. It sees only setup.sh, the patches, setup.py and the lock.
+#   compiles from the patched sdist. It sees only setup.sh, the patches, pyproject.toml and the
+#   lock.
 # - run time: Python, Open MPI's runtime and mpirun, ssh and sshd; the build stage's venv; then
 #   hvdtrain itself (pip install of this checkout) and its scripts. No compiler, no test tools.
 #
@@ -36,7 +37,7 @@ RUN apt-get update -q && apt-get install -y -q --no-install-recommends python3 p
         python3-dev g++ make cmake patch patchelf libopenmpi-dev openmpi-bin ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/hvdtrain
-COPY setup.py constraints.txt ./
+COPY pyproject.toml constraints.txt ./
 COPY scripts/setup.sh scripts/
 COPY scripts/patches/ scripts/patches/
 RUN if [ -z "$PIP_CERT" ]; then unset PIP_CERT; fi \
@@ -84,7 +85,7 @@ ENV PATH=/opt/hvdtrain/.venv/bin:${PATH} \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 WORKDIR /opt/hvdtrain
 # hvdtrain: a wheel of this checkout, installed without dependencies (the venv has them).
-COPY setup.py README.md /tmp/hvdtrain-src/
+COPY setup.py pyproject.toml README.md /tmp/hvdtrain-src/
 COPY hvdtrain/ /tmp/hvdtrain-src/hvdtrain/
 RUN cd /tmp/hvdtrain-src && pip install -q --no-deps --no-build-isolation --no-cache-dir \
         --disable-pip-version-check . \

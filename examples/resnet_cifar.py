@@ -14,6 +14,7 @@ import argparse
 import sys
 
 import hvdtrain.keras as hk  # first: hvdtrain quiets TensorFlow's start-up lines
+# isort: split
 import numpy as np
 import tensorflow as tf
 from hvdtrain.compat import keras

@@ -95,7 +95,7 @@ def diagnose():
     try:
         import tensorflow as tf
         report["tensorflow"] = {"version": tf.__version__}
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (the doctor reports what fails, and goes on)
         report["tensorflow"] = {"version": None, "error": error_line(e)}
         problem(f"tensorflow cannot be imported ({error_line(e)})", SETUP)
 
@@ -114,7 +114,7 @@ def diagnose():
                     f"or {SETUP} for tf_keras")
         try:
             keras["tf.keras"] = tf.keras.__name__
-        except Exception as e:  # tf.keras itself failed to load
+        except Exception as e:  # noqa: BLE001 (tf.keras itself failed to load)
             keras["tf.keras"] = f"unavailable ({error_line(e)})"
         tf_minor = ".".join(tf.__version__.split(".")[:2])
         tk = report["tf_keras"]["version"]
@@ -128,7 +128,7 @@ def diagnose():
     try:
         horovod = distributed.horovod_package()
         hvd_report["version"] = horovod.__version__
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (reported; the doctor goes on)
         hvd_report["error"] = error_line(e)
         problem(f"horovod is not installed ({error_line(e)}); hvdtrain would train one process",
                 f"{SETUP} (compiles horovod with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)")
@@ -160,7 +160,7 @@ def diagnose():
             if missing:
                 problem(f"horovod {horovod.__version__} was built without "
                         f"{' and '.join(missing)}", REBUILD)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (reported; the doctor goes on)
             hvd_report["error"] = error_line(e)
             if keras["module"] is None and tf is not None:
                 pass  # horovod.tensorflow imports Keras: the Keras problem above is the cause
@@ -175,7 +175,7 @@ def diagnose():
         from mpi4py import MPI
         report["mpi"] = {"library": MPI.Get_library_version().splitlines()[0].strip("\0 "),
                          "mpi4py": mpi4py.__version__}
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (no mpi4py, or no MPI library it can load)
         # No mpi4py (an environment with the wheels alone): the MPI that runs the ranks is
         # the one mpirun starts, which says its version.
         report["mpi"] = {"library": mpirun_version(), "error": error_line(e)}
@@ -273,7 +273,7 @@ def kernel_architectures(library):
             sass.add(f"sm_{(flags >> 8) & 0xff if head[8] >= 8 else flags & 0xff}")
         start = data.find(b"\x7fELF", start + 1)
     ptx = {m.decode() for m in re.findall(rb"\.target\s+(sm_[0-9]+[a-z]?)", data)}
-    order = lambda a: int(re.sub(r"\D", "", a))
+    order = lambda a: int(re.sub(r"\D", "", a))  # noqa: E731
     return sorted(sass, key=order), sorted(ptx, key=order)
 
 

@@ -13,4 +13,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["SyncBatchNormalization", "global_moments"]  # noqa: F822 (made on first use)
+__all__ = ["SyncBatchNormalization", "global_moments"]  # noqa: F822 (made by __getattr__)

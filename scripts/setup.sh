@@ -291,11 +291,11 @@ refused() {
     fi
 }
 
-# The locked stack (setup.py's pins, at constraints.txt's versions) plus what Horovod's build
+# The locked stack (pyproject.toml's pins, at constraints.txt's versions) plus what Horovod's build
 # needs in the same env; the dev tools (test, bench, docs extras) too: this venv runs the tests.
 stamp="$venv/.hvdtrain-deps"
 installing="$venv/.hvdtrain-installing"  # there while pip installs: an interrupted run's mark
-want=$( (cat "$root/setup.py" "$constraints"; echo "gpu=$gpu mode=$mode") | sha1sum | cut -c1-16)
+want=$( (cat "$root/pyproject.toml" "$constraints"; echo "gpu=$gpu mode=$mode") | sha1sum | cut -c1-16)
 # Packages whose install did not finish (pip killed or Ctrl-C'd while it wrote or compiled
 # them): no INSTALLER (pip writes it, then its RECORD, last), no RECORD, or a file of their
 # RECORD missing or of another size. pip would take them as installed ("Requirement already
@@ -341,22 +341,20 @@ if [[ -f $installing || ! -f "$stamp" || $(cat "$stamp") != "$want" ]]; then
     fi
     locked_install --upgrade "pip>=23" "setuptools>=65,<70" wheel packaging
     if [[ "$gpu" == 1 ]]; then
-        tf_pin=$(grep -o '"tensorflow==[0-9.]*"' "$root/setup.py" | tr -d '"')
+        tf_pin=$(grep -o '"tensorflow==[0-9.]*"' "$root/pyproject.toml" | tr -d '"')
         locked_install "tensorflow[and-cuda]==${tf_pin#tensorflow==}"
     fi
     if [[ $mode == horovod ]]; then
-        # setup.py's install_requires and its mpi extra, read without running it (the images'
-        # build stage has setup.py but not the package it describes).
-        mapfile -t reqs < <("$venv/bin/python" - "$root/setup.py" <<'PY'
-import ast, sys
-for node in ast.walk(ast.parse(open(sys.argv[1]).read())):
-    if isinstance(node, ast.keyword) and node.arg == "install_requires":
-        print(*ast.literal_eval(node.value), sep="\n")
-    if isinstance(node, ast.keyword) and node.arg == "extras_require":
-        print(*ast.literal_eval(node.value)["mpi"], sep="\n")
+        # pyproject.toml's dependencies and its mpi extra, read without building (the images'
+        # build stage has pyproject.toml but not the package it describes).
+        mapfile -t reqs < <("$venv/bin/python" - "$root/pyproject.toml" <<'PY'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb")).get("project", {})
+extras = project.get("optional-dependencies", {})
+print(*project.get("dependencies", []), *extras.get("mpi", []), sep="\n")
 PY
         )
-        ((${#reqs[@]} > 2)) || die "no install_requires found in $root/setup.py"
+        ((${#reqs[@]} > 2)) || die "no dependencies found in $root/pyproject.toml"
         locked_install "${reqs[@]}"
     else
         locked_install -e "${root}[mpi,test,bench,docs]"
@@ -704,7 +702,7 @@ if [[ -n "$wheels_dir" ]]; then
     # hvdtrain's from a copy of its sources (the checkout stays free of build/), built aside:
     # only the files of the same names in DIR are replaced, and said so. Other files stay.
     src=$(mktemp -d)
-    cp -r "$root/setup.py" "$root/README.md" "$root/hvdtrain" "$src/"
+    cp -r "$root/setup.py" "$root/pyproject.toml" "$root/README.md" "$root/hvdtrain" "$src/"
     pip wheel --no-deps --no-build-isolation -w "$src/out" "$src"
     made=("$wheel" "$src"/out/hvdtrain-*.whl "$constraints")
     names=()

@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # Set up the environment (idempotent) and run the tests.
 #
-#   scripts/test.sh                 # everything, as CI runs it (.ci/run), in three passes:
+#   scripts/test.sh                 # everything, as CI runs it (.ci/run): the checks, then
+#                                   # three passes:
 #     1. the whole suite under Keras 3 (the default);
 #     2. the tests marked keras2 (what Keras 2 changes: parity, exact resume, the fit path, the
 #        Task API, mixed precision, accumulation) again under Keras 2, with
 #        TF_USE_LEGACY_KERAS=1 (HVDTRAIN_KERAS2=0 skips this pass);
 #     3. scripts/test_gpu_build.sh: the GPU build with no CUDA toolkit visible, in its own venv
 #        (.venv-gpu, made during pass 2), trained with on CPU ranks (HVDTRAIN_GPU_TEST=0 skips it).
-#   scripts/test.sh --quick         # the inner loop: the tests marked quick (unit-level tests and
-#                                   # one 2-rank run of each path: Task, fit, tf.data), Keras 3
-#                                   # only, no GPU build; a few minutes
+#   scripts/test.sh --quick         # the inner loop: the checks and the tests marked quick
+#                                   # (unit-level tests and one 2-rank run of each path: Task,
+#                                   # fit, tf.data), Keras 3 only, no GPU build; a few minutes
 #   scripts/test.sh -k multiprocess # pytest arguments pass through (to both pytest passes)
 #
-# Each pass's time and the total are printed at the end. HVDTRAIN_SETUP=0 skips the set-up
-# (the environment is ready; the test of this script's --quick runs it so). HVDTRAIN_TEST_TIME_SCALE=N multiplies
+# The checks come first, in seconds: ruff (lint and format), mypy and the layers' import
+# contracts (lint-imports), with pyproject.toml's settings, as the pre-commit hooks run them;
+# one that fails fails the run, after the tests. Each pass's time and the total are printed at
+# the end. HVDTRAIN_SETUP=0 skips the set-up (the environment is ready; the test of this
+# script's --quick runs it so). HVDTRAIN_TEST_TIME_SCALE=N multiplies
 # every test's time bound (a slower or busier machine than these 2 cores).
 #
 # The pytest passes run on HVDTRAIN_TEST_WORKERS pytest-xdist workers (default 2, 1 on one
@@ -43,8 +47,24 @@ unset TF_USE_LEGACY_KERAS
 workers=${HVDTRAIN_TEST_WORKERS:-$(( $(nproc) > 1 ? 2 : 1 ))}
 parallel=()
 if (( workers > 1 )); then parallel=(-n "$workers" --dist loadgroup); fi
-echo "=== pytest on $workers worker(s) (HVDTRAIN_TEST_WORKERS) ==="
 status=0
+# The style and the layers, held by tools: lint, format, types, import contracts.
+echo "=== checks: ruff, ruff format, mypy, lint-imports ==="
+t=$SECONDS
+checks=(hvdtrain tests tools examples)
+for tool in ruff mypy lint-imports; do
+    if [[ ! -x "$venv/bin/$tool" ]]; then
+        echo "$venv has no $tool (the test extra): run scripts/setup.sh" >&2; status=1
+    fi
+done
+if [[ $status == 0 ]]; then
+    "$venv/bin/ruff" check --no-cache "${checks[@]}" || status=1
+    "$venv/bin/ruff" format --check --no-cache "${checks[@]}" || status=1
+    "$venv/bin/mypy" || status=1
+    "$venv/bin/lint-imports" --no-cache --no-logo || status=1
+fi
+timed checks "$t"
+echo "=== pytest on $workers worker(s) (HVDTRAIN_TEST_WORKERS) ==="
 t=$SECONDS
 if [[ $quick == 1 ]]; then
     "$venv/bin/python" -m pytest "${parallel[@]}" -m quick "$@" || status=$?

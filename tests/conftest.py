@@ -93,7 +93,7 @@ LONGEST = ("references", "test_keras_fit_patterns", "test_pipeline", "test_mixed
            "test_watchdog", "test_horovod_api", "test_wheels")
 # The tiers are tests/'s folders; each test gets its folder's marker (pytest -m runs, ...).
 # The helpers (this file, the clusters' harnesses, the scripts the tests launch) stay here,
-# importable from every folder (pytest.ini's pythonpath).
+# importable from every folder (pythonpath, in pyproject.toml's pytest settings).
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TIERS = ("unit", "runs", "faults", "clusters")
 
@@ -101,7 +101,7 @@ TIERS = ("unit", "runs", "faults", "clusters")
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group into the test's id
 def pytest_collection_modifyitems(config, items):
     """Each test's tier marker and xdist group (above); HVDTRAIN_TEST_TIME_SCALE: each test's
-    pytest-timeout bound (its own marker's, or pytest.ini's) times the scale."""
+    pytest-timeout bound (its own marker's, or pyproject.toml's) times the scale."""
     groups = {}
     for item in items:
         tier = os.path.relpath(item.path, TESTS).split(os.sep)[0]

@@ -298,11 +298,15 @@ def operator_objects(job: dict, namespace: str = "default", cluster_domain: str 
     hostfile = "".join(fmt.format(domain % (h, name, namespace), slots) for h in hosts)
     # discover_hosts.sh lists the running workers (all of them, once they run), no slots.
     discover = "#!/bin/sh\n" + "".join(f"echo {domain % (h, name, namespace)}\n" for h in hosts)
-    labels = lambda role: {"training.kubeflow.org/operator-name": "mpi-operator",  # noqa: E731
-                           "training.kubeflow.org/job-name": name,
-                           "training.kubeflow.org/job-role": role}
-    meta = lambda n, **extra: {"name": n, "namespace": namespace, "labels": {"app": name},  # noqa
-                               "ownerReferences": owner, **extra}
+
+    def labels(role):
+        return {"training.kubeflow.org/operator-name": "mpi-operator",
+                "training.kubeflow.org/job-name": name, "training.kubeflow.org/job-role": role}
+
+    def meta(n, **extra):
+        return {"name": n, "namespace": namespace, "labels": {"app": name},
+                "ownerReferences": owner, **extra}
+
     service = {"apiVersion": "v1", "kind": "Service", "metadata": meta(name), "spec": {
         "clusterIP": "None", "selector": {k: v for k, v in labels("x").items()
                                           if k != "training.kubeflow.org/job-role"},
@@ -469,7 +473,7 @@ def rbac_errors(docs: list) -> list:
     if not jobs:
         return []
     (job,) = jobs
-    of = lambda kind: {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}  # noqa
+    of = lambda kind: {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}  # noqa: E731
     accounts, roles, bindings = of("ServiceAccount"), of("Role"), of("RoleBinding")
     launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]
     sa = launcher.get("serviceAccountName")

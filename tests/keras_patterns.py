@@ -173,7 +173,7 @@ def lr_changed(run_dir, again=False):
     model, train, _ = small(0.01 if again else 0.1)
     hk.fit(model, train, epochs=2 if again else 1, run_dir=run_dir, verbose=0)
 
-import tensorflow as tf
+import tensorflow as tf  # noqa: E402 (after hvdtrain, which quiets TensorFlow's start-up lines)
 
 class GAN(k.Model):
     '''Keras' GAN guide's pattern on 2-D points: two optimizers, its own train_step.'''
@@ -307,7 +307,7 @@ def main(out, names):
                        globals()[name](run_dir)}
         except hk.Error as e:
             outcome = {"error": str(e), "status": e.status, "type": type(e).__name__}
-        except Exception as e:  # a test that asks for this scenario fails on it
+        except Exception as e:  # noqa: BLE001 (a test that asks for this scenario fails on it)
             outcome = {"crash": f"{type(e).__name__}: {e}"}
         suffix = ".again" if again else ""
         with open(os.path.join(out, f"{name}{suffix}.rank{hk.rank()}.json"), "w") as f:

@@ -82,7 +82,7 @@ class ConfigError(Together, ValueError):
 
     status = EXIT_USAGE
 
-    def __init__(self, name: str, value, reason: str, call: str = None):
+    def __init__(self, name: str, value, reason: str, call: str | None = None):
         self.flag = "--" + name.replace("_", "-")
         self.name, self.value, self.reason, self.call = name, value, reason, call
         shown = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
@@ -205,7 +205,7 @@ class StorageError(Together, RuntimeError):
     permission: the user's to fix)."""
 
     @property
-    def status(self) -> int:
+    def status(self) -> int:  # type: ignore[override]  # Error's class attribute, read here
         found = re.search(r"\[Errno (\d+)\]", str(self))
         return EXIT_STORAGE if found and int(found.group(1)) in TRANSIENT_ERRNOS else EXIT_FAILED
 

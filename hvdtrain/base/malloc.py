@@ -44,7 +44,8 @@ HEAVY = ("tensorflow", "keras", "tf_keras", "horovod", "torch", "jax", "IPython"
 def glibc_version() -> tuple | None:
     """The C library's version as (major, minor), None when it is not glibc."""
     try:
-        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+        # Not glibc: confstr gives None, and None.split() raises AttributeError (below).
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # type: ignore[union-attr]
         return tuple(int(p) for p in version.split(".")[:2]) if name == "glibc" else None
     except (AttributeError, ValueError, OSError):
         return None

@@ -106,7 +106,7 @@ def _launcher(pid) -> bool:
         return is_launcher([a.decode(errors="replace") for a in f.read().split(b"\0") if a])
 
 
-def launch_start() -> tuple:
+def launch_start() -> tuple | None:
     """(this process's start, the launch's start, "launcher" or "process": which one the
     launch's is), in CLOCK_BOOTTIME seconds; None where /proc cannot say."""
     try:

@@ -57,8 +57,11 @@ def allreduce(out: str, sizes, scale: float = 1.0) -> dict:
     without the huge-page setting from anywhere: HVDTRAIN_HUGETLB=0).
     """
     flags = ["--sizes", ",".join(map(str, sizes)), "--scale", scale]
-    hvd = lambda controller, f, *extra: bench.horovodrun(NP, controller, bench.python(  # noqa
-        WORKERS, "allreduce", "--impl", "hvd", "--out", f, *flags, *extra))
+
+    def hvd(controller, f, *extra):
+        return bench.horovodrun(NP, controller, bench.python(
+            WORKERS, "allreduce", "--impl", "hvd", "--out", f, *flags, *extra))
+
     launches = {  # name: (command for an output path, extra environment)
         "memcpy": (lambda f: bench.python(WORKERS, "memcpy", "--out", f, *flags), ALLREDUCE_ENV),
         "hvd_mpi": (lambda f: hvd("mpi", f), ALLREDUCE_ENV),

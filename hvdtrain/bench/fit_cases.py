@@ -141,9 +141,11 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
                               keras2)
     for spe in spes:
         for tag in kerases:
-            cmd = lambda path, spe=spe: bench.horovodrun(NP, CONTROLLER, bench.python(
-                WORKERS, "fit", "--impl", "pair", "--out", path, "--batch", per_rank,
-                "--epochs", pair_epochs, "--dataset", DATASET, "--spe", spe, *soft))
+            def cmd(path, spe=spe):
+                return bench.horovodrun(NP, CONTROLLER, bench.python(
+                    WORKERS, "fit", "--impl", "pair", "--out", path, "--batch", per_rank,
+                    "--epochs", pair_epochs, "--dataset", DATASET, "--spe", spe, *soft))
+
             launches[f"pair_{tag}_spe{spe}"] = ("pair", cmd, tag == "k2")
     for tag in kerases:
         keras2 = tag == "k2"

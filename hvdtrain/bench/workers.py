@@ -53,7 +53,7 @@ def allreduce(args) -> None:
         # hvd.allreduce as hvdtrain sets Horovod up: its defaults, its thread pools.
         hvd = distributed.init("horovod", notice=lambda m: None).hvd
         rank, size = hvd.rank(), hvd.size()
-        barrier = lambda: hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="bench.barrier")  # noqa
+        barrier = lambda: hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="bench.barrier")  # noqa: E731
         controller = "mpi" if hvd.mpi_enabled() else "gloo"
     else:
         from mpi4py import MPI
@@ -63,12 +63,12 @@ def allreduce(args) -> None:
         n, iters = nbytes // 4, iterations(nbytes, args.scale)
         if args.impl == "hvd":
             tensor = tf.ones([n], tf.float32)
-            op = lambda: hvd.allreduce(tensor, op=hvd.Sum, name=f"bench.{nbytes}")  # noqa
+            op = lambda: hvd.allreduce(tensor, op=hvd.Sum, name=f"bench.{nbytes}")  # noqa: E731
             if args.mode == "graph":
                 op = tf.function(op)
         else:
             src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
-            op = lambda: comm.Allreduce(src, dst, op=MPI.SUM)  # noqa
+            op = lambda: comm.Allreduce(src, dst, op=MPI.SUM)  # noqa: E731
         for _ in range(2):
             op()  # warm-up: buffers, negotiation cache, tracing
         rounds = max(1, min(args.rounds, iters))

@@ -71,7 +71,7 @@ def _import_horovod():
         return horovod_tensorflow(), None
     except TensorFlowMismatch as e:  # its own one line, with the fix
         return None, str(e)
-    except Exception as e:  # ImportError, or a TF op library built for another TensorFlow
+    except Exception as e:  # noqa: BLE001 (ImportError, or a TF op library of another TensorFlow)
         return None, error_line(e)
 
 

@@ -33,7 +33,9 @@ def _buckets(tensors, bucket_bytes: int, alone_bytes: int = ALONE_BYTES,
         return [list(range(len(tensors)))]
     alone, last = min(alone_bytes, bucket_bytes), min(last_bytes, bucket_bytes)
     sizes = [(t.shape.num_elements() or 0) * t.dtype.size for t in tensors]
-    buckets, bucket, size, first = [], [], 0, True
+    buckets: list[list[int]] = []
+    bucket: list[int] = []
+    size, first = 0, True
     for i, nbytes in enumerate(sizes):
         if nbytes >= alone:
             buckets.append([i])
@@ -174,7 +176,8 @@ class HorovodWorld(World):
         if not self.alone:
             broadcast_variables(self.hvd, tf_variables(variables))
 
-    def allreduce_sum(self, values: Sequence[float], name: str = "hvdtrain.sum") -> np.ndarray:
+    def allreduce_sum(self, values: Sequence[float] | np.ndarray,
+                      name: str = "hvdtrain.sum") -> np.ndarray:
         """The sum over ranks; ``name``: the Horovod op's."""
         import tensorflow as tf
 

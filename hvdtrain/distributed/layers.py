@@ -95,7 +95,7 @@ def _saved_as(cls, base):
 def _keras3_class(keras):
     base = keras.layers.BatchNormalization
 
-    class SyncBatchNormalization(base):
+    class SyncBatchNormalization(base):  # type: ignore[valid-type, misc]  # the Keras in use
         """Keras 3's BatchNormalization, its training statistics over every rank's batch."""
 
         def _moments(self, inputs, mask):
@@ -115,7 +115,7 @@ def _keras3_class(keras):
 def _keras2_class(keras):
     base = keras.layers.BatchNormalization
 
-    class SyncBatchNormalization(base):
+    class SyncBatchNormalization(base):  # type: ignore[valid-type, misc]  # the Keras in use
         """Keras 2's BatchNormalization, its training statistics over every rank's batch."""
 
         def __init__(self, *args, fused=False, virtual_batch_size=None, **kwargs):

@@ -48,6 +48,8 @@ accumulates in its own step and takes both).
 """
 from __future__ import annotations
 
+from typing import Any
+
 from hvdtrain.base import compat, precision
 from hvdtrain.distributed.start import current
 from hvdtrain.base.errors import ConfigError
@@ -90,7 +92,7 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
         ConfigError: ``backward_passes_per_step`` is not an integer of at least 1, or
             cannot accumulate here (with float16 loss scaling; an optimizer already built).
     """
-    reduction = (world or current()).reduction(op, compression,
+    reduction: Any = (world or current()).reduction(op, compression,
                                                            gradient_predivide_factor)
     passes = _backward_passes(optimizer, backward_passes_per_step, reduction)
     if reduction is None:  # one process: nothing to reduce
@@ -190,7 +192,7 @@ def _reducing_subclass(optimizer, passes: int = 1):
     def _clip_gradients(self, grads):
         # Horovod: one allreduce per update, of the N micro-batches' mean; every rank takes
         # the update branch at the same call (the count is in the broadcast iterations).
-        return super(wrapped, self)._clip_gradients(
+        return super(wrapped, self)._clip_gradients(  # type: ignore[arg-type]  # made below
             _reduce(self, self._hvdtrain_reduction, list(grads)))
 
     methods = {"_clip_gradients": _clip_gradients} if passes > 1 else {"apply": apply}
@@ -231,7 +233,8 @@ class StopFlags:
         one: whichever reduces carries them), this rank's flag cleared. Made at the
         optimizer's first hk.fit and kept for its later ones: a train function traced then
         carries those."""
-        chain, o = [], optimizer
+        chain: list = []
+        o = optimizer
         while o is not None and all(o is not c for c in chain):
             chain.append(o)
             o = getattr(o, "inner_optimizer", None)
@@ -340,7 +343,7 @@ def _apply_reduced(optimizer, grads, variables):
     grads = _dense(grads)
     if compat.is_keras3():
         cls = type(optimizer)
-        own = super(cls, optimizer) if getattr(cls, "_hvdtrain_distributed", False) else optimizer
+        own: Any = super(cls, optimizer) if getattr(cls, "_hvdtrain_distributed", False) else optimizer
         if not precision.is_loss_scaled(optimizer):
             return own.apply(grads, variables)
         skipped = tf.logical_not(optimizer.check_finite(grads))
@@ -361,7 +364,7 @@ def reduce_before_loss_scaling(optimizer):
     and reduces only on ranks whose gradients are finite: one rank would skip the allreduce
     the others wait in. Turned around in place: the scaler reduces, its inner optimizer is
     plain again. Anything else is returned as it is."""
-    inner = getattr(optimizer, "inner_optimizer", None)
+    inner: Any = getattr(optimizer, "inner_optimizer", None)
     if not (compat.is_keras3() and precision.is_loss_scaled(optimizer)
             and getattr(type(inner), "_hvdtrain_distributed", False)):
         return optimizer

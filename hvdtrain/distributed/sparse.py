@@ -73,7 +73,8 @@ def reduce_gathered(world, grads, op, compression, gradient_predivide_factor: fl
     import tensorflow as tf
 
     hvd = world.hvd
-    grads, done = list(grads), []
+    grads = list(grads)
+    done: list[int] = []
     if op not in (hvd.Average, hvd.Sum):
         return grads, done
     for i, g in enumerate(grads):

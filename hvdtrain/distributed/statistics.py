@@ -21,7 +21,7 @@ class MovingStatistics:
     def __init__(self, world: World, weights):
         self.world = world
         self.weights = [v for v in weights if np.asarray(v.numpy()).dtype.kind == "f"]
-        self._synced_step = None  # the global step they were last averaged at
+        self._synced_step: int | None = None  # the global step they were last averaged at
 
     def sync(self, global_step: int) -> None:
         if not self.weights or self.world.size == 1 or self._synced_step == global_step:

@@ -5,11 +5,14 @@ else in hvdtrain asks ``rank() == 0``; it asks ``world.is_chief``."""
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
 from hvdtrain.base.errors import EnvError, LaunchError, RankError
+
+if TYPE_CHECKING:  # for the annotation only: horovod_world imports this module
+    from hvdtrain.distributed.horovod_world import Reduction
 
 
 class Progress:
@@ -60,7 +63,8 @@ class World:
     def broadcast_variables(self, variables) -> None:
         pass
 
-    def allreduce_sum(self, values: Sequence[float], name: str = "hvdtrain.sum") -> np.ndarray:
+    def allreduce_sum(self, values: Sequence[float] | np.ndarray,
+                      name: str = "hvdtrain.sum") -> np.ndarray:
         return np.asarray(values, dtype=np.float64)
 
     def sum_in_graph(self, tensor):

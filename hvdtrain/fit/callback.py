@@ -2,8 +2,13 @@
 (``driver.FitRun``), and Keras 3's compiled calls cut to an epoch's last steps."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hvdtrain.base import compat
 from hvdtrain.fit.script import steps_per_execution
+
+if TYPE_CHECKING:  # for the annotation only: the driver imports this module
+    from hvdtrain.fit.driver import FitRun
 
 
 class Calls:

@@ -82,7 +82,7 @@ def keras_proxy(keras, wrapped: OnChief):
             try:
                 with _bound(timeout):
                     return fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 (said in one line: rank 0's alone)
+            except Exception as e:  # said in one line: rank 0's alone
                 if isinstance(e, Error) or show_tracebacks():
                     raise
                 raise CallbackError(f"hk.on_chief callback {name}.{method} raised "

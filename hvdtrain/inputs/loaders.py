@@ -194,7 +194,7 @@ def load_idx_dir(directory: str) -> Optional[Data]:
                 raise DataError(f"{os.path.join(directory, name)}: missing ({split} split)")
     arrays = {}
     for split, (xp, yp) in found.items():
-        x, y = read_idx(xp, 3), read_idx(yp, 1)
+        x, y = read_idx(xp, 3), read_idx(yp, 1)  # type: ignore[arg-type]  # None raised above
         _check_pair(x, y, xp, yp)
         arrays[split] = (x, y)
     return Data(*arrays["train"], *arrays["test"], info={"source": os.path.abspath(directory)})
@@ -355,7 +355,7 @@ def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, wor
         if world.local_rank == 0:
             try:
                 download_mnist()
-            except Exception as e:  # no network is the normal case on clusters
+            except Exception as e:  # noqa: BLE001 (no network is the normal case on clusters)
                 error = e
         world.barrier()
         tried += f", download ({type(error).__name__})" if error else ", download"

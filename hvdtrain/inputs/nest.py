@@ -21,7 +21,7 @@ def is_structure(x) -> bool:
         for i in x)
 
 
-def map(fn, x):  # noqa: A001 (the structure's map, as tf.nest.map_structure)
+def map(fn, x):  # the structure's map, as tf.nest.map_structure
     """``fn`` on every leaf of ``x``, the structure kept (dict keys, tuple or list)."""
     if isinstance(x, dict):
         return {k: map(fn, v) for k, v in x.items()}

@@ -125,7 +125,7 @@ class Batches:
         (deleted, cut short, grown, rewritten, unreadable), said as ``path: how``."""
         now = stat_files(self.snapshot)
         for path, (size, mtime) in self.snapshot.items():
-            got = now.get(path)
+            got = now[path]
             if isinstance(got, str):
                 return f"{path}: {got} under the running job"
             if got[0] != size:

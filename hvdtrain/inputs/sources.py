@@ -158,7 +158,7 @@ def corrupt_file(ds) -> Optional[tuple]:
 
 def stat_files(paths) -> dict:
     """{path: (size, modification time in ns)}, or a string saying why there is none."""
-    found = {}
+    found: dict[str, tuple[int, int] | str] = {}
     for path in paths:
         try:
             st = os.stat(path)

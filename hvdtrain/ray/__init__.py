@@ -19,7 +19,7 @@ they share must be on storage every node sees.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Sequence
 
 from hvdtrain.ray.driver import RayJobError
 
@@ -30,13 +30,13 @@ PLACEMENT_TIMEOUT = 120  # seconds to wait for the cluster to have room for ever
 COOLDOWN = (10, 60)  # an elastic job's lost address is tried again after 10 s, then longer
 
 
-def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Sequence = (),
-        kwargs: Optional[dict] = None, num_workers: Optional[int] = None,
+def run(target: str | Callable | Any, *, argv: Sequence[str] = (), args: Sequence = (),
+        kwargs: dict | None = None, num_workers: int | None = None,
         cpus_per_worker: int = 1, gpus_per_worker: int = 0, use_gpu: bool = False,
-        address: Optional[str] = None, max_restarts: int = MAX_RESTARTS,
-        placement_timeout: int = PLACEMENT_TIMEOUT, min_workers: Optional[int] = None,
-        max_workers: Optional[int] = None, cooldown: Sequence[int] = COOLDOWN,
-        prog: Optional[str] = None) -> Any:
+        address: str | None = None, max_restarts: int = MAX_RESTARTS,
+        placement_timeout: int = PLACEMENT_TIMEOUT, min_workers: int | None = None,
+        max_workers: int | None = None, cooldown: Sequence[int] = COOLDOWN,
+        prog: str | None = None) -> Any:
     """Train ``target`` on Horovod workers of a Ray cluster; rank 0's result.
 
     Args:

@@ -23,7 +23,7 @@ sees.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Sequence
 
 from hvdtrain.spark.driver import SparkJobError
 from hvdtrain.spark.parquet import read_parquet, write_parquet
@@ -34,11 +34,11 @@ MAX_RESTARTS = 3
 START_TIMEOUT = 120  # seconds for Spark to start every rank's task
 
 
-def run(target: Union[str, Callable, Any], *, argv: Sequence[str] = (), args: Sequence = (),
-        kwargs: Optional[dict] = None, num_proc: Optional[int] = None, spark=None,
-        master: Optional[str] = None, use_mpi: bool = False,
+def run(target: str | Callable | Any, *, argv: Sequence[str] = (), args: Sequence = (),
+        kwargs: dict | None = None, num_proc: int | None = None, spark=None,
+        master: str | None = None, use_mpi: bool = False,
         max_restarts: int = MAX_RESTARTS, start_timeout: int = START_TIMEOUT,
-        prog: Optional[str] = None) -> Any:
+        prog: str | None = None) -> Any:
     """Train ``target`` on Horovod processes running as Spark tasks; rank 0's result.
 
     Args:

@@ -354,7 +354,7 @@ def load_task(spec: str) -> Task:
             hint = (f"; KERAS_BACKEND={os.environ['KERAS_BACKEND']} is set, and hvdtrain "
                     "trains with TensorFlow: unset it")
         raise SpecError(f"{spec!r}: cannot import {module_name} ({e}){hint}") from None
-    except Exception as e:  # the module's own code: a SyntaxError, an error at import
+    except Exception as e:  # noqa: BLE001 (the module's own: a SyntaxError, an error at import)
         raise SpecError(f"{spec!r}: importing {module_name} raised {error_line(e)}"
                         f"{user_frame(e)}") from None
     cls = getattr(module, attr, None)

@@ -37,13 +37,13 @@ def stages():
 
 def test_the_build_stage_sees_no_hvdtrain_source():
     """An edit to hvdtrain must not recompile Horovod: the stage that builds it copies only
-    setup.sh, the patches, setup.py and the lock, and the run-time stage takes its venv before
-    it copies hvdtrain."""
+    setup.sh, the patches, pyproject.toml and the lock, and the run-time stage takes its venv
+    before it copies hvdtrain."""
     (build_from, build), (_, final) = stages()
     assert build_from.endswith(" AS build")
     copied = [src for word, rest in build if word == "COPY" for src in rest.split()[:-1]]
-    assert sorted(copied) == ["constraints.txt", "scripts/patches/", "scripts/setup.sh",
-                              "setup.py"]
+    assert sorted(copied) == ["constraints.txt", "pyproject.toml", "scripts/patches/",
+                              "scripts/setup.sh"]
     assert any(word == "RUN" and "scripts/setup.sh --horovod-only" in rest for word, rest in build)
     order = [(w, r) for w, r in final if w in ("COPY", "RUN")]
     venv = order.index(("COPY", "--from=build /opt/hvdtrain/.venv /opt/hvdtrain/.venv"))

@@ -41,7 +41,7 @@ from docs_pages import block
 from netns import Hosts
 
 # The first test's bound also covers the module's fixtures: daemons started (the hosts, their
-# sshd or SLURM's), and the reference runs. Twice pytest.ini's.
+# sshd or SLURM's), and the reference runs. Twice pyproject.toml's (pytest's timeout).
 pytestmark = pytest.mark.timeout(600)
 
 ARGS = ["--epochs", "2", "--learning-rate", "0.1"]

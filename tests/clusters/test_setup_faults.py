@@ -9,8 +9,8 @@ unprivileged uid with no account (setpriv); pip installs from a package index on
 that holds one project, ``lockprobe`` (thousands of small files: its install takes long enough
 to be interrupted midway). The locked stack (TensorFlow, Keras, Horovod) is this venv's,
 reached through a .pth file (links into its site-packages), so that setup.sh's check of
-Horovod passes without a compile; the checkout is setup.sh, its patches, and a setup.py that
-asks for lockprobe. The build cache's entries are copies of the entry this venv's Horovod was
+Horovod passes without a compile; the checkout is setup.sh, its patches, and a pyproject.toml
+that asks for lockprobe. The build cache's entries are copies of the entry this venv's Horovod was
 installed from (found by its wheel's RECORD), owned by root: to the user, a teammate's."""
 import glob
 import hashlib
@@ -27,7 +27,7 @@ import zipfile
 import pytest
 
 from conftest import ROOT, run, running, wait_for
-from test_setup_sh import SYSTEM_PYTHON, as_user, free_uid, lockprobe_index
+from test_setup_sh import SYSTEM_PYTHON, as_user, free_uid, lockprobe_index, write_project
 
 SETUP = os.path.join(ROOT, "scripts", "setup.sh")
 SITE = sysconfig.get_paths()["purelib"]
@@ -81,8 +81,8 @@ def user():
 
 
 def new_checkout(user, name):
-    """A checkout of setup.sh and its patches whose setup.py asks for lockprobe (pinned to 1.0
-    in its lock), owned by the user; (checkout, the venv it would make)."""
+    """A checkout of setup.sh and its patches whose pyproject.toml asks for lockprobe (pinned to
+    1.0 in its lock), owned by the user; (checkout, the venv it would make)."""
     uid, d = user
     base = os.path.join(d, name)
     checkout = os.path.join(base, "checkout")
@@ -90,11 +90,7 @@ def new_checkout(user, name):
     shutil.copy(SETUP, os.path.join(checkout, "scripts"))
     shutil.copytree(os.path.join(ROOT, "scripts", "patches"),
                     os.path.join(checkout, "scripts", "patches"))
-    with open(os.path.join(checkout, "setup.py"), "w") as f:
-        f.write("from setuptools import setup\n"
-                "setup(name='hvdtrain', version='0', py_modules=[],"
-                " install_requires=['lockprobe'],"
-                " extras_require={e: [] for e in ('mpi', 'test', 'bench', 'docs')})\n")
+    write_project(checkout, ["lockprobe"])
     with open(os.path.join(checkout, "constraints.txt"), "w") as f:
         f.write("lockprobe==1.0\n")
     with open(os.path.join(checkout, "README.md"), "w") as f:

@@ -21,6 +21,19 @@ SETUP = os.path.join(ROOT, "scripts", "setup.sh")
 SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
 
 
+def write_project(checkout, requires):
+    """A checkout's pyproject.toml and thin setup.py, as hvdtrain's: a package of no modules
+    that asks for REQUIRES, with the extras scripts/setup.sh installs."""
+    with open(os.path.join(checkout, "pyproject.toml"), "w") as f:
+        f.write("[project]\nname = 'hvdtrain'\nversion = '0'\n"
+                f"dependencies = {requires!r}\n"
+                "[project.optional-dependencies]\n"
+                + "".join(f"{e} = []\n" for e in ("mpi", "test", "bench", "docs"))
+                + "[tool.setuptools]\npy-modules = []\n")
+    with open(os.path.join(checkout, "setup.py"), "w") as f:
+        f.write("from setuptools import setup\nsetup()\n")
+
+
 def free_uid(start=41000):
     """A uid and gid that no account has: nothing to make, nothing to remove."""
     uid = start
@@ -242,7 +255,7 @@ def loopback_index(tmp_path):
 
 @pytest.fixture
 def probe_checkout(tmp_path):
-    """(a checkout whose setup.py asks for lockprobe, pinned in its constraints.txt to 1.0,
+    """(a checkout whose pyproject.toml asks for lockprobe, pinned in its constraints.txt to 1.0,
     its venv, the venv's site-packages): made with this machine's Python, holding what
     setup.sh's first pip call asks for (pip, setuptools, wheel, packaging), so that nothing
     but lockprobe is looked for on an index."""
@@ -250,10 +263,7 @@ def probe_checkout(tmp_path):
     checkout = os.path.join(d, "checkout")
     os.makedirs(os.path.join(checkout, "scripts"))
     shutil.copy(SETUP, os.path.join(checkout, "scripts"))
-    with open(os.path.join(checkout, "setup.py"), "w") as f:
-        f.write("from setuptools import setup\n"
-                "setup(name='hvdtrain', version='0', py_modules=[], install_requires=['lockprobe'],"
-                " extras_require={e: [] for e in ('mpi', 'test', 'bench', 'docs')})\n")
+    write_project(checkout, ["lockprobe"])
     with open(os.path.join(checkout, "constraints.txt"), "w") as f:
         f.write("# the lock\nlockprobe==1.0\n")
     venv = os.path.join(d, "venv")

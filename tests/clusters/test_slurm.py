@@ -27,7 +27,7 @@ from slurm_cluster import IFACE, SlurmCluster
 from test_cluster_scripts import job_variables, submissions
 
 # The first test's bound also covers the module's fixtures: daemons started (the hosts, their
-# sshd or SLURM's), and the reference runs. Twice pytest.ini's.
+# sshd or SLURM's), and the reference runs. Twice pyproject.toml's (pytest's timeout).
 pytestmark = pytest.mark.timeout(600)
 
 SLURM_JOB = os.path.join(ROOT, "scripts", "slurm_job.sh")

@@ -1,9 +1,15 @@
-"""The architecture page's picture is the code: each package stands on the floor the picture
-draws, imports only what the page's table says it may (and so nothing above it, nothing in a
-circle), and the layout block names what the repository holds."""
+"""The architecture page's picture and table are the layers' import contracts: pyproject.toml's
+[tool.importlinter], which lint-imports checks (scripts/test.sh's checks, the pre-commit hook).
+The picture's floors are the layers contract, each row of the table one package's forbidden
+contract (what it may not import), the contracts hold of the code, and a backward import breaks
+them; the layout block names what the repository holds."""
 import ast
 import os
 import re
+import shutil
+import subprocess
+import sys
+import tomllib
 
 import pytest
 
@@ -11,6 +17,8 @@ from docs_pages import ROOT, block, docs_text
 
 pytestmark = pytest.mark.quick
 PACKAGE = os.path.join(ROOT, "hvdtrain")
+# The venv's own (the test extra): lint-imports beside this Python.
+LINT_IMPORTS = os.path.join(os.path.dirname(sys.executable), "lint-imports")
 
 
 def packages():
@@ -23,6 +31,14 @@ def faces():
                   and f != "__main__.py")
 
 
+def contracts():
+    """pyproject.toml's import contracts, by id."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        settings = tomllib.load(f)["tool"]["importlinter"]
+    assert settings["root_package"] == "hvdtrain"
+    return {c["id"]: c for c in settings["contracts"]}
+
+
 def floors():
     """The picture's floors, top first: each a list of the names that start its cells."""
     picture = block("concepts/architecture.md", "  your script ").text
@@ -32,34 +48,6 @@ def floors():
         if line.startswith(" | ") and not cells[0].startswith("  "):  # a floor's first line
             out.append([re.match(r"\s*(\w+)", cell).group(1) for cell in cells])
     return out
-
-
-def imports(path):
-    """The hvdtrain modules the file at PATH imports, as their first name under hvdtrain."""
-    out = set()
-    for node in ast.walk(ast.parse(open(path).read())):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            assert node.level == 0, f"{path}: a relative import"
-            names = [node.module + "." + a.name for a in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "hvdtrain" and len(parts) > 1:
-                out.add(parts[1])
-    return out
-
-
-def imported_by(package):
-    """What the modules of hvdtrain/PACKAGE import from hvdtrain, other than the package."""
-    found = set()
-    for folder, dirs, files in os.walk(os.path.join(PACKAGE, package)):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        for f in files:
-            if f.endswith(".py"):
-                found |= imports(os.path.join(folder, f))
-    return found - {package}
 
 
 # Public faces that are packages (their modules are entry points, with the faces' rule):
@@ -77,6 +65,18 @@ def may_import():
     return out
 
 
+def everything_but(*names):
+    """hvdtrain's top-level modules and packages other than NAMES, as contracts name them."""
+    return {f"hvdtrain.{n}" for n in packages() + faces() if n not in names}
+
+
+def lint_imports(cwd=ROOT):
+    """lint-imports on the hvdtrain and pyproject.toml in CWD: (status, its output)."""
+    out = subprocess.run([LINT_IMPORTS, "--no-cache", "--no-logo"], cwd=cwd, capture_output=True,
+                         text=True, timeout=120)
+    return out.returncode, out.stdout + out.stderr
+
+
 def test_the_picture_draws_every_package_on_a_floor():
     drawn = floors()
     assert drawn[0][0] == "faces", drawn
@@ -87,33 +87,59 @@ def test_the_picture_draws_every_package_on_a_floor():
         assert re.search(rf"\b{face}\b", names), face
 
 
-def test_each_package_imports_only_what_the_page_allows_and_only_below_it():
+def test_the_picture_is_the_layers_contract():
+    layers = contracts()["layers"]
+    assert layers["type"] == "layers" and layers["containers"] == ["hvdtrain"]
+    assert [[n.strip() for n in layer.split("|")] for layer in layers["layers"]] == floors()[1:]
+    # "|": siblings on one floor import neither the other (tasks and fit, inputs and distributed).
+    assert all("|" in layer or " " not in layer.strip() for layer in layers["layers"])
+
+
+def test_each_row_of_the_table_is_a_contract():
     drawn = floors()
     level = {name: len(drawn) - i for i, floor in enumerate(drawn) for name in floor}
     allowed = may_import()
     assert set(allowed) == {p for p in packages() if p not in FACE_PACKAGES}, allowed
+    held = contracts()
     for package, cell in allowed.items():
-        found = imported_by(package)
-        assert found <= cell, (package, found - cell)
+        contract = held[package]
+        assert contract["type"] == "forbidden", package
+        assert contract["source_modules"] == [f"hvdtrain.{package}"], package
+        assert set(contract["forbidden_modules"]) == everything_but(package, *cell), package
         for name in cell:
             if name in level:  # a package: on a lower floor
                 assert level[name] < level[package], (package, name)
             else:  # a face named in the cell: a leaf that imports nothing of hvdtrain
-                assert name in faces() and not imports(os.path.join(PACKAGE, name + ".py")), name
-    # Nothing imports the bench (the developers' tool, an optional part), face or package.
-    for face in faces():
-        assert "bench" not in imports(os.path.join(PACKAGE, face + ".py")), face
-    for package in packages():
-        if package != "bench":
-            assert "bench" not in imported_by(package), package
+                leaf = held[name]
+                assert name in faces() and leaf["source_modules"] == [f"hvdtrain.{name}"], name
+                assert set(leaf["forbidden_modules"]) == everything_but(name), name
+    # Nothing imports the bench (the developers' optional part): no face here, and no package
+    # below by the package contracts above.
+    faces_rule = held["faces"]
+    assert set(faces_rule["source_modules"]) == everything_but("bench", "_version", *level), \
+        faces_rule
+    assert faces_rule["forbidden_modules"] == ["hvdtrain.bench"]
+    assert all("hvdtrain.bench" in held[p]["forbidden_modules"] for p in level), held
+
+
+def test_the_contracts_hold():
+    status, out = lint_imports()
+    assert status == 0, out
+    assert f"Contracts: {len(contracts())} kept, 0 broken." in out, out
 
 
 def test_a_backward_import_fails_the_check(tmp_path):
-    """The check above can fail: base importing the engine is caught."""
-    bad = tmp_path / "bad.py"
-    bad.write_text("from hvdtrain.engine.run import Run\nimport hvdtrain.base.config\n")
-    assert imports(str(bad)) == {"engine", "base"}
-    assert not imports(str(bad)) <= may_import()["base"]
+    """The check above can fail: base importing the engine is caught, by both the floors and
+    base's own contract."""
+    shutil.copytree(PACKAGE, tmp_path / "hvdtrain",
+                    ignore=shutil.ignore_patterns("__pycache__", "resources"))
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path)
+    (tmp_path / "hvdtrain" / "base" / "bad.py").write_text(
+        "from hvdtrain.engine.run import Run\nimport hvdtrain.base.config\n")
+    status, out = lint_imports(tmp_path)
+    assert status == 1, out
+    assert f"Contracts: {len(contracts()) - 2} kept, 2 broken." in out, out
+    assert "hvdtrain.base.bad -> hvdtrain.engine.run (l.1)" in out, out
 
 
 def test_the_layout_block_names_what_the_repository_holds():

@@ -1,10 +1,10 @@
-"""The lock (constraints.txt): this venv holds exactly its versions, setup.py's pins agree with
-it, every pin installs on each Python the docs claim (the distributions' own included: Debian
-12's 3.11.2), and setup.py and scripts/setup.sh ask for that range."""
-import ast
+"""The lock (constraints.txt): this venv holds exactly its versions, pyproject.toml's pins agree
+with it, every pin installs on each Python the docs claim (the distributions' own included:
+Debian 12's 3.11.2), and pyproject.toml and scripts/setup.sh ask for that range."""
 import importlib.metadata
 import os
 import re
+import tomllib
 
 import pytest
 
@@ -42,13 +42,10 @@ def drifts(pins):
     return lines
 
 
-def setup_kwargs():
-    """setup()'s keyword arguments that are literals, read from setup.py's source."""
-    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
-    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
-                and getattr(n.func, "id", None) == "setup")
-    return {k.arg: ast.literal_eval(k.value) for k in call.keywords
-            if isinstance(k.value, (ast.Constant, ast.List, ast.Dict))}
+def project():
+    """pyproject.toml's [project] table: the requirements, the extras, the Python range."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
 
 
 def test_the_venv_holds_the_locked_versions():
@@ -64,19 +61,19 @@ def test_a_drift_is_one_line_naming_the_package():
     assert drifts(pins) == [f"numpy: locked 1.0.0, installed {importlib.metadata.version('numpy')}"]
 
 
-def test_setup_py_pins_are_the_locked_versions():
-    kw = setup_kwargs()
+def test_pyproject_pins_are_the_locked_versions():
+    kw = project()
     pins = locked()
-    exact = [r for r in kw["install_requires"] + sum(kw["extras_require"].values(), [])
+    exact = [r for r in kw["dependencies"] + sum(kw["optional-dependencies"].values(), [])
              if "==" in r]
     assert exact
     for r in exact:
         name, version = r.split("==")
         assert {canonical(n): v for n, v in pins.items()}[canonical(name)] == version, r
     # The lock's Python range (below); training needs no test or bench tool.
-    assert kw["python_requires"] == ">=3.11,<3.14"
-    assert not any(re.match(r"(pytest|matplotlib|kubernetes)", r) for r in kw["install_requires"])
-    assert "horovod" not in kw["extras_require"]  # built by scripts/setup.sh, not by pip
+    assert kw["requires-python"] == ">=3.11,<3.14"
+    assert not any(re.match(r"(pytest|matplotlib|kubernetes)", r) for r in kw["dependencies"])
+    assert "horovod" not in kw["optional-dependencies"]  # built by scripts/setup.sh, not by pip
 
 
 # The Pythons the docs claim (docs/reference/versions.md), at the first release of each minor:
@@ -111,8 +108,8 @@ def test_a_pin_that_needs_a_newer_micro_release_is_named():
 
 
 def test_setup_sh_checks_the_same_range():
-    """scripts/setup.sh's interpreter check and message, and setup.py's python_requires, say
-    the claimed range: 3.11 to 3.13."""
+    """scripts/setup.sh's interpreter check and message, and pyproject.toml's requires-python,
+    say the claimed range: 3.11 to 3.13."""
     setup = open(os.path.join(ROOT, "scripts", "setup.sh")).read()
     assert 'py_range="3.11-3.13"' in setup
     assert "(3, 11) <= sys.version_info[:2] <= (3, 13)" in setup
