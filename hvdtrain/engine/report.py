@@ -171,15 +171,16 @@ class Reporter:
         return True
 
     def progress(self, epoch: int, epochs: int, step: int, steps: int, done: int,
-                 global_batch: int, metrics: dict) -> None:
+                 step_examples: int, metrics: dict) -> None:
         """One plain progress line: the epoch's step, rank 0's running metrics, the rate of
-        the ``done`` steps since the epoch began, and the epoch's time left."""
+        the ``done`` steps (of ``step_examples`` over all ranks each) since the epoch began,
+        and the epoch's time left."""
         seconds = max(time.monotonic() - self._epoch_began, 1e-9)
         rate = done / seconds
         left = (steps - step) / rate if rate else float("nan")
         shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         self.print(f"Epoch {epoch}/{epochs}  step {step}/{steps}  {shown}  "
-                   f"{rate * global_batch:,.0f} samples/s  epoch ETA {_duration(left)}")
+                   f"{rate * step_examples:,.0f} samples/s  epoch ETA {_duration(left)}")
 
     def print(self, message: str, level: int = 1) -> None:
         if self.verbose >= level:
