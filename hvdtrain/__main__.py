@@ -5,6 +5,7 @@
     python -m hvdtrain package.module:Task [flags]       # the same
     python -m hvdtrain workers TASK [flags]           # the worker count those flags configure
                                                       # (the launch scripts start that many)
+    python -m hvdtrain run-dir [--job NAME] TASK [flags]   # the run directory they name
 """
 import sys
 
@@ -13,7 +14,7 @@ from hvdtrain.base.errors import Error, SpecError
 from hvdtrain.tasks.task import BUILTIN, load_task
 
 USAGE = ("usage: python -m hvdtrain {linear,mnist} [flags] | run MODULE:TASK [flags] | "
-         "workers TASK [flags]  (--help after the task)")
+         "workers TASK [flags] | run-dir [--job NAME] TASK [flags]  (--help after the task)")
 
 
 def main(argv=None) -> int:
@@ -24,6 +25,10 @@ def main(argv=None) -> int:
         print(USAGE)
         return 0 if argv else SpecError.status
     command, rest = argv[0], argv[1:]
+    if command == "run-dir":
+        from hvdtrain.cli import run_dir
+
+        return run_dir(rest)
     try:
         if command == "workers" and rest:
             task = load_task(rest[0])

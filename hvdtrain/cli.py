@@ -3,6 +3,7 @@
     hvdtrain.cli.run(MyTask())                        # from a user's own __main__
     python -m hvdtrain run mypackage.tasks:MyTask --epochs 3
     python -m hvdtrain.mnist --help                   # the built-in tasks: the same
+    python -m hvdtrain run-dir [--job NAME] TASK [flags]   # the run directory they name
 
 Exit status: 0 trained; 1 a runtime failure (data file, checkpoint, diverged, the launcher,
 Keras, a task that breaks the Task interface's rules); 2 a bad command line or setting; and
@@ -21,9 +22,12 @@ import sys
 import threading
 
 from hvdtrain import distributed
-from hvdtrain.base.config import parse_args
+from hvdtrain.base.config import given_run_dir, parse_args
 from hvdtrain.base.errors import RETRIED, Error, Preempted, RunDirBusy
+from hvdtrain.engine.rundir import RunDir, job_run_dir
 from hvdtrain.tasks.train import train
+
+RUN_DIR_USAGE = "usage: python -m hvdtrain run-dir [--job NAME] TASK [flags]"
 
 
 def report(prog: str, e: Error) -> int:
@@ -107,4 +111,28 @@ def run(task, argv=None, prog=None, on_result=None) -> int:
         sys.stderr.write(f"{prog}: interrupted (SIGINT) before training started: "
                          "nothing saved\n")
         return 130
+    return 0
+
+
+def run_dir(argv) -> int:
+    """``python -m hvdtrain run-dir [--job NAME] TASK [flags]``: print the run directory that
+    TASK's flags name, as an absolute path, and return 0: a launcher script's answer, taken
+    as hvdtrain takes ``--run-dir``, without loading the task (a spec, ``pkg.mod:Task``, too).
+    With no ``--run-dir``: with ``--job NAME``, a batch job's (``job_run_dir``: runs/NAME-TASK
+    under the current directory, the same when the job is submitted again); else nothing is
+    printed (the run makes runs/TASK-TIME itself). A bad command line: one line, exit 2."""
+    argv = list(argv)
+    job = None
+    if argv[:1] == ["--job"] and len(argv) >= 2:
+        job, argv = argv[1], argv[2:]
+    elif argv[:1] and argv[0].startswith("--job="):
+        job, argv = argv[0].partition("=")[2], argv[1:]
+    if not argv or argv[0].startswith("-") or job == "":
+        sys.stderr.write(f"hvdtrain: error: run-dir needs a task; {RUN_DIR_USAGE}\n")
+        return 2
+    given = given_run_dir(argv[1:], f"python -m hvdtrain run-dir {argv[0]}")
+    if given is not None:
+        print(RunDir(given).path)
+    elif job is not None:
+        print(job_run_dir(job, argv[0]))
     return 0

@@ -47,14 +47,9 @@ shift
 hostfile=${OMPI_MCA_orte_default_hostfile:-/etc/mpi/hostfile}
 [[ -r $hostfile ]] || { echo "k8s_launcher.sh: error: no hostfile $hostfile (not in an MPIJob launcher pod?)" >&2; exit 2; }
 
-run_dir=""
-args=("$@")
-for ((i = 0; i < ${#args[@]}; i++)); do
-    case ${args[i]} in
-    --run-dir) run_dir=${args[i + 1]:-} ;;
-    --run-dir=*) run_dir=${args[i]#--run-dir=} ;;
-    esac
-done
+# The run directory, as hvdtrain reads the flags (python -m hvdtrain run-dir: empty if none).
+python=${PYTHON:-$root/.venv/bin/python}
+run_dir=$("$python" -m hvdtrain run-dir "$task" "$@")
 if [[ -z $run_dir ]]; then
     echo "k8s_launcher.sh: error: give --run-dir on the job's claim: a restarted launcher resumes from its checkpoints" >&2
     exit 2

@@ -70,18 +70,13 @@ python=${PYTHON:-$root/.venv/bin/python}
 launcher=${LAUNCHER:-srun}
 [[ -x "$python" ]] || { echo "slurm_job.sh: error: no $python (run scripts/setup.sh, or set PYTHON or HVDTRAIN_ROOT)" >&2; exit 2; }
 
-# The run directory: the flags' --run-dir (the last one wins, as in hvdtrain), else one named
-# after the job name and the task, so that the same submission finds its checkpoints again.
-run_dir=""
-args=("$@")
-for ((i = 0; i < ${#args[@]}; i++)); do
-    case ${args[i]} in
-    --run-dir) run_dir=${args[i + 1]:-} ;;
-    --run-dir=*) run_dir=${args[i]#--run-dir=} ;;
-    esac
-done
+# The run directory, as hvdtrain reads the flags (python -m hvdtrain run-dir): their --run-dir,
+# else one under the submit directory named after the job name and the task, so that the
+# same submission finds its checkpoints again.
+run_dir=$("$python" -m hvdtrain run-dir "$task" "$@")
 if [[ -z "$run_dir" ]]; then
-    run_dir=$submit_dir/runs/${SLURM_JOB_NAME:-hvdtrain}-${task//[^A-Za-z0-9._-]/_}
+    job=${SLURM_JOB_NAME:-hvdtrain}
+    run_dir=$(cd "$submit_dir" && "$python" -m hvdtrain run-dir --job "$job" "$task")
     set -- --run-dir "$run_dir" "$@"
 fi
 

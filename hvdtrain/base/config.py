@@ -345,6 +345,16 @@ def build_parser(task, prog: Optional[str] = None) -> argparse.ArgumentParser:
     return parser
 
 
+def given_run_dir(argv: Sequence[str], prog: str) -> Optional[str]:
+    """The run directory a task's command line gives: its ``--run-dir``, the last one, taken
+    as the whole command line takes it (``none`` or empty: none given), else None. Neither
+    the task nor its other flags are loaded or checked. Exit 2 with one line on a
+    ``--run-dir`` without its value."""
+    parser = _Parser(prog=prog, add_help=False)
+    parser.add_argument("--run-dir", type=_optional(str), default=None, dest="run_dir")
+    return parser.parse_known_args(list(argv))[0].run_dir
+
+
 def parse_args(task, argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> Config:
     """Parse ``task``'s command line: return the Config, and set ``task.settings`` from its
     own flags. Exit 2 with one line on a bad flag or value."""

@@ -4,6 +4,7 @@ errors, the elastic driver), and the single-process World, which needs no Horovo
 else in hvdtrain asks ``rank() == 0``; it asks ``world.is_chief``."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
@@ -15,14 +16,41 @@ if TYPE_CHECKING:  # for the annotation only: horovod_world imports this module
     from hvdtrain.distributed.horovod_world import Reduction
 
 
+@dataclasses.dataclass
 class Progress:
-    """Where training stands (epoch, examples done in it, ...); ``commit`` is elastic's."""
+    """Where training stands, as a checkpoint or an elastic commit keeps it.
 
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
+    Under Horovod's elastic driver the drivers get its elastic state instead, which holds the
+    same fields (``fields()``) and commits them; ``commit`` here does nothing.
+
+    Attributes:
+        epoch: the epochs finished (None: a fresh start, nothing restored).
+        offset: the examples of the next epoch already trained, over all ranks.
+        sums: that epoch's metric sums so far over every rank (None: none kept).
+        last_record: the newest finished epoch's record (a dict, as metrics.jsonl has it).
+        path: the checkpoint it was restored from (None: none).
+    """
+
+    epoch: Optional[int] = None
+    offset: Optional[int] = None
+    sums: Optional[list] = None
+    last_record: Optional[dict] = None
+    path: Optional[str] = None
+
+    def fields(self) -> dict:
+        """The fields by name (what Horovod's elastic state is made from)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def commit(self) -> None:
         pass
+
+
+def steps_done(progress, step_examples: int, steps: int) -> int:
+    """The steps of the next epoch already trained: ``progress.offset`` examples in steps of
+    ``step_examples`` (over all ranks), at most ``steps``. After a resume or an elastic reset
+    with another world size the epoch continues after the same examples, rounded up to a
+    whole step of the new size. ``progress``: a ``Progress`` or the elastic state."""
+    return min(-(-progress.offset // step_examples), steps)
 
 
 # The names of World.any_true's and World.all_same's allreduces: the run's agreement questions
@@ -40,6 +68,9 @@ class World:
 
     def __init__(self):
         self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
+        # The run directories this process's runs finished: given again to a run of this
+        # process (hk.fit's second phase of training), not a rerun of the same command.
+        self.finished_runs: set = set()
 
     @property
     def is_chief(self) -> bool:

@@ -6,9 +6,11 @@ compiled loop and ``hvdtrain.fit``'s ``model.fit``).
   command line, or a fit script), which words its refusals use;
 - ``checkpoints``: a run's checkpoints (found, checked against the run's settings, loaded,
   saved); ``checkpoint_file``: the checkpoint file format (one self-verifying file);
-- ``rundir``: the run directory's policy (its default name, what may not be in it, the lock
-  that rank 0 holds); ``agreement``: every rank's weights compared at the end;
-- ``report``: the console lines and the files of the run directory, written by rank 0;
+- ``rundir``: the run directory (``RunDir``: the path of each of its files; its default
+  name, what may not be in it, the lock that rank 0 holds); ``agreement``: every rank's
+  weights compared at the end;
+- ``report``: the console lines and the files of the run directory, written by rank 0, and
+  ``EpochRecord``, an epoch's line of metrics.jsonl;
   ``tracking``: the experiment trackers (MLflow, W&B, TensorBoard) it feeds, from a thread;
 - ``watchdog``: no rank waits forever on a dead or frozen peer;
 - ``preflight``: before step 0, the checks that every rank agrees with rank 0.

@@ -1,8 +1,8 @@
 """What a run leaves behind: console lines and the run directory, written by rank 0 only.
 
-Run directory layout:
+Run directory layout (``rundir.RunDir`` names each path):
     config.json      the task, the validated training settings and the task's own, plus
-                     world size, backend and Keras
+                     world size, backend, Keras and the learning rate applied
     metrics.jsonl    one JSON line per epoch: epoch, global_step, loss, metrics, samples_per_sec
     tensorboard/     the same scalars for TensorBoard
     model.keras      the trained model (Keras format), unless --no-save-model
@@ -11,20 +11,66 @@ Run directory layout:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
+from typing import Optional
 
 from hvdtrain.base.config import env_number
 from hvdtrain.base.errors import StorageError
 from hvdtrain.base.files import (atomic_open, finite_json, make_dirs, remove_leftovers, replacing,
                                  write_json_atomic, writing)
-from hvdtrain.engine.rundir import RunLock, default_run_dir, run_dir_problem
+from hvdtrain.engine.rundir import RunDir
 
 # Where no live progress bar is drawn (a launcher's pipe, a SLURM or Kubernetes log), rank 0
 # prints a plain line this often inside an epoch (HVDTRAIN_PROGRESS_SECONDS; 0: never).
 PROGRESS_SECONDS = 30.0
+
+
+@dataclasses.dataclass
+class EpochRecord:
+    """One finished epoch: a line of metrics.jsonl (``as_dict``), the same on both paths.
+
+    Attributes:
+        epoch: its number, from 1.
+        epochs: the epochs the run is set to train.
+        global_step: the updates made by its end.
+        metrics: its mean loss and metrics over every rank's examples (``loss``,
+            ``accuracy``, the fit path's ``val_*``), by name.
+        samples_per_sec: the examples this process trained in it (fewer after a resume),
+            over all ranks, per second.
+        seconds: its time.
+        world_size: the ranks that trained it.
+        input_wait: a tf.data input's share of its time the slowest rank's steps waited.
+    """
+
+    epoch: int
+    epochs: int
+    global_step: int
+    metrics: dict
+    samples_per_sec: float
+    seconds: float
+    world_size: int
+    input_wait: Optional[float] = None
+
+    def as_dict(self) -> dict:
+        """The record as metrics.jsonl and the checkpoints keep it: the metrics by name
+        beside the other fields (``input_wait`` only with a tf.data input)."""
+        out = {"epoch": self.epoch, "epochs": self.epochs, "global_step": self.global_step,
+               **self.metrics, "samples_per_sec": self.samples_per_sec,
+               "seconds": self.seconds, "world_size": self.world_size}
+        if self.input_wait is not None:
+            out["input_wait"] = self.input_wait
+        return out
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "EpochRecord":
+        """A record as ``as_dict`` made it (a checkpoint's, a line of metrics.jsonl)."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"metrics"}
+        return cls(metrics={k: v for k, v in record.items() if k not in fields},
+                   **{k: record.get(k) for k in fields})
 
 
 def _scalars(values: dict) -> bytes:
@@ -43,17 +89,12 @@ def _scalars(values: dict) -> bytes:
 class Reporter:
     """Prints and writes on the chief; does nothing on other ranks."""
 
-    def __init__(self, world, run_dir, task_name: str, verbose: int = 1, track=(),
+    def __init__(self, world, run_dir: RunDir, verbose: int = 1, track=(),
                  track_required: bool = False):
-        self.world, self._verbose = world, verbose
+        self.world, self._verbose, self.dir = world, verbose, run_dir
         self._track, self._track_required = tuple(track), track_required
         self.trackers = None  # tracking.Trackers, on rank 0 once the run starts
         self._config = None  # config.json's dict, once the run starts
-        if run_dir:
-            self.run_dir = os.path.abspath(run_dir)
-        else:  # rank 0 names the directory (its clock decides) and tells the others
-            path = default_run_dir(task_name) if world.is_chief else None
-            self.run_dir = os.path.abspath(world.broadcast_object(path))
         self._tb = None
         self._lock = None
         self._progress_every = env_number(
@@ -63,7 +104,7 @@ class Reporter:
 
     def problem(self):
         """Rank 0: why the run directory cannot be used (None if it can); creates nothing."""
-        return run_dir_problem(self.run_dir) if self.enabled else None
+        return self.dir.problem() if self.enabled else None
 
     def finished(self, epochs: int, defining: dict):
         """Rank 0: the result.json of a finished run in the run directory that trained at
@@ -74,9 +115,9 @@ class Reporter:
         if not self.enabled:
             return None
         try:
-            with open(os.path.join(self.run_dir, "result.json")) as f:
+            with open(self.dir.result) as f:
                 done = json.load(f)
-            with open(os.path.join(self.run_dir, "config.json")) as f:
+            with open(self.dir.config) as f:
                 saved = json.load(f)
         except (OSError, ValueError):
             return None  # none, or unreadable: the checkpoints decide, as before
@@ -88,11 +129,11 @@ class Reporter:
         """Rank 0: create the run directory and hold it for this run (RunDirBusy if taken);
         remove the temporary files of writes that a killed or failed run left."""
         if self.enabled and self._lock is None:
-            self._lock = RunLock(self.run_dir)
+            self._lock = self.dir.lock()
             from hvdtrain.engine import checkpoint_file
 
-            remove_leftovers(self.run_dir)
-            checkpoint_file.remove_leftovers(os.path.join(self.run_dir, "checkpoints"))
+            remove_leftovers(self.dir.path)
+            checkpoint_file.remove_leftovers(self.dir.checkpoints)
 
     def release(self) -> None:
         if self._lock is not None:
@@ -130,15 +171,16 @@ class Reporter:
         return True
 
     def progress(self, epoch: int, epochs: int, step: int, steps: int, done: int,
-                 global_batch: int, metrics: dict) -> None:
+                 step_examples: int, metrics: dict) -> None:
         """One plain progress line: the epoch's step, rank 0's running metrics, the rate of
-        the ``done`` steps since the epoch began, and the epoch's time left."""
+        the ``done`` steps (of ``step_examples`` over all ranks each) since the epoch began,
+        and the epoch's time left."""
         seconds = max(time.monotonic() - self._epoch_began, 1e-9)
         rate = done / seconds
         left = (steps - step) / rate if rate else float("nan")
         shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         self.print(f"Epoch {epoch}/{epochs}  step {step}/{steps}  {shown}  "
-                   f"{rate * global_batch:,.0f} samples/s  epoch ETA {_duration(left)}")
+                   f"{rate * step_examples:,.0f} samples/s  epoch ETA {_duration(left)}")
 
     def print(self, message: str, level: int = 1) -> None:
         if self.verbose >= level:
@@ -154,10 +196,10 @@ class Reporter:
         self._config = config_dict  # every rank: an elastic run's next rank 0 tracks from it
         if not self.enabled:
             return
-        with writing(self.run_dir):
-            make_dirs(self.run_dir)
-        write_json_atomic(os.path.join(self.run_dir, "config.json"), config_dict)
-        metrics = os.path.join(self.run_dir, "metrics.jsonl")
+        with writing(self.dir.path):
+            make_dirs(self.dir.path)
+        write_json_atomic(self.dir.config, config_dict)
+        metrics = self.dir.metrics
         if os.path.exists(metrics):
             # Epochs after the checkpoint will be trained (and logged) again; a line cut short
             # (its write killed, or the disk full) is an epoch after it.
@@ -168,7 +210,7 @@ class Reporter:
         import tensorflow as tf
 
         if self._tb is None:
-            board = os.path.join(self.run_dir, "tensorboard")
+            board = self.dir.tensorboard
             with writing(board, also=(tf.errors.OpError,)):
                 self._tb = tf.summary.create_file_writer(board)
         self._start_trackers()
@@ -179,13 +221,13 @@ class Reporter:
         if self._track and self.trackers is None:
             from hvdtrain.engine.tracking import Trackers
 
-            self.trackers = Trackers(self._track, self.run_dir, self._track_required,
+            self.trackers = Trackers(self._track, self.dir, self._track_required,
                                      self.notice)
             self.trackers.start(self._config, self.records())
 
     def records(self) -> list:
         """Rank 0: metrics.jsonl's records, in order ([] if none)."""
-        path = os.path.join(self.run_dir, "metrics.jsonl")
+        path = self.dir.metrics
         if not os.path.exists(path):
             return []
         with open(path) as f:
@@ -194,7 +236,7 @@ class Reporter:
     def epoch(self, record: dict) -> None:
         if not self.enabled:
             return
-        path = os.path.join(self.run_dir, "metrics.jsonl")
+        path = self.dir.metrics
         line = json.dumps(finite_json(record), sort_keys=True, allow_nan=False) + "\n"
         with writing(path), open(path, "a") as f:
             size = f.tell()
@@ -206,7 +248,7 @@ class Reporter:
                 raise
         import tensorflow as tf
 
-        with writing(os.path.join(self.run_dir, "tensorboard"), also=(tf.errors.OpError,)):
+        with writing(self.dir.tensorboard, also=(tf.errors.OpError,)):
             with self._tb.as_default(step=record["global_step"]):
                 # The epoch's scalars in one Summary, written by one op (what
                 # tf.summary.scalar writes, value by value, at one op each).
@@ -224,7 +266,7 @@ class Reporter:
         without hvdtrain); returns the path (None on other ranks)."""
         if not self.enabled:
             return None
-        path = os.path.join(self.run_dir, "model.keras")
+        path = self.dir.model
         try:
             with replacing(path, suffix=".keras") as tmp:  # Keras saves only to *.keras
                 model.save(tmp)
@@ -236,7 +278,7 @@ class Reporter:
             # with it. Its weights alone load into the same model built in code.
             # Keras' reason, its first sentence, on one line (it breaks it over lines).
             why = " ".join(str(e).split()).split(". ")[0] or "no reason given"
-            weights = os.path.join(self.run_dir, "model.weights.h5")
+            weights = self.dir.model_weights
             with replacing(weights, suffix=".weights.h5") as tmp:  # Keras' required suffix
                 model.save_weights(tmp)
             self.notice(f"hvdtrain: warning: model.keras not saved: Keras cannot save this "
@@ -250,9 +292,9 @@ class Reporter:
         if self._tb is not None:
             import tensorflow as tf
 
-            with writing(os.path.join(self.run_dir, "tensorboard"), also=(tf.errors.OpError,)):
+            with writing(self.dir.tensorboard, also=(tf.errors.OpError,)):
                 self._tb.close()
-        write_json_atomic(os.path.join(self.run_dir, "result.json"), result)
+        write_json_atomic(self.dir.result, result)
         if self.trackers is not None:
             self.trackers.finish(result)
 

@@ -6,29 +6,24 @@
         run.claim()                                       # rank 0 holds the run directory
         progress = run.restore(model, optimizer)          # newest checkpoint, or a fresh start
         run.broadcast()                                   # every rank from rank 0's state
-        run.start(progress.epoch)                         # config.json, metrics.jsonl kept
+        run.start(progress, global_batch)                 # config.json, metrics.jsonl kept
         ... the driver trains, asking run.stop_requested (or run.should_stop()) and calling
-            run.save(progress, sums) / run.epoch_end(record) / run.preempt(step) ...
+            run.reached(step) / run.save(progress, sums) / run.epoch_end(EpochRecord(...)) /
+            run.preempt(step) ...
         run.finish(result, model)                         # agreement, model.keras, result.json
 
 Both drivers use it: ``hvdtrain.tasks.train`` (the Task path's compiled loop) and ``hvdtrain.fit``
-(``hvdtrain.keras.fit``, Keras' own loop); neither keeps a copy of what is here:
-- the run directory: checked before anything is loaded, held by rank 0 while the run lives;
-- checkpoints: found (``--resume``/``--no-resume``, the settings that define the run must
-  match), restored on rank 0, broadcast; saved by rank 0 with the data position (``epoch``,
-  ``offset`` in examples) and the epoch's metric sums so far over every rank; committed in
-  memory for elastic runs;
-- SIGTERM and SIGINT: a flag every rank's driver reduces, so every rank stops after the same
-  step; then a checkpoint and ``Preempted`` (exit 75);
-- storage: rank 0's failed write (``StorageError``) is every rank's, at the write;
-- divergence: NaN or infinite weights are never checkpointed (``Diverged``, exit 1);
-- the result: every rank's weights compared, the model saved, result.json written last;
-- errors: an error raised on every rank together (``errors.Together``) ends the run quietly;
-  one rank's error stops the others through the watchdog; a failed collective becomes one
-  line naming the rank.
-
-Only rank 0 reads and writes files (``report.Reporter``); the partial sums it saves are the
-exact sums over every rank.
+(``hvdtrain.keras.fit``, Keras' own loop); neither keeps a copy of what is here: the run
+directory (``rundir.RunDir``: checked before anything is loaded, held by rank 0 while the run
+lives); checkpoints (found, the settings that define the run must match; restored on rank 0,
+broadcast; saved by rank 0 with the data position and the epoch's metric sums so far over
+every rank; committed in memory for elastic runs); SIGTERM and SIGINT (a flag every rank's
+driver reduces: every rank stops after the same step, a checkpoint, ``Preempted``, exit 75);
+storage (rank 0's ``StorageError`` is every rank's, at the write); divergence (NaN weights are
+never checkpointed: ``Diverged``); the result (every rank's weights compared, the model saved,
+result.json last); errors (raised on every rank together: said once; one rank's: the others
+stopped by the watchdog; a failed collective: one line naming the rank). Only rank 0 reads
+and writes files (``report.Reporter``).
 """
 from __future__ import annotations
 
@@ -48,14 +43,10 @@ from hvdtrain.distributed.world import Progress, World
 from hvdtrain.engine.agreement import ranks_differ_line, weights_agreement
 from hvdtrain.engine.checkpoints import Checkpoints
 from hvdtrain.engine.fronts import CommandLine, FitScript
-from hvdtrain.engine.report import Reporter
+from hvdtrain.engine.report import EpochRecord, Reporter
+from hvdtrain.engine.rundir import RunDir
 from hvdtrain.engine.watchdog import Watchdog
 
-# Where training stands, as a checkpoint or an elastic commit keeps it.
-PROGRESS_FIELDS = ("epoch", "offset", "sums", "last_record", "path")
-# Keys of an epoch's record that are bookkeeping, not a metric (result.json's final_* skip them).
-BOOKKEEPING = ("epoch", "epochs", "global_step", "samples_per_sec", "seconds", "world_size",
-               "input_wait")
 # The signals that preempt a run: a checkpoint at a step every rank agrees on, exit 75.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # An epoch whose steps waited for input this share of its time (slowest rank) is input-bound.
@@ -67,9 +58,9 @@ class Run:
 
     ``front`` is what the run serves (``fronts.CommandLine(task name)`` or
     ``fronts.FIT_SCRIPT``): the run's name, and how its refusals name the user's settings;
-    ``settings`` is the driver's own settings
-    dataclass (a task's ``Settings``), or None. The driver sets ``global_batch`` before the
-    first save (it changes with the world size in elastic runs).
+    ``settings`` is the driver's own settings dataclass (a task's ``Settings``), or None. The
+    driver tells the run its input (``use_input``) and, at each start, its global batch
+    (``start``: it changes with the world size in elastic runs); it sets no attribute.
     """
 
     def __init__(self, world: World, config: Config, front: CommandLine | FitScript,
@@ -80,22 +71,24 @@ class Run:
         # joins later runs the setup alone while the others wait inside the driver's sync).
         self.collective = not config.elastic
         with timings.phase("agreement"):  # the default run directory: rank 0's name for it
-            self.out = Reporter(world, config.run_dir, front.name, config.verbose,
-                                config.track, config.track_required)
-        self.checkpoints = Checkpoints(world, config, self.out.run_dir + "/checkpoints",
-                                       self.out.notice, front)
+            self.dir = RunDir.resolve(config.run_dir, front.name, world)
+        self.out = Reporter(world, self.dir, config.verbose, config.track, config.track_required)
+        self.checkpoints = Checkpoints(world, config, self.dir.checkpoints, self.out.notice, front)
+        # The learning rate the optimizer applies: the setting, times the world size with
+        # scale_lr, fixed at the start (as the optimizer is); None: a schedule's (hk.fit).
+        rate = config.learning_rate
+        self.learning_rate = rate if rate is None or not config.scale_lr else rate * world.size
         self.finished: Optional[dict] = None  # a finished run's result.json (check_run_dir)
-        self.ckpt_dir = self.checkpoints.directory
         self.stop_requested = False
-        self.last_record: Optional[dict] = None  # the newest finished epoch's (kept in checkpoints)
-        self.global_batch = 0
+        # The newest finished epoch's record (kept in checkpoints: result.json's final_*).
+        self.last_record: Optional[EpochRecord] = None
+        self.global_batch = 0  # examples of one update over all ranks (start)
         self.model = self.optimizer = None
         self.state: list = []  # model and optimizer variables: what a checkpoint holds
         self.moving = MovingStatistics(world, [])
         self._handlers: dict = {}  # the signal handlers the run replaced while it trains
         self.stop_signal = None  # the name of the one that stopped it
-        self.pipeline = None  # the driver's pipeline.Batches, for a tf.data input
-        self.input: dict = {}  # what defines the input besides the settings (its files)
+        self.pipeline, self.input = None, {}  # the driver's tf.data input (use_input)
         self._said_input_bound = False
 
     # --- the run's frame: watchdog, SIGTERM, errors ---------------------------------------------
@@ -166,12 +159,12 @@ class Run:
             problem = self.world.broadcast_object(problem)
         problem, self.finished = problem
         if problem:
-            raise ConfigError("run_dir", self.out.run_dir, problem)
+            raise ConfigError("run_dir", self.dir.path, problem)
 
     def unchanged(self) -> str:
         """A rerun of a finished run (``finished``): what the driver says instead of training."""
         done = self.finished
-        return (f"hvdtrain: {self.out.run_dir} holds a finished run ({done.get('epochs')} "
+        return (f"hvdtrain: {self.dir} holds a finished run ({done.get('epochs')} "
                 f"epochs, step {done.get('global_step')}): nothing to train, nothing "
                 f"overwritten; a new {self.front.argument('run_dir')} trains again, more "
                 f"{self.front.argument('epochs')} train on")
@@ -213,7 +206,7 @@ class Run:
             fields = self.world.broadcast_object(fields)
         for signum in STOP_SIGNALS:
             self._handlers.setdefault(signum, signal.signal(signum, self._on_signal))
-        return Progress(**(fields or dict.fromkeys(PROGRESS_FIELDS)))
+        return Progress(**fields) if fields else Progress()
 
     @timings.timed("agreement")
     def broadcast(self) -> None:
@@ -226,13 +219,28 @@ class Run:
         return {"task": self.name, **values(self.config, defines_run=defines_run),
                 "settings": values(self.settings, defines_run=defines_run), **self.input}
 
+    def use_input(self, pipeline=None, identity: Optional[dict] = None) -> None:
+        """The driver's training input, once loaded: its tf.data ``pipeline`` (its input wait
+        recorded each epoch, checked unchanged before each save), and what identifies it
+        besides the settings (``identity``: its files, compared on resume)."""
+        self.pipeline, self.input = pipeline, dict(identity or {})
+
     @timings.timed("results")
-    def start(self, completed_epochs: int) -> None:
-        """config.json; metrics.jsonl keeps the epochs a resume starts after."""
+    def start(self, progress, global_batch: int) -> None:
+        """Training starts from ``progress`` (again after an elastic reset): config.json;
+        metrics.jsonl keeps the epochs a resume starts after. ``global_batch``: the examples
+        of one update over all ranks at this world size (a checkpoint's step)."""
+        self.global_batch, last = global_batch, progress.last_record
+        self.last_record = EpochRecord.from_dict(last) if last is not None else None
         self.rank0_writes(self.out.start, {**self.record(), "world_size": self.world.size,
                                            "backend": self.world.backend,
-                                           "keras": compat.describe()},
-                          completed_epochs or 0)
+                                           "keras": compat.describe(),
+                                           "applied_learning_rate": self.learning_rate},
+                          progress.epoch or 0)
+
+    def reached(self, global_step: int) -> None:
+        """The driver's step so far: what the watchdog's heartbeat tells the other ranks."""
+        self.dog.step = global_step
 
     # --- while training -----------------------------------------------------------------------
     @property
@@ -259,13 +267,15 @@ class Run:
         self.check_weights()
         self.check_agreement()
         self.rank0_writes(self.checkpoints.save, progress, partial_sums, self.state,
-                          self.global_batch, self.global_step, self.record(), self.last_record)
+                          self.global_batch, self.global_step, self.record(),
+                          self.last_record and self.last_record.as_dict())
 
     @timings.timed("checkpoints")
     def commit(self, progress: Progress, partial_sums) -> None:
         """Elastic: remember this step in memory; may raise Horovod's hosts-updated interrupt."""
         self.sync_state()
-        progress.sums, progress.last_record = list(partial_sums), self.last_record
+        progress.sums = list(partial_sums)
+        progress.last_record = self.last_record and self.last_record.as_dict()
         progress.commit()
 
     def check_weights(self) -> None:
@@ -290,7 +300,7 @@ class Run:
     def _kept(self) -> str:
         newest = self.checkpoints.steps()
         return (f"the newest checkpoint, from before it, is step {newest[0]} in "
-                f"{self.ckpt_dir}" if newest else "no checkpoint was saved before it")
+                f"{self.dir.checkpoints}" if newest else "no checkpoint was saved before it")
 
     def diverged(self, what: str) -> Diverged:
         kept = self._kept()
@@ -308,33 +318,38 @@ class Run:
         seen = [s for s in self.world.allgather_object(
             self.stop_signal if self.stop_requested else None) if s] or ["SIGTERM"]
         stop = Preempted(f"stopped by {seen[0]} at step {global_step}; checkpoint saved in "
-                         f"{self.ckpt_dir}; run the same command to resume")
+                         f"{self.dir.checkpoints}; run the same command to resume")
         stop.world = self.world  # report(): no rank exits before rank 0 has said the line
         raise stop
 
     @timings.timed("results")
-    def epoch_end(self, record: dict) -> None:
+    def epoch_end(self, record: EpochRecord) -> None:
         """All ranks. An epoch's record: metrics.jsonl and TensorBoard (rank 0); kept for
         checkpoints. With a tf.data input, the share of the epoch spent waiting for it."""
         if self.pipeline is not None:
-            record["input_wait"] = share = self.pipeline.wait_share(record["seconds"])
+            record.input_wait = share = self.pipeline.wait_share(record.seconds)
             if share > INPUT_BOUND and not self._said_input_bound:
                 self._said_input_bound = True
-                self.out.notice(f"hvdtrain: input-bound: epoch {record['epoch']}'s steps waited "
+                self.out.notice(f"hvdtrain: input-bound: epoch {record.epoch}'s steps waited "
                                 f"for input {share:.0%} of its time (slowest rank); parallel "
                                 "map/interleave, prefetch or cache would speed it up")
         self.last_record = record
-        self.rank0_writes(self.out.epoch, record)
+        self.rank0_writes(self.out.epoch, record.as_dict())
+
+    def use_record(self, record: EpochRecord) -> None:
+        """The epoch whose weights the model ends with (EarlyStopping's best): its final_*."""
+        self.last_record = record
 
     # --- after training -----------------------------------------------------------------------
     def finish(self, result: dict, model) -> dict:
         """result.json: the common fields, the driver's ``result``, every rank's weights
         compared, and model.keras (unless ``save_model`` is off). All ranks."""
-        last = self.last_record or {}
+        last = self.last_record.metrics if self.last_record else {}
         out = {"task": self.name, "backend": self.world.backend, "world_size": self.world.size,
                "global_step": self.global_step, "epochs": self.config.epochs,
-               "keras": compat.describe(),
-               **{f"final_{k}": v for k, v in last.items() if k not in BOOKKEEPING},
+               "keras": compat.describe(), **{f"final_{k}": v for k, v in last.items()},
+               # the rate the optimizer applied (``learning_rate``: its name before)
+               "applied_learning_rate": self.learning_rate, "learning_rate": self.learning_rate,
                **result}
         scale = precision.loss_scale(self.optimizer)
         if scale is not None:  # float16: the scale the run ended with (the same on every rank)

@@ -1,10 +1,13 @@
-"""The run directory's policy: its default name, why a path cannot hold a new or continued
-run, and the lock by which rank 0 holds it for the whole run (a second run on it is refused,
-a dead holder's lease waited out)."""
+"""The run directory: its layout (``RunDir``: the path of everything a run writes there), its
+default name, why a path cannot hold a new or continued run, and the lock by which rank 0
+holds it for the whole run (a second run on it is refused, a dead holder's lease waited out).
+docs/reference/run-directory.md describes each file."""
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
+import re
 import socket
 import sys
 import time
@@ -14,11 +17,80 @@ from hvdtrain.base.errors import RunDirBusy, RunDirHeld
 from hvdtrain.base.files import make_dirs, writing
 
 
+# The run directory's layout: the names of what rank 0 writes there.
+CONFIG, METRICS, RESULT = "config.json", "metrics.jsonl", "result.json"
+CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
+MODEL, MODEL_WEIGHTS = "model.keras", "model.weights.h5"
+TRACKING, LOCK = "tracking.json", ".lock"
 # What a run directory holds as folders: a file named like one would make every save fail.
-FOLDERS = ("checkpoints", "tensorboard")
+FOLDERS = (CHECKPOINTS, TENSORBOARD)
+# Where default run directories go, under the current directory.
+ROOT = "runs"
 
 
-def default_run_dir(task: str, root: str = "runs") -> str:
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """One run's directory (an absolute path) and the paths of what it holds.
+
+    Every module that reads or writes a run directory's file asks this for its path.
+    """
+
+    path: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", os.path.abspath(self.path))
+
+    @classmethod
+    def resolve(cls, given, task: str, world) -> "RunDir":
+        """The run directory of a run: ``given`` (``--run-dir``, ``run_dir=``), else a new
+        one named after ``task`` by rank 0 (its clock decides) and told to the other ranks.
+
+        Args:
+            given: the path the user gave, or None.
+            task: the run's name (``mnist``, ``fit``).
+            world: the ranks that agree on it.
+
+        Returns:
+            The RunDir, the same on every rank.
+        """
+        if given:
+            return cls(given)
+        return cls(world.broadcast_object(default_run_dir(task) if world.is_chief else None))
+
+    def __str__(self) -> str:
+        return self.path
+
+    def _join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    config = property(lambda self: self._join(CONFIG), doc="config.json")
+    metrics = property(lambda self: self._join(METRICS), doc="metrics.jsonl")
+    result = property(lambda self: self._join(RESULT), doc="result.json")
+    checkpoints = property(lambda self: self._join(CHECKPOINTS), doc="checkpoints/")
+    tensorboard = property(lambda self: self._join(TENSORBOARD), doc="tensorboard/")
+    model = property(lambda self: self._join(MODEL), doc="model.keras")
+    model_weights = property(lambda self: self._join(MODEL_WEIGHTS), doc="model.weights.h5")
+    tracking = property(lambda self: self._join(TRACKING), doc="tracking.json")
+    lock_file = property(lambda self: self._join(LOCK), doc=".lock")
+
+    def problem(self):
+        """Why this directory cannot hold a new or continued run (``run_dir_problem``)."""
+        return run_dir_problem(self.path)
+
+    def lock(self, wait: float = None) -> "RunLock":
+        """Hold this directory for this run (``RunLock``)."""
+        return RunLock(self.path, wait)
+
+
+def job_run_dir(job: str, task: str, root: str = ROOT) -> str:
+    """A batch job's run directory, ``runs/JOB-TASK``: named without a time or a job id, so
+    that the same job submitted again (or requeued) finds its checkpoints. ``task`` as the
+    job names it (a spec ``pkg.mod:Task`` too), its other characters made ``_``."""
+    return os.path.abspath(os.path.join(root, f"{job}-{re.sub(r'[^A-Za-z0-9._-]', '_', task)}"))
+
+
+def default_run_dir(task: str, root: str = ROOT) -> str:
+    """A new run directory for ``task``: ``runs/TASK-TIME`` (``-2``, ... if taken)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path, n = os.path.join(root, f"{task}-{stamp}"), 1
     while os.path.exists(path):
@@ -49,8 +121,8 @@ def run_dir_problem(path: str):
         if os.path.exists(inside) and not os.path.isdir(inside):
             return (f"holds a file {name} where its {name}/ folder belongs: move it away "
                     f"(and put the {name} back, to resume)")
-    checkpoints = os.path.join(path, "checkpoints")
-    if os.path.exists(os.path.join(path, "result.json")) and not (
+    checkpoints = os.path.join(path, CHECKPOINTS)
+    if os.path.exists(os.path.join(path, RESULT)) and not (
             os.path.isdir(checkpoints) and any(n.endswith(".hvdt") for n in os.listdir(checkpoints))):
         return ("holds a finished run (result.json) and no checkpoint to continue from: "
                 "choose a new one rather than overwrite it")
@@ -93,7 +165,7 @@ class RunLock:
     """
 
     def __init__(self, run_dir: str, wait: float = None):
-        path = os.path.join(run_dir, ".lock")
+        path = os.path.join(run_dir, LOCK)
         with writing(path):
             make_dirs(run_dir)
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

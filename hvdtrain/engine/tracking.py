@@ -39,14 +39,15 @@ from urllib.parse import urlparse
 
 from hvdtrain.base.errors import StorageError
 from hvdtrain.base.files import write_json_atomic
+from hvdtrain.engine.rundir import CONFIG, METRICS, RESULT, TENSORBOARD, TRACKING, RunDir
 
-RECORD = "tracking.json"
+RECORD = TRACKING  # RUN_DIR/tracking.json
 FLUSH_SECONDS = 120.0  # at the end: how long rank 0 waits for the trackers' calls to finish
 START_SECONDS = 60.0  # --track-required: how long the start may take before it counts as failed
 CONNECT_SECONDS = 10.0  # the reachability check of a tracker's server
 # An epoch record's keys that are not metrics (they are the step, or say which epoch).
 NOT_METRICS = ("epoch", "epochs", "global_step", "world_size")
-ARTIFACTS = ("config.json", "metrics.jsonl", "result.json")
+ARTIFACTS = (CONFIG, METRICS, RESULT)
 
 
 class TrackerError(StorageError):
@@ -208,7 +209,7 @@ class TensorBoard:
 
         values = {k: v for k, v in flat(settings).items()
                   if isinstance(v, (bool, int, float, str))}
-        writer = tf.summary.create_file_writer(os.path.join(run_dir, "tensorboard"))
+        writer = tf.summary.create_file_writer(os.path.join(run_dir, TENSORBOARD))
         with writer.as_default():
             hp.hparams(values, trial_id=run_name)
         writer.close()
@@ -224,8 +225,8 @@ BACKENDS = {"mlflow": MLflow, "wandb": Wandb, "tensorboard": TensorBoard}
 class Trackers:
     """Rank 0's trackers for one run: ``start``, ``epoch``, ``finish``, then ``close``."""
 
-    def __init__(self, names, run_dir: str, required: bool, notice: Callable[[str], None]):
-        self.names, self.run_dir, self.required, self.notice = tuple(names), run_dir, required, notice
+    def __init__(self, names, run_dir: RunDir, required: bool, notice: Callable[[str], None]):
+        self.names, self.dir, self.required, self.notice = tuple(names), run_dir, required, notice
         self.live: dict = {}  # name: backend, while it works
         self.failed: Optional[str] = None  # the first failure's line (--track-required)
         self.record: dict = {}
@@ -277,7 +278,7 @@ class Trackers:
         if self._thread.is_alive() and seconds:
             self.notice(f"hvdtrain: warning: the trackers ({', '.join(self.live)}) still had "
                         f"not answered after {seconds:.0f} s: left behind, the run is saved in "
-                        f"{self.run_dir}")
+                        f"{self.dir}")
         self._thread = None
 
     def check(self) -> None:
@@ -314,19 +315,18 @@ class Trackers:
                 f"{type(e).__name__}: {reason}")
         if self.required:
             self.failed = self.failed or (f"{line}; the run stops (--track-required); the "
-                                          f"checkpoints are in {self.run_dir}")
+                                          f"checkpoints are in {self.dir}")
         else:
             self.notice(f"hvdtrain: warning: {line}; training goes on without it "
                         "(--track-required stops instead)")
 
     def _start(self, config: dict) -> None:
-        run_name = os.path.basename(self.run_dir.rstrip(os.sep))
+        run_name = os.path.basename(self.dir.path)
         for name in self.names:
             try:
                 tracker = BACKENDS[name]()
                 saved = self.record[name]
-                info = tracker.start(saved, saved.get("run_name", run_name), config,
-                                     self.run_dir)
+                info = tracker.start(saved, saved.get("run_name", run_name), config, self.dir.path)
             except Exception as e:  # noqa: BLE001
                 self.live[name] = None
                 self._fail("start", e, name)
@@ -357,15 +357,15 @@ class Trackers:
                    and not isinstance(v, bool) and k not in ("world_size", "epochs")}
         numbers.update({f"time_{k}": v for k, v in (result.get("timings") or {}).items()
                         if isinstance(v, (int, float))})
-        paths = [os.path.join(self.run_dir, f) for f in ARTIFACTS
-                 if os.path.exists(os.path.join(self.run_dir, f))]
+        paths = [os.path.join(self.dir.path, f) for f in ARTIFACTS
+                 if os.path.exists(os.path.join(self.dir.path, f))]
         model = result.get("model")
         if model and os.path.exists(model):
             paths.append(model)
         with tempfile.TemporaryDirectory(prefix="hvdtrain-track-") as tmp:
             listing = os.path.join(tmp, "checkpoints.json")
             with open(listing, "w") as f:
-                json.dump(_checkpoints(os.path.join(self.run_dir, "checkpoints")), f, indent=1)
+                json.dump(_checkpoints(self.dir.checkpoints), f, indent=1)
             paths.append(listing)
             step = int(result.get("global_step", 0))
             self._each("end", lambda t: (t.summary(numbers) if hasattr(t, "summary")
@@ -379,7 +379,7 @@ class Trackers:
     # --- RUN_DIR/tracking.json --------------------------------------------------------------
     def _read(self) -> dict:
         try:
-            with open(os.path.join(self.run_dir, RECORD)) as f:
+            with open(self.dir.tracking) as f:
                 saved = json.load(f)
             return saved if isinstance(saved, dict) else {}
         except (OSError, ValueError):
@@ -387,7 +387,7 @@ class Trackers:
 
     def _write(self) -> None:
         try:
-            write_json_atomic(os.path.join(self.run_dir, RECORD), self.record)
+            write_json_atomic(self.dir.tracking, self.record)
         except Exception as e:  # noqa: BLE001 (the run directory's own writes will say it)
             self.notice(f"hvdtrain: warning: cannot write {RECORD}: {e}")
 

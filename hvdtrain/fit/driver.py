@@ -15,6 +15,7 @@ for the first call boundary that ends an update, so no checkpoint holds half an 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -22,9 +23,10 @@ import numpy as np
 from hvdtrain.base import compat, timings
 from hvdtrain.base.errors import ConfigError, step_failed
 from hvdtrain.distributed.optimizer import StopFlags
-from hvdtrain.distributed.world import Progress
+from hvdtrain.distributed.world import Progress, steps_done
 from hvdtrain.engine import preflight
-from hvdtrain.engine.run import BOOKKEEPING, Run
+from hvdtrain.engine.report import EpochRecord
+from hvdtrain.engine.run import Run
 from hvdtrain.fit.callback import Calls, keras_callback
 from hvdtrain.fit.metrics import GlobalMetrics
 from hvdtrain.fit.script import applied_optimizers, check_validation, steps_per_execution
@@ -42,13 +44,26 @@ STOP_CHECK_EVERY = 10
 every rank within that many steps of the signal (at the end of a compiled call when a call
 is longer)."""
 
-# The run directories this process's hk.fit calls finished: given again, a second phase of
-# training (transfer learning) would be taken for a rerun of the first.
-FINISHED_HERE = set()
+
+@dataclasses.dataclass
+class FitCounters:
+    """Where one ``hk.fit`` stands, counted from Keras' events (every rank counts the same)."""
+
+    epoch: int = 0  # the epoch in training (Keras' index, from 0)
+    step: int = 0  # the Keras steps of it done
+    started: int = 0  # the step it started from in this process (> 0 after a resume)
+    first_step: int = 0  # the step the next epoch starts from (a resume inside it: its own)
+    micro: int = 0  # the Keras steps (micro-batches when accumulating) since the run began
+    global_step: int = 0  # the updates since the run began (the run's step)
+    epochs_done: int = 0  # the epochs finished
+    tick: float = 0.0  # when the epoch's steps began (time.perf_counter)
+    stop_pending: bool = False  # a SIGTERM reached a rank: stop at the next update's end
+    save_pending: bool = False  # a checkpoint is due at the next update's end
 
 
 class FitRun:
-    """One ``hk.fit`` on this rank, over the engine's ``Run``."""
+    """One ``hk.fit`` on this rank, over the engine's ``Run``: the controller the Keras
+    callback (``callback.keras_callback``) hands its events to; ``at`` is what it counts."""
 
     def __init__(self, model, train, validation_data, run: Run, sharded: bool = False):
         self.model, self.train, self.run_, self.world = model, train, run, run.world
@@ -59,18 +74,22 @@ class FitRun:
         # Keras' steps are micro-batches: backward_passes_per_step of them make an update,
         # and the run's global step counts updates (as the Task path's does).
         self.passes = run.config.accumulate_steps
-        self.global_batch = train.batch_size * self.world.size  # per Keras step
-        run.global_batch = self.global_batch * self.passes  # per update
-        self.stop_pending = self.save_pending = False
+        self.examples_per_step = train.batch_size * self.world.size  # a Keras step's, all ranks
+        self.global_batch = self.examples_per_step * self.passes  # an update's, all ranks
+        self.at = FitCounters()
         self.metrics = GlobalMetrics(model, self.world)
-        if isinstance(train, pipeline.Batches):
-            run.pipeline = train  # the engine records its input wait per epoch
-            run.input = {"train_files": train.train_files}  # the examples: FitSettings'
+        if isinstance(train, pipeline.Batches):  # the examples: FitSettings' (train_examples)
+            run.use_input(train, {"train_files": train.train_files})
         self.calls = Calls(model)
-        self.flags = None  # optimizer.StopFlags, when the stop flag rides in the updates
+        # optimizer.StopFlags, when the stop flag rides in the updates: the flags' count and
+        # the updates that carried them at the last question; whether any update carried them
+        self.flags, self.stop_base, self.carried, self.rode = None, 0.0, 0, False
+        self.saved_sums = None  # a mid-epoch resume's part of the epoch's metric sums
+        self.train_logs: dict = {}  # the epoch's training metrics over every rank
+        self.val_logs: dict = {}  # its validation metrics over every rank
         self.first_call = 0  # the depth of the open first_call phase (timings), 0: none
         self.evaluating = 0  # the same for evaluation
-        self.records, self.epochs_done = {}, 0  # this process's epochs' records, by epoch
+        self.records: dict = {}  # this process's epochs' records (EpochRecord), by epoch
 
     # --- before model.fit: build, restore, broadcast ------------------------------------------
     def _prepare(self) -> Progress:
@@ -88,7 +107,6 @@ class FitRun:
         if not self.world.alone and steps_per_execution(self.model) < STOP_CHECK_EVERY:
             self.flags = StopFlags.attach(first)
             self.stop_base, self.carried = self.flags.read()
-            self.rode = False  # whether any update of this fit carried them
         if progress.epoch is None:
             progress.epoch, progress.offset = 0, 0
         return progress
@@ -118,19 +136,19 @@ class FitRun:
         run.check_run_dir()
         if run.finished is not None:
             return self._finished(keras)
-        progress = self._prepare()
+        progress, at = self._prepare(), self.at
         start = progress.epoch
-        first = min(-(-progress.offset // self.global_batch), train.steps)
-        self.saved_sums, run.last_record = progress.sums, progress.last_record
-        self.global_step = run.global_step
-        self.micro = self.global_step * self.passes  # micro-batches (Keras' steps) so far
+        first = steps_done(progress, self.examples_per_step, train.steps)
+        self.saved_sums = progress.sums
+        at.global_step = run.global_step
+        at.micro = at.global_step * self.passes  # micro-batches (Keras' steps) so far
         if progress.path:
             self.out.notice(f"hvdtrain: resumed from {progress.path} at epoch {start + 1}, "
-                            f"step {self.global_step}")
-        elif self.global_step:  # e.g. a second hk.fit of the same model in one process
-            self.out.notice(f"hvdtrain: the model's optimizer is at step {self.global_step} "
+                            f"step {at.global_step}")
+        elif at.global_step:  # e.g. a second hk.fit of the same model in one process
+            self.out.notice(f"hvdtrain: the model's optimizer is at step {at.global_step} "
                             "already; training on from there")
-        run.start(start)
+        run.start(progress, self.global_batch)
         val, val_steps, validation_batch_size = self._validation_shard(validation_batch_size)
         callback = keras_callback(keras, self)
         shown = self.out.verbose if self.out.interactive else 0  # rank 0, on a terminal
@@ -140,7 +158,7 @@ class FitRun:
                 else ((start, self.epochs, 0),):
             if e1 <= e0:
                 continue
-            self.first_step = skip
+            at.first_step = skip
             with timings.phase("data"):
                 batches = self.calls.input(train.batches(e0, e1, skip))
             with timings.phase("training"):
@@ -153,10 +171,9 @@ class FitRun:
                     callbacks=[callback] + callbacks,
                     shuffle=False, verbose=shown))  # the order is the Dataset's
         best = self._restored_best(callbacks)
-        run.finish({"batch_size": train.batch_size, "global_batch_size": run.global_batch,
-                    "learning_rate": run.config.learning_rate, **best,
-                    **train.info()}, self.model)
-        FINISHED_HERE.add(run.out.run_dir)
+        run.finish({"batch_size": train.batch_size, "global_batch_size": self.global_batch,
+                    **best, **train.info()}, self.model)
+        self.world.finished_runs.add(run.dir.path)
         history = histories[-1] if histories else keras.callbacks.History()
         for h in histories[:-1]:  # one History for the whole run
             history.epoch = h.epoch + history.epoch
@@ -176,14 +193,15 @@ class FitRun:
             return self.model.fit(batches, **kwargs)
         except tf.errors.OpError as e:
             if isinstance(self.train, pipeline.Batches):
-                error = self.train.failure(e, getattr(self, "epoch", 0))
+                error = self.train.failure(e, self.at.epoch)
                 if error is not None:
                     raise error from None
             # The step: after the last call that ended (batch_end counted its steps), within
             # the next call's (Keras' steps are micro-batches when accumulating).
-            first, last = (self.micro // self.passes + 1,
-                           (self.micro + steps_per_execution(self.model) - 1) // self.passes + 1)
-            where = (f"validation after training step {self.global_step}" if self.evaluating
+            micro = self.at.micro
+            first, last = (micro // self.passes + 1,
+                           (micro + steps_per_execution(self.model) - 1) // self.passes + 1)
+            where = (f"validation after training step {self.at.global_step}" if self.evaluating
                      else f"training step {first}" if first == last else
                      f"one of training steps {first}-{last}")
             raise step_failed(e, where, self.world.rank) or e
@@ -205,8 +223,8 @@ class FitRun:
             if record is None or record is self.run_.last_record or len(now) != len(best) \
                     or not all(np.array_equal(a, b) for a, b in zip(now, best)):
                 continue  # not restored, or the last epoch was the best
-            self.run_.last_record = record
-            self.run_.save(Progress(epoch=self.epochs_done, offset=0),
+            self.run_.use_record(record)
+            self.run_.save(Progress(epoch=self.at.epochs_done, offset=0),
                            np.zeros_like(self.metrics.flat()))
             return {"restored_best_epoch": epoch + 1}
         return {}
@@ -219,8 +237,8 @@ class FitRun:
         a second hk.fit of this process (a second phase of training): refused, each phase
         needs its own run_dir."""
         run = self.run_
-        if run.out.run_dir in FINISHED_HERE:
-            raise ConfigError("run_dir", run.out.run_dir, "holds this script's earlier hk.fit, "
+        if run.dir.path in self.world.finished_runs:
+            raise ConfigError("run_dir", run.dir.path, "holds this script's earlier hk.fit, "
                               "finished: give each phase of training its own run_dir (e.g. "
                               "run_dir=RUN_DIR + '/phase2'), or more epochs to train on in it")
         self._prepare()  # the newest checkpoint restored on rank 0 and broadcast
@@ -229,9 +247,8 @@ class FitRun:
         records = run.world.broadcast_object(self.out.records() if self.world.is_chief else None)
         history.epoch = [r["epoch"] - 1 for r in records]
         for r in records:
-            for k, v in r.items():
-                if k not in BOOKKEEPING and k != "input_wait":
-                    history.history.setdefault(k, []).append(v)
+            for k, v in EpochRecord.from_dict(r).metrics.items():
+                history.history.setdefault(k, []).append(v)
         return history
 
     @timings.timed("data")
@@ -252,17 +269,18 @@ class FitRun:
     def epoch_begin(self, epoch):
         if isinstance(self.train, pipeline.Batches):  # all ranks: no input changed since
             self.train.check_unchanged(f"before epoch {epoch + 1}")
-        self.epoch, self.step, self.started = epoch, self.first_step, self.first_step
-        self.first_step, self.tick = 0, time.perf_counter()
+        at = self.at
+        at.epoch, at.step, at.started = epoch, at.first_step, at.first_step
+        at.first_step, at.tick = 0, time.perf_counter()
         self.out.epoch_began()
 
     def batch_begin(self):
-        self.calls.begin(self.train.steps - self.step)
+        self.calls.begin(self.train.steps - self.at.step)
         if self.flags is not None and self.run_.stop_requested:
             self.flags.raise_local()  # this call's updates tell every rank
 
     def batch_end(self, batch, logs):
-        world, run = self.world, self.run_
+        world, run, at = self.world, self.run_, self.at
         timings.leave(self.first_call)  # the first call is over (a no-op after it)
         self.first_call = 0
         self.calls.end()
@@ -273,36 +291,36 @@ class FitRun:
         # With steps_per_execution N, Keras calls this once per N steps with the index (in
         # this model.fit's epoch) of the call's last step; Keras 3 says N - 1 more even for
         # a shorter last call of the epoch, hence the bound.
-        step = min(self.started + batch + 1, self.train.steps)
-        done, self.step = step - self.step, step
-        self.micro += done
-        updated, self.global_step = self.global_step, self.micro // self.passes
-        run.dog.step = self.global_step
-        last = self.step == self.train.steps
+        step = min(at.started + batch + 1, self.train.steps)
+        done, at.step = step - at.step, step
+        at.micro += done
+        updated, at.global_step = at.global_step, at.micro // self.passes
+        run.reached(at.global_step)
+        last = at.step == self.train.steps
         if not last and self._any_stop(done):
-            self.stop_pending = True
+            at.stop_pending = True
         # At the first call boundary at or after each multiple of checkpoint_every updates
         # (the multiple itself when steps_per_execution is 1 or divides it).
-        if _passed(self.global_step, self.global_step - updated, run.config.checkpoint_every):
-            self.save_pending = True
+        if _passed(at.global_step, at.global_step - updated, run.config.checkpoint_every):
+            at.save_pending = True
         if last:  # before validation resets the metrics
             self.train_logs, stop = self.metrics.reduce(stop=run.stop_requested)
-            self.stop_pending = self.stop_pending or stop
+            at.stop_pending = at.stop_pending or stop
             if logs is not None:
                 logs.update(self.train_logs)
             return  # the epoch's end saves, and stops if a stop is pending
         if self.out.progress_due(drawn=self.out.interactive):  # Keras' bar draws it there
-            self.out.progress(self.epoch + 1, self.epochs, self.step, self.train.steps,
-                              self.step - self.started, self.global_batch,
+            self.out.progress(at.epoch + 1, self.epochs, at.step, self.train.steps,
+                              at.step - at.started, self.examples_per_step,
                               {k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0})
-        if self.micro % self.passes:
+        if at.micro % self.passes:
             return  # inside an update: its gradients are half accumulated, not in a checkpoint
-        if self.stop_pending:
+        if at.stop_pending:
             run.save(self._position(), self.metrics.summed())
-            run.preempt(self.global_step)
-        elif self.save_pending:
+            run.preempt(at.global_step)
+        elif at.save_pending:
             # The state between updates.
-            self.save_pending = False
+            at.save_pending = False
             run.save(self._position(), self.metrics.summed())
 
     def _any_stop(self, done: int) -> bool:
@@ -316,7 +334,7 @@ class FitRun:
         carries none, and a later update's will tell. When they never rode (Horovod's own
         DistributedOptimizer, a train function traced before they were attached), a
         one-number host allreduce asks the ranks: a round trip of its own."""
-        if not _passed(self.step, done, STOP_CHECK_EVERY):
+        if not _passed(self.at.step, done, STOP_CHECK_EVERY):
             return False
         if self.flags is not None:
             stop, carried = self.flags.read()
@@ -339,32 +357,32 @@ class FitRun:
         self.evaluating = 0
 
     def epoch_end(self, epoch, logs):
-        run = self.run_
+        run, at = self.run_, self.at
         logs.update(self.train_logs)  # Keras 2 built its dict before the reduction
         if self.validation_data is not None:
             logs.update({f"val_{k}": v for k, v in self.val_logs.items()})
-        seconds = time.perf_counter() - self.tick
-        record = {
-            "epoch": epoch + 1, "epochs": self.epochs, "global_step": self.global_step,
-            **{k: float(v) for k, v in logs.items() if np.ndim(v) == 0},
-            "samples_per_sec": (self.train.steps - self.started) * self.global_batch / seconds,
-            "seconds": seconds, "world_size": self.world.size}
-        if run.config.stop_on_divergence and not np.isfinite(record.get("loss", 0.0)):
+        seconds = time.perf_counter() - at.tick
+        record = EpochRecord(
+            epoch=epoch + 1, epochs=self.epochs, global_step=at.global_step,
+            metrics={k: float(v) for k, v in logs.items() if np.ndim(v) == 0},
+            samples_per_sec=(self.train.steps - at.started) * self.examples_per_step / seconds,
+            seconds=seconds, world_size=self.world.size)
+        if run.config.stop_on_divergence and not np.isfinite(record.metrics.get("loss", 0.0)):
             # The loss is reduced over every rank: every rank decides the same here.
             raise run.diverged(f"the loss became NaN or infinite in epoch {epoch + 1}")
         run.epoch_end(record)
-        self.records[epoch + 1], self.epochs_done = record, epoch + 1
+        self.records[epoch + 1], at.epochs_done = record, epoch + 1
         run.save(Progress(epoch=epoch + 1, offset=0), np.zeros_like(self.metrics.flat()))
-        self.save_pending = False
+        at.save_pending = False
         if not self.out.interactive:
             self.out.print(f"Epoch {epoch + 1}/{self.epochs} - " + " - ".join(
-                f"{k}: {record[k]:.4f}" for k in logs if k in record and k != "lr")
-                + f" - {record['samples_per_sec']:,.0f} samples/s")
-        if self.stop_pending:
-            run.preempt(self.global_step)
+                f"{k}: {record.metrics[k]:.4f}" for k in logs if k in record.metrics
+                and k != "lr") + f" - {record.samples_per_sec:,.0f} samples/s")
+        if at.stop_pending:
+            run.preempt(at.global_step)
 
     def _position(self) -> Progress:
-        return Progress(epoch=self.epoch, offset=self.step * self.global_batch)
+        return Progress(epoch=self.at.epoch, offset=self.at.step * self.examples_per_step)
 
 
 def _passed(step: int, done: int, every: int) -> bool:

@@ -6,6 +6,7 @@ makes the run's ``Config``, recording what the model, its optimizer and the data
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -181,11 +182,19 @@ def check_validation(validation_data, train, world, sharded=False):
 
 
 def _number(optimizer, name):
-    """The optimizer's setting as the user wrote it: 0.1, not the 0.10000000149011612 that
-    its float32 variable reads back as."""
+    """The optimizer's setting as the user wrote it (None for a schedule, or none): a float32
+    variable's value as the shortest decimal that float32 rounds to it, 0.1, not the
+    0.10000000149011612 it holds."""
     try:
         value = np.asarray(getattr(optimizer, name))
-        return float(str(value.astype(np.float32))) if value.dtype == np.float32 else \
-            float(value)
+        number = float(value)
     except (AttributeError, TypeError, ValueError):
         return None
+    if value.dtype != np.float32 or number == 0 or not math.isfinite(number):
+        return number
+    exponent = math.floor(math.log10(abs(number)))
+    for digits in range(1, 10):  # 9 significant digits tell every float32 apart
+        shortest = round(number, digits - 1 - exponent)
+        if np.float32(shortest) == value:
+            return shortest
+    return number

@@ -22,7 +22,9 @@ from hvdtrain.base.config import Config
 from hvdtrain.base.errors import DataError
 from hvdtrain.inputs.arrays import epoch_plan, steps_per_epoch, test_shard
 from hvdtrain.engine.fronts import CommandLine
-from hvdtrain.engine.run import PROGRESS_FIELDS, Run
+from hvdtrain.distributed.world import steps_done
+from hvdtrain.engine.report import EpochRecord
+from hvdtrain.engine.run import Run
 from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, Diverged, Preempted,  # noqa: F401
                              StepError, TaskError, step_failed)
 from hvdtrain.distributed.optimizer import DistributedOptimizer
@@ -73,10 +75,11 @@ class _TaskRun:
     def __init__(self, task: Task, run: Run):
         self.task, self.run_, self.config, self.world = task, run, run.config, run.world
         self.out = run.out
-        # The learning rate reaches the task once, already scaled: in build_optimizer's
-        # argument and in the config it is handed (config.json keeps the flags' values).
-        self.lr = self.config.learning_rate * (self.world.size if self.config.scale_lr else 1)
+        # The learning rate reaches the task once, as the run applies it (scaled): in
+        # build_optimizer's argument and in the config it is handed.
+        self.lr = run.learning_rate
         self.task_config = dataclasses.replace(self.config, learning_rate=self.lr)
+        self.global_batch = 0  # examples of one update over all ranks (_shape)
 
     # --- setup ------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -97,8 +100,7 @@ class _TaskRun:
         if self.config.elastic:
             # Horovod: the driver broadcasts rank 0's variables and progress at every
             # (re)start, restores the last commit after a failure, and re-runs _train.
-            return self.world.run_elastic(run.state, self._train,
-                                          **{k: getattr(progress, k) for k in PROGRESS_FIELDS})
+            return self.world.run_elastic(run.state, self._train, **progress.fields())
         run.broadcast()
         return self._train(progress)
 
@@ -116,8 +118,7 @@ class _TaskRun:
         self.test = (pipeline.validation(self.data.x_test, world, batch=EVAL_BATCH,
                                          what="x_test")[0]
                      if is_dataset(self.data.x_test) else None)
-        run.pipeline = self.pipe  # the engine records its input wait per epoch
-        run.input = self.pipe.identity() if self.pipe is not None else {}
+        run.use_input(self.pipe, self.pipe.identity() if self.pipe is not None else None)
         self._shape()
 
     @timings.timed("model")
@@ -172,7 +173,7 @@ class _TaskRun:
         if self.pipe is not None:
             self.batch = self.update_batch = self.config.batch_size
             self.steps = self.pipe.steps
-            self.run_.global_batch = self.batch * self.world.size
+            self.global_batch = self.batch * self.world.size
             return
         n, size, micro = len(self.data.x_train), self.world.size, self.config.accumulate_steps
         # Full batch (None or 0): each worker's whole shard per step, as the linear seed does
@@ -190,7 +191,7 @@ class _TaskRun:
         if self.steps < 1:
             raise ConfigError("batch_size", self.batch, f"a global batch of {self.batch} x "
                               f"{size} workers needs more than the {n} training examples")
-        self.run_.global_batch = self.update_batch * size
+        self.global_batch = self.update_batch * size
 
     @timings.timed("agreement")
     def _preflight(self) -> None:
@@ -212,14 +213,13 @@ class _TaskRun:
         # Rank 0 holds the epoch's partial sums (restored or committed); the others add theirs.
         self.sums.assign(progress.sums if world.is_chief and progress.sums is not None
                          else tf.zeros_like(self.sums))
-        run.last_record = progress.last_record
-        run.start(progress.epoch)
+        run.start(progress, self.global_batch)
         micro = (f" in {config.accumulate_steps} micro-batches of {self.batch}"
                  if config.accumulate_steps > 1 else "")
         self.out.print(f"hvdtrain: {self.task.name} on {world.describe()}; global batch "
                        f"{self.update_batch * world.size} ({self.update_batch} per worker"
                        f"{micro}), {self.steps} steps per epoch, learning rate {self.lr:g}; "
-                       f"run dir {self.out.run_dir}")
+                       f"run dir {self.run_.dir}")
         step = run.global_step
         if step:
             source = f" from {progress.path}" if progress.path else ""
@@ -236,7 +236,7 @@ class _TaskRun:
         examples = (self.pipe.info() if self.pipe is not None else
                     {"train_examples": len(data.x_train)})
         result = {"batch_size": self.batch, "global_batch_size": self.update_batch * world.size,
-                  "learning_rate": self.lr, **examples, **data.info}
+                  **examples, **data.info}
         with timings.phase("evaluation"):
             if data.x_test is not None:
                 self.run_.sync_state()  # every rank scores its part with the same statistics
@@ -290,6 +290,7 @@ class _Epochs:
         # tuning thread, 3-9 s at each epoch's end on 2 busy cores.
         self.stream = None
         self.finished = int(self.step.finished.numpy())  # step.finished before the next call
+        self.epoch, self.stopped = 0, False  # the epoch in training; SIGTERM seen by a call
 
     def train(self, progress) -> None:
         """Train the rest of ``progress.epoch`` (from ``progress.offset`` examples into it)."""
@@ -297,9 +298,7 @@ class _Epochs:
 
         config, world, run = self.config, self.world, self.run_
         epoch, global_batch = progress.epoch, self.batch * world.size
-        # After a resume or reset with another world size, continue after the same
-        # examples, rounded up to a whole global batch of the new size.
-        first = min(-(-progress.offset // global_batch), self.steps)
+        first = steps_done(progress, global_batch, self.steps)
         if self.pipe is not None:  # all ranks: no input changed since the last look
             self.pipe.check_unchanged(f"before epoch {epoch + 1}")
         self.epoch = epoch
@@ -321,7 +320,8 @@ class _Epochs:
             done = self._call(batches, base_step, step)
             step += done
             global_step = base_step + step
-            run.dog.step, progress.offset = global_step, step * global_batch
+            run.reached(global_step)
+            progress.offset = step * global_batch
             if self.stopped or (config.checkpoint_every and step < self.steps
                                 and global_step % config.checkpoint_every == 0):
                 run.save(progress, self._partial_sums())
@@ -342,13 +342,13 @@ class _Epochs:
                                       for i, k in enumerate(self.names)])
         totals = self._partial_sums()  # exact sums over every rank
         elapsed = time.perf_counter() - tick
-        record = {
-            "epoch": epoch + 1, "epochs": config.epochs, "global_step": run.global_step,
-            **{k: float(totals[0 if i == 0 else i + 1] / totals[1])
-               for i, k in enumerate(self.names)},
+        record = EpochRecord(
+            epoch=epoch + 1, epochs=config.epochs, global_step=run.global_step,
+            metrics={k: float(totals[0 if i == 0 else i + 1] / totals[1])
+                     for i, k in enumerate(self.names)},
             # examples this process trained in the epoch (fewer after a resume), per second
-            "samples_per_sec": (self.steps - first) * global_batch / elapsed,
-            "seconds": elapsed, "world_size": world.size}
+            samples_per_sec=(self.steps - first) * global_batch / elapsed,
+            seconds=elapsed, world_size=world.size)
         progress.epoch, progress.offset = epoch + 1, 0
         self.sums.assign(tf.zeros_like(self.sums))
         run.epoch_end(record)
@@ -357,10 +357,10 @@ class _Epochs:
         if config.elastic:
             run.commit(progress, zeros)
         if bar is not None:
-            bar.update(self.steps, [(k, record[k]) for k in self.names] +
-                       [("samples/s", record["samples_per_sec"])], finalize=True)
+            bar.update(self.steps, [(k, record.metrics[k]) for k in self.names] +
+                       [("samples/s", record.samples_per_sec)], finalize=True)
         else:
-            self.out.print(self.task.format_epoch(record))
+            self.out.print(self.task.format_epoch(record.as_dict()))
 
     def _progress_bar(self, epoch: int):
         """Keras' bar on a terminal; None in a pipe or log (horovodrun, SLURM): Keras 3's bar

@@ -11,6 +11,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -134,9 +135,10 @@ def launcher(tmp_path):
     run_dir = tmp_path / "claim" / "run"
 
     def run(status, says="", job="2f1c-uid"):
+        # PYTHON: the image's interpreter, which the launcher asks for the run directory.
         env = dict(os.environ, OMPI_MCA_orte_default_hostfile=str(hostfile),
                    FAKE_STATUS=str(status), FAKE_SAYS=says, FAKE_LOG=str(tmp_path / "log"),
-                   HVDTRAIN_LAUNCHER_JOB=job)
+                   HVDTRAIN_LAUNCHER_JOB=job, PYTHON=sys.executable, PYTHONPATH=ROOT)
         p = subprocess.run([str(scripts / "k8s_launcher.sh"), "linear", "--run-dir",
                             str(run_dir)], env=env, capture_output=True, text=True, timeout=30)
         log = tmp_path / "log"

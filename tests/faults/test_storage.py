@@ -265,12 +265,13 @@ SITES = textwrap.dedent("""
     import numpy as np
     from hvdtrain.base import files
     from hvdtrain.engine import checkpoint_file as C, report
+    from hvdtrain.engine.rundir import RunDir
     from hvdtrain.compat import keras
     from hvdtrain.distributed import World
     from hvdtrain.base.errors import StorageError
 
     disk, run_dir = sys.argv[1], sys.argv[2]
-    out = report.Reporter(World(), run_dir, "t", verbose=0)
+    out = report.Reporter(World(), RunDir(run_dir), verbose=0)
     out.claim()
     out.start({"task": "t"})
     ckpts = os.path.join(run_dir, "checkpoints")

@@ -290,6 +290,7 @@ def test_an_epoch_sent_but_not_recorded_is_not_sent_again(server, tmp_path, monk
     """A process stopped after MLflow got an epoch but before tracking.json said so (the
     moment a launcher's kill can fall in): the next run asks the server, and sends the kept
     epoch once, not twice."""
+    from hvdtrain.engine.rundir import RunDir
     from hvdtrain.engine.tracking import RECORD, Trackers
 
     url, client = server
@@ -297,7 +298,7 @@ def test_an_epoch_sent_but_not_recorded_is_not_sent_again(server, tmp_path, monk
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "sent-not-recorded")
     said = []
     first = {"epoch": 1, "epochs": 2, "global_step": 10, "loss": 0.5}
-    trackers = Trackers(["mlflow"], str(tmp_path), False, said.append)
+    trackers = Trackers(["mlflow"], RunDir(tmp_path), False, said.append)
     trackers.start({"task": "t", "epochs": 2}, [])
     trackers.epoch(first)
     trackers.close("KILLED", seconds=60)
@@ -305,7 +306,7 @@ def test_an_epoch_sent_but_not_recorded_is_not_sent_again(server, tmp_path, monk
     assert saved["mlflow"]["epochs_logged"] == 1
     saved["mlflow"]["epochs_logged"] = 0  # the write the kill prevented
     (tmp_path / RECORD).write_text(json.dumps(saved))
-    trackers = Trackers(["mlflow"], str(tmp_path), False, said.append)
+    trackers = Trackers(["mlflow"], RunDir(tmp_path), False, said.append)
     trackers.start({"task": "t", "epochs": 2}, [first])  # metrics.jsonl's kept epoch
     trackers.epoch({"epoch": 2, "epochs": 2, "global_step": 20, "loss": 0.25})
     trackers.close("FINISHED", seconds=60)

@@ -179,3 +179,43 @@ def test_no_test_module_imports_one_of_another_tier():
             crossing += [f"{tier}/{module} imports {tier_of[n]}/{n}" for n in names
                          if n in tier_of and tier_of[n] != tier]
     assert len(tier_of) > 30 and not crossing, crossing
+
+
+def test_the_drivers_set_no_attribute_of_the_run_and_fit_run_declares_its_own():
+    """The engine's contract: neither driver assigns to an attribute of the Run (they call
+    its methods), and FitRun, the controller Keras' callback talks to, first sets every
+    attribute of its own in __init__."""
+    def tree(path):
+        return ast.parse(open(os.path.join(ROOT, "hvdtrain", path)).read())
+
+    def targets(node):
+        for n in ast.walk(node):
+            if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                    yield from (e for e in ast.walk(t) if isinstance(e, ast.Attribute))
+
+    def owner(attribute):  # run.x, self.run_.x, run.dog.x -> "run", "run_", ...
+        value = attribute.value
+        while isinstance(value, ast.Attribute):
+            if value.attr == "run_":
+                return "run_"
+            value = value.value
+        return value.id if isinstance(value, ast.Name) else None
+
+    for path in ("tasks/train.py", "fit/driver.py"):
+        set_on_run = [f"{path}:{t.lineno}" for t in targets(tree(path))
+                      if owner(t) in ("run", "run_")]
+        assert not set_on_run, set_on_run
+    fit_run, = [n for n in tree("fit/driver.py").body
+                if isinstance(n, ast.ClassDef) and n.name == "FitRun"]
+    methods = {f.name: f for f in fit_run.body if isinstance(f, ast.FunctionDef)}
+
+    def own(function):
+        return {t.attr for t in targets(function)
+                if isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+    declared = own(methods.pop("__init__"))
+    later = {name: own(f) - declared for name, f in methods.items()}
+    assert not any(later.values()), later
+    source = open(os.path.join(ROOT, "hvdtrain", "fit", "driver.py")).read()
+    assert "getattr(self" not in source and "FINISHED_HERE" not in source

@@ -1,6 +1,7 @@
 """The configuration and its command line: the seeds' numbers, each task's own flags, bad
 input, and the metadata that says what a setting means for a run."""
 import dataclasses
+import os
 
 import pytest
 
@@ -173,3 +174,65 @@ def test_the_trackers_callbacks_and_on_chief_run_on_rank_0_only():
     assert chief_only(object()) is None
     with pytest.raises(ValueError, match=r"hk.on_chief\(timeout=0\): must be more than 0"):
         on_chief(logger, timeout=0)
+
+
+def test_run_dir_prints_the_run_directory_the_flags_name(tmp_path, capsys, monkeypatch):
+    """`python -m hvdtrain run-dir`: the last --run-dir, absolute, as training reads it;
+    nothing without one; with --job, a batch job's runs/JOB-TASK; the task never loaded."""
+    from hvdtrain.__main__ import main
+
+    def said(*argv):
+        status = main(["run-dir", *argv])
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    monkeypatch.chdir(tmp_path)
+    assert said("pkg.mod:Missing", "--run-dir", "a", "--epochs", "-1", "--run-dir=b") == (
+        0, f"{tmp_path}/b\n", "")
+    assert said("mnist", "--epochs", "2") == (0, "", "")
+    assert said("mnist", "--run-dir", "none") == (0, "", "")  # none: the run's own default
+    assert said("--job", "exp", "pkg.mod:My Task", "--epochs", "2") == (
+        0, f"{tmp_path}/runs/exp-pkg.mod_My_Task\n", "")
+    assert said("--job=exp", "linear", "--run-dir", "/data/r") == (0, "/data/r\n", "")
+    with pytest.raises(SystemExit) as e:
+        said("mnist", "--run-dir")
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+    status, out, err = said("--job", "exp")
+    assert status == 2 and out == "" and err.count("\n") == 1 and "needs a task" in err
+
+
+def test_the_run_directory_names_every_file_of_its_layout(tmp_path, monkeypatch):
+    """RunDir: one absolute path, and the paths of what the run directory page lists."""
+    from hvdtrain.distributed import World
+    from hvdtrain.engine.rundir import RunDir
+
+    run = RunDir.resolve(str(tmp_path / "r"), "t", World())
+    assert run == RunDir(tmp_path / "r") and str(run) == f"{tmp_path}/r"
+    names = {"config": "config.json", "metrics": "metrics.jsonl", "result": "result.json",
+             "checkpoints": "checkpoints", "tensorboard": "tensorboard",
+             "model": "model.keras", "model_weights": "model.weights.h5",
+             "tracking": "tracking.json", "lock_file": ".lock"}
+    assert {k: getattr(run, k) for k in names} == {
+        k: f"{tmp_path}/r/{v}" for k, v in names.items()}
+    page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "reference",
+                             "run-directory.md")).read()
+    assert all(f"`{v}" in page for v in names.values())
+    monkeypatch.chdir(tmp_path)
+    default = RunDir.resolve(None, "t", World())
+    assert os.path.dirname(default.path) == f"{tmp_path}/runs"
+    assert os.path.basename(default.path).startswith("t-")
+
+
+def test_an_epoch_record_is_the_same_line_as_a_dict():
+    """EpochRecord: the keys of metrics.jsonl's lines, in their order, and back."""
+    from hvdtrain.engine.report import EpochRecord
+
+    record = EpochRecord(epoch=2, epochs=3, global_step=20, metrics={"loss": 0.5,
+                         "accuracy": 0.75}, samples_per_sec=100.0, seconds=1.5, world_size=2)
+    line = record.as_dict()
+    assert list(line) == ["epoch", "epochs", "global_step", "loss", "accuracy",
+                          "samples_per_sec", "seconds", "world_size"]
+    assert EpochRecord.from_dict(line) == record
+    record.input_wait = 0.25
+    assert record.as_dict()["input_wait"] == 0.25
+    assert EpochRecord.from_dict(record.as_dict()).metrics == {"loss": 0.5, "accuracy": 0.75}

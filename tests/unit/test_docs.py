@@ -584,9 +584,10 @@ finally:
 def test_the_cli_pages_summary_lines_run(tmp_path):
     """The command-line page's summary, each line with its placeholders filled in (TASK:
     linear; package.module:Class: the README's Task example; [flags]: --help, or for
-    `workers`, --num-workers 3, which it prints)."""
+    `workers`, --num-workers 3, which it prints, and for `run-dir`, a --run-dir, which it
+    prints as an absolute path)."""
     lines = block("reference/cli.md", "python -m hvdtrain.mnist [flags]").commands()
-    assert len(lines) == 6
+    assert len(lines) == 7
     (tmp_path / "xor.py").write_text(block("README.md", "import keras\n").text)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
     for line in lines:
@@ -595,6 +596,9 @@ def test_the_cli_pages_summary_lines_run(tmp_path):
         assert words[:2] == ["python", "-m"], line
         if "workers" in words:
             words = [w for w in words if w != "[flags]"] + ["--num-workers", "3"]
+        elif "run-dir" in words:
+            words = [w for w in words if w != "[flags]"] + ["--run-dir", "runs/a", "--epochs",
+                                                            "2", "--run-dir=runs/b"]
         else:
             words = [w for w in words if w != "[flags]"] + ["--help"]
         p = subprocess.run([sys.executable, *words[1:]], cwd=tmp_path, env=env,
@@ -602,6 +606,8 @@ def test_the_cli_pages_summary_lines_run(tmp_path):
         assert p.returncode == 0, (line, p.stderr[-2000:])
         if "workers" in words:
             assert p.stdout.strip() == "3", p.stdout
+        elif "run-dir" in words:  # the last one, as training takes it
+            assert p.stdout == f"{tmp_path}/runs/b\n", p.stdout
         else:
             assert "usage: " in p.stdout, (line, p.stdout[-500:])
 
