@@ -7,12 +7,11 @@ one-line integrations on every rank, without ``if hvd.rank() == 0``: MLflow's au
 """
 import os
 
+import horovod.tensorflow.keras as hvd
 import mlflow
 import mlflow.tensorflow
 import numpy as np
 import wandb
-
-import horovod.tensorflow.keras as hvd
 
 if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
     import tf_keras as keras

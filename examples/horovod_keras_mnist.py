@@ -14,10 +14,9 @@ import argparse
 import gzip
 import importlib.resources
 
+import horovod.tensorflow.keras as hvd
 import numpy as np
 import tensorflow as tf
-
-import horovod.tensorflow.keras as hvd
 
 
 def bundled_mnist():

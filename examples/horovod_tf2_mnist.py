@@ -11,10 +11,9 @@ import argparse
 import gzip
 import importlib.resources
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
-
-import horovod.tensorflow as hvd
 
 
 def bundled_mnist():

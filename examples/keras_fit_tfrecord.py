@@ -15,9 +15,11 @@ import os
 import sys
 
 import hvdtrain.keras as hk  # first: hvdtrain quiets TensorFlow's start-up lines
+
 # isort: split
 import numpy as np
 import tensorflow as tf
+
 from hvdtrain.compat import keras
 
 

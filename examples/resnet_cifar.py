@@ -14,9 +14,11 @@ import argparse
 import sys
 
 import hvdtrain.keras as hk  # first: hvdtrain quiets TensorFlow's start-up lines
+
 # isort: split
 import numpy as np
 import tensorflow as tf
+
 from hvdtrain.compat import keras
 
 AUTOTUNE = tf.data.AUTOTUNE

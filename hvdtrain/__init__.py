@@ -20,6 +20,7 @@ commands; ``compat``, ``data`` and ``layers`` hand on their public names). ``ben
 benchmarks and their process harness, ``python -m hvdtrain.bench``; its plots need the
 ``bench`` extra) is for developers: nothing else imports it.
 """
+
 # hvdtrain's first code: a launched rank whose environment lacks glibc's huge-page tunable
 # starts itself again with it, before anything is imported (glibc reads it only at start;
 # hvdtrain/base/malloc.py says when, and why that is safe here).
@@ -43,13 +44,13 @@ with _timings.phase("imports"):
     _tflogs.install()
     _timings.install()  # after tflogs: the first import of TensorFlow is timed, quiet or not
 
+    # hvdtrain.compat (the Keras in use, for a user's code) after `import hvdtrain` alone.
+    from hvdtrain import compat  # noqa: F401 (for the attribute: not a re-export)
     from hvdtrain._version import __version__
     from hvdtrain.base.config import Config, ConfigError, setting
     from hvdtrain.distributed.optimizer import DistributedOptimizer
     from hvdtrain.tasks.task import Task, TaskError, load_task
     from hvdtrain.tasks.train import train
-    # hvdtrain.compat (the Keras in use, for a user's code) after `import hvdtrain` alone.
-    from hvdtrain import compat  # noqa: F401 (for the attribute: not a re-export)
 
 
 def preset(task: str, **overrides) -> Config:
@@ -81,6 +82,7 @@ def world():
         (rank 0, which prints and writes the run directory).
     """
     from hvdtrain import distributed
+
     return distributed.current()
 
 
@@ -89,9 +91,21 @@ def __getattr__(name):
     # does not import TensorFlow.
     if name == "SyncBatchNormalization":
         from hvdtrain.distributed import layers
+
         return layers.SyncBatchNormalization
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Config", "ConfigError", "DistributedOptimizer", "SyncBatchNormalization", "Task",
-           "TaskError", "preset", "setting", "train", "world", "__version__"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DistributedOptimizer",
+    "SyncBatchNormalization",
+    "Task",
+    "TaskError",
+    "preset",
+    "setting",
+    "train",
+    "world",
+    "__version__",
+]

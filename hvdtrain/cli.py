@@ -16,6 +16,7 @@ appends ``rank R status S`` to that file: a launcher tells hvdtrain's own 1 from
 
 ``python -m hvdtrain...`` ends with ``exit_now``: Python's exit without its teardown.
 """
+
 import atexit
 import os
 import sys
@@ -61,8 +62,10 @@ def note_exit(status: int, cause: str = "") -> None:
         return
     try:
         with open(path, "a") as f:
-            f.write(f"rank {distributed.launcher_rank()} status {status}"
-                    f"{f' ({cause})' if cause else ''}\n")
+            f.write(
+                f"rank {distributed.launcher_rank()} status {status}"
+                f"{f' ({cause})' if cause else ''}\n"
+            )
     except OSError:
         pass  # the launcher then retries: the safe side
 
@@ -108,8 +111,7 @@ def run(task, argv=None, prog=None, on_result=None) -> int:
     except Error as e:
         return report(prog, e)
     except KeyboardInterrupt:  # Ctrl-C before training started (after: a preemption, 75)
-        sys.stderr.write(f"{prog}: interrupted (SIGINT) before training started: "
-                         "nothing saved\n")
+        sys.stderr.write(f"{prog}: interrupted (SIGINT) before training started: nothing saved\n")
         return 130
     return 0
 

@@ -9,6 +9,7 @@ same arrays on every rank: ``hk.dataset`` shards them.
 A Task's data (``Data``, the loaders it is made with) is ``hvdtrain.data``; the code of both
 is ``hvdtrain.inputs.loaders``.
 """
+
 from __future__ import annotations
 
 

@@ -13,11 +13,12 @@ ranks' buffers have huge pages (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, which
 launchers and its launched ranks set) and whether this process has them; and it recognises
 the known bad combinations. Exit 1 prints one ``problem:`` and one ``fix:`` line per problem.
 """
+
 import argparse
 import ctypes
+import hashlib
 import importlib.metadata
 import importlib.util
-import hashlib
 import json
 import os
 import re
@@ -31,39 +32,54 @@ from hvdtrain.base import malloc
 from hvdtrain.base.errors import error_line
 
 SETUP = "scripts/setup.sh"
-REBUILD = (f"pip uninstall -y horovod && {SETUP} (recompiles horovod against this "
-           "TensorFlow with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 and scripts/patches/ applied)")
+REBUILD = (
+    f"pip uninstall -y horovod && {SETUP} (recompiles horovod against this "
+    "TensorFlow with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 and scripts/patches/ applied)"
+)
 PATCH_MARKER = "hvdtrain_patches.txt"  # in hvdtrain's Horovod wheel: the patches it was built with
 PATCH_FILES = "hvdtrain_patch_files.txt"  # ... and each patch's files' sha256 as built
 # The patches hvdtrain needs in Horovod 0.28.1 (scripts/patches/, tests/unit/test_doctor.py keeps
 # this list equal to it), so that an installed wheel is checked without the repository.
-PATCHES = ("horovod-0.28.1-gcc14.patch",
-           "horovod-0.28.1-gpu-stream-handle.patch",
-           "horovod-0.28.1-launch-without-tensorflow.patch",
-           "horovod-0.28.1-no-xla-ops.patch",
-           "python/horovod-0.28.1-keras-callbacks.patch",
-           "python/horovod-0.28.1-keras3-optimizer.patch",
-           "python/horovod-0.28.1-keras3-sync-batch-norm.patch",
-           "python/horovod-0.28.1-keras3-variables.patch",
-           "python/horovod-0.28.1-launch-in-thread.patch",
-           "python/horovod-0.28.1-no-xla-kernels.patch",
-           "python/horovod-0.28.1-one-tracker-run.patch",
-           "python/horovod-0.28.1-ray2.patch",
-           "python/horovod-0.28.1-spark-estimator.patch",
-           "python/horovod-0.28.1-spark4.patch",
-           "python/horovod-0.28.1-sync-unbuilt-optimizer.patch")
-WHEEL = ("pip install --no-deps --force-reinstall horovod-0.28.1+hvdtrain.*.whl (from "
-         f"scripts/setup.sh --wheels DIR), or pip uninstall -y horovod && {SETUP}")
-BUILD_RECORD = "hvdtrain_build.txt"    # a GPU build's compiler, flags, NCCL: the same
-BUILT = {"mpi": "MPI", "gloo": "Gloo", "nccl": "NCCL", "ddl": "DDL", "ccl": "CCL",
-         "cuda": "CUDA", "rocm": "ROCm"}  # horovod.tensorflow's NAME_built() -> label
+PATCHES = (
+    "horovod-0.28.1-gcc14.patch",
+    "horovod-0.28.1-gpu-stream-handle.patch",
+    "horovod-0.28.1-launch-without-tensorflow.patch",
+    "horovod-0.28.1-no-xla-ops.patch",
+    "python/horovod-0.28.1-keras-callbacks.patch",
+    "python/horovod-0.28.1-keras3-optimizer.patch",
+    "python/horovod-0.28.1-keras3-sync-batch-norm.patch",
+    "python/horovod-0.28.1-keras3-variables.patch",
+    "python/horovod-0.28.1-launch-in-thread.patch",
+    "python/horovod-0.28.1-no-xla-kernels.patch",
+    "python/horovod-0.28.1-one-tracker-run.patch",
+    "python/horovod-0.28.1-ray2.patch",
+    "python/horovod-0.28.1-spark-estimator.patch",
+    "python/horovod-0.28.1-spark4.patch",
+    "python/horovod-0.28.1-sync-unbuilt-optimizer.patch",
+)
+WHEEL = (
+    "pip install --no-deps --force-reinstall horovod-0.28.1+hvdtrain.*.whl (from "
+    f"scripts/setup.sh --wheels DIR), or pip uninstall -y horovod && {SETUP}"
+)
+BUILD_RECORD = "hvdtrain_build.txt"  # a GPU build's compiler, flags, NCCL: the same
+BUILT = {
+    "mpi": "MPI",
+    "gloo": "Gloo",
+    "nccl": "NCCL",
+    "ddl": "DDL",
+    "ccl": "CCL",
+    "cuda": "CUDA",
+    "rocm": "ROCm",
+}  # horovod.tensorflow's NAME_built() -> label
 # Horovod's frameworks: label, the framework's module, and horovod/<sub>/<library> that a
 # build with it leaves. `horovodrun --check-build` marks a framework [X] when horovod.<sub>
 # imports, and horovod.torch imports (printing a warning) with neither its library nor
 # PyTorch: the doctor asks for both instead.
-FRAMEWORKS = {"tensorflow": ("TensorFlow", "tensorflow", "mpi_lib"),
-              "torch": ("PyTorch", "torch", "mpi_lib_v2"),
-              "mxnet": ("MXNet", "mxnet", "mpi_lib")}
+FRAMEWORKS = {
+    "tensorflow": ("TensorFlow", "tensorflow", "mpi_lib"),
+    "torch": ("PyTorch", "torch", "mpi_lib_v2"),
+    "mxnet": ("MXNet", "mxnet", "mpi_lib"),
+}
 
 
 def _version(dist):
@@ -76,9 +92,13 @@ def _version(dist):
 def frameworks(horovod_dir):
     """{sub: {"built": horovod's library for it exists, "installed": the framework is}}."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    return {sub: {"built": os.path.exists(os.path.join(horovod_dir, sub, lib + suffix)),
-                  "installed": importlib.util.find_spec(module) is not None}
-            for sub, (_, module, lib) in FRAMEWORKS.items()}
+    return {
+        sub: {
+            "built": os.path.exists(os.path.join(horovod_dir, sub, lib + suffix)),
+            "installed": importlib.util.find_spec(module) is not None,
+        }
+        for sub, (_, module, lib) in FRAMEWORKS.items()
+    }
 
 
 def diagnose():
@@ -94,24 +114,31 @@ def diagnose():
     tf = None
     try:
         import tensorflow as tf
+
         report["tensorflow"] = {"version": tf.__version__}
     except Exception as e:  # noqa: BLE001 (the doctor reports what fails, and goes on)
         report["tensorflow"] = {"version": None, "error": error_line(e)}
         problem(f"tensorflow cannot be imported ({error_line(e)})", SETUP)
 
     from hvdtrain.base import compat
+
     report["tf_keras"] = {"version": _version("tf_keras")}
-    keras = report["keras"] = {"TF_USE_LEGACY_KERAS": os.environ.get("TF_USE_LEGACY_KERAS"),
-                               "KERAS_BACKEND": os.environ.get("KERAS_BACKEND"),
-                               "module": None, "version": None}
+    keras = report["keras"] = {
+        "TF_USE_LEGACY_KERAS": os.environ.get("TF_USE_LEGACY_KERAS"),
+        "KERAS_BACKEND": os.environ.get("KERAS_BACKEND"),
+        "module": None,
+        "version": None,
+    }
     if tf is not None:
         try:
             k = compat.keras()
             keras.update(module=k.__name__, version=k.__version__)
         except compat.KerasVersionError as e:
-            problem(f"the Keras hvdtrain would use cannot train: {e}",
-                    "unset KERAS_BACKEND and TF_USE_LEGACY_KERAS for Keras 3 (the default), "
-                    f"or {SETUP} for tf_keras")
+            problem(
+                f"the Keras hvdtrain would use cannot train: {e}",
+                "unset KERAS_BACKEND and TF_USE_LEGACY_KERAS for Keras 3 (the default), "
+                f"or {SETUP} for tf_keras",
+            )
         try:
             keras["tf.keras"] = tf.keras.__name__
         except Exception as e:  # noqa: BLE001 (tf.keras itself failed to load)
@@ -119,9 +146,11 @@ def diagnose():
         tf_minor = ".".join(tf.__version__.split(".")[:2])
         tk = report["tf_keras"]["version"]
         if compat.legacy_requested() and tk and not tk.startswith(tf_minor + "."):
-            problem(f"TF_USE_LEGACY_KERAS=1 with tf_keras {tk} on TensorFlow {tf.__version__}: "
-                    "tf_keras must be the same release as TensorFlow",
-                    f"pip install tf-keras=={tf_minor}.* (or {SETUP})")
+            problem(
+                f"TF_USE_LEGACY_KERAS=1 with tf_keras {tk} on TensorFlow {tf.__version__}: "
+                "tf_keras must be the same release as TensorFlow",
+                f"pip install tf-keras=={tf_minor}.* (or {SETUP})",
+            )
 
     # --- Horovod ---------------------------------------------------------------------------
     hvd_report = report["horovod"] = {"version": None}
@@ -130,8 +159,10 @@ def diagnose():
         hvd_report["version"] = horovod.__version__
     except Exception as e:  # noqa: BLE001 (reported; the doctor goes on)
         hvd_report["error"] = error_line(e)
-        problem(f"horovod is not installed ({error_line(e)}); hvdtrain would train one process",
-                f"{SETUP} (compiles horovod with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)")
+        problem(
+            f"horovod is not installed ({error_line(e)}); hvdtrain would train one process",
+            f"{SETUP} (compiles horovod with HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)",
+        )
     mismatch = distributed.tensorflow_mismatch() if hvd_report["version"] else None
     if mismatch:
         what, fix = mismatch.split(": ", 1)
@@ -143,38 +174,51 @@ def diagnose():
             status = hvd_report["framework_status"] = frameworks(os.path.dirname(horovod.__file__))
             # TensorFlow: horovod.tensorflow just loaded; the others: built and installed.
             hvd_report["frameworks"] = ["tensorflow"] + [
-                sub for sub in ("torch", "mxnet") if all(status[sub].values())]
-            hvd_report["built"] = {name: bool(getattr(hvd, f"{name}_built")())
-                                   for name in BUILT}
+                sub for sub in ("torch", "mxnet") if all(status[sub].values())
+            ]
+            hvd_report["built"] = {name: bool(getattr(hvd, f"{name}_built")()) for name in BUILT}
             hvd_report.update(patches(os.path.dirname(horovod.__file__)))
             absent = [p for p in PATCHES if p not in hvd_report["patches"]]
             if absent:
-                problem(f"horovod {horovod.__version__} lacks hvdtrain's patches: "
-                        f"{', '.join(absent)}", WHEEL)
+                problem(
+                    f"horovod {horovod.__version__} lacks hvdtrain's patches: {', '.join(absent)}",
+                    WHEEL,
+                )
             for name, files in hvd_report["patches_changed"].items():
-                problem(f"horovod's files of patch {name} changed since the build: "
-                        f"{', '.join(files)}", WHEEL)
+                problem(
+                    f"horovod's files of patch {name} changed since the build: {', '.join(files)}",
+                    WHEEL,
+                )
             if hvd_report["built"]["nccl"] or hvd_report["built"]["cuda"]:
                 hvd_report["gpu_build"] = gpu_build(os.path.dirname(horovod.__file__), tf)
             missing = [BUILT[n] for n in ("mpi", "gloo") if not hvd_report["built"][n]]
             if missing:
-                problem(f"horovod {horovod.__version__} was built without "
-                        f"{' and '.join(missing)}", REBUILD)
+                problem(
+                    f"horovod {horovod.__version__} was built without {' and '.join(missing)}",
+                    REBUILD,
+                )
         except Exception as e:  # noqa: BLE001 (reported; the doctor goes on)
             hvd_report["error"] = error_line(e)
             if keras["module"] is None and tf is not None:
                 pass  # horovod.tensorflow imports Keras: the Keras problem above is the cause
             else:
-                problem(f"horovod.tensorflow cannot be imported ({error_line(e)}): horovod "
-                        "was built against another TensorFlow, or without TensorFlow", REBUILD)
+                problem(
+                    f"horovod.tensorflow cannot be imported ({error_line(e)}): horovod "
+                    "was built against another TensorFlow, or without TensorFlow",
+                    REBUILD,
+                )
 
     # --- MPI, GPUs, launchers --------------------------------------------------------------
     try:
         import mpi4py
+
         mpi4py.rc.initialize = mpi4py.rc.finalize = False  # only ask, never start MPI
         from mpi4py import MPI
-        report["mpi"] = {"library": MPI.Get_library_version().splitlines()[0].strip("\0 "),
-                         "mpi4py": mpi4py.__version__}
+
+        report["mpi"] = {
+            "library": MPI.Get_library_version().splitlines()[0].strip("\0 "),
+            "mpi4py": mpi4py.__version__,
+        }
     except Exception as e:  # noqa: BLE001 (no mpi4py, or no MPI library it can load)
         # No mpi4py (an environment with the wheels alone): the MPI that runs the ranks is
         # the one mpirun starts, which says its version.
@@ -190,12 +234,16 @@ def diagnose():
     if smi and not gpus:
         listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
         if listed.returncode == 0 and "GPU" in listed.stdout:
-            problem("nvidia-smi lists GPUs but TensorFlow sees none (a CPU-only build, or "
-                    "CUDA libraries missing)", f"HVDTRAIN_GPU=1 {SETUP}")
+            problem(
+                "nvidia-smi lists GPUs but TensorFlow sees none (a CPU-only build, or "
+                "CUDA libraries missing)",
+                f"HVDTRAIN_GPU=1 {SETUP}",
+            )
 
     search = os.pathsep.join([os.environ.get("PATH", ""), os.path.dirname(sys.executable)])
-    report["launchers"] = {name: shutil.which(name, path=search)
-                           for name in ("horovodrun", "mpirun")}
+    report["launchers"] = {
+        name: shutil.which(name, path=search) for name in ("horovodrun", "mpirun")
+    }
     for name, where in report["launchers"].items():
         if where is None:
             problem(f"{name} is not on PATH or in {os.path.dirname(sys.executable)}", SETUP)
@@ -252,7 +300,10 @@ def cuda_driver():
     driver = f"{version.value // 1000}.{version.value % 1000 // 10}"
     status = cuda.cuInit(0)
     if status != 0:
-        return driver, f"the NVIDIA driver (CUDA {driver}) has no usable GPU (cuInit error {status})"
+        return (
+            driver,
+            f"the NVIDIA driver (CUDA {driver}) has no usable GPU (cuInit error {status})",
+        )
     if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
         return driver, f"the NVIDIA driver (CUDA {driver}) lists no GPU"
     return driver, None
@@ -266,11 +317,11 @@ def kernel_architectures(library):
     data = open(library, "rb").read()
     sass, start = set(), data.find(b"\x7fELF", 1)
     while start != -1:
-        head = data[start:start + 52]
+        head = data[start : start + 52]
         if len(head) == 52 and head[4] == 2 and int.from_bytes(head[18:20], "little") == 190:
             flags = int.from_bytes(head[48:52], "little")
             # ELF ABI version 8 and later (CUDA 12.8+) keep the SM in bits 8-15, older in 0-7.
-            sass.add(f"sm_{(flags >> 8) & 0xff if head[8] >= 8 else flags & 0xff}")
+            sass.add(f"sm_{(flags >> 8) & 0xFF if head[8] >= 8 else flags & 0xFF}")
         start = data.find(b"\x7fELF", start + 1)
     ptx = {m.decode() for m in re.findall(rb"\.target\s+(sm_[0-9]+[a-z]?)", data)}
     order = lambda a: int(re.sub(r"\D", "", a))  # noqa: E731
@@ -291,9 +342,14 @@ def gpu_build(horovod_dir, tf):
     info["cuda_runtime"] = build.get("cuda_version")  # TensorFlow's build, not what it loads
     info["cudnn"] = build.get("cudnn_version")
     info["cuda_runtime_wheel"] = _version("nvidia-cuda-runtime-cu12")
-    library = next((os.path.join(horovod_dir, "tensorflow", f)
-                    for f in os.listdir(os.path.join(horovod_dir, "tensorflow"))
-                    if f.startswith("mpi_lib") and f.endswith(".so")), None)
+    library = next(
+        (
+            os.path.join(horovod_dir, "tensorflow", f)
+            for f in os.listdir(os.path.join(horovod_dir, "tensorflow"))
+            if f.startswith("mpi_lib") and f.endswith(".so")
+        ),
+        None,
+    )
     info["cubin"], info["ptx"] = kernel_architectures(library) if library else ([], [])
     return info
 
@@ -303,13 +359,15 @@ def _line(name, value):
 
 
 def _why_not(status, sub):
-    return ("not built into horovod" if not status["built"] else
-            f"built but {FRAMEWORKS[sub][1]} not installed")
+    return (
+        "not built into horovod"
+        if not status["built"]
+        else f"built but {FRAMEWORKS[sub][1]} not installed"
+    )
 
 
 def _hugepages(h) -> str:
-    machine = (f"glibc {h['glibc'] or 'absent'}, transparent huge pages "
-               f"{h['thp'] or 'absent'}")
+    machine = f"glibc {h['glibc'] or 'absent'}, transparent huge pages {h['thp'] or 'absent'}"
     if h["unavailable"]:
         ranks = f"the ranks' buffers stay on 4 KiB pages ({h['unavailable']})"
     elif h["switch"] == "0":
@@ -317,60 +375,100 @@ def _hugepages(h) -> str:
     elif h["ranks_get"] is None:
         ranks = f"launched ranks keep GLIBC_TUNABLES={h['environment']}"
     else:
-        ranks = (f"launched ranks start with GLIBC_TUNABLES={h['ranks_get']} "
-                 f"({malloc.SWITCH}=0: not)")
-    return (f"{machine}: {ranks}; this process started "
-            + ("with it" if h["this_process_has"] else "without it"))
+        ranks = (
+            f"launched ranks start with GLIBC_TUNABLES={h['ranks_get']} ({malloc.SWITCH}=0: not)"
+        )
+    return f"{machine}: {ranks}; this process started " + (
+        "with it" if h["this_process_has"] else "without it"
+    )
 
 
 def render(report, problems) -> str:
     tfv, keras, hv, mpi = (report.get(k, {}) for k in ("tensorflow", "keras", "horovod", "mpi"))
-    lines = [_line("python", f"{report['python']['version']} ({report['python']['executable']})"),
-             _line("tensorflow", tfv.get("version") or tfv.get("error")),
-             _line("keras", f"{keras.get('module') or 'unusable'} {keras.get('version') or ''} "
-                   f"(tf.keras is {keras.get('tf.keras')}; TF_USE_LEGACY_KERAS="
-                   f"{keras.get('TF_USE_LEGACY_KERAS')}, KERAS_BACKEND={keras.get('KERAS_BACKEND')})"),
-             _line("tf_keras", report["tf_keras"]["version"] or "not installed")]
+    lines = [
+        _line("python", f"{report['python']['version']} ({report['python']['executable']})"),
+        _line("tensorflow", tfv.get("version") or tfv.get("error")),
+        _line(
+            "keras",
+            f"{keras.get('module') or 'unusable'} {keras.get('version') or ''} "
+            f"(tf.keras is {keras.get('tf.keras')}; TF_USE_LEGACY_KERAS="
+            f"{keras.get('TF_USE_LEGACY_KERAS')}, KERAS_BACKEND={keras.get('KERAS_BACKEND')})",
+        ),
+        _line("tf_keras", report["tf_keras"]["version"] or "not installed"),
+    ]
     if "built" in hv:
+
         def on(names):
             return ", ".join(BUILT[n] for n in names if hv["built"][n]) or "none"
-        unusable = [f"{FRAMEWORKS[sub][0]} {_why_not(st, sub)}"
-                    for sub, st in hv["framework_status"].items() if sub not in hv["frameworks"]]
-        lines.append(_line("horovod", f"{hv['version']}: frameworks {', '.join(hv['frameworks'])}"
-                           + (f" ({', '.join(unusable)})" if unusable else "") + ";"
-                           f" controllers {on(('mpi', 'gloo'))}; tensor operations "
-                           f"{on(('nccl', 'ddl', 'ccl', 'mpi', 'gloo'))}; GPU {on(('cuda', 'rocm'))}; "
-                           f"hvdtrain patches: {', '.join(hv['patches']) or 'none'}"))
+
+        unusable = [
+            f"{FRAMEWORKS[sub][0]} {_why_not(st, sub)}"
+            for sub, st in hv["framework_status"].items()
+            if sub not in hv["frameworks"]
+        ]
+        lines.append(
+            _line(
+                "horovod",
+                f"{hv['version']}: frameworks {', '.join(hv['frameworks'])}"
+                + (f" ({', '.join(unusable)})" if unusable else "")
+                + ";"
+                f" controllers {on(('mpi', 'gloo'))}; tensor operations "
+                f"{on(('nccl', 'ddl', 'ccl', 'mpi', 'gloo'))}; GPU {on(('cuda', 'rocm'))}; "
+                f"hvdtrain patches: {', '.join(hv['patches']) or 'none'}",
+            )
+        )
     else:
         lines.append(_line("horovod", f"{hv.get('version') or '-'} ({hv.get('error')})"))
     gb = hv.get("gpu_build")
     if gb:
-        lines.append(_line("gpu build", f"CUDA runtime {gb['cuda_runtime_wheel']} (the "
-                           f"nvidia-cuda-runtime-cu12 wheel TensorFlow loads; TensorFlow built "
-                           f"with CUDA {gb['cuda_runtime']}), NCCL "
-                           f"{gb['nccl']} (built against {gb['nccl_built'] or 'unknown'}), "
-                           f"kernels by nvcc {gb['compiler'] or 'unknown (no build record)'}"))
-        lines.append(_line("kernels", f"cubins {' '.join(gb['cubin']) or 'none'}; PTX "
-                           f"{' '.join(gb['ptx']) or 'none'}"))
+        lines.append(
+            _line(
+                "gpu build",
+                f"CUDA runtime {gb['cuda_runtime_wheel']} (the "
+                f"nvidia-cuda-runtime-cu12 wheel TensorFlow loads; TensorFlow built "
+                f"with CUDA {gb['cuda_runtime']}), NCCL "
+                f"{gb['nccl']} (built against {gb['nccl_built'] or 'unknown'}), "
+                f"kernels by nvcc {gb['compiler'] or 'unknown (no build record)'}",
+            )
+        )
+        lines.append(
+            _line(
+                "kernels",
+                f"cubins {' '.join(gb['cubin']) or 'none'}; PTX {' '.join(gb['ptx']) or 'none'}",
+            )
+        )
     lines.append(_line("mpi", mpi.get("library") or f"unknown ({mpi.get('error')})"))
-    lines.append(_line("gpus", ", ".join(report["gpus"]) or
-                       f"none visible: {report['no_gpu'] or 'TensorFlow sees none'}"
-                       + (f" (driver CUDA {report['driver']})" if report["driver"]
-                          and not report["no_gpu"] else "")))
-    lines.append(_line("launchers", ", ".join(f"{n} {w or 'MISSING'}"
-                                              for n, w in report["launchers"].items())))
+    lines.append(
+        _line(
+            "gpus",
+            ", ".join(report["gpus"])
+            or f"none visible: {report['no_gpu'] or 'TensorFlow sees none'}"
+            + (
+                f" (driver CUDA {report['driver']})"
+                if report["driver"] and not report["no_gpu"]
+                else ""
+            ),
+        )
+    )
+    lines.append(
+        _line(
+            "launchers", ", ".join(f"{n} {w or 'MISSING'}" for n, w in report["launchers"].items())
+        )
+    )
     if "hugepages" in report:
         lines.append(_line("hugepages", _hugepages(report["hugepages"])))
     for p in problems:
         lines += [f"problem: {p['problem']}", f"fix: {p['fix']}"]
-    lines.append("all good" if not problems else
-                 f"{len(problems)} problem{'s' if len(problems) > 1 else ''}")
+    lines.append(
+        "all good" if not problems else f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+    )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hvdtrain.doctor", description=__doc__
-                                     .split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m hvdtrain.doctor", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     report, problems = diagnose()

@@ -34,6 +34,7 @@ Mixed precision: set Keras' policy in the script before building the model
 the loss scaler that ``compile`` adds is composed with the distributed optimizer so that it
 sees the reduced gradients (docs/guides/mixed-precision.md).
 """
+
 import importlib as _importlib
 import typing as _typing
 import warnings as _warnings
@@ -175,19 +176,35 @@ def dataset(x, y, batch_size=None, seed: int = 0, shuffle: bool = True, sample_w
         DataError: the arrays do not hold the same number of examples.
     """
     try:
-        return _ArrayBatches(_nest.arrays(x), _nest.arrays(y), batch_size, seed, shuffle,
-                             _distributed.current(),
-                             None if sample_weight is None else _nest.arrays(sample_weight))
+        return _ArrayBatches(
+            _nest.arrays(x),
+            _nest.arrays(y),
+            batch_size,
+            seed,
+            shuffle,
+            _distributed.current(),
+            None if sample_weight is None else _nest.arrays(sample_weight),
+        )
     except _ConfigError as e:
         raise e.in_call("hk.dataset") from None
 
 
-def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
-        validation_batch_size: int = 256, steps_per_epoch: int = None, sharded: bool = False,
-        run_dir: str | None = _DEFAULT["run_dir"],
-        checkpoint_every: int = _DEFAULT["checkpoint_every"],
-        keep_checkpoints: int = _DEFAULT["keep_checkpoints"],
-        resume: bool | None = _DEFAULT["resume"], **settings):
+def fit(
+    model,
+    train,
+    epochs: int,
+    validation_data=None,
+    *,
+    callbacks=(),
+    validation_batch_size: int = 256,
+    steps_per_epoch: int = None,
+    sharded: bool = False,
+    run_dir: str | None = _DEFAULT["run_dir"],
+    checkpoint_every: int = _DEFAULT["checkpoint_every"],
+    keep_checkpoints: int = _DEFAULT["keep_checkpoints"],
+    resume: bool | None = _DEFAULT["resume"],
+    **settings,
+):
     """``model.fit`` on every rank, from rank 0's state or the newest checkpoint in ``run_dir``.
 
     Call it on every rank. Gradients are averaged by the optimizer
@@ -234,12 +251,26 @@ def fit(model, train, epochs: int, validation_data=None, *, callbacks=(),
             ``ConfigError`` for a bad argument, ``Preempted`` after a SIGTERM (rerun the
             same command to resume), ``Diverged`` for a NaN or infinite loss, ...
     """
-    settings = dict(run_dir=run_dir, checkpoint_every=checkpoint_every,
-                    keep_checkpoints=keep_checkpoints, resume=resume, **settings)
+    settings = dict(
+        run_dir=run_dir,
+        checkpoint_every=checkpoint_every,
+        keep_checkpoints=keep_checkpoints,
+        resume=resume,
+        **settings,
+    )
     with _timings.phase("other"):  # the run: what no named phase inside claims
         try:
-            return _fit_model(model, train, epochs, validation_data, callbacks,
-                              validation_batch_size, steps_per_epoch, sharded, settings)
+            return _fit_model(
+                model,
+                train,
+                epochs,
+                validation_data,
+                callbacks,
+                validation_batch_size,
+                steps_per_epoch,
+                sharded,
+                settings,
+            )
         except _ConfigError as e:  # named as the script wrote it: hk.fit(epochs=0)
             raise e.in_call("hk.fit") from None
 
@@ -269,11 +300,17 @@ def report_error(e: Error, prog: str = None) -> int:
 # The names this module held that moved, or that it no longer hands on: each still works
 # (with a DeprecationWarning, once, naming what to use).
 _MOVED = {
-    "Dataset": ("hvdtrain.inputs.arrays", "ArrayBatches",
-                "hvdtrain.inputs.arrays.ArrayBatches (hk.dataset makes one)"),
+    "Dataset": (
+        "hvdtrain.inputs.arrays",
+        "ArrayBatches",
+        "hvdtrain.inputs.arrays.ArrayBatches (hk.dataset makes one)",
+    ),
     "EXIT_PREEMPTED": ("hvdtrain.base.errors", "EXIT_PREEMPTED", "hk.Preempted.status"),
-    "STOP_CHECK_EVERY": ("hvdtrain.fit.driver", "STOP_CHECK_EVERY",
-                         "hvdtrain.fit.driver.STOP_CHECK_EVERY"),
+    "STOP_CHECK_EVERY": (
+        "hvdtrain.fit.driver",
+        "STOP_CHECK_EVERY",
+        "hvdtrain.fit.driver.STOP_CHECK_EVERY",
+    ),
     "ConfigError": ("hvdtrain.base.errors", "ConfigError", "hvdtrain.ConfigError"),
     "DataError": ("hvdtrain.base.errors", "DataError", "hvdtrain.data.DataError"),
     "pipeline": ("hvdtrain.inputs.pipeline", None, "hvdtrain.inputs.pipeline"),
@@ -287,11 +324,26 @@ def __getattr__(name):
     module, attribute, instead = _MOVED[name]
     if name not in _warned:
         _warned.add(name)
-        _warnings.warn(f"hvdtrain.keras.{name} is deprecated: use {instead}",
-                       DeprecationWarning, stacklevel=2)
+        _warnings.warn(
+            f"hvdtrain.keras.{name} is deprecated: use {instead}", DeprecationWarning, stacklevel=2
+        )
     found = _importlib.import_module(module)
     return found if attribute is None else getattr(found, attribute)
 
 
-__all__ = ["DistributedOptimizer", "Diverged", "Error", "Preempted", "adapt", "dataset",
-           "datasets", "files", "fit", "init", "on_chief", "rank", "report_error", "size"]
+__all__ = [
+    "DistributedOptimizer",
+    "Diverged",
+    "Error",
+    "Preempted",
+    "adapt",
+    "dataset",
+    "datasets",
+    "files",
+    "fit",
+    "init",
+    "on_chief",
+    "rank",
+    "report_error",
+    "size",
+]

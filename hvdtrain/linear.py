@@ -6,6 +6,7 @@
 The task itself (``LinearTask``, ``LinearSettings``) is ``hvdtrain.tasks.linear``; its names
 are handed on here, so ``hvdtrain.linear:LinearTask`` names it too.
 """
+
 from hvdtrain.cli import exit_now, run
 from hvdtrain.tasks.linear import LinearSettings, LinearTask
 

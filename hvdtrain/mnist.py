@@ -7,6 +7,7 @@
 The task itself (``MnistTask``, ``MnistSettings``) is ``hvdtrain.tasks.mnist``; its names
 are handed on here, so ``hvdtrain.mnist:MnistTask`` names it too.
 """
+
 from hvdtrain.cli import exit_now, run
 from hvdtrain.tasks.mnist import MODELS, MnistSettings, MnistTask
 

@@ -3,6 +3,7 @@
 Every process a test starts runs in its own session and is killed, with its children,
 when the test's time bound passes, so a hang fails the test instead of the suite.
 """
+
 import glob
 import json
 import os
@@ -12,9 +13,9 @@ import sys
 
 import pytest
 
-from hvdtrain.distributed import World
 from hvdtrain.bench import harness
 from hvdtrain.bench.harness import BIN, HOROVODRUN, ROOT, start  # noqa: F401 (the tests' names)
+from hvdtrain.distributed import World
 
 # A run started as a background job of a script (`pytest ... &`, as CI may start it) inherits
 # SIGINT and SIGQUIT ignored, and so would every process a test starts: a shell cannot trap a
@@ -22,32 +23,51 @@ from hvdtrain.bench.harness import BIN, HOROVODRUN, ROOT, start  # noqa: F401 (t
 # ran to its end). The tests' commands get what a terminal gives them: the default.
 for _signum in (signal.SIGINT, signal.SIGQUIT):
     if signal.getsignal(_signum) == signal.SIG_IGN:
-        signal.signal(_signum, signal.default_int_handler if _signum == signal.SIGINT
-                      else signal.SIG_DFL)
+        signal.signal(
+            _signum, signal.default_int_handler if _signum == signal.SIGINT else signal.SIG_DFL
+        )
 
 KERAS2 = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
 # Every time bound a test sets (pytest-timeout's per-test bound, and each process's below) is
 # multiplied by this: a slower or busier machine than the 2 cores the bounds were set on.
 TIME_SCALE = float(os.environ.get("HVDTRAIN_TEST_TIME_SCALE", "1") or 1)
-NOISE = ("cuda", "absl::", "E0000", "cpu_feature_guard", "oneDNN", "AVX", "cuInit",
-         "rebuild TensorFlow")
+NOISE = (
+    "cuda",
+    "absl::",
+    "E0000",
+    "cpu_feature_guard",
+    "oneDNN",
+    "AVX",
+    "cuInit",
+    "rebuild TensorFlow",
+)
 
 
 # A command prefix: root without its power over file permissions (CAP_DAC_OVERRIDE and
 # CAP_DAC_READ_SEARCH leave the bounding set, for the command and all it starts), so that a
 # file's mode bits apply to it as they do to any user; nothing for another user, whom they
 # apply to already. CI and the containers run as root.
-NO_DAC = (["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
-          if os.geteuid() == 0 else [])
-
+NO_DAC = (
+    ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+)
 
 
 # The fault tests' linear job (faults/test_faults.py; SLURM's "long" reference runs it too):
 # linear, far from converged at the end (lr 5e-4, 1,000 small steps), so equal weights mean
 # equal trajectories, not two runs that both reached [0.1, 0.2, 0.3].
 LINEAR_EPOCHS = 10
-LINEAR = ["--batch-size", "5", "--epochs", str(LINEAR_EPOCHS), "--learning-rate", "0.0005",
-          "--checkpoint-every", "100", "--verbose", "0"]
+LINEAR = [
+    "--batch-size",
+    "5",
+    "--epochs",
+    str(LINEAR_EPOCHS),
+    "--learning-rate",
+    "0.0005",
+    "--checkpoint-every",
+    "100",
+    "--verbose",
+    "0",
+]
 
 
 class FakeWorld(World):
@@ -60,6 +80,7 @@ class FakeWorld(World):
 
     def allgather_object(self, obj):
         return [obj] + self.others
+
 
 def clean_env(home, **extra):
     # No Keras cache, no download attempt: tests never depend on this machine's state.
@@ -84,13 +105,29 @@ def clean_env(home, **extra):
 # namespaces, daemons and pods (multi-host, SLURM, Kubernetes) never run beside each other.
 # The Ray and Spark clusters (each its own subnet and namespaces, no references) are groups
 # of their own: they may run beside them.
-SHARED = {"test_faults": "references", "test_storage": "references",
-          "test_multiprocess": "references", "test_multihost": "references",
-          "test_slurm": "references", "test_k8s": "references",
-          "test_ray_cluster": "ray_cluster", "test_spark_cluster": "spark_cluster"}
-LONGEST = ("references", "test_keras_fit_patterns", "test_pipeline", "test_mixed_precision",
-           "test_bench", "test_accumulate", "test_models", "test_no_silent_failure",
-           "test_watchdog", "test_horovod_api", "test_wheels")
+SHARED = {
+    "test_faults": "references",
+    "test_storage": "references",
+    "test_multiprocess": "references",
+    "test_multihost": "references",
+    "test_slurm": "references",
+    "test_k8s": "references",
+    "test_ray_cluster": "ray_cluster",
+    "test_spark_cluster": "spark_cluster",
+}
+LONGEST = (
+    "references",
+    "test_keras_fit_patterns",
+    "test_pipeline",
+    "test_mixed_precision",
+    "test_bench",
+    "test_accumulate",
+    "test_models",
+    "test_no_silent_failure",
+    "test_watchdog",
+    "test_horovod_api",
+    "test_wheels",
+)
 # The tiers are tests/'s folders; each test gets its folder's marker (pytest -m runs, ...).
 # The helpers (this file, the clusters' harnesses, the scripts the tests launch) stay here,
 # importable from every folder (pythonpath, in pyproject.toml's pytest settings).
@@ -113,8 +150,9 @@ def pytest_collection_modifyitems(config, items):
     # The longest groups first (xdist hands out groups in this order), so that no worker
     # starts a long one while the other is finishing: a stable sort, each module's own order
     # kept. The longest in CI's run (both passes), longest first.
-    items.sort(key=lambda item: LONGEST.index(groups[item]) if groups[item] in LONGEST
-               else len(LONGEST))
+    items.sort(
+        key=lambda item: LONGEST.index(groups[item]) if groups[item] in LONGEST else len(LONGEST)
+    )
     if TIME_SCALE == 1:
         return
     default = float(config.getini("timeout") or 0)
@@ -179,8 +217,11 @@ def rank_pids(marker):
         args = [a.decode(errors="replace") for a in argv]
         # A rank: python running hvdtrain (-m hvdtrain.<task>) or a script; the launcher is
         # python too, but has no rank in its environment.
-        if (len(args) < 2 or not os.path.basename(args[0]).startswith("python")
-                or not any(marker in a for a in args)):
+        if (
+            len(args) < 2
+            or not os.path.basename(args[0]).startswith("python")
+            or not any(marker in a for a in args)
+        ):
             continue
         env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)
         rank = env.get("HOROVOD_RANK", env.get("OMPI_COMM_WORLD_RANK"))
@@ -212,6 +253,7 @@ def running(pid) -> bool:
 def wait_for(predicate, timeout, interval=0.05):
     """Poll until ``predicate()`` is truthy; return its value, or None after ``timeout``."""
     import time
+
     deadline = time.monotonic() + timeout * TIME_SCALE
     while time.monotonic() < deadline:
         value = predicate()
@@ -273,9 +315,8 @@ class References:
         key = (launcher, np, task, *map(str, args))
         if key not in self.done:
             run_dir = self.base / f"ref{len(self.done)}"
-            cmd = (module_cmd(task, *args) if np == 1 else launch(launcher, np, task, *args))
-            p = run([*cmd, "--run-dir", str(run_dir)], clean_env(self.base / "home"),
-                    timeout=300)
+            cmd = module_cmd(task, *args) if np == 1 else launch(launcher, np, task, *args)
+            p = run([*cmd, "--run-dir", str(run_dir)], clean_env(self.base / "home"), timeout=300)
             assert p.returncode == 0, f"reference run {key} failed:\n{p.stderr[-3000:]}"
             self.done[key] = run_dir
         return self.done[key]
@@ -357,8 +398,9 @@ def lose_after_first_checkpoint(cmd, env, run_dir, lose, timeout, cwd=None, firs
         pids = rank_pids(str(run_dir))
         assert sorted(pids) == [0, 1], pids
         lose(pids)
-        assert not os.path.exists(os.path.join(run_dir, "result.json")), \
+        assert not os.path.exists(os.path.join(run_dir, "result.json")), (
             "the job ended before the kill"
+        )
         return finish(proc, timeout)
     finally:
         if proc.poll() is None:

@@ -4,6 +4,7 @@ Tests that hold a page's commands and code blocks to the code read them through 
 page that moves is renamed in one place. ``docs_text`` renders a page's generated parts (the
 settings tables of docs/hooks/settings.py, CHANGELOG.md in docs/changelog.md) as mkdocs does.
 """
+
 import importlib.util
 import os
 import re
@@ -14,7 +15,8 @@ DOCS = os.path.join(ROOT, "docs")
 
 def _hook(name="settings"):
     spec = importlib.util.spec_from_file_location(
-        f"hvdtrain_docs_{name}_hook", os.path.join(DOCS, "hooks", name + ".py"))
+        f"hvdtrain_docs_{name}_hook", os.path.join(DOCS, "hooks", name + ".py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -79,8 +81,10 @@ def _page_text(page):
 def code_blocks(page: str) -> list:
     """Every fenced block of PAGE ("README.md", or a page of docs/), in order."""
     text = _page_text(page)
-    return [Block(page, m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1)
-            for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)]
+    return [
+        Block(page, m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1)
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
+    ]
 
 
 def block(page: str, first: str) -> Block:
@@ -89,8 +93,9 @@ def block(page: str, first: str) -> Block:
     any block that no test holds."""
     found = [b for b in code_blocks(page) if b.text.startswith(first)]
     if len(found) != 1:
-        raise LookupError(f"{len(found)} blocks of {page} start with {first!r}: "
-                          f"{code_blocks(page)}")
+        raise LookupError(
+            f"{len(found)} blocks of {page} start with {first!r}: {code_blocks(page)}"
+        )
     return found[0]
 
 

@@ -13,16 +13,16 @@ Every process appends JSON lines to LOG: each commit (the weights it commits), e
 (the weights restored), each start of ``train`` (the weights synced), and the end.
 Nothing of hvdtrain is imported.
 """
+
 import json
 import os
 import signal
 import sys
 import time
 
+import horovod.tensorflow.keras as hvd
 import numpy as np
 import tensorflow as tf
-
-import horovod.tensorflow.keras as hvd
 
 LOG, MARKER = sys.argv[1], sys.argv[2]
 EPOCHS, STEPS, COMMIT_EVERY = 6, 8, 2
@@ -49,8 +49,17 @@ state = hvd.elastic.KerasState(model, batch=0, epoch=0)
 
 def log(event, **extra):
     weights = np.concatenate([w.ravel() for w in state.model.get_weights()]).tolist()
-    line = dict(event=event, pid=os.getpid(), start_rank=START_RANK, rank=hvd.rank(),
-                size=hvd.size(), epoch=state.epoch, batch=state.batch, weights=weights, **extra)
+    line = dict(
+        event=event,
+        pid=os.getpid(),
+        start_rank=START_RANK,
+        rank=hvd.rank(),
+        size=hvd.size(),
+        epoch=state.epoch,
+        batch=state.batch,
+        weights=weights,
+        **extra,
+    )
     with open(LOG, "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -70,8 +79,7 @@ class Faults(tf.keras.callbacks.Callback):
     """The failure and the wait for the host the test adds."""
 
     def on_batch_begin(self, batch, logs=None):
-        if (START_RANK == 1 and (state.epoch, batch) == KILL_AT
-                and not os.path.exists(MARKER)):
+        if START_RANK == 1 and (state.epoch, batch) == KILL_AT and not os.path.exists(MARKER):
             open(MARKER, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -80,8 +88,7 @@ class Faults(tf.keras.callbacks.Callback):
         # the same queue), so that the job does not end before one joins. The commit that
         # follows (CommitStateCallback) then stops this fit to take the new worker in.
         deadline = time.monotonic() + 120
-        while (hvd.size() == 1 and state._host_messages.empty()
-               and time.monotonic() < deadline):
+        while hvd.size() == 1 and state._host_messages.empty() and time.monotonic() < deadline:
             time.sleep(0.1)
 
 
@@ -102,8 +109,9 @@ callbacks = [
 @hvd.elastic.run
 def train(state):
     log("train")  # synced: rank 0's weights on every worker
-    state.model.fit(dataset, steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch,
-                    callbacks=callbacks, verbose=0)
+    state.model.fit(
+        dataset, steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch, callbacks=callbacks, verbose=0
+    )
 
 
 train(state)

@@ -10,6 +10,7 @@ rank's inputs (allgathered) without the API under test; rank 0 writes them to
 OUT_DIR/probe.json and tests/runs/test_horovod_api.py asserts on the numbers. A probe that raises
 records its error line instead, so that one broken API fails its own test only.
 """
+
 import contextlib
 import io
 import json
@@ -17,11 +18,10 @@ import os
 import sys
 import traceback
 
-import numpy as np
-import tensorflow as tf
-
 import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvdk
+import numpy as np
+import tensorflow as tf
 
 keras = tf.keras
 # Process sets: [0] given to hvd.init (static), [1] added after it (dynamic, which needs
@@ -42,8 +42,10 @@ def probe(fn):
     try:
         results[fn.__name__] = fn()
     except Exception as e:  # noqa: BLE001 (recorded for the test to show; the other probes run)
-        results[fn.__name__] = {"error": f"{type(e).__name__}: {e}".splitlines()[0],
-                                "traceback": traceback.format_exc()}
+        results[fn.__name__] = {
+            "error": f"{type(e).__name__}: {e}".splitlines()[0],
+            "traceback": traceback.format_exc(),
+        }
     return fn
 
 
@@ -87,8 +89,10 @@ def gradient_tape():
     tape = hvd.DistributedGradientTape(tape)
     reduced = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
     means = [gather(g).mean(axis=0) for g in own]
-    return {"err": max(maxdiff(r, m) for r, m in zip(reduced, means)),
-            "ranks_differ": max(float(np.ptp(gather(g), axis=0).max()) for g in own)}
+    return {
+        "err": max(maxdiff(r, m) for r, m in zip(reduced, means)),
+        "ranks_differ": max(float(np.ptp(gather(g), axis=0).max()) for g in own),
+    }
 
 
 @probe
@@ -111,8 +115,10 @@ def gradient_tape_in_function():
     step()
     after = [v.numpy() for v in model.trainable_variables]
     expected = [b - 0.1 * gather(g).mean(axis=0) for b, g in zip(before, own)]
-    return {"err": max(maxdiff(a, e) for a, e in zip(after, expected)),
-            "ranks_equal": max(float(np.ptp(gather(a), axis=0).max()) for a in after)}
+    return {
+        "err": max(maxdiff(a, e) for a, e in zip(after, expected)),
+        "ranks_equal": max(float(np.ptp(gather(a), axis=0).max()) for a in after),
+    }
 
 
 @probe
@@ -146,17 +152,24 @@ def local_source():
     kernel, bias = model.trainable_variables
     tape.register_local_source(bias)
     got_kernel, got_bias = [g.numpy() for g in tape.gradient(loss, [kernel, bias])]
-    return {"err_global": maxdiff(got_kernel, gather(own[0]).mean(axis=0)),
-            "err_local": maxdiff(got_bias, own[1])}
+    return {
+        "err_global": maxdiff(got_kernel, gather(own[0]).mean(axis=0)),
+        "err_local": maxdiff(got_bias, own[1]),
+    }
 
 
 @probe
 def sparse_as_dense():
     """An Embedding's gradient (IndexedSlices), sparse_as_dense=True: dense and averaged."""
     keras.utils.set_random_seed(6)
-    model = keras.Sequential([keras.Input(shape=(2,), dtype="int32"),
-                              keras.layers.Embedding(5, 2), keras.layers.Flatten(),
-                              keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [
+            keras.Input(shape=(2,), dtype="int32"),
+            keras.layers.Embedding(5, 2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ]
+    )
     ids = tf.constant([[RANK, 1], [2, RANK + 2]])
     target = tf.constant([[1.0], [-1.0]])
 
@@ -169,9 +182,13 @@ def sparse_as_dense():
 
     own = [tf.convert_to_tensor(g).numpy() for g in grads_of(False)]
     reduced = grads_of(True)
-    return {"dense": not isinstance(reduced[0], tf.IndexedSlices),
-            "err": max(maxdiff(tf.convert_to_tensor(r).numpy(), gather(g).mean(axis=0))
-                       for r, g in zip(reduced, own))}
+    return {
+        "dense": not isinstance(reduced[0], tf.IndexedSlices),
+        "err": max(
+            maxdiff(tf.convert_to_tensor(r).numpy(), gather(g).mean(axis=0))
+            for r, g in zip(reduced, own)
+        ),
+    }
 
 
 @probe
@@ -182,20 +199,27 @@ def broadcast_model_and_optimizer():
     x, y = rank_data(seed=7)
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(model(x) - y))
-    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                            model.trainable_variables))  # optimizer state differs per rank
+    opt.apply_gradients(
+        zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+    )  # optimizer state differs per rank
     opt_vars = opt.variables() if callable(opt.variables) else opt.variables
     hvd.broadcast_variables(model.variables, root_rank=0)
     hvd.broadcast_variables(opt_vars, root_rank=0)
-    spread = [float(np.ptp(gather(v.numpy()), axis=0).max()) for v in list(model.variables) + list(opt_vars)]
+    spread = [
+        float(np.ptp(gather(v.numpy()), axis=0).max())
+        for v in list(model.variables) + list(opt_vars)
+    ]
     return {"max_spread": max(spread), "n_opt_vars": len(opt_vars)}
 
 
 @probe
 def allreduce_variables():
     """allreduce and grouped_allreduce of Keras variables: the mean over the ranks."""
-    v = keras.Variable(np.full((2, 2), RANK + 1.0, "float32")) if hasattr(keras, "Variable") \
+    v = (
+        keras.Variable(np.full((2, 2), RANK + 1.0, "float32"))
+        if hasattr(keras, "Variable")
         else tf.Variable(np.full((2, 2), RANK + 1.0, "float32"))
+    )
     model = dense_model(20 + RANK)
     kernel = model.trainable_variables[0]
     one = hvd.allreduce(v).numpy()
@@ -203,9 +227,15 @@ def allreduce_variables():
     summed = hvd.allreduce(kernel, op=hvd.Sum).numpy()
     mean_v = gather(tf.convert_to_tensor(v)).mean(axis=0)
     kernels = gather(tf.convert_to_tensor(kernel))
-    return {"err": max(maxdiff(one, mean_v), maxdiff(group[0], mean_v),
-                       maxdiff(group[1], kernels.mean(axis=0)), maxdiff(summed, kernels.sum(axis=0))),
-            "value": float(one[0, 0])}
+    return {
+        "err": max(
+            maxdiff(one, mean_v),
+            maxdiff(group[0], mean_v),
+            maxdiff(group[1], kernels.mean(axis=0)),
+            maxdiff(summed, kernels.sum(axis=0)),
+        ),
+        "value": float(one[0, 0]),
+    }
 
 
 @probe
@@ -218,15 +248,18 @@ def sync_batch_norm():
     every = gather(x).reshape(-1, 3)
     mean, var = every.mean(axis=0), every.var(axis=0)
     expected = (x - mean) / np.sqrt(var + 1e-3)
-    return {"err": maxdiff(out, expected),
-            "moving_mean_err": maxdiff(layer.moving_mean.numpy(), 0.5 * mean),
-            "local_differs": maxdiff(x.mean(axis=0), mean)}
+    return {
+        "err": maxdiff(out, expected),
+        "moving_mean_err": maxdiff(layer.moving_mean.numpy(), 0.5 * mean),
+        "local_differs": maxdiff(x.mean(axis=0), mean),
+    }
 
 
 @probe
 def elastic_keras_state():
     """elastic.TensorFlowKerasState: restore brings back the committed weights exactly."""
     from horovod.tensorflow.elastic import TensorFlowKerasState, TensorFlowState
+
     model = dense_model(40)
     opt = keras.optimizers.SGD(0.1, momentum=0.9)
     model.compile(optimizer=opt, loss="mse")
@@ -266,10 +299,15 @@ def elastic_sync_before_the_first_step():
     opt_vars = opt_vars() if callable(opt_vars) else opt_vars
     values = [v.numpy() for v in model.variables + list(opt_vars)]
     n = gather(np.array([len(values)]))
-    spread = (max(float(np.ptp(gather(v), axis=0).max()) for v in values)
-              if n.min() == n.max() else None)
-    return {"n_vars": n.ravel().tolist(), "spread": spread, "batch": state.batch,
-            "epoch": state.epoch}
+    spread = (
+        max(float(np.ptp(gather(v), axis=0).max()) for v in values) if n.min() == n.max() else None
+    )
+    return {
+        "n_vars": n.ravel().tolist(),
+        "spread": spread,
+        "batch": state.batch,
+        "epoch": state.epoch,
+    }
 
 
 def fit_data(seed):
@@ -289,9 +327,11 @@ def keras_distributed_optimizer():
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
     after = [v.numpy() for v in model.trainable_variables]
     expected = [b - 0.1 * gather(g).mean(axis=0) for b, g in zip(before, own)]
-    return {"err": max(maxdiff(a, e) for a, e in zip(after, expected)),
-            "class": type(model.optimizer).__name__,
-            "module": type(model.optimizer).__module__}
+    return {
+        "err": max(maxdiff(a, e) for a, e in zip(after, expected)),
+        "class": type(model.optimizer).__name__,
+        "module": type(model.optimizer).__module__,
+    }
 
 
 @probe
@@ -322,17 +362,18 @@ def legacy_optimizer():
     model = dense_model(93)
     before = [v.numpy() for v in model.trainable_variables]
     own = local_grads(model, x, y)
-    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1)),
-                  loss="mse")
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1)), loss="mse")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
     after = [v.numpy() for v in model.trainable_variables]
     expected = [b - 0.1 * gather(g).mean(axis=0) for b, g in zip(before, own)]
     path = os.path.join(OUT, f"legacy-{RANK}.h5")
     model.save(path)
     loaded = hvdk.load_model(path, legacy_opts=True)
-    return {"err": max(maxdiff(a, e) for a, e in zip(after, expected)),
-            "loaded_legacy": isinstance(loaded.optimizer, keras.optimizers.legacy.Optimizer),
-            "loaded_reduces": hasattr(loaded.optimizer, "_allreduce_grads")}
+    return {
+        "err": max(maxdiff(a, e) for a, e in zip(after, expected)),
+        "loaded_legacy": isinstance(loaded.optimizer, keras.optimizers.legacy.Optimizer),
+        "loaded_reduces": hasattr(loaded.optimizer, "_allreduce_grads"),
+    }
 
 
 @probe
@@ -344,15 +385,19 @@ def backward_passes():
     before = [v.numpy() for v in model.trainable_variables]
     g1 = local_grads(model, x[:4], y[:4])
     g2 = local_grads(model, x[4:], y[4:])
-    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1),
-                                                      backward_passes_per_step=2), loss="mse")
+    model.compile(
+        optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2),
+        loss="mse",
+    )
     model.fit(x[:4], y[:4], batch_size=4, epochs=1, verbose=0)
     mid = [v.numpy() for v in model.trainable_variables]
     model.fit(x[4:], y[4:], batch_size=4, epochs=1, verbose=0)
     after = [v.numpy() for v in model.trainable_variables]
     expected = [b - 0.1 * (gather(a) + gather(c)).mean(axis=0) for b, a, c in zip(before, g1, g2)]
-    return {"first_moved": max(maxdiff(m, b) for m, b in zip(mid, before)),
-            "err": max(maxdiff(a, e) for a, e in zip(after, expected))}
+    return {
+        "first_moved": max(maxdiff(m, b) for m, b in zip(mid, before)),
+        "err": max(maxdiff(a, e) for a, e in zip(after, expected)),
+    }
 
 
 @probe
@@ -369,9 +414,12 @@ def partial_distributed_optimizer():
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
     after = [v.numpy() for v in model.trainable_variables]
     expected = [b - 0.1 * g / SIZE for b, g in zip(before[:2], own[:2])] + [
-        b - 0.1 * gather(g).mean(axis=0) for b, g in zip(before[2:], own[2:])]
-    return {"err": max(maxdiff(a, e) for a, e in zip(after, expected)),
-            "local_ranks_differ": float(np.ptp(gather(after[0]), axis=0).max())}
+        b - 0.1 * gather(g).mean(axis=0) for b, g in zip(before[2:], own[2:])
+    ]
+    return {
+        "err": max(maxdiff(a, e) for a, e in zip(after, expected)),
+        "local_ranks_differ": float(np.ptp(gather(after[0]), axis=0).max()),
+    }
 
 
 @probe
@@ -379,12 +427,14 @@ def load_model():
     """hvdk.load_model: the saved optimizer's state is back, and it reduces again."""
     x, y = fit_data(13)
     model = dense_model(54)
-    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5)),
-                  loss="mse")
+    model.compile(
+        optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5)), loss="mse"
+    )
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     hvd.broadcast_variables(model.variables, root_rank=0)
-    path = os.path.join(OUT, f"model-{RANK}.keras" if keras.__name__.startswith("keras")
-                        else f"model-{RANK}.h5")
+    path = os.path.join(
+        OUT, f"model-{RANK}.keras" if keras.__name__.startswith("keras") else f"model-{RANK}.h5"
+    )
     model.save(path)
     loaded = hvdk.load_model(path)
     iterations = int(loaded.optimizer.iterations.numpy())
@@ -392,11 +442,14 @@ def load_model():
     loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
     after = [v.numpy() for v in loaded.trainable_variables]
     plain = keras.models.load_model(path) if keras.__name__.startswith("keras") else None
-    return {"iterations": iterations,
-            "reduced": hasattr(loaded.optimizer, "_allreduce_grads"),
-            "ranks_equal_after": max(float(np.ptp(gather(a), axis=0).max()) for a in after),
-            "moved": max(maxdiff(a, b) for a, b in zip(after, before)),
-            "loads_without_horovod": plain is not None and not hasattr(plain.optimizer, "_allreduce_grads")}
+    return {
+        "iterations": iterations,
+        "reduced": hasattr(loaded.optimizer, "_allreduce_grads"),
+        "ranks_equal_after": max(float(np.ptp(gather(a), axis=0).max()) for a in after),
+        "moved": max(maxdiff(a, b) for a, b in zip(after, before)),
+        "loads_without_horovod": plain is not None
+        and not hasattr(plain.optimizer, "_allreduce_grads"),
+    }
 
 
 class Record(keras.callbacks.Callback):
@@ -408,8 +461,12 @@ class Record(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         lr = self.model.optimizer.learning_rate
-        self.epochs.append({"logs": {k: float(v) for k, v in (logs or {}).items()},
-                            "lr": float(np.asarray(lr.numpy() if hasattr(lr, "numpy") else lr))})
+        self.epochs.append(
+            {
+                "logs": {k: float(v) for k, v in (logs or {}).items()},
+                "lr": float(np.asarray(lr.numpy() if hasattr(lr, "numpy") else lr)),
+            }
+        )
 
 
 def rank_metric(y_true, y_pred):
@@ -425,22 +482,39 @@ def callbacks():
     x, y = fit_data(14)
     model = dense_model(60 + RANK)
     initial_lr, warmup, steps = 0.02, 3, 2
-    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.Adam(initial_lr)),
-                  loss="mse", metrics=[rank_metric])
+    model.compile(
+        optimizer=hvdk.DistributedOptimizer(keras.optimizers.Adam(initial_lr)),
+        loss="mse",
+        metrics=[rank_metric],
+    )
     record = Record()
-    model.fit(x, y, batch_size=4, epochs=4, verbose=0, shuffle=False, callbacks=[
-        hvdk.callbacks.BroadcastGlobalVariablesCallback(0),
-        hvdk.callbacks.MetricAverageCallback(),
-        hvdk.callbacks.LearningRateWarmupCallback(initial_lr=initial_lr, warmup_epochs=warmup,
-                                                  steps_per_epoch=steps),
-        record])
-    expected_lr = [initial_lr / SIZE * ((e + 1) * (SIZE - 1) / warmup + 1) if e < warmup
-                   else initial_lr for e in range(4)]
-    return {"metric": [e["logs"]["rank_metric"] for e in record.epochs],
-            "lr": [e["lr"] for e in record.epochs], "expected_lr": expected_lr,
-            "logged_lr": [e["logs"].get("lr") for e in record.epochs],
-            "ranks_equal": max(float(np.ptp(gather(v.numpy()), axis=0).max())
-                               for v in model.variables)}
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=4,
+        verbose=0,
+        shuffle=False,
+        callbacks=[
+            hvdk.callbacks.BroadcastGlobalVariablesCallback(0),
+            hvdk.callbacks.MetricAverageCallback(),
+            hvdk.callbacks.LearningRateWarmupCallback(
+                initial_lr=initial_lr, warmup_epochs=warmup, steps_per_epoch=steps
+            ),
+            record,
+        ],
+    )
+    expected_lr = [
+        initial_lr / SIZE * ((e + 1) * (SIZE - 1) / warmup + 1) if e < warmup else initial_lr
+        for e in range(4)
+    ]
+    return {
+        "metric": [e["logs"]["rank_metric"] for e in record.epochs],
+        "lr": [e["lr"] for e in record.epochs],
+        "expected_lr": expected_lr,
+        "logged_lr": [e["logs"].get("lr") for e in record.epochs],
+        "ranks_equal": max(float(np.ptp(gather(v.numpy()), axis=0).max()) for v in model.variables),
+    }
 
 
 @probe
@@ -450,10 +524,19 @@ def schedule_callback():
     model = dense_model(70)
     model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     record = Record()
-    model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[
-        hvdk.callbacks.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.5,
-                                                    start_epoch=1),
-        record])
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=3,
+        verbose=0,
+        callbacks=[
+            hvdk.callbacks.LearningRateScheduleCallback(
+                initial_lr=0.1, multiplier=0.5, start_epoch=1
+            ),
+            record,
+        ],
+    )
     return {"lr": [e["lr"] for e in record.epochs]}
 
 
@@ -477,12 +560,21 @@ def best_model_checkpoint():
     weights = Weights()
     # Validation on data the model does not fit: its loss goes down, then up.
     vx, vy = fit_data(17)
-    model.fit(x, y, batch_size=8, epochs=6, verbose=0, validation_data=(vx, -vy),
-              callbacks=[checkpoint, weights])
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=6,
+        verbose=0,
+        validation_data=(vx, -vy),
+        callbacks=[checkpoint, weights],
+    )
     best = min(range(len(weights.by_epoch)), key=lambda e: weights.by_epoch[e][0])
     model.load_weights(checkpoint.filepath)
-    return {"err": max(maxdiff(a, b) for a, b in zip(model.get_weights(), weights.by_epoch[best][1])),
-            "best_epoch": best}
+    return {
+        "err": max(maxdiff(a, b) for a, b in zip(model.get_weights(), weights.by_epoch[best][1])),
+        "best_epoch": best,
+    }
 
 
 @probe
@@ -491,21 +583,37 @@ def momentum_correction():
     under Keras 3 (a Python number in the compiled step) one warning naming the feature, and
     the learning rate is still warmed up."""
     import warnings
+
     x, y = fit_data(18)
     model = dense_model(90)
-    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
-                  loss="mse")
+    model.compile(
+        optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse"
+    )
     record = Record()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[
-            hvdk.callbacks.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=2,
-                                                      steps_per_epoch=2), record])
+        model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=2,
+            verbose=0,
+            callbacks=[
+                hvdk.callbacks.LearningRateWarmupCallback(
+                    initial_lr=0.1, warmup_epochs=2, steps_per_epoch=2
+                ),
+                record,
+            ],
+        )
     lines = [str(w.message) for w in caught if "momentum_correction" in str(w.message)]
     momentum = model.optimizer.momentum
-    return {"warnings": lines, "lr": [e["lr"] for e in record.epochs],
-            "momentum_after": float(momentum if isinstance(momentum, (int, float))
-                                    else keras.backend.get_value(momentum))}
+    return {
+        "warnings": lines,
+        "lr": [e["lr"] for e in record.epochs],
+        "momentum_after": float(
+            momentum if isinstance(momentum, (int, float)) else keras.backend.get_value(momentum)
+        ),
+    }
 
 
 @probe
@@ -516,15 +624,21 @@ def refusals():
     model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     x, y = fit_data(19)
     model.fit(x, y, verbose=0)
-    path = os.path.join(OUT, f"refusals-{RANK}.keras" if keras.__name__.startswith("keras")
-                        else f"refusals-{RANK}.h5")
+    path = os.path.join(
+        OUT,
+        f"refusals-{RANK}.keras" if keras.__name__.startswith("keras") else f"refusals-{RANK}.h5",
+    )
     model.save(path)
     for name, call in [
-            ("load_model_legacy_opts", lambda: hvdk.load_model(path, legacy_opts=True)),
-            ("adasum", lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)),
-            ("accumulation_twice", lambda: hvdk.DistributedOptimizer(
-                keras.optimizers.SGD(0.1, gradient_accumulation_steps=3),
-                backward_passes_per_step=2))]:
+        ("load_model_legacy_opts", lambda: hvdk.load_model(path, legacy_opts=True)),
+        ("adasum", lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)),
+        (
+            "accumulation_twice",
+            lambda: hvdk.DistributedOptimizer(
+                keras.optimizers.SGD(0.1, gradient_accumulation_steps=3), backward_passes_per_step=2
+            ),
+        ),
+    ]:
         try:
             call()
             out[name] = None
@@ -550,8 +664,9 @@ def loss_scaling():
         x, y = fit_data(20)
         model = dense_model(92)
         # (initial_scale 1: no overflow of its own, so the one skip below is rank 1's)
-        opt = hvdk.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.SGD(0.1), initial_scale=1.0))
+        opt = hvdk.DistributedOptimizer(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=1.0)
+        )
         model.compile(optimizer=opt, loss="mse")
         model.fit(x, y, batch_size=4, epochs=2, verbose=0)
         steps = int(model.optimizer.iterations.numpy())
@@ -562,10 +677,14 @@ def loss_scaling():
             bad[0, 0] = np.inf  # this rank's gradient is not finite, rank 0's is
         model.fit(bad[:4], y[:4], batch_size=4, epochs=1, verbose=0)
         after = [v.numpy() for v in model.trainable_variables]
-        return {"refused": refused, "compile_kept": type(model.optimizer).__name__,
-                "steps": steps, "ranks_equal": max(float(np.ptp(gather(a), axis=0).max()) for a in after),
-                "skipped_moved": max(maxdiff(a, b) for a, b in zip(after, before)),
-                "scale_halved": float(model.optimizer.dynamic_scale.numpy()) / scale}
+        return {
+            "refused": refused,
+            "compile_kept": type(model.optimizer).__name__,
+            "steps": steps,
+            "ranks_equal": max(float(np.ptp(gather(a), axis=0).max()) for a in after),
+            "skipped_moved": max(maxdiff(a, b) for a, b in zip(after, before)),
+            "scale_halved": float(model.optimizer.dynamic_scale.numpy()) / scale,
+        }
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
@@ -589,23 +708,30 @@ def jit_compiled_fit():
     model = dense_model(51)
     before = [v.numpy() for v in model.trainable_variables]
     own = local_grads(model, x, y)
-    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
-                  jit_compile=True)
+    model.compile(
+        optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True
+    )
     said = io.StringIO()
     with contextlib.redirect_stderr(said):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
         after = [v.numpy() for v in model.trainable_variables]
         # A second model, compiled the same way: trains, and is not told again.
         again = dense_model(52)
-        again.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)),
-                      loss="mse", jit_compile=True)
+        again.compile(
+            optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+            loss="mse",
+            jit_compile=True,
+        )
         again.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
     expected = [b - 0.1 * gather(g).mean(axis=0) for b, g in zip(before, own)]
-    return {"err": max(maxdiff(a, e) for a, e in zip(after, expected)),
-            "ranks_equal": max(float(np.ptp(gather(v.numpy()), axis=0).max())
-                               for v in again.trainable_variables),
-            "jit_compile": [model.jit_compile, again.jit_compile],
-            "said": [line for line in said.getvalue().splitlines() if "jit_compile" in line]}
+    return {
+        "err": max(maxdiff(a, e) for a, e in zip(after, expected)),
+        "ranks_equal": max(
+            float(np.ptp(gather(v.numpy()), axis=0).max()) for v in again.trainable_variables
+        ),
+        "jit_compile": [model.jit_compile, again.jit_compile],
+        "said": [line for line in said.getvalue().splitlines() if "jit_compile" in line],
+    }
 
 
 @probe
@@ -628,11 +754,11 @@ def jit_compiled_user_function():
                 loss = tf.reduce_mean(tf.square(model(x) - y))
             tape = hvd.DistributedGradientTape(tape)
             return tape.gradient(loss, model.trainable_variables)
+
         return tape_step()
 
     errors = {}
-    for name, call in [("reduce_step", lambda: reduce_step(tf.ones(2))),
-                       ("tape_step", outer_step)]:
+    for name, call in [("reduce_step", lambda: reduce_step(tf.ones(2))), ("tape_step", outer_step)]:
         try:
             call()
             errors[name] = None
@@ -654,8 +780,10 @@ def process_sets():
     only_1 = hvd.add_process_set([1])  # every rank adds it, in the same order
     own = ONLY_0 if RANK == 0 else only_1
     x = np.arange(4, dtype="float32") + 10 * RANK
-    reduced = [hvd.allreduce(x, op=hvd.Average, process_set=own).numpy()
-               for _ in range(2 if RANK == 0 else 1)]
+    reduced = [
+        hvd.allreduce(x, op=hvd.Average, process_set=own).numpy()
+        for _ in range(2 if RANK == 0 else 1)
+    ]
     gathered = hvd.allgather(x[None], process_set=own).numpy()
     members = [r for r in range(SIZE) if own.included() and r in own.ranks]
     expected = gather(x)[members].mean(axis=0)  # allgathered on the global set
@@ -665,13 +793,17 @@ def process_sets():
     hvd.remove_process_set(only_1)
     after = hvd.mpi_ops._basics._get_process_set_ids_and_ranks()
     err = gather(np.array([max(maxdiff(r, expected) for r in reduced)])).max().item()
-    return {"err": err, "members": members,
-           "gathered_rows": int(gathered.shape[0]), "gathered_err": maxdiff(gathered[0], x),
-           "global_err": maxdiff(global_mean, gather(x).mean(axis=0)),
-           "set_differs_from_global": maxdiff(reduced[0], global_mean),
-           "ids": {str(k): v for k, v in sorted(ids.items())},
-           "ids_equal": bool((same_id == same_id[0]).all()),
-           "after_remove": {str(k): v for k, v in sorted(after.items())}}
+    return {
+        "err": err,
+        "members": members,
+        "gathered_rows": int(gathered.shape[0]),
+        "gathered_err": maxdiff(gathered[0], x),
+        "global_err": maxdiff(global_mean, gather(x).mean(axis=0)),
+        "set_differs_from_global": maxdiff(reduced[0], global_mean),
+        "ids": {str(k): v for k, v in sorted(ids.items())},
+        "ids_equal": bool((same_id == same_id[0]).all()),
+        "after_remove": {str(k): v for k, v in sorted(after.items())},
+    }
 
 
 @probe
@@ -686,15 +818,18 @@ def keras_optimizer_on_a_process_set():
     model = dense_model(30)
     before = [v.numpy() for v in model.trainable_variables]
     grads = local_grads(model, x[:4], y[:4])
-    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1),
-                                                      process_set=own), loss="mse")
+    model.compile(
+        optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=own), loss="mse"
+    )
     model.fit(x[:4], y[:4], batch_size=4, epochs=1, verbose=0, shuffle=False)
     after = [v.numpy() for v in model.trainable_variables]
     err = max(maxdiff(a, b - 0.1 * g) for a, b, g in zip(after, before, grads))
     hvd.allreduce(tf.constant(0.0))  # both ranks done with their sets before removing one
     hvd.remove_process_set(only_1)
-    return {"err": gather(np.array([err])).max().item(),
-            "ranks_differ": max(float(np.ptp(gather(a), axis=0).max()) for a in after)}
+    return {
+        "err": gather(np.array([err])).max().item(),
+        "ranks_differ": max(float(np.ptp(gather(a), axis=0).max()) for a in after),
+    }
 
 
 @probe
@@ -720,7 +855,7 @@ def alltoall():
     if GPU_BUILD:
         return GPU_SKIP
     rows = 3 + RANK  # rank 0 sends 3 rows, rank 1 sends 4
-    x = (np.arange(rows * 2, dtype="float32").reshape(rows, 2) + 100 * RANK)
+    x = np.arange(rows * 2, dtype="float32").reshape(rows, 2) + 100 * RANK
     splits = np.array([1, 2] if RANK == 0 else [3, 1], "int32")
     received, rsplits = hvd.alltoall(x, splits=splits)
     every = hvd.allgather(x).numpy()  # all ranks' rows, rank 0's first
@@ -728,13 +863,15 @@ def alltoall():
     expected, start = [], 0
     for s in range(SIZE):
         offset = start + every_splits[s][:RANK].sum()
-        expected.append(every[offset:offset + every_splits[s][RANK]])
+        expected.append(every[offset : offset + every_splits[s][RANK]])
         start += every_splits[s].sum()
     expected = np.concatenate(expected)
     ok = received.shape == expected.shape and maxdiff(received, expected) == 0.0
-    return {"equal": gather(np.array([ok])).tolist(),
-            "received_splits": gather(rsplits.numpy()).tolist(),
-            "expected_splits": every_splits[:, ].T.tolist()}
+    return {
+        "equal": gather(np.array([ok])).tolist(),
+        "received_splits": gather(rsplits.numpy()).tolist(),
+        "expected_splits": every_splits[:,].T.tolist(),
+    }
 
 
 @probe
@@ -749,10 +886,13 @@ def reducescatter():
     got_sum = hvd.reducescatter(x, op=hvd.Sum).numpy()
     got_avg = hvd.reducescatter(x, op=hvd.Average).numpy()
     grouped = [g.numpy() for g in hvd.grouped_reducescatter([x, 2 * x], op=hvd.Sum)]
-    err = max(maxdiff(got_sum, every.sum(0)[part]), maxdiff(got_avg, every.mean(0)[part]),
-              maxdiff(grouped[0], every.sum(0)[part]), maxdiff(grouped[1], 2 * every.sum(0)[part]))
-    return {"err": gather(np.array([err])).max().item(),
-            "shape": list(got_sum.shape)}
+    err = max(
+        maxdiff(got_sum, every.sum(0)[part]),
+        maxdiff(got_avg, every.mean(0)[part]),
+        maxdiff(grouped[0], every.sum(0)[part]),
+        maxdiff(grouped[1], 2 * every.sum(0)[part]),
+    )
+    return {"err": gather(np.array([err])).max().item(), "shape": list(got_sum.shape)}
 
 
 @probe
@@ -770,13 +910,17 @@ def adasum():
     expected = ((1 - dot / (2 * (a @ a))) * a + (1 - dot / (2 * (b @ b))) * b).reshape(x.shape)
     ortho = np.array([1.0, 0.0] if RANK == 0 else [0.0, 2.0])
     same = np.array([3.0, -1.0])
-    return {"err": gather(np.array([maxdiff(got, expected)])).max().item(),
-            "differs_from_mean": maxdiff(got, gather(x).mean(0)),
-            "orthogonal": hvd.allreduce(ortho, op=hvd.Adasum).numpy().tolist(),
-            "equal": hvd.allreduce(same, op=hvd.Adasum).numpy().tolist()}
+    return {
+        "err": gather(np.array([maxdiff(got, expected)])).max().item(),
+        "differs_from_mean": maxdiff(got, gather(x).mean(0)),
+        "orthogonal": hvd.allreduce(ortho, op=hvd.Adasum).numpy().tolist(),
+        "equal": hvd.allreduce(same, op=hvd.Adasum).numpy().tolist(),
+    }
 
 
 if RANK == 0:
     with open(os.path.join(OUT, "probe.json"), "w") as f:
         json.dump(results, f, indent=1)
-print(f"rank {RANK}: {sum(1 for v in results.values() if isinstance(v, dict) and 'error' in v and 'traceback' in v)} probes failed")
+print(
+    f"rank {RANK}: {sum(1 for v in results.values() if isinstance(v, dict) and 'error' in v and 'traceback' in v)} probes failed"
+)

@@ -1,5 +1,6 @@
 """MNIST-format files for the tests: written (``write_idx``, ``make_idx_dir``) and damaged
 (``corrupt``); the unit tests of the loaders and the 2-rank test of a corrupt file share them."""
+
 import gzip
 import os
 import struct
@@ -10,8 +11,9 @@ from hvdtrain.inputs import loaders as D
 
 
 def write_idx(path, array, compress=True):
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(">" + "I" * array.ndim,
-                                                                    *array.shape)
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(
+        ">" + "I" * array.ndim, *array.shape
+    )
     raw = header + array.astype(np.uint8).tobytes()
     with (gzip.open if compress else open)(path, "wb") as f:
         f.write(raw)
@@ -26,10 +28,14 @@ def make_idx_dir(directory, n_train=60, n_test=20, compress=True):
     for split, (xname, yname) in D.IDX_FILES.items():
         x, y = arrays[split]
         suffix = "" if compress else ".gz"
-        write_idx(os.path.join(directory, xname.removesuffix(suffix) if not compress else xname),
-                  x, compress)
-        write_idx(os.path.join(directory, yname if compress else yname.removesuffix(".gz")),
-                  y, compress)
+        write_idx(
+            os.path.join(directory, xname.removesuffix(suffix) if not compress else xname),
+            x,
+            compress,
+        )
+        write_idx(
+            os.path.join(directory, yname if compress else yname.removesuffix(".gz")), y, compress
+        )
     return arrays
 
 
@@ -39,7 +45,7 @@ def corrupt(path, how):
         raw = raw[: len(raw) // 2]
     elif how == "flip":
         mid = len(raw) // 2  # inside the deflate stream, past the header's file name
-        raw = raw[:mid] + bytes([raw[mid] ^ 0xFF]) + raw[mid + 1:]
+        raw = raw[:mid] + bytes([raw[mid] ^ 0xFF]) + raw[mid + 1 :]
     elif how == "empty":
         raw = b""
     open(path, "wb").write(raw)

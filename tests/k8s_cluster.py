@@ -63,6 +63,7 @@ limits, a real container runtime and image.
 it can later give way to a shared namespace module; ``destroy`` removes every namespace and
 process made here and checks, with ``leftovers``, that nothing is left.
 """
+
 from __future__ import annotations
 
 import copy
@@ -100,17 +101,19 @@ class Network:
     def __init__(self, tag: str):
         self.tag = tag
         self.switch = f"{tag}sw"
-        self.hosts = {}   # name -> (namespace, address)
-        self.made = []    # namespaces made
+        self.hosts = {}  # name -> (namespace, address)
+        self.made = []  # namespaces made
         self.inodes = set()  # their net namespace inodes: a process in one is ours
-        self.paths = []   # directories the pods' mounts come from (JobRun's): none may stay mounted
+        self.paths = []  # directories the pods' mounts come from (JobRun's): none may stay mounted
         self.next_ip = 10
 
     def _add_ns(self, ns):
         p = sh("ip", "netns", "add", ns)
         if p.returncode != 0:
-            pytest.skip(f"cannot make network namespaces here (needs root with CAP_SYS_ADMIN): "
-                        f"ip netns add: {p.stderr.strip()}")
+            pytest.skip(
+                f"cannot make network namespaces here (needs root with CAP_SYS_ADMIN): "
+                f"ip netns add: {p.stderr.strip()}"
+            )
         self.made.append(ns)
         self.inodes.add(os.stat(f"/run/netns/{ns}").st_ino)
 
@@ -133,8 +136,21 @@ class Network:
         port = f"p{self.next_ip}"
         self.next_ip += 1
         self._add_ns(ns)
-        self.check("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name",
-                   "eth0", "netns", ns)
+        self.check(
+            "ip",
+            "-n",
+            self.switch,
+            "link",
+            "add",
+            port,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns,
+        )
         self.check("ip", "-n", self.switch, "link", "set", port, "master", BRIDGE, "up")
         self.check("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         for dev in ("lo", "eth0"):
@@ -145,8 +161,17 @@ class Network:
     def on(self, host: str, cmd: list) -> list:
         """``cmd`` as run on ``host`` (its network namespace, its host name)."""
         ns = self.switch if host is None else self.hosts[host][0]
-        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', host or "switch", *cmd]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{ns}",
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            host or "switch",
+            *cmd,
+        ]
 
     def netns(self, host: str) -> str:
         return f"/run/netns/{self.hosts[host][0]}"
@@ -184,8 +209,11 @@ class Network:
         listed = sh("ip", "netns", "list").stdout
         left = [ns for ns in self.made if ns in listed.split()]
         with open("/proc/self/mountinfo") as f:
-            left += [line.strip() for line in f if any(ns in line for ns in self.made)
-                     or any(str(p) in line for p in self.paths)]
+            left += [
+                line.strip()
+                for line in f
+                if any(ns in line for ns in self.made) or any(str(p) in line for p in self.paths)
+            ]
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 if os.stat(f"/proc/{pid}/ns/net").st_ino not in self.inodes:
@@ -230,7 +258,7 @@ class Image:
         self.project = []  # COPY of the checkout's files: (source, destination)
         self.users = {}  # RUN useradd --uid UID NAME: {NAME: UID}
         self.host_keys_removed = False  # RUN rm -f /etc/ssh/ssh_host_*
-        for line in lines[last + 1:]:
+        for line in lines[last + 1 :]:
             word, _, rest = line.strip().partition(" ")
             if word == "RUN":
                 for command in rest.split("&&"):
@@ -238,8 +266,9 @@ class Image:
                     if args[:1] == ["useradd"]:
                         uid = args[args.index("--uid") + 1] if "--uid" in args else None
                         self.users[args[-1]] = int(uid)
-                    if args[:2] == ["rm", "-f"] and any(a.startswith("/etc/ssh/ssh_host_")
-                                                        for a in args):
+                    if args[:2] == ["rm", "-f"] and any(
+                        a.startswith("/etc/ssh/ssh_host_") for a in args
+                    ):
                         self.host_keys_removed = True
             if word == "ENV":
                 for token in shlex.split(rest):
@@ -285,8 +314,18 @@ def atomic_volume(directory, files: dict, default_mode: int, dir_mode: int):
 class Pod:
     """One pod's single container, started by ``start`` as PID 1 of its own namespaces."""
 
-    def __init__(self, net, spec: dict, name: str, base, image: Image, volumes: dict,
-                 dns_dir: str, venv: str, labels=None):
+    def __init__(
+        self,
+        net,
+        spec: dict,
+        name: str,
+        base,
+        image: Image,
+        volumes: dict,
+        dns_dir: str,
+        venv: str,
+        labels=None,
+    ):
         self.net, self.spec, self.name, self.dir = net, spec, name, base / name
         self.labels = labels or {}  # the pod's, for the downward API's fieldRef
         self.image, self.volumes, self.dns_dir, self.venv = image, volumes, dns_dir, venv
@@ -316,11 +355,13 @@ class Pod:
         for top in ("etc", "root"):  # the image's /etc and /root, writable per container
             for sub in ("up", "work"):
                 (d / top / sub).mkdir(parents=True)
-            lines.append(f"mount -t overlay overlay -o lowerdir=/{top},upperdir={d}/{top}/up,"
-                         f"workdir={d}/{top}/work /{top}")
+            lines.append(
+                f"mount -t overlay overlay -o lowerdir=/{top},upperdir={d}/{top}/up,"
+                f"workdir={d}/{top}/work /{top}"
+            )
         # COPY --from=build /opt/hvdtrain/.venv: the build stage's venv (here, the checkout's
         # venv, where hvdtrain is installed too); the project's files beside it.
-        (src, dst), = self.image.from_build
+        ((src, dst),) = self.image.from_build
         assert (src, dst) == ("/opt/hvdtrain/.venv", "/opt/hvdtrain/.venv"), self.image.from_build
         dst = os.path.dirname(dst)
         lines += ["mount -t tmpfs -o mode=755 tmpfs /opt", f"mkdir {dst}"]
@@ -339,9 +380,13 @@ class Pod:
         # The cluster DNS: /etc/hosts a link into the JobRun's directory for this pod, whose
         # file it replaces (rename) as pods become ready or go: a name resolves only while the
         # headless Service publishes the pod's address.
-        lines += ["mkdir /etc/.cluster-dns", f"mount --bind {q(self.dns_dir)} /etc/.cluster-dns",
-                  "mount -o remount,bind,ro /etc/.cluster-dns",
-                  "rm -f /etc/hosts", "ln -s .cluster-dns/hosts /etc/hosts"]
+        lines += [
+            "mkdir /etc/.cluster-dns",
+            f"mount --bind {q(self.dns_dir)} /etc/.cluster-dns",
+            "mount -o remount,bind,ro /etc/.cluster-dns",
+            "rm -f /etc/hosts",
+            "ln -s .cluster-dns/hosts /etc/hosts",
+        ]
         if self.image.host_keys_removed:  # the host's keys are not the image's
             lines.append("rm -f /etc/ssh/ssh_host_*")
         # The image's users (useradd): theirs alone are their uids (not the host's), their
@@ -349,17 +394,21 @@ class Pod:
         # venv's interpreter may live under the host's /root).
         lines += ["mount -t tmpfs -o mode=755 tmpfs /home", "chmod 755 /root"]
         for user, uid in self.image.users.items():
-            lines += [f"sed -i '/^[^:]*:[^:]*:{uid}:/d' /etc/passwd",
-                      f"sed -i '/^[^:]*:[^:]*:{uid}:/d' /etc/group",
-                      f"echo '{user}:x:{uid}:{uid}::/home/{user}:/bin/bash' >>/etc/passwd",
-                      f"echo '{user}:x:{uid}:' >>/etc/group",
-                      f"echo '{user}:*:20000:0:99999:7:::' >>/etc/shadow",
-                      f"mkdir -p /home/{user}", f"chown {uid}:{uid} /home/{user}"]
+            lines += [
+                f"sed -i '/^[^:]*:[^:]*:{uid}:/d' /etc/passwd",
+                f"sed -i '/^[^:]*:[^:]*:{uid}:/d' /etc/group",
+                f"echo '{user}:x:{uid}:{uid}::/home/{user}:/bin/bash' >>/etc/passwd",
+                f"echo '{user}:x:{uid}:' >>/etc/group",
+                f"echo '{user}:*:20000:0:99999:7:::' >>/etc/shadow",
+                f"mkdir -p /home/{user}",
+                f"chown {uid}:{uid} /home/{user}",
+            ]
         mounts = c.get("volumeMounts", [])
         mounted = {m["mountPath"] for m in mounts}
         privates = [p for p in ("/run", "/dev/shm", "/tmp") if p not in mounted]
         under_private = lambda path: any(  # noqa: E731  (/var/run is /run)
-            re.sub(r"^/var/run/", "/run/", path).startswith(p + "/") for p in privates)
+            re.sub(r"^/var/run/", "/run/", path).startswith(p + "/") for p in privates
+        )
         later = []  # mounts inside a private directory: bound after it is made (the
         #             service account's /var/run/secrets/...)
         for i, m in enumerate(mounts):
@@ -378,8 +427,13 @@ class Pod:
         # The checkout and its venv stay at their own paths too (the symlinks above, the
         # venv's scripts and its editable install name them): kept aside while /tmp and the
         # others are made private, then put back, so a checkout under /tmp (a CI clone) works.
-        keep = sorted({os.path.realpath(p) for p in (ROOT, self.venv)
-                       if any(os.path.realpath(p).startswith(v + "/") for v in privates)})
+        keep = sorted(
+            {
+                os.path.realpath(p)
+                for p in (ROOT, self.venv)
+                if any(os.path.realpath(p).startswith(v + "/") for v in privates)
+            }
+        )
         for i, path in enumerate(keep):
             lines += [f"mkdir -p /opt/.keep{i}", f"mount --bind {q(path)} /opt/.keep{i}"]
         for private in privates:  # last: the sources above are in /tmp
@@ -393,8 +447,7 @@ class Pod:
         env = dict(self.image.env, HOSTNAME=self.spec["hostname"], HOME=self.home())
         for e in c.get("env", []):
             env[e["name"]] = self._value(e)
-        self.exec_prefix = self.user_prefix() + ["env", "-i"] + [
-            f"{k}={v}" for k, v in env.items()]
+        self.exec_prefix = self.user_prefix() + ["env", "-i"] + [f"{k}={v}" for k, v in env.items()]
         lines.append(f"cd {q(c.get('workingDir', self.image.workdir))}")
         lines.append("exec " + " ".join(map(q, self.exec_prefix)) + ' "$@"')
         script = d / "setup.sh"
@@ -403,8 +456,7 @@ class Pod:
 
     def security(self) -> dict:
         """The container's securityContext over the pod's (the container's fields win)."""
-        return {**self.spec.get("securityContext", {}),
-                **self.container.get("securityContext", {})}
+        return {**self.spec.get("securityContext", {}), **self.container.get("securityContext", {})}
 
     def home(self) -> str:
         uid = self.security().get("runAsUser", 0)
@@ -435,10 +487,25 @@ class Pod:
         script = self._setup()
         with open(self.dir / "log", "w") as log:
             self.proc = subprocess.Popen(
-                ["nsenter", f"--net={self.net.netns(self.name)}", "unshare", "--uts", "--mount",
-                 "--pid", "--fork", "--kill-child", "--mount-proc", "sh", script, *cmd],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                [
+                    "nsenter",
+                    f"--net={self.net.netns(self.name)}",
+                    "unshare",
+                    "--uts",
+                    "--mount",
+                    "--pid",
+                    "--fork",
+                    "--kill-child",
+                    "--mount-proc",
+                    "sh",
+                    script,
+                    *cmd,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         return self
 
     def pid1(self):
@@ -482,9 +549,19 @@ class Pod:
             pid = self.pid1()
             if pid is None:
                 return False
-            p = sh("nsenter", "-t", str(pid), "--net", "--uts", "--mount", "--pid", "--wd=/",
-                   *self.exec_prefix, *probe["exec"]["command"],
-                   timeout=probe.get("timeoutSeconds", 1) + 5)
+            p = sh(
+                "nsenter",
+                "-t",
+                str(pid),
+                "--net",
+                "--uts",
+                "--mount",
+                "--pid",
+                "--wd=/",
+                *self.exec_prefix,
+                *probe["exec"]["command"],
+                timeout=probe.get("timeoutSeconds", 1) + 5,
+            )
             return p.returncode == 0
         port = probe["tcpSocket"]["port"]
         ip = self.net.hosts[self.name][1]
@@ -495,8 +572,17 @@ class Pod:
 class JobRun:
     """One set of pods for an MPIJob: what the operator and the kubelets start for it."""
 
-    def __init__(self, net, base, job: dict, claims: dict, namespace="default",
-                 venv=sys.prefix, job_uid=None, rbac=()):
+    def __init__(
+        self,
+        net,
+        base,
+        job: dict,
+        claims: dict,
+        namespace="default",
+        venv=sys.prefix,
+        job_uid=None,
+        rbac=(),
+    ):
         self.net, self.base, self.job, self.claims = net, base, job, claims
         # The launcher Job's UID: a retry (the Job's next pod) passes the first run's.
         self.job_uid = job_uid or str(uuid.uuid4())
@@ -507,10 +593,10 @@ class JobRun:
         self.image = Image()
         self.pods = {}
         self.lock = threading.RLock()
-        self.ready = set()    # pods whose address the headless Service publishes
-        self.failed = {}      # pods left in phase Failed: {name: (reason, message)}
-        self.gone = []        # pods deleted through the API (logs kept)
-        self.recreate = []    # deleted workers the operator is to make again
+        self.ready = set()  # pods whose address the headless Service publishes
+        self.failed = {}  # pods left in phase Failed: {name: (reason, message)}
+        self.gone = []  # pods deleted through the API (logs kept)
+        self.recreate = []  # deleted workers the operator is to make again
         self.created = 0
         self.api = None
         self._stop, self._thread = threading.Event(), None
@@ -529,8 +615,22 @@ class JobRun:
         """The operator's key pair: ECDSA P-521, the private key in PEM ("EC PRIVATE KEY"), the
         public one in authorized_keys format without a comment (newSSHAuthSecret)."""
         key = self.base / "key"
-        p = sh("ssh-keygen", "-q", "-t", "ecdsa", "-b", "521", "-m", "PEM", "-N", "", "-C", "",
-               "-f", str(key))
+        p = sh(
+            "ssh-keygen",
+            "-q",
+            "-t",
+            "ecdsa",
+            "-b",
+            "521",
+            "-m",
+            "PEM",
+            "-N",
+            "",
+            "-C",
+            "",
+            "-f",
+            str(key),
+        )
         assert p.returncode == 0, p.stderr
         public = " ".join(key.with_suffix(".pub").read_text().split()[:2]) + "\n"
         return {"ssh-privatekey": key.read_text(), "ssh-publickey": public}
@@ -559,16 +659,18 @@ class JobRun:
                 atomic_volume(where, files, mode, 0o1777)
                 out[v["name"]] = (where, True)
             elif "projected" in v:  # the service account's token (_admit)
-                files = {"token": (self.api.token(v["projected"]["serviceAccountName"]), None),
-                         "ca.crt": ("(the cluster's CA: unused over the emulation's HTTP)\n",
-                                    None),
-                         "namespace": (self.namespace, None)}
+                files = {
+                    "token": (self.api.token(v["projected"]["serviceAccountName"]), None),
+                    "ca.crt": ("(the cluster's CA: unused over the emulation's HTTP)\n", None),
+                    "namespace": (self.namespace, None),
+                }
                 atomic_volume(where, files, 0o644, 0o1777)
                 out[v["name"]] = (where, True)
             elif "configMap" in v:
                 data = made["configmap"]["data"]
-                files = {i["path"]: (data[i["key"]], i.get("mode"))
-                         for i in v["configMap"]["items"]}
+                files = {
+                    i["path"]: (data[i["key"]], i.get("mode")) for i in v["configMap"]["items"]
+                }
                 atomic_volume(where, files, v["configMap"].get("defaultMode", 0o644), 0o777)
                 out[v["name"]] = (where, True)
             else:
@@ -589,15 +691,21 @@ class JobRun:
         job, ns = self.job["metadata"]["name"], self.namespace
         fqdn = lambda n: f"{n}.{job}.{ns}.svc.cluster.local"  # noqa: E731
         own = self.net.hosts[pod.name][1]
-        lines = ["# Kubernetes-managed hosts file (emulated).", "127.0.0.1\tlocalhost",
-                 "::1\tlocalhost ip6-localhost ip6-loopback",
-                 f"{own}\t{fqdn(pod.spec['hostname'])}\t{pod.spec['hostname']}",
-                 "# The cluster DNS's answers (headless Service %s):" % job]
+        lines = [
+            "# Kubernetes-managed hosts file (emulated).",
+            "127.0.0.1\tlocalhost",
+            "::1\tlocalhost ip6-localhost ip6-loopback",
+            f"{own}\t{fqdn(pod.spec['hostname'])}\t{pod.spec['hostname']}",
+            "# The cluster DNS's answers (headless Service %s):" % job,
+        ]
         searches = pod.spec.get("dnsConfig", {}).get("searches", [])
         publish_all = self.objects["service"]["spec"]["publishNotReadyAddresses"]
         for other in sorted(self.pods):
-            if other == pod.name or other not in self.net.hosts or not (
-                    other in self.ready or (publish_all and other not in self.failed)):
+            if (
+                other == pod.name
+                or other not in self.net.hosts
+                or not (other in self.ready or (publish_all and other not in self.failed))
+            ):
                 continue
             # "<pod>.<job>.<namespace>.svc" resolves through the search domain cluster.local.
             names = [fqdn(other), f"{other}.{job}.{ns}.svc"]
@@ -629,14 +737,18 @@ class JobRun:
         accounts = {d["metadata"]["name"]: d for d in self.rbac if d["kind"] == "ServiceAccount"}
         if sa != "default" and sa not in accounts:
             pytest.fail(f"pod refused: serviceaccount {sa!r} not found")
-        automount = spec.get("automountServiceAccountToken",
-                             accounts.get(sa, {}).get("automountServiceAccountToken", True))
+        automount = spec.get(
+            "automountServiceAccountToken",
+            accounts.get(sa, {}).get("automountServiceAccountToken", True),
+        )
         c = spec["containers"][0]
         if automount:
             spec.setdefault("volumes", []).append(
-                {"name": "kube-api-access", "projected": {"serviceAccountName": sa}})
+                {"name": "kube-api-access", "projected": {"serviceAccountName": sa}}
+            )
             c.setdefault("volumeMounts", []).append(
-                {"name": "kube-api-access", "mountPath": SA_PATH, "readOnly": True})
+                {"name": "kube-api-access", "mountPath": SA_PATH, "readOnly": True}
+            )
         c.setdefault("env", []).append({"name": "HVDTRAIN_K8S_API", "value": self.api.url})
         return spec
 
@@ -650,9 +762,17 @@ class JobRun:
             name = w["metadata"]["name"]
             self.net.add_host(name)
             spec = self._admit(w["spec"])
-            self.pods[name] = Pod(self.net, spec, name, self.base, self.image,
-                                  self._volumes(name, spec), self._dns_dir(name), self.venv,
-                                  labels.get(name))
+            self.pods[name] = Pod(
+                self.net,
+                spec,
+                name,
+                self.base,
+                self.image,
+                self._volumes(name, spec),
+                self._dns_dir(name),
+                self.venv,
+                labels.get(name),
+            )
         self._publish()
         for w in self.workers:
             w.start()
@@ -662,8 +782,12 @@ class JobRun:
         while not all(w.name in self.ready for w in self.workers):
             dead = [w for w in self.workers if w.proc.poll() is not None]
             if dead or time.monotonic() > deadline:
-                pytest.fail("workers not ready:\n" + "\n".join(
-                    f"--- {w.name} (rc {w.proc.poll()})\n{w.log()}" for w in self.workers))
+                pytest.fail(
+                    "workers not ready:\n"
+                    + "\n".join(
+                        f"--- {w.name} (rc {w.proc.poll()})\n{w.log()}" for w in self.workers
+                    )
+                )
             time.sleep(0.1)
         if before_launcher is not None:
             before_launcher()
@@ -675,9 +799,17 @@ class JobRun:
         name = self.objects["launcher"]["spec"]["template"]["spec"]["hostname"]
         spec = self._admit(self.objects["launcher"]["spec"]["template"]["spec"])
         self.net.add_host(name)
-        pod = Pod(self.net, spec, name, root or self.base, self.image,
-                  self._volumes(name, spec, root), self._dns_dir(name, root), self.venv,
-                  self._launcher_labels())
+        pod = Pod(
+            self.net,
+            spec,
+            name,
+            root or self.base,
+            self.image,
+            self._volumes(name, spec, root),
+            self._dns_dir(name, root),
+            self.venv,
+            self._launcher_labels(),
+        )
         with self.lock:
             self.pods[name] = pod
             self._publish()
@@ -686,10 +818,13 @@ class JobRun:
     def _launcher_labels(self) -> dict:
         """The launcher pod's: its template's, and the Job controller's (Kubernetes 1.27+)."""
         launcher = self.objects["launcher"]
-        return {**launcher["spec"]["template"]["metadata"]["labels"],
-                "batch.kubernetes.io/controller-uid": self.job_uid,
-                "batch.kubernetes.io/job-name": launcher["metadata"]["name"],
-                "controller-uid": self.job_uid, "job-name": launcher["metadata"]["name"]}
+        return {
+            **launcher["spec"]["template"]["metadata"]["labels"],
+            "batch.kubernetes.io/controller-uid": self.job_uid,
+            "batch.kubernetes.io/job-name": launcher["metadata"]["name"],
+            "controller-uid": self.job_uid,
+            "job-name": launcher["metadata"]["name"],
+        }
 
     # --- the kubelets, the endpoints and the operator, while the job runs -------------------
     def _control(self):
@@ -721,15 +856,28 @@ class JobRun:
         root.mkdir()
         spec = self._admit(w["spec"])
         self.net.add_host(name)
-        pod = Pod(self.net, spec, name, root, self.image, self._volumes(name, spec, root),
-                  self._dns_dir(name, root), self.venv, w["metadata"]["labels"])
+        pod = Pod(
+            self.net,
+            spec,
+            name,
+            root,
+            self.image,
+            self._volumes(name, spec, root),
+            self._dns_dir(name, root),
+            self.venv,
+            w["metadata"]["labels"],
+        )
         self.pods[name] = pod
         self._publish()
         pod.start()
 
-    def evict(self, name, reason="Evicted",
-              message="The node was low on resource: ephemeral-storage. Threshold quantity: "
-                      "10%, available: 4%."):
+    def evict(
+        self,
+        name,
+        reason="Evicted",
+        message="The node was low on resource: ephemeral-storage. Threshold quantity: "
+        "10%, available: 4%.",
+    ):
         """The kubelet's eviction of a worker: its processes killed (no SIGTERM: a hard
         eviction), its network gone, the pod left in phase Failed with that reason and
         message; its name out of the DNS. The operator does not re-create it (it is not
@@ -763,9 +911,17 @@ class JobRun:
                 status = {"phase": "Succeeded" if rc == 0 else "Running"}
                 if name in self.net.hosts:
                     status["podIP"] = self.net.hosts[name][1]
-            return {"apiVersion": "v1", "kind": "Pod", "metadata": {
-                "name": name, "namespace": self.namespace, "uid": pod.uid,
-                "labels": pod.labels}, "status": status}
+            return {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": self.namespace,
+                    "uid": pod.uid,
+                    "labels": pod.labels,
+                },
+                "status": status,
+            }
 
     def delete_pod(self, name, uid=None):
         """DELETE: (HTTP status, the pod). A Failed pod goes at once; a running one gets the
@@ -799,6 +955,7 @@ class JobRun:
                         self.net.remove_host(name)
                     if is_worker and not self._stop.is_set():
                         self.recreate.append(name)
+
         threading.Thread(target=stop, daemon=True).start()
         return 200, body
 
@@ -835,8 +992,10 @@ class JobRun:
     def logs(self) -> str:
         with self.lock:
             pods = list(self.pods.items())
-        return "\n".join([f"--- {p.name} (deleted)\n{p.log()}" for p in self.gone] +
-                         [f"--- {name}\n{p.log()}" for name, p in pods])
+        return "\n".join(
+            [f"--- {p.name} (deleted)\n{p.log()}" for p in self.gone]
+            + [f"--- {name}\n{p.log()}" for name, p in pods]
+        )
 
     def _stop_control(self):
         self._stop.set()
@@ -890,6 +1049,7 @@ def in_netns(path, fn):
             out["error"] = e
         finally:
             os.close(fd)
+
     t = threading.Thread(target=run)
     t.start()
     t.join()
@@ -929,14 +1089,20 @@ class ApiServer:
         for b in self.rbac:
             if b["kind"] != "RoleBinding" or b["roleRef"]["kind"] != "Role":
                 continue
-            if not any(s.get("kind") == "ServiceAccount" and s.get("name") == account and
-                       s.get("namespace", self.namespace) == self.namespace
-                       for s in b.get("subjects", [])):
+            if not any(
+                s.get("kind") == "ServiceAccount"
+                and s.get("name") == account
+                and s.get("namespace", self.namespace) == self.namespace
+                for s in b.get("subjects", [])
+            ):
                 continue
             for rule in roles.get(b["roleRef"]["name"], {}).get("rules", []):
-                if ("" in rule.get("apiGroups", []) and "pods" in rule.get("resources", [])
-                        and (verb in rule.get("verbs", []) or "*" in rule.get("verbs", []))
-                        and (not rule.get("resourceNames") or name in rule["resourceNames"])):
+                if (
+                    "" in rule.get("apiGroups", [])
+                    and "pods" in rule.get("resources", [])
+                    and (verb in rule.get("verbs", []) or "*" in rule.get("verbs", []))
+                    and (not rule.get("resourceNames") or name in rule["resourceNames"])
+                ):
                     return True
         return False
 
@@ -961,28 +1127,44 @@ class ApiServer:
                 self.wfile.write(data)
 
             def _status(self, code, reason, message):
-                self._answer(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                    "message": message, "reason": reason, "code": code})
+                self._answer(
+                    code,
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "status": "Failure",
+                        "message": message,
+                        "reason": reason,
+                        "code": code,
+                    },
+                )
 
             def _handle(self, verb):
                 m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/?]+)(\?.*)?", self.path)
                 auth = self.headers.get("Authorization", "")
-                account = api.tokens.get(auth[len("Bearer "):]) if auth.startswith(
-                    "Bearer ") else None
+                account = (
+                    api.tokens.get(auth[len("Bearer ") :]) if auth.startswith("Bearer ") else None
+                )
                 name = m.group(2) if m else None
                 if account is None:
                     code = 401
                     self._status(401, "Unauthorized", "Unauthorized")
                 elif m is None:
                     code = 404
-                    self._status(404, "NotFound", "the server could not find the requested "
-                                                  "resource")
+                    self._status(
+                        404, "NotFound", "the server could not find the requested resource"
+                    )
                 elif m.group(1) != api.namespace or not api.allowed(account, verb, name):
                     code = 403
-                    self._status(403, "Forbidden", (
-                        f'pods "{name}" is forbidden: User "system:serviceaccount:'
-                        f'{api.namespace}:{account}" cannot {verb} resource "pods" in API '
-                        f'group "" in the namespace "{m.group(1)}"'))
+                    self._status(
+                        403,
+                        "Forbidden",
+                        (
+                            f'pods "{name}" is forbidden: User "system:serviceaccount:'
+                            f'{api.namespace}:{account}" cannot {verb} resource "pods" in API '
+                            f'group "" in the namespace "{m.group(1)}"'
+                        ),
+                    )
                 elif verb == "get":
                     pod = api.pods.pod_json(name)
                     code = 200 if pod else 404
@@ -998,8 +1180,12 @@ class ApiServer:
                     if code == 200:
                         self._answer(200, pod)
                     elif code == 409:
-                        self._status(409, "Conflict", f'Operation cannot be fulfilled on pods '
-                                     f'"{name}": Precondition failed: UID in precondition: {uid}')
+                        self._status(
+                            409,
+                            "Conflict",
+                            f"Operation cannot be fulfilled on pods "
+                            f'"{name}": Precondition failed: UID in precondition: {uid}',
+                        )
                     else:
                         self._status(404, "NotFound", f'pods "{name}" not found')
                 api.requests.append((verb.upper(), name, account, code))
@@ -1013,15 +1199,15 @@ class ApiServer:
 
         def bind():
             server = http.server.ThreadingHTTPServer(
-                (f"{SUBNET}.1" if self.net else "127.0.0.1", 0), Handler,
-                bind_and_activate=False)
+                (f"{SUBNET}.1" if self.net else "127.0.0.1", 0), Handler, bind_and_activate=False
+            )
             server.daemon_threads = True
             socketserver.TCPServer.server_bind(server)  # not HTTPServer's: no name look-up
             server.server_name, server.server_port = "emulated", server.server_address[1]
             server.server_activate()
             return server
-        self.server = (in_netns(f"/run/netns/{self.net.switch}", bind) if self.net
-                       else bind())
+
+        self.server = in_netns(f"/run/netns/{self.net.switch}", bind) if self.net else bind()
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 

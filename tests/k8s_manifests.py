@@ -17,6 +17,7 @@
   the CRD schema lets in (an event, and the job never starts); ``api_errors``: the
   ``kubernetes-validate`` package's Kubernetes API schemas (strict) for the built-in objects.
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,17 +35,43 @@ SCHEMA = os.path.join(DEPLOY, "schema", "mpijob-kubeflow-v2beta1.json")
 # launcher Job's podReplacementPolicy on by default (1.29), and the newest kubernetes-validate has.
 API_VERSIONS = ("1.29", "latest")
 
-KUSTOMIZE_KEYS = {"apiVersion", "kind", "resources", "images", "patches", "namePrefix",
-                  "nameSuffix"}
+KUSTOMIZE_KEYS = {
+    "apiVersion",
+    "kind",
+    "resources",
+    "images",
+    "patches",
+    "namePrefix",
+    "nameSuffix",
+}
 
 
 # kustomize's output order (its "legacy" sort), for the kinds that come first; the rest after
 # them, in order.
-LEGACY_ORDER = ["Namespace", "ResourceQuota", "StorageClass", "CustomResourceDefinition",
-                "ServiceAccount", "PodSecurityPolicy", "Role", "ClusterRole", "RoleBinding",
-                "ClusterRoleBinding", "ConfigMap", "Secret", "Endpoints", "Service", "LimitRange",
-                "PriorityClass", "PersistentVolume", "PersistentVolumeClaim", "Deployment",
-                "StatefulSet", "CronJob", "PodDisruptionBudget"]
+LEGACY_ORDER = [
+    "Namespace",
+    "ResourceQuota",
+    "StorageClass",
+    "CustomResourceDefinition",
+    "ServiceAccount",
+    "PodSecurityPolicy",
+    "Role",
+    "ClusterRole",
+    "RoleBinding",
+    "ClusterRoleBinding",
+    "ConfigMap",
+    "Secret",
+    "Endpoints",
+    "Service",
+    "LimitRange",
+    "PriorityClass",
+    "PersistentVolume",
+    "PersistentVolumeClaim",
+    "Deployment",
+    "StatefulSet",
+    "CronJob",
+    "PodDisruptionBudget",
+]
 
 
 class Unsupported(ValueError):
@@ -68,8 +95,10 @@ def render(directory: str) -> list:
             with open(path) as f:
                 docs += [d for d in yaml.safe_load_all(f) if d]
     for patch in k.get("patches", []):
-        if (set(patch) - {"path", "patch", "target"}
-                or set(patch.get("target", {})) - {"kind", "name"}):
+        if set(patch) - {"path", "patch", "target"} or set(patch.get("target", {})) - {
+            "kind",
+            "name",
+        }:
             raise Unsupported(f"patch {patch}")
         if "path" in patch:
             with open(os.path.join(directory, patch["path"])) as f:
@@ -79,8 +108,12 @@ def render(directory: str) -> list:
         if not isinstance(ops, list):
             raise Unsupported(f"{patch}: only JSON patches (a list of operations)")
         target = patch.get("target", {})
-        hits = [d for d in docs if d.get("kind") == target.get("kind", d.get("kind"))
-                and d["metadata"]["name"] == target.get("name", d["metadata"]["name"])]
+        hits = [
+            d
+            for d in docs
+            if d.get("kind") == target.get("kind", d.get("kind"))
+            and d["metadata"]["name"] == target.get("name", d["metadata"]["name"])
+        ]
         if not hits:
             raise ValueError(f"{directory}: patch {patch} matches no resource")
         for d in hits:
@@ -100,10 +133,13 @@ def render(directory: str) -> list:
             ref = d["roleRef"]
             ref["name"] = renamed.get((ref["kind"], ref["name"]), ref["name"])
             for subject in d.get("subjects", []):
-                subject["name"] = renamed.get((subject["kind"], subject["name"]),
-                                              subject["name"])
-    return sorted(docs, key=lambda d: LEGACY_ORDER.index(d["kind"]) if d["kind"] in
-                  LEGACY_ORDER else len(LEGACY_ORDER))
+                subject["name"] = renamed.get((subject["kind"], subject["name"]), subject["name"])
+    return sorted(
+        docs,
+        key=lambda d: (
+            LEGACY_ORDER.index(d["kind"]) if d["kind"] in LEGACY_ORDER else len(LEGACY_ORDER)
+        ),
+    )
 
 
 def _pointer(path: str) -> list:
@@ -149,8 +185,13 @@ def set_image(node, image: dict) -> None:
                     if name == image["name"]:
                         name = image.get("newName", name)
                         tag = image.get("newTag", tag)
-                        c["image"] = (f"{name}@{image['digest']}" if image.get("digest") else
-                                      f"{name}:{tag}" if tag else name)
+                        c["image"] = (
+                            f"{name}@{image['digest']}"
+                            if image.get("digest")
+                            else f"{name}:{tag}"
+                            if tag
+                            else name
+                        )
             set_image(value, image)
     elif isinstance(node, list):
         for v in node:
@@ -241,8 +282,11 @@ def operator_errors(job: dict) -> list:
     for field in ("ttlSecondsAfterFinished", "activeDeadlineSeconds", "backoffLimit"):
         if policy.get(field) is not None and policy[field] < 0:
             errs.append(f"spec.runPolicy.{field}: must be >= 0")
-    if policy.get("managedBy") not in (None, "kubeflow.org/mpi-operator",
-                                       "kueue.x-k8s.io/multikueue"):
+    if policy.get("managedBy") not in (
+        None,
+        "kubeflow.org/mpi-operator",
+        "kueue.x-k8s.io/multikueue",
+    ):
         errs.append(f"spec.runPolicy.managedBy: {policy['managedBy']!r} not supported")
     if not spec["sshAuthMountPath"]:
         errs.append("spec.sshAuthMountPath: required")
@@ -262,8 +306,10 @@ def operator_errors(job: dict) -> list:
             errs.append(f"{where}.replicas: required")
         # Never and OnFailure only: the API type's "ExitCode" (and "Always") are refused here.
         if rs.get("restartPolicy") not in ("Never", "OnFailure"):
-            errs.append(f"{where}.restartPolicy: {rs.get('restartPolicy')!r} not supported "
-                        "(Never, OnFailure)")
+            errs.append(
+                f"{where}.restartPolicy: {rs.get('restartPolicy')!r} not supported "
+                "(Never, OnFailure)"
+            )
         if not ((rs.get("template") or {}).get("spec") or {}).get("containers"):
             errs.append(f"{where}.template.spec.containers: at least one container")
         if role == "Launcher" and rs.get("replicas") not in (None, 1):
@@ -288,69 +334,123 @@ def operator_objects(job: dict, namespace: str = "default", cluster_domain: str 
     specs = spec["mpiReplicaSpecs"]
     n_workers = specs.get("Worker", {}).get("replicas", 0)
     as_worker = bool(spec.get("runLauncherAsWorker"))
-    owner = [{"apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob", "name": name,
-              "uid": "00000000-0000-0000-0000-000000000000", "controller": True,
-              "blockOwnerDeletion": True}]
+    owner = [
+        {
+            "apiVersion": "kubeflow.org/v2beta1",
+            "kind": "MPIJob",
+            "name": name,
+            "uid": "00000000-0000-0000-0000-000000000000",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     domain = "%s.%s.%s.svc" + (f".{cluster_domain}" if cluster_domain else "")
-    hosts = ([f"{name}-launcher"] if as_worker else []) + [f"{name}-worker-{i}"
-                                                           for i in range(n_workers)]
+    hosts = ([f"{name}-launcher"] if as_worker else []) + [
+        f"{name}-worker-{i}" for i in range(n_workers)
+    ]
     fmt = "{} slots={}\n" if spec["mpiImplementation"] == "OpenMPI" else "{}:{}\n"
     hostfile = "".join(fmt.format(domain % (h, name, namespace), slots) for h in hosts)
     # discover_hosts.sh lists the running workers (all of them, once they run), no slots.
     discover = "#!/bin/sh\n" + "".join(f"echo {domain % (h, name, namespace)}\n" for h in hosts)
 
     def labels(role):
-        return {"training.kubeflow.org/operator-name": "mpi-operator",
-                "training.kubeflow.org/job-name": name, "training.kubeflow.org/job-role": role}
+        return {
+            "training.kubeflow.org/operator-name": "mpi-operator",
+            "training.kubeflow.org/job-name": name,
+            "training.kubeflow.org/job-role": role,
+        }
 
     def meta(n, **extra):
-        return {"name": n, "namespace": namespace, "labels": {"app": name},
-                "ownerReferences": owner, **extra}
+        return {
+            "name": n,
+            "namespace": namespace,
+            "labels": {"app": name},
+            "ownerReferences": owner,
+            **extra,
+        }
 
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": meta(name), "spec": {
-        "clusterIP": "None", "selector": {k: v for k, v in labels("x").items()
-                                          if k != "training.kubeflow.org/job-role"},
-        "publishNotReadyAddresses": as_worker}}
-    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(f"{name}-config"),
-                 "data": {"hostfile": hostfile, "discover_hosts.sh": discover}}
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": meta(f"{name}-ssh"),
-              "type": "kubernetes.io/ssh-auth",
-              "data": {"ssh-privatekey": "LS0tLS1CRUdJTi==", "ssh-publickey": "ZWNkc2E="}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(name),
+        "spec": {
+            "clusterIP": "None",
+            "selector": {
+                k: v for k, v in labels("x").items() if k != "training.kubeflow.org/job-role"
+            },
+            "publishNotReadyAddresses": as_worker,
+        },
+    }
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta(f"{name}-config"),
+        "data": {"hostfile": hostfile, "discover_hosts.sh": discover},
+    }
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta(f"{name}-ssh"),
+        "type": "kubernetes.io/ssh-auth",
+        "data": {"ssh-privatekey": "LS0tLS1CRUdJTi==", "ssh-publickey": "ZWNkc2E="},
+    }
 
     def ssh(pod_spec):
         mode = 0o600 if spec["sshAuthMountPath"] == "/root/.ssh" else None
-        secret_volume = {"secretName": f"{name}-ssh", "items": [
-            {"key": "ssh-privatekey", "path": "id_rsa"},
-            {"key": "ssh-publickey", "path": "id_rsa.pub"},
-            {"key": "ssh-publickey", "path": "authorized_keys"}]}
+        secret_volume = {
+            "secretName": f"{name}-ssh",
+            "items": [
+                {"key": "ssh-privatekey", "path": "id_rsa"},
+                {"key": "ssh-publickey", "path": "id_rsa.pub"},
+                {"key": "ssh-publickey", "path": "authorized_keys"},
+            ],
+        }
         if mode is not None:
             secret_volume["defaultMode"] = mode
         pod_spec.setdefault("volumes", []).append({"name": "ssh-auth", "secret": secret_volume})
         pod_spec["containers"][0].setdefault("volumeMounts", []).append(
-            {"name": "ssh-auth", "mountPath": spec["sshAuthMountPath"]})
+            {"name": "ssh-auth", "mountPath": spec["sshAuthMountPath"]}
+        )
 
     workers = []
     for i in range(n_workers):
         t = copy.deepcopy(specs["Worker"]["template"])
-        pod_labels = {**t.get("metadata", {}).get("labels", {}), **labels("worker"),
-                      "training.kubeflow.org/replica-index": str(i + 1 if as_worker else i)}
+        pod_labels = {
+            **t.get("metadata", {}).get("labels", {}),
+            **labels("worker"),
+            "training.kubeflow.org/replica-index": str(i + 1 if as_worker else i),
+        }
         ps = t["spec"]
         ps["hostname"], ps["subdomain"] = f"{name}-worker-{i}", name
         if ps.get("hostNetwork"):
             ps["dnsPolicy"] = "ClusterFirstWithHostNet"
         ps.setdefault("dnsConfig", {}).setdefault("searches", []).append(
-            f"{name}.{namespace}.svc.cluster.local")
+            f"{name}.{namespace}.svc.cluster.local"
+        )
         ps["restartPolicy"] = specs["Worker"]["restartPolicy"]
         c = ps["containers"][0]
         if not c.get("command") and not c.get("args"):
             c["command"] = ["/usr/sbin/sshd", "-De"]
         c.setdefault("env", []).append({"name": "K_MPI_JOB_ROLE", "value": "worker"})
         ssh(ps)
-        workers.append({"apiVersion": "v1", "kind": "Pod", "metadata": {
-            "name": f"{name}-worker-{i}", "namespace": namespace, "labels": pod_labels,
-            "ownerReferences": owner, **({"annotations": t["metadata"]["annotations"]}
-                                         if t.get("metadata", {}).get("annotations") else {})},
-            "spec": ps})
+        workers.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": f"{name}-worker-{i}",
+                    "namespace": namespace,
+                    "labels": pod_labels,
+                    "ownerReferences": owner,
+                    **(
+                        {"annotations": t["metadata"]["annotations"]}
+                        if t.get("metadata", {}).get("annotations")
+                        else {}
+                    ),
+                },
+                "spec": ps,
+            }
+        )
 
     t = copy.deepcopy(specs["Launcher"]["template"])
     ps = t["spec"]
@@ -369,27 +469,52 @@ def operator_objects(job: dict, namespace: str = "default", cluster_domain: str 
         env += [{"name": "NVIDIA_VISIBLE_DEVICES"}, {"name": "NVIDIA_DRIVER_CAPABILITIES"}]
     ssh(ps)
     ps["restartPolicy"] = specs["Launcher"]["restartPolicy"]
-    ps["volumes"].append({"name": "mpi-job-config", "configMap": {
-        "name": f"{name}-config", "items": [
-            {"key": "hostfile", "path": "hostfile", "mode": 0o444},
-            {"key": "discover_hosts.sh", "path": "discover_hosts.sh", "mode": 0o555}]}})
+    ps["volumes"].append(
+        {
+            "name": "mpi-job-config",
+            "configMap": {
+                "name": f"{name}-config",
+                "items": [
+                    {"key": "hostfile", "path": "hostfile", "mode": 0o444},
+                    {"key": "discover_hosts.sh", "path": "discover_hosts.sh", "mode": 0o555},
+                ],
+            },
+        }
+    )
     c["volumeMounts"].append({"name": "mpi-job-config", "mountPath": "/etc/mpi"})
     policy = spec["runPolicy"]
-    job_spec = {"template": {"metadata": {"labels": {**t.get("metadata", {}).get("labels", {}),
-                                                      **labels("launcher")}},
-                             "spec": ps},
-                "podReplacementPolicy": "Failed"}
-    for ours, theirs in (("backoffLimit", "backoffLimit"),
-                         ("activeDeadlineSeconds", "activeDeadlineSeconds"),
-                         ("ttlSecondsAfterFinished", "ttlSecondsAfterFinished")):
+    job_spec = {
+        "template": {
+            "metadata": {
+                "labels": {**t.get("metadata", {}).get("labels", {}), **labels("launcher")}
+            },
+            "spec": ps,
+        },
+        "podReplacementPolicy": "Failed",
+    }
+    for ours, theirs in (
+        ("backoffLimit", "backoffLimit"),
+        ("activeDeadlineSeconds", "activeDeadlineSeconds"),
+        ("ttlSecondsAfterFinished", "ttlSecondsAfterFinished"),
+    ):
         if policy.get(ours) is not None:
             job_spec[theirs] = policy[ours]
     if policy.get("suspend"):
         job_spec["suspend"] = True
-    launcher = {"apiVersion": "batch/v1", "kind": "Job",
-                "metadata": meta(f"{name}-launcher"), "spec": job_spec}
-    return {"service": service, "configmap": configmap, "secret": secret, "workers": workers,
-            "launcher": launcher, "hostfile": hostfile}
+    launcher = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta(f"{name}-launcher"),
+        "spec": job_spec,
+    }
+    return {
+        "service": service,
+        "configmap": configmap,
+        "secret": secret,
+        "workers": workers,
+        "launcher": launcher,
+        "hostfile": hostfile,
+    }
 
 
 # --- schema checks ------------------------------------------------------------------------------
@@ -409,8 +534,11 @@ def strict(schema):
     if not isinstance(schema, dict):
         return schema
     out = {k: strict(v) for k, v in schema.items()}
-    if ("properties" in out and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -422,6 +550,7 @@ def crd_validator():
     global _validator
     if _validator is None:
         import jsonschema
+
         with open(SCHEMA) as f:
             schema = json.load(f)
         schema.pop("$comment", None)
@@ -445,6 +574,7 @@ def crd_errors(job: dict) -> list:
 def api_errors(obj: dict) -> list:
     """A built-in object against the Kubernetes API schemas (kubernetes-validate, strict)."""
     import kubernetes_validate
+
     errs = []
     for version in API_VERSIONS:
         v = kubernetes_validate.latest_version() if version == "latest" else version
@@ -452,8 +582,10 @@ def api_errors(obj: dict) -> list:
             kubernetes_validate.validate(obj, v, strict=True)
         except kubernetes_validate.ValidationError as e:
             path = ".".join(map(str, e.path)) or "(top)"
-            errs.append(f"{obj['kind']} {obj['metadata']['name']} (Kubernetes {e.version}): "
-                        f"{path}: {e.message}")
+            errs.append(
+                f"{obj['kind']} {obj['metadata']['name']} (Kubernetes {e.version}): "
+                f"{path}: {e.message}"
+            )
     return errs
 
 
@@ -479,20 +611,33 @@ def rbac_errors(docs: list) -> list:
     sa = launcher.get("serviceAccountName")
     what = f"MPIJob {job['metadata']['name']}"
     if sa is None or sa not in accounts:
-        return [f"{what}: the launcher's serviceAccountName {sa!r} is not one of the "
-                f"ServiceAccounts here ({', '.join(accounts) or 'none'})"]
-    bound = [b["roleRef"]["name"] for b in bindings.values()
-             if b["roleRef"]["kind"] == "Role" and any(
-                 s["kind"] == "ServiceAccount" and s["name"] == sa for s in b.get("subjects", []))]
+        return [
+            f"{what}: the launcher's serviceAccountName {sa!r} is not one of the "
+            f"ServiceAccounts here ({', '.join(accounts) or 'none'})"
+        ]
+    bound = [
+        b["roleRef"]["name"]
+        for b in bindings.values()
+        if b["roleRef"]["kind"] == "Role"
+        and any(s["kind"] == "ServiceAccount" and s["name"] == sa for s in b.get("subjects", []))
+    ]
     if len(bound) != 1 or bound[0] not in roles:
-        return [f"{what}: ServiceAccount {sa} is bound to {bound or 'no Role'}: one Role of "
-                "these objects, by a RoleBinding"]
+        return [
+            f"{what}: ServiceAccount {sa} is bound to {bound or 'no Role'}: one Role of "
+            "these objects, by a RoleBinding"
+        ]
     role = roles[bound[0]]
-    want = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "delete"],
-            "resourceNames": worker_names(job)}
+    want = {
+        "apiGroups": [""],
+        "resources": ["pods"],
+        "verbs": ["get", "delete"],
+        "resourceNames": worker_names(job),
+    }
     if role.get("rules") != [want]:
-        return [f"Role {role['metadata']['name']}: rules are {role.get('rules')}, not get and "
-                f"delete on this MPIJob's worker pods {worker_names(job)} (resourceNames)"]
+        return [
+            f"Role {role['metadata']['name']}: rules are {role.get('rules')}, not get and "
+            f"delete on this MPIJob's worker pods {worker_names(job)} (resourceNames)"
+        ]
     return []
 
 
@@ -509,8 +654,13 @@ def check(docs: list) -> list:
             found = found or operator_errors(d)
             if not found:
                 made = operator_objects(d)
-                for obj in [made["service"], made["configmap"], made["secret"],
-                            made["launcher"], *made["workers"]]:
+                for obj in [
+                    made["service"],
+                    made["configmap"],
+                    made["secret"],
+                    made["launcher"],
+                    *made["workers"],
+                ]:
                     found += api_errors(obj)
             errs += found
         else:
@@ -536,19 +686,25 @@ def deploy_errors(docs: list) -> list:
             cls = d.get("spec", {}).get("storageClassName")
             if not cls or not DNS1123_SUBDOMAIN.match(cls):
                 modes = "/".join(d["spec"].get("accessModes", []))
-                errs.append(f"{what}: spec.storageClassName is {repr(cls) if cls else 'missing'}"
-                            f": name a storage class of your cluster that gives {modes} "
-                            "volumes (kubectl get sc)")
+                errs.append(
+                    f"{what}: spec.storageClassName is {repr(cls) if cls else 'missing'}"
+                    f": name a storage class of your cluster that gives {modes} "
+                    "volumes (kubectl get sc)"
+                )
         if d.get("kind") == "MPIJob":
             for role, rs in sorted(d["spec"].get("mpiReplicaSpecs", {}).items()):
                 for c in rs["template"]["spec"].get("containers", []):
                     image = c.get("image", "")
                     if "@sha256:" not in image:
-                        errs.append(f"{what}: {role} image {image} is not pinned by digest "
-                                    "(images: digest: in the overlay)")
+                        errs.append(
+                            f"{what}: {role} image {image} is not pinned by digest "
+                            "(images: digest: in the overlay)"
+                        )
                     elif image.endswith(PLACEHOLDER_DIGEST) or image.startswith(EXAMPLE_REGISTRY):
-                        errs.append(f"{what}: {role} image {image} is the placeholder: your "
-                                    "registry and the digest docker push printed")
+                        errs.append(
+                            f"{what}: {role} image {image} is the placeholder: your "
+                            "registry and the digest docker push printed"
+                        )
     return errs
 
 
@@ -565,4 +721,5 @@ def main(argv) -> int:
 
 if __name__ == "__main__":
     import sys
+
     sys.exit(main(sys.argv[1:]))

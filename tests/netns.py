@@ -24,6 +24,7 @@ hosts is left (``leftovers``).
 one daemon a node started in a clean environment, a node lost (``remove_node``: SIGKILL to its
 namespace's every process) and back (``add_node``).
 """
+
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ import tempfile
 import time
 
 import pytest
+
 from conftest import TIME_SCALE
 
 NETNS_ETC = "/etc/netns"
@@ -63,30 +65,58 @@ class Hosts:
         self.switch = f"{tag}s" if len(self.hosts) > 2 else None
         self.iface = iface
         self.etc_hosts = etc_hosts
-        self.daemons = []   # (name, Popen)
-        self.made = []      # (kind, what): cleanup actions, newest last
+        self.daemons = []  # (name, Popen)
+        self.made = []  # (kind, what): cleanup actions, newest last
 
     # --- making them ----------------------------------------------------------------------
     def create(self):
         for ns in [*self.ns.values(), *([self.switch] if self.switch else [])]:
             p = sh("ip", "netns", "add", ns)
             if p.returncode != 0:
-                pytest.skip(f"cannot make network namespaces here (needs root with "
-                            f"CAP_SYS_ADMIN): ip netns add: {p.stderr.strip()}")
+                pytest.skip(
+                    f"cannot make network namespaces here (needs root with "
+                    f"CAP_SYS_ADMIN): ip netns add: {p.stderr.strip()}"
+                )
             self.made.append(("netns", ns))
         if sh("unshare", "--uts", "true").returncode != 0:
             pytest.skip("cannot make UTS namespaces here (unshare --uts needs CAP_SYS_ADMIN)")
         names = list(self.ns.values())
         if self.switch is None:  # two hosts: one veth pair straight between them
-            self.check("ip", "-n", names[0], "link", "add", self.iface, "type", "veth", "peer",
-                       "name", self.iface, "netns", names[1])
+            self.check(
+                "ip",
+                "-n",
+                names[0],
+                "link",
+                "add",
+                self.iface,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                self.iface,
+                "netns",
+                names[1],
+            )
         else:  # a bridge in its own namespace, a veth from it to each host
             self.check("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
             self.check("ip", "-n", self.switch, "link", "set", "br0", "up")
             for i, ns in enumerate(names):
                 port = f"p{i}"
-                self.check("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer",
-                           "name", self.iface, "netns", ns)
+                self.check(
+                    "ip",
+                    "-n",
+                    self.switch,
+                    "link",
+                    "add",
+                    port,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    self.iface,
+                    "netns",
+                    ns,
+                )
                 self.check("ip", "-n", self.switch, "link", "set", port, "master", "br0")
                 self.check("ip", "-n", self.switch, "link", "set", port, "up")
         for host, ns in self.ns.items():
@@ -107,8 +137,9 @@ class Hosts:
             os.mkdir(d)
             self.made.append(("rmtree", d))
         with open(os.path.join(d, "hosts"), "w") as f:
-            f.write("127.0.0.1 localhost\n"
-                    + "".join(f"{ip} {name}\n" for name, ip in names.items()))
+            f.write(
+                "127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for name, ip in names.items())
+            )
 
     def check(self, *cmd):
         p = sh(*cmd)
@@ -118,16 +149,33 @@ class Hosts:
     def on(self, host, cmd, nsenter=False, env=()):
         """``cmd`` as run on ``host``: its network namespace, its host name, then ``env``
         (NAME=value strings) set for ``cmd``."""
-        enter = (["nsenter", f"--net=/run/netns/{self.ns[host]}"] if nsenter
-                 else ["ip", "netns", "exec", self.ns[host]])
-        return [*enter, "unshare", "--uts", *(["env", *env] if env else []), "sh", "-c",
-                'hostname "$0" && exec "$@"', host, *cmd]
+        enter = (
+            ["nsenter", f"--net=/run/netns/{self.ns[host]}"]
+            if nsenter
+            else ["ip", "netns", "exec", self.ns[host]]
+        )
+        return [
+            *enter,
+            "unshare",
+            "--uts",
+            *(["env", *env] if env else []),
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            host,
+            *cmd,
+        ]
 
     def start(self, name, cmd):
         """A daemon in the foreground, its output in base/NAME.out."""
         with open(self.base / f"{name.replace(' ', '-')}.out", "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.daemons.append((name, proc))
         return proc
 
@@ -141,15 +189,18 @@ class Hosts:
             if any(p.poll() is not None for _, p in self.daemons):
                 break
             time.sleep(0.1)
-        logs = "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}"
-                         for f in sorted(self.base.glob("**/*")) if f.is_file()
-                         and (f.name == "log" or f.suffix in (".out", ".log")))
+        logs = "\n".join(
+            f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}"
+            for f in sorted(self.base.glob("**/*"))
+            if f.is_file() and (f.name == "log" or f.suffix in (".out", ".log"))
+        )
         pytest.fail(f"{type(self).__name__}: no {what} within {timeout}s\n{logs}")
 
     def rx_bytes(self, host):
         """Bytes ``host`` received on its veth so far."""
-        stats = json.loads(sh("ip", "-n", self.ns[host], "-s", "-j", "link", "show",
-                              self.iface).stdout)
+        stats = json.loads(
+            sh("ip", "-n", self.ns[host], "-s", "-j", "link", "show", self.iface).stdout
+        )
         return stats[0]["stats64"]["rx"]["bytes"]
 
     def start_sshd(self, host, keys, authorized=None, name="sshd"):
@@ -158,8 +209,9 @@ class Hosts:
         keys/authorized_keys). Returns its log's path once it listens."""
         sshd = shutil.which("sshd") or "/usr/sbin/sshd"
         if not os.access(sshd, os.X_OK):
-            pytest.fail("sshd missing: apt-get install openssh-server (scripts/setup.sh "
-                        "installs it)")
+            pytest.fail(
+                "sshd missing: apt-get install openssh-server (scripts/setup.sh installs it)"
+            )
         if not (keys / "host_key").exists():
             self.check("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / "host_key"))
         config = keys / f"{name}_config"
@@ -241,11 +293,17 @@ class Hosts:
         listed = sh("ip", "netns", "list").stdout.split()
         mine = [*self.ns.values(), *([self.switch] if self.switch else [])]
         left = [ns for ns in mine if ns in listed]
-        left += [os.path.join(NETNS_ETC, ns) for ns in mine
-                 if os.path.exists(os.path.join(NETNS_ETC, ns))]
+        left += [
+            os.path.join(NETNS_ETC, ns)
+            for ns in mine
+            if os.path.exists(os.path.join(NETNS_ETC, ns))
+        ]
         with open("/proc/mounts") as f:
-            left += [line.strip() for line in f
-                     if str(self.base) in line or any(f"/{ns} " in line for ns in mine)]
+            left += [
+                line.strip()
+                for line in f
+                if str(self.base) in line or any(f"/{ns} " in line for ns in mine)
+            ]
         marker = str(self.base).encode()
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
@@ -271,12 +329,12 @@ class Cluster(Hosts):
     def __init__(self, base, nodes, head, tag, iface, env, stop_seconds):
         super().__init__(base, nodes, tag=tag, iface=iface, etc_hosts=True)
         self.head = head
-        self.env = env            # the daemons' whole environment (``on_node``)
+        self.env = env  # the daemons' whole environment (``on_node``)
         self.stop_seconds = stop_seconds  # SIGTERM to the daemons, then this, then SIGKILL
-        self.temp = None          # everything the daemons write is under it (short paths)
-        self.nodes = {}           # name -> its daemon (Popen), while it runs
-        self.starts = 0           # daemon starts so far (each its own output file)
-        self.commands = {}        # name -> the daemon's latest command line
+        self.temp = None  # everything the daemons write is under it (short paths)
+        self.nodes = {}  # name -> its daemon (Popen), while it runs
+        self.starts = 0  # daemon starts so far (each its own output file)
+        self.commands = {}  # name -> the daemon's latest command line
 
     def create(self, prefix):
         super().create()
@@ -299,17 +357,25 @@ class Cluster(Hosts):
     def wait_log(self, name, text, timeout):
         """Until node ``name``'s latest daemon has printed ``text``."""
         log = self.base / f"{name}-{self.starts}.out"
-        self.wait(lambda: text in log.read_text(errors="replace"), timeout * TIME_SCALE,
-                  f"'{text}' from {name}")
+        self.wait(
+            lambda: text in log.read_text(errors="replace"),
+            timeout * TIME_SCALE,
+            f"'{text}' from {name}",
+        )
 
     def logs(self):
-        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}"
-                         for f in sorted(self.base.glob("*.out")))
+        return "\n".join(
+            f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}"
+            for f in sorted(self.base.glob("*.out"))
+        )
 
     def pids(self, name=None):
         """The processes of host ``name`` (default: every host)."""
-        return [int(p) for n in ([name] if name else self.hosts)
-                for p in sh("ip", "netns", "pids", self.ns[n]).stdout.split()]
+        return [
+            int(p)
+            for n in ([name] if name else self.hosts)
+            for p in sh("ip", "netns", "pids", self.ns[n]).stdout.split()
+        ]
 
     def rss(self, name=None):
         """Resident memory (bytes) of the processes of host ``name`` (default: every host)."""

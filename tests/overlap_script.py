@@ -7,6 +7,7 @@ they are worth (docs/performance/speed.md).
 
 Rank 0 prints one JSON line: each path's samples/s of each epoch (metrics.jsonl's).
 """
+
 import argparse
 import json
 import os
@@ -48,15 +49,18 @@ def build(model: str, size: int):
     k = keras()
     k.utils.set_random_seed(0)
     if model == "resnet50":
-        return k.applications.ResNet50(weights=None, input_shape=(size, size, 3),
-                                       classes=CLASSES, classifier_activation=None)
+        return k.applications.ResNet50(
+            weights=None, input_shape=(size, size, 3), classes=CLASSES, classifier_activation=None
+        )
     return small_resnet(size)
 
 
 def images(n: int, size: int):
     rng = np.random.default_rng(0)  # the same on every rank: each trains on its shard
-    return (rng.random((n, size, size, 3), dtype=np.float32),
-            rng.integers(0, CLASSES, n).astype(np.int32))
+    return (
+        rng.random((n, size, size, 3), dtype=np.float32),
+        rng.integers(0, CLASSES, n).astype(np.int32),
+    )
 
 
 class Synthetic(hvdtrain.Task):
@@ -75,6 +79,7 @@ class Synthetic(hvdtrain.Task):
 
     def loss(self, y, pred):
         import tensorflow as tf
+
         return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=pred)
 
 
@@ -99,19 +104,34 @@ def main(argv=None):
     for path in args.paths.split(","):
         run_dir = os.path.join(args.run_dir, path)
         if path == "task":
-            config = hvdtrain.Config(run_dir=run_dir, batch_size=args.batch_size,
-                                     epochs=args.epochs, steps_per_execution=1,
-                                     checkpoint_every=0, save_model=False, verbose=0)
+            config = hvdtrain.Config(
+                run_dir=run_dir,
+                batch_size=args.batch_size,
+                epochs=args.epochs,
+                steps_per_execution=1,
+                checkpoint_every=0,
+                save_model=False,
+                verbose=0,
+            )
             hvdtrain.train(Synthetic(args), config, world)
         else:
             k = keras()
             model = build(args.model, args.size)
-            model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(0.01)),
-                          loss=k.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          jit_compile=False)
+            model.compile(
+                optimizer=hk.DistributedOptimizer(k.optimizers.SGD(0.01)),
+                loss=k.losses.SparseCategoricalCrossentropy(from_logits=True),
+                jit_compile=False,
+            )
             x, y = images(args.examples, args.size)
-            hk.fit(model, hk.dataset(x, y, args.batch_size), epochs=args.epochs,
-                   run_dir=run_dir, checkpoint_every=0, save_model=False, verbose=0)
+            hk.fit(
+                model,
+                hk.dataset(x, y, args.batch_size),
+                epochs=args.epochs,
+                run_dir=run_dir,
+                checkpoint_every=0,
+                save_model=False,
+                verbose=0,
+            )
         out[path] = epochs_seen(run_dir)
     if world.rank == 0:
         print(json.dumps(out), flush=True)

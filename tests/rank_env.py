@@ -11,6 +11,7 @@ test's directory, which every host of the test clusters shares. A rank that re-e
 itself (hvdtrain/base/malloc.py) logs two starts under one pid. (The host name tells apart
 the emulated pods' ranks, which have PID namespaces of their own.)
 """
+
 import json
 import os
 

@@ -25,6 +25,7 @@ SIGTERM (each stops what it started), kills what is left, deletes the namespaces
 temporary directory, and checks that no process, namespace, mount or directory of the
 cluster is left.
 """
+
 import json
 import os
 import sys
@@ -37,14 +38,22 @@ from netns import Cluster, sh
 NODES = {"rayhead": "10.76.0.1", "raynode1": "10.76.0.2", "raynode2": "10.76.0.3"}
 HEAD = "rayhead"
 IFACE = "hvdr0"  # each host's end of its veth to the bridge
-PORT = 6379      # the GCS's, on the head's address (each host has its own ports)
+PORT = 6379  # the GCS's, on the head's address (each host has its own ports)
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 OBJECT_STORE = 75 << 20  # Ray's smallest (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)
 # Every node: 1 CPU, no GPU, no usage stats, the smallest object store; no log monitor (a
 # Python process per node that forwards the workers' output to the drivers: 230 MB of the
 # cluster's 1.8 GB; the output stays in each node's logs, TEMP/NODE-N/session_*/logs/).
-NODE_FLAGS = ["--num-cpus", "1", "--num-gpus", "0", "--disable-usage-stats",
-              "--object-store-memory", str(OBJECT_STORE), "--include-log-monitor=false"]
+NODE_FLAGS = [
+    "--num-cpus",
+    "1",
+    "--num-gpus",
+    "0",
+    "--disable-usage-stats",
+    "--object-store-memory",
+    str(OBJECT_STORE),
+    "--include-log-monitor=false",
+]
 # The head: no dashboard, and no autoscaler monitor (80 MB more; `ray status` reads what it
 # writes, and this cluster has no nodes to add). Ray's API server (job submission, the state
 # API) and its Ray Client server still run there.
@@ -75,9 +84,20 @@ while True:
 
 class RayCluster(Cluster):
     def __init__(self, base, pythonpath=(ROOT, TESTS)):
-        super().__init__(base, NODES, HEAD, tag="hvdr", iface=IFACE, stop_seconds=30,
-                         env=clean_env(base / "home", PYTHONPATH=os.pathsep.join(pythonpath),
-                                       TF_CPP_MIN_LOG_LEVEL="3", **RAY_ENV))
+        super().__init__(
+            base,
+            NODES,
+            HEAD,
+            tag="hvdr",
+            iface=IFACE,
+            stop_seconds=30,
+            env=clean_env(
+                base / "home",
+                PYTHONPATH=os.pathsep.join(pythonpath),
+                TF_CPP_MIN_LOG_LEVEL="3",
+                **RAY_ENV,
+            ),
+        )
         self.address = f"{NODES[HEAD]}:{PORT}"
 
     # --- making it ------------------------------------------------------------------------
@@ -95,8 +115,20 @@ class RayCluster(Cluster):
     def start_node(self, name):
         temp = os.path.join(self.temp, f"{name}-{self.starts + 1}")
         flags = HEAD_FLAGS if name == HEAD else ["--address", self.address]
-        return self.launch(name, [RAY, "start", "--block", *flags, "--node-ip-address",
-                                  NODES[name], *NODE_FLAGS, "--temp-dir", temp])
+        return self.launch(
+            name,
+            [
+                RAY,
+                "start",
+                "--block",
+                *flags,
+                "--node-ip-address",
+                NODES[name],
+                *NODE_FLAGS,
+                "--temp-dir",
+                temp,
+            ],
+        )
 
     # --- using it -------------------------------------------------------------------------
     def driver_cmd(self, cmd):
@@ -106,9 +138,19 @@ class RayCluster(Cluster):
     def states(self, want=None, timeout=0):
         """{address: state} of the nodes Ray knows, as the GCS says; with ``want``, polled
         until it is that or ``timeout`` passes (then None)."""
-        p = sh(*self.driver_cmd([sys.executable, "-c", NODE_STATES, self.address,
-                                 json.dumps(want or {}), str(timeout)]),
-               timeout=timeout + 60 * TIME_SCALE)
+        p = sh(
+            *self.driver_cmd(
+                [
+                    sys.executable,
+                    "-c",
+                    NODE_STATES,
+                    self.address,
+                    json.dumps(want or {}),
+                    str(timeout),
+                ]
+            ),
+            timeout=timeout + 60 * TIME_SCALE,
+        )
         if p.returncode not in (0, 1) or not p.stdout.strip():
             pytest.fail(f"reading the nodes from the GCS: rc {p.returncode}\n{p.stderr[-3000:]}")
         states = json.loads(p.stdout.strip().splitlines()[-1])
@@ -118,5 +160,6 @@ class RayCluster(Cluster):
         """Until the GCS lists exactly ``want`` ({address: state}); fail with the logs."""
         timeout *= TIME_SCALE
         if self.states(want, timeout) is None:
-            pytest.fail(f"RayCluster: not {want} within {timeout:.0f}s: "
-                        f"{self.states()}\n{self.logs()}")
+            pytest.fail(
+                f"RayCluster: not {want} within {timeout:.0f}s: {self.states()}\n{self.logs()}"
+            )

@@ -7,6 +7,7 @@ A linear model, mean squared error, plain SGD: rank r trains on half r of each b
 the average of the two halves' gradients is the gradient of the whole batch, so two ranks
 take the steps one process takes on the whole batch.
 """
+
 import numpy as np
 
 BATCH, FEATURES, STEPS, LR = 8, 3, 5, 0.1
@@ -21,14 +22,17 @@ def data():
 
 def initial_weights(seed):
     rng = np.random.default_rng(seed)
-    return [rng.normal(size=(FEATURES, 1)).astype(np.float32),
-            rng.normal(size=(1,)).astype(np.float32)]
+    return [
+        rng.normal(size=(FEATURES, 1)).astype(np.float32),
+        rng.normal(size=(1,)).astype(np.float32),
+    ]
 
 
 def model(seed):
     """The linear model with seed's weights, in the Keras this process trains with (Keras 3,
     or tf_keras under TF_USE_LEGACY_KERAS=1)."""
     import tensorflow as tf
+
     k = tf.keras
     m = k.Sequential([k.Input(shape=(FEATURES,)), k.layers.Dense(1)])
     m.set_weights(initial_weights(seed))
@@ -40,20 +44,28 @@ def keras_module(m):
 
 
 def answer(hvd, m):
-    return {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
-            "keras": keras_module(m), "weights": [w.tolist() for w in m.get_weights()]}
+    return {
+        "rank": hvd.rank(),
+        "size": hvd.size(),
+        "local_rank": hvd.local_rank(),
+        "keras": keras_module(m),
+        "weights": [w.tolist() for w in m.get_weights()],
+    }
 
 
 def gradient_tape():
     """Horovod's TF2 loop: DistributedGradientTape, the model's variables broadcast from rank
     0 (each rank starts from weights of its own: the broadcast must make them rank 0's)."""
-    import tensorflow as tf
     import horovod.tensorflow as hvd
+    import tensorflow as tf
 
     hvd.init()
     x, y = data()
     half = BATCH // hvd.size()
-    x, y = x[hvd.rank() * half:(hvd.rank() + 1) * half], y[hvd.rank() * half:(hvd.rank() + 1) * half]
+    x, y = (
+        x[hvd.rank() * half : (hvd.rank() + 1) * half],
+        y[hvd.rank() * half : (hvd.rank() + 1) * half],
+    )
     m = model(seed=hvd.rank())
     hvd.broadcast_variables(m.variables, root_rank=0)
     opt = tf.keras.optimizers.SGD(LR)
@@ -69,17 +81,27 @@ def gradient_tape():
 def keras_fit():
     """Horovod's Keras path: ``model.fit`` with horovod.tensorflow.keras's
     DistributedOptimizer and BroadcastGlobalVariablesCallback, one batch per step."""
-    import tensorflow as tf
     import horovod.tensorflow.keras as hvd
+    import tensorflow as tf
 
     hvd.init()
     x, y = data()
     half = BATCH // hvd.size()
-    x, y = x[hvd.rank() * half:(hvd.rank() + 1) * half], y[hvd.rank() * half:(hvd.rank() + 1) * half]
+    x, y = (
+        x[hvd.rank() * half : (hvd.rank() + 1) * half],
+        y[hvd.rank() * half : (hvd.rank() + 1) * half],
+    )
     m = model(seed=0)
     m.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(LR)), loss="mse")
-    m.fit(x, y, batch_size=half, epochs=STEPS, shuffle=False, verbose=0,
-          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    m.fit(
+        x,
+        y,
+        batch_size=half,
+        epochs=STEPS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
     return answer(hvd, m)
 
 
@@ -99,8 +121,11 @@ def reference(kind):
     else:
         m.compile(optimizer=tf.keras.optimizers.SGD(LR), loss="mse")
         m.fit(x, y, batch_size=BATCH, epochs=STEPS, shuffle=False, verbose=0)
-    return {"keras": keras_module(m), "weights": [w.tolist() for w in m.get_weights()],
-            "initial": [w.tolist() for w in initial_weights(0)]}
+    return {
+        "keras": keras_module(m),
+        "weights": [w.tolist() for w in m.get_weights()],
+        "initial": [w.tolist() for w in initial_weights(0)],
+    }
 
 
 def world_sum(scale):

@@ -20,6 +20,7 @@ Every daemon is a child of the test process (run in the foreground); ``destroy``
 everything left in the namespaces, deletes the namespaces and checks that no process, namespace
 or mount of the cluster is left.
 """
+
 import os
 import re
 import shutil
@@ -30,7 +31,7 @@ from netns import Hosts, sh
 
 NODES = {"nodeA": "10.78.0.1", "nodeB": "10.78.0.2"}
 IFACE = "hvds0"  # the veth's name in both namespaces
-CPUS = 2         # per node, as slurm.conf declares them
+CPUS = 2  # per node, as slurm.conf declares them
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 SLURM_CONF = """ClusterName=hvdtrain
@@ -68,24 +69,46 @@ class SlurmCluster(Hosts):
 
     # --- making it ------------------------------------------------------------------------
     def create(self):
-        missing = [d for d in DAEMONS + ("sbatch",) if shutil.which(d) is None
-                   and not os.access(f"/usr/sbin/{d}", os.X_OK)]
+        missing = [
+            d
+            for d in DAEMONS + ("sbatch",)
+            if shutil.which(d) is None and not os.access(f"/usr/sbin/{d}", os.X_OK)
+        ]
         if missing:
-            pytest.fail(f"SLURM missing ({', '.join(missing)}): apt-get install slurmctld slurmd "
-                        "slurm-client munge (scripts/setup.sh installs them)")
+            pytest.fail(
+                f"SLURM missing ({', '.join(missing)}): apt-get install slurmctld slurmd "
+                "slurm-client munge (scripts/setup.sh installs them)"
+            )
         super().create()
         self.write_config()
         munge = self.base / "munge"
-        self.start("munged", ["munged", "--foreground", "--force", f"--socket={munge}/socket",
-                              f"--key-file={munge}/key", f"--pid-file={munge}/pid",
-                              f"--log-file={munge}/log", f"--seed-file={munge}/seed"])
+        self.start(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={munge}/socket",
+                f"--key-file={munge}/key",
+                f"--pid-file={munge}/pid",
+                f"--log-file={munge}/log",
+                f"--seed-file={munge}/seed",
+            ],
+        )
         self.wait(lambda: (munge / "socket").exists(), 10, "munged's socket")
         self.start("slurmctld", self.on_node("nodeA", ["slurmctld", "-D", "-i"], self.conf))
         for node in NODES:
-            self.start(f"slurmd {node}", self.on_node(node, ["slurmd", "-D", "-N", node],
-                                                      self.base / node / "conf" / "slurm.conf"))
-        self.wait(lambda: self.client("sinfo", "-h", "-o", "%t").stdout.split() == ["idle"],
-                  30, "both nodes idle in sinfo")
+            self.start(
+                f"slurmd {node}",
+                self.on_node(
+                    node, ["slurmd", "-D", "-N", node], self.base / node / "conf" / "slurm.conf"
+                ),
+            )
+        self.wait(
+            lambda: self.client("sinfo", "-h", "-o", "%t").stdout.split() == ["idle"],
+            30,
+            "both nodes idle in sinfo",
+        )
         return self
 
     def write_config(self):
@@ -95,10 +118,12 @@ class SlurmCluster(Hosts):
         key = self.base / "munge" / "key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
-        nodes = "\n".join(f"NodeName={n} NodeAddr={ip} CPUs={CPUS} State=UNKNOWN"
-                          for n, ip in NODES.items())
-        text = SLURM_CONF.format(base=self.base, ctl=NODES["nodeA"], nodes=nodes,
-                                 names=",".join(NODES))
+        nodes = "\n".join(
+            f"NodeName={n} NodeAddr={ip} CPUs={CPUS} State=UNKNOWN" for n, ip in NODES.items()
+        )
+        text = SLURM_CONF.format(
+            base=self.base, ctl=NODES["nodeA"], nodes=nodes, names=",".join(NODES)
+        )
         self.conf.write_text(text)
         for node in NODES:
             conf = self.base / node / "conf"
@@ -124,8 +149,9 @@ class SlurmCluster(Hosts):
         return ["nsenter", f"--net=/run/netns/{self.ns['nodeA']}", *cmd]
 
     def client(self, *cmd, env=None, cwd=None, timeout=30):
-        return sh(*self.client_cmd(*cmd), env=self.env(env or dict(os.environ)), cwd=cwd,
-                  timeout=timeout)
+        return sh(
+            *self.client_cmd(*cmd), env=self.env(env or dict(os.environ)), cwd=cwd, timeout=timeout
+        )
 
     def job(self, job_id):
         """``scontrol show job`` as a dict (JobState, ExitCode, Reason, Restarts, ...)."""

@@ -49,6 +49,7 @@ its two executors (a JVM and Python workers each) and its driver on the head.
 temporary directory, and checks that no process, namespace, mount or directory of the
 cluster is left.
 """
+
 import importlib.util
 import json
 import os
@@ -62,9 +63,9 @@ from netns import Cluster, sh
 
 NODES = {"sparkhead": "10.77.0.1", "sparknode1": "10.77.0.2", "sparknode2": "10.77.0.3"}
 HEAD = "sparkhead"
-IFACE = "hvds0"   # each host's end of its veth to the bridge (the Ray cluster's is hvdr0)
-PORT = 7077       # the Master's, on the head's address
-WEBUI = 8080      # the Master's web UI (its /json/), on the head's address
+IFACE = "hvds0"  # each host's end of its veth to the bridge (the Ray cluster's is hvdr0)
+PORT = 7077  # the Master's, on the head's address
+WEBUI = 8080  # the Master's web UI (its /json/), on the head's address
 MASTER = f"spark://{NODES[HEAD]}:{PORT}"
 # Every JVM of the cluster (daemons, executors, drivers): no /tmp/hsperfdata_USER/PID (a JVM
 # killed with SIGKILL leaves its file there), one GC thread and no C2 compiler (fewer threads
@@ -122,11 +123,24 @@ class SparkCluster(Cluster):
     def __init__(self, base, pythonpath=(ROOT, TESTS)):
         spec = importlib.util.find_spec("pyspark")  # its install is SPARK_HOME
         home = os.path.dirname(spec.origin) if spec else None
-        super().__init__(base, NODES, HEAD, tag="hvds", iface=IFACE, stop_seconds=10,
-                         env=clean_env(base / "home", PYTHONPATH=os.pathsep.join(pythonpath),
-                                       TF_CPP_MIN_LOG_LEVEL="3", PYSPARK_PYTHON=sys.executable,
-                                       PYSPARK_DRIVER_PYTHON=sys.executable, SPARK_HOME=home,
-                                       SPARK_NO_DAEMONIZE="1", **DAEMON_MEMORY))
+        super().__init__(
+            base,
+            NODES,
+            HEAD,
+            tag="hvds",
+            iface=IFACE,
+            stop_seconds=10,
+            env=clean_env(
+                base / "home",
+                PYTHONPATH=os.pathsep.join(pythonpath),
+                TF_CPP_MIN_LOG_LEVEL="3",
+                PYSPARK_PYTHON=sys.executable,
+                PYSPARK_DRIVER_PYTHON=sys.executable,
+                SPARK_HOME=home,
+                SPARK_NO_DAEMONIZE="1",
+                **DAEMON_MEMORY,
+            ),
+        )
         self.master = MASTER
         self.home = home
 
@@ -144,11 +158,20 @@ class SparkCluster(Cluster):
         # JVM killed with SIGKILL), not only Python's (TMPDIR).
         java_opts = f"{JAVA_OPTS} -Djava.io.tmpdir={tmp}"
         with open(os.path.join(conf, "spark-defaults.conf"), "w") as f:
-            f.writelines(f"{k} {v}\n" for k, v in {
-                **DEFAULTS, "spark.driver.extraJavaOptions": java_opts,
-                "spark.executor.extraJavaOptions": java_opts}.items())
-        self.env.update(SPARK_CONF_DIR=conf, SPARK_LOG_DIR=os.path.join(self.temp, "logs"),
-                        TMPDIR=tmp, SPARK_DAEMON_JAVA_OPTS=f"{java_opts} {DAEMON_HEAP}")
+            f.writelines(
+                f"{k} {v}\n"
+                for k, v in {
+                    **DEFAULTS,
+                    "spark.driver.extraJavaOptions": java_opts,
+                    "spark.executor.extraJavaOptions": java_opts,
+                }.items()
+            )
+        self.env.update(
+            SPARK_CONF_DIR=conf,
+            SPARK_LOG_DIR=os.path.join(self.temp, "logs"),
+            TMPDIR=tmp,
+            SPARK_DAEMON_JAVA_OPTS=f"{java_opts} {DAEMON_HEAP}",
+        )
         for name in NODES:
             self.start_node(name)
             if name == HEAD:  # the workers register with it
@@ -162,30 +185,65 @@ class SparkCluster(Cluster):
         os.makedirs(work, exist_ok=True)
         cls = os.path.join(self.home, "bin", "spark-class")
         if name == HEAD:
-            cmd = [cls, "org.apache.spark.deploy.master.Master", "--host", NODES[name],
-                   "--port", str(PORT), "--webui-port", str(WEBUI)]
+            cmd = [
+                cls,
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                NODES[name],
+                "--port",
+                str(PORT),
+                "--webui-port",
+                str(WEBUI),
+            ]
         else:
-            cmd = [cls, "org.apache.spark.deploy.worker.Worker", MASTER, "--host",
-                   NODES[name], "--cores", "1", "--memory", "1g", "--work-dir", work]
-        return self.launch(name, cmd, SPARK_LOCAL_DIRS=local, SPARK_WORKER_DIR=work,
-                           SPARK_LOCAL_IP=NODES[name])
+            cmd = [
+                cls,
+                "org.apache.spark.deploy.worker.Worker",
+                MASTER,
+                "--host",
+                NODES[name],
+                "--cores",
+                "1",
+                "--memory",
+                "1g",
+                "--work-dir",
+                work,
+            ]
+        return self.launch(
+            name, cmd, SPARK_LOCAL_DIRS=local, SPARK_WORKER_DIR=work, SPARK_LOCAL_IP=NODES[name]
+        )
 
     # --- using it -------------------------------------------------------------------------
     def driver_cmd(self, cmd):
         """``cmd`` on the head: a PySpark driver there connects to the Master with the
         defaults of SPARK_CONF_DIR/spark-defaults.conf."""
-        return self.on_node(HEAD, cmd, SPARK_LOCAL_IP=NODES[HEAD],
-                            SPARK_LOCAL_DIRS=os.path.join(self.temp, "local", HEAD))
+        return self.on_node(
+            HEAD,
+            cmd,
+            SPARK_LOCAL_IP=NODES[HEAD],
+            SPARK_LOCAL_DIRS=os.path.join(self.temp, "local", HEAD),
+        )
 
     def workers(self, want=-1, timeout=0):
         """[{host, state, cores, coresused}] of the workers the Master lists; with ``want``,
         polled until that many are ALIVE or ``timeout`` passes (then None)."""
-        p = sh(*self.driver_cmd([sys.executable, "-c", WORKERS,
-                                 f"http://{NODES[HEAD]}:{WEBUI}/json/", str(want),
-                                 str(timeout)]), timeout=timeout + 60 * TIME_SCALE)
+        p = sh(
+            *self.driver_cmd(
+                [
+                    sys.executable,
+                    "-c",
+                    WORKERS,
+                    f"http://{NODES[HEAD]}:{WEBUI}/json/",
+                    str(want),
+                    str(timeout),
+                ]
+            ),
+            timeout=timeout + 60 * TIME_SCALE,
+        )
         if p.returncode not in (0, 1) or not p.stdout.strip():
-            pytest.fail(f"reading the workers from the Master: rc {p.returncode}\n"
-                        f"{p.stderr[-3000:]}")
+            pytest.fail(
+                f"reading the workers from the Master: rc {p.returncode}\n{p.stderr[-3000:]}"
+            )
         workers = json.loads(p.stdout.strip().splitlines()[-1])
         return workers if p.returncode == 0 else None
 
@@ -193,14 +251,17 @@ class SparkCluster(Cluster):
         """Until the Master lists ``n`` workers ALIVE; fail with the logs."""
         timeout *= TIME_SCALE
         if self.workers(n, timeout) is None:
-            pytest.fail(f"SparkCluster: not {n} workers alive within {timeout:.0f}s: "
-                        f"{self.workers()}\n{self.logs()}")
+            pytest.fail(
+                f"SparkCluster: not {n} workers alive within {timeout:.0f}s: "
+                f"{self.workers()}\n{self.logs()}"
+            )
 
     def master_log(self):
         """The Master's output so far (its "Registering worker", "Launching executor",
         "Removing executor" lines)."""
-        return "".join(f.read_text(errors="replace")
-                       for f in sorted(self.base.glob(f"{HEAD}-*.out")))
+        return "".join(
+            f.read_text(errors="replace") for f in sorted(self.base.glob(f"{HEAD}-*.out"))
+        )
 
     def executor_pids(self, name):
         """The executor JVMs (CoarseGrainedExecutorBackend) running on host ``name``."""
@@ -222,7 +283,8 @@ class SparkCluster(Cluster):
         assert name != HEAD, "the head runs no executor"
         worker = self.nodes[name].pid  # ip netns exec ... exec java: the Worker's JVM
         first = set(self.pids(name)) - {worker}
-        killed = self.kill(name, spare=lambda p: p == worker
-                           or (p not in first and parent(p) == worker))
+        killed = self.kill(
+            name, spare=lambda p: p == worker or (p not in first and parent(p) == worker)
+        )
         assert self.nodes[name].poll() is None, f"{name}'s Worker died with its executor"
         return killed

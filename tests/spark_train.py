@@ -6,6 +6,7 @@ tests/spark_train.py NPZ RUN_DIR``). Exact sharding makes both end with the same
 
 A linear regression of 3 features (y = x . (1, -2, 0.5) + 0.3 + noise), 240 rows.
 """
+
 import sys
 
 ROWS, FEATURES, EPOCHS, BATCH = 240, 3, 3, 8

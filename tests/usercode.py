@@ -8,6 +8,7 @@ folder of their own on the ranks' PYTHONPATH, launched as users launch them.
   BatchNormalization, its moving statistics averaged; test_sync_bn.py: SyncBatchNormalization):
   ``bn_common(layer)``, its data and model, and ``bn_task(name, **defaults)``, its Task.
 """
+
 import os
 import textwrap
 

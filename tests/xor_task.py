@@ -1,6 +1,7 @@
 """A user's own Task through the public API, in this process: ``Xor`` (XOR with a 2-layer
 network) and ``OnDisk`` (the same, its training arrays memory-mapped from disk). The
 one-process tests and the accumulation tests train them."""
+
 import os
 
 import numpy as np
@@ -21,15 +22,18 @@ class Xor(hvdtrain.Task):
 
     def build_model(self, config):
         k = hvdtrain.compat.keras()  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
-        return k.Sequential([k.Input(shape=(2,)), k.layers.Dense(16, activation="tanh"),
-                             k.layers.Dense(2)])
+        return k.Sequential(
+            [k.Input(shape=(2,)), k.layers.Dense(16, activation="tanh"), k.layers.Dense(2)]
+        )
 
     def loss(self, y, pred):
         import tensorflow as tf
+
         return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=pred)
 
     def metrics(self):
         import tensorflow as tf
+
         return {"accuracy": lambda y, p: tf.equal(tf.argmax(p, -1, output_type=tf.int32), y)}
 
 
@@ -46,6 +50,9 @@ class OnDisk(Xor):
         data = super().load_data(config, world)
         for name in ("x", "y"):
             np.save(os.path.join(self.directory, f"{name}.npy"), getattr(data, f"{name}_train"))
-        return Data(np.load(os.path.join(self.directory, "x.npy"), mmap_mode="r"),
-                    np.load(os.path.join(self.directory, "y.npy"), mmap_mode="r"),
-                    data.x_test, data.y_test)
+        return Data(
+            np.load(os.path.join(self.directory, "x.npy"), mmap_mode="r"),
+            np.load(os.path.join(self.directory, "y.npy"), mmap_mode="r"),
+            data.x_test,
+            data.y_test,
+        )

@@ -19,6 +19,7 @@ and opens each page in headless Chromium with a 1280 x 1600 window:
 Needs Chromium (Debian: apt-get install -y chromium) and the docs extra (pip install -e
 ".[docs]"). Exit status 1 when a page is wider than the window.
 """
+
 import argparse
 import functools
 import glob
@@ -27,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -95,8 +95,13 @@ def chromium():
 
 def build(site):
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", site],
-                       cwd=ROOT, env=env, capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", site],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if p.returncode:
         sys.exit(f"docs_screenshots: mkdocs build failed:\n{p.stdout}{p.stderr}")
 
@@ -116,10 +121,21 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 def browser(*args):
     with tempfile.TemporaryDirectory() as profile:
-        return subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu",
-                               "--hide-scrollbars", f"--user-data-dir={profile}",
-                               f"--window-size={WIDTH},{HEIGHT}", *args],
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [
+                chromium(),
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                f"--user-data-dir={profile}",
+                f"--window-size={WIDTH},{HEIGHT}",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
 
 def measure(site, base, path):
@@ -134,8 +150,13 @@ def measure(site, base, path):
     m = re.search(r'<pre id="hvdtrain-measure">(.*?)</pre>', p.stdout, re.S)
     if not m:
         sys.exit(f"docs_screenshots: no measurement from {path or '/'}: {p.stderr[-2000:]}")
-    return json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<")
-                      .replace("&gt;", ">").replace("&amp;", "&"))
+    return json.loads(
+        m.group(1)
+        .replace("&quot;", '"')
+        .replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&amp;", "&")
+    )
 
 
 def screenshot(base, path, png):
@@ -165,11 +186,14 @@ def main(argv=None):
         build(site)
         base = serve(site)
         if args.all:
-            pages = [(os.path.dirname(os.path.relpath(p, site)) or "home",
-                      os.path.relpath(os.path.dirname(p), site).replace(".", "") + "/")
-                     for p in sorted(glob.glob(os.path.join(site, "**", "index.html"),
-                                               recursive=True))
-                     if "/search/" not in p]
+            pages = [
+                (
+                    os.path.dirname(os.path.relpath(p, site)) or "home",
+                    os.path.relpath(os.path.dirname(p), site).replace(".", "") + "/",
+                )
+                for p in sorted(glob.glob(os.path.join(site, "**", "index.html"), recursive=True))
+                if "/search/" not in p
+            ]
             pages = [(n, "" if p == "/" else p) for n, p in pages]
         if not args.measure:
             os.makedirs(OUT, exist_ok=True)
@@ -179,16 +203,22 @@ def main(argv=None):
             tables = [t for t in m["tables"] if t["scrolls"]]
             unwrapped = [t for t in m["tables"] if not t["wrapped"]]
             page_cut = m["page"][0] > m["page"][1]
-            print(f"{name}: {len(m['code'])} code blocks ({len(scrolling)} scroll), "
-                  f"{len(m['tables'])} tables ({len(tables)} scroll, {len(unwrapped)} not in a "
-                  f"scroll box); page {m['page'][0]} px in {m['page'][1]}"
-                  + (" CUT" if page_cut else ""))
+            print(
+                f"{name}: {len(m['code'])} code blocks ({len(scrolling)} scroll), "
+                f"{len(m['tables'])} tables ({len(tables)} scroll, {len(unwrapped)} not in a "
+                f"scroll box); page {m['page'][0]} px in {m['page'][1]}"
+                + (" CUT" if page_cut else "")
+            )
             if "char_px" in m:
-                print(f"  code font: {m['char_px']:.2f} px a character, "
-                      f"{m['code_box_chars']:.0f} characters to a code block's width")
+                print(
+                    f"  code font: {m['char_px']:.2f} px a character, "
+                    f"{m['code_box_chars']:.0f} characters to a code block's width"
+                )
             for c in scrolling:
-                print(f"  code scrolls: {c['longest']} chars, {c['content']} px in {c['width']}: "
-                      f"{c['first']!r}")
+                print(
+                    f"  code scrolls: {c['longest']} chars, {c['content']} px in {c['width']}: "
+                    f"{c['first']!r}"
+                )
             for t in tables + unwrapped:
                 print(f"  table {'scrolls' if t['wrapped'] else 'NOT WRAPPED'}: {t['first']!r}")
             if page_cut or unwrapped:

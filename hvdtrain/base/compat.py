@@ -5,6 +5,7 @@ Keras 3 (the ``keras`` package, TensorFlow's default since 2.16) is the default.
 imported, exactly as TensorFlow itself decides what ``tf.keras`` is. hvdtrain never sets
 that variable. Everything else in hvdtrain asks this module instead of importing a Keras.
 """
+
 import os
 
 from hvdtrain.base.errors import KerasVersionError, TaskError, first_line
@@ -29,33 +30,40 @@ def keras():
             raise KerasVersionError(
                 f"TF_USE_LEGACY_KERAS=1 asks for Keras 2, but tf_keras does not import ({e}): "
                 "pip install tf-keras matching your TensorFlow (scripts/setup.sh does), or "
-                "unset TF_USE_LEGACY_KERAS for Keras 3") from None
+                "unset TF_USE_LEGACY_KERAS for Keras 3"
+            ) from None
         import tensorflow as tf
 
         active = tf.keras.__name__
         if not active.startswith("tf_keras"):
             raise KerasVersionError(
                 f"TF_USE_LEGACY_KERAS=1 was set after TensorFlow chose Keras 3 (tf.keras is "
-                f"{active}): set it before the program starts, or unset it for Keras 3")
+                f"{active}): set it before the program starts, or unset it for Keras 3"
+            )
         return tf_keras
     try:
         import keras as keras3
     except ImportError as e:  # e.g. KERAS_BACKEND names a backend that is not installed
-        raise KerasVersionError(f"Keras 3 does not import ({first_line(e)}); with "
-                                "KERAS_BACKEND set, set it to tensorflow") from None
+        raise KerasVersionError(
+            f"Keras 3 does not import ({first_line(e)}); with "
+            "KERAS_BACKEND set, set it to tensorflow"
+        ) from None
     if not keras3.__version__.startswith("3."):
-        raise KerasVersionError(f"keras {keras3.__version__} is installed where Keras 3 is "
-                                "expected: run scripts/setup.sh (keras==3.15.1)")
+        raise KerasVersionError(
+            f"keras {keras3.__version__} is installed where Keras 3 is "
+            "expected: run scripts/setup.sh (keras==3.15.1)"
+        )
     backend = keras3.backend.backend()
     if backend != "tensorflow":
         raise KerasVersionError(
             f"Keras 3 runs on the {backend!r} backend (KERAS_BACKEND or ~/.keras/keras.json); "
-            "Horovod here trains TensorFlow: set KERAS_BACKEND=tensorflow")
+            "Horovod here trains TensorFlow: set KERAS_BACKEND=tensorflow"
+        )
     return keras3
 
 
 def describe() -> str:
-    """"keras 3.15.1" or "tf_keras 2.21.0": which Keras a run trained with."""
+    """ "keras 3.15.1" or "tf_keras 2.21.0": which Keras a run trained with."""
     k = keras()
     return f"{k.__name__} {k.__version__}"
 
@@ -73,11 +81,14 @@ def check_model(model, where: str = "build_model", verb: str = "returned") -> No
         raise KerasVersionError(
             f"{where} {verb} a {kind} {type(model).__name__}, but hvdtrain trains with "
             f"{k.__name__} ({'TF_USE_LEGACY_KERAS=1' if legacy_requested() else 'Keras 3, the default'}): "
-            "build it with hvdtrain.compat.keras(), or set/unset TF_USE_LEGACY_KERAS to match")
+            "build it with hvdtrain.compat.keras(), or set/unset TF_USE_LEGACY_KERAS to match"
+        )
     if not model.built or not model.weights:
-        raise TaskError(f"{where} {verb} a model with no weights yet (a Sequential without "
-                        "keras.Input(shape) is built only when first called): start it with "
-                        "keras.Input(shape=...)")
+        raise TaskError(
+            f"{where} {verb} a model with no weights yet (a Sequential without "
+            "keras.Input(shape) is built only when first called): start it with "
+            "keras.Input(shape=...)"
+        )
     if not model.trainable_weights:
         raise TaskError(f"{where} {verb} a model with no trainable weights: nothing to train")
 

@@ -17,6 +17,7 @@ take it: the model, its optimizer or the dataset decide it; the reason is the re
 ``fit_name`` (where the script sets it, as the refusals of a resume name it). A field with no
 ``fit_refusal`` is one of hk.fit's keyword arguments (``fit_refusals``, ``fit_argument``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,8 @@ import dataclasses
 import math
 import os
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 from hvdtrain.base.errors import ConfigError, EnvError, TaskError, user_code
 
@@ -69,90 +70,157 @@ class Config:
 
     # Optimisation. Gradients are averaged over workers, as SyncReplicasOptimizer does,
     # so a learning rate means the same at any worker count.
-    learning_rate: float = setting(0.01, "learning rate of the task's optimizer (SGD unless "
-                                   "the task chooses its own)",
-                                   fit_refusal="set it on the optimizer given to model.compile",
-                                   fit_name="the optimizer's learning_rate")
-    scale_lr: bool = setting(False, "multiply the learning rate by the world size (Horovod's "
-                             "convention)", fit_refusal="scale the optimizer's learning rate by "
-                             "hk.size() in the script")
-    momentum: float = setting(0.0, "momentum of the default SGD optimizer",
-                              fit_refusal="set it on the optimizer given to model.compile",
-                              fit_name="the optimizer's momentum")
+    learning_rate: float = setting(
+        0.01,
+        "learning rate of the task's optimizer (SGD unless the task chooses its own)",
+        fit_refusal="set it on the optimizer given to model.compile",
+        fit_name="the optimizer's learning_rate",
+    )
+    scale_lr: bool = setting(
+        False,
+        "multiply the learning rate by the world size (Horovod's convention)",
+        fit_refusal="scale the optimizer's learning rate by hk.size() in the script",
+    )
+    momentum: float = setting(
+        0.0,
+        "momentum of the default SGD optimizer",
+        fit_refusal="set it on the optimizer given to model.compile",
+        fit_name="the optimizer's momentum",
+    )
     epochs: int = setting(10, "passes over the training data", defines_run=False)
-    batch_size: Optional[int] = setting(
-        32, "examples per worker per step; global batch = batch_size * world size; "
+    batch_size: int | None = setting(
+        32,
+        "examples per worker per step; global batch = batch_size * world size; "
         "0 or none: each worker's whole shard per step (full-batch gradient descent)",
-        fit_refusal="it is hk.dataset's batch_size", fit_name="hk.dataset's batch_size")
+        fit_refusal="it is hk.dataset's batch_size",
+        fit_name="hk.dataset's batch_size",
+    )
     accumulate_steps: int = setting(
-        1, "gradient accumulation: each optimizer update (a step) averages the gradients of N "
+        1,
+        "gradient accumulation: each optimizer update (a step) averages the gradients of N "
         "micro-batches of batch_size per worker, in one allreduce; global batch per update = "
         "N * batch_size * world size",
         fit_refusal="wrap the optimizer in hk.DistributedOptimizer(optimizer, "
-                    "backward_passes_per_step=N)", fit_name="backward_passes_per_step")
-    seed: int = setting(1, "seed for data order, synthetic data and initialisation (same on "
-                        "every rank)", fit_refusal="it is hk.dataset's seed",
-                        fit_name="hk.dataset's seed")
+        "backward_passes_per_step=N)",
+        fit_name="backward_passes_per_step",
+    )
+    seed: int = setting(
+        1,
+        "seed for data order, synthetic data and initialisation (same on every rank)",
+        fit_refusal="it is hk.dataset's seed",
+        fit_name="hk.dataset's seed",
+    )
     mixed_precision: str = setting(
-        "none", "float16 or bfloat16: build the model under Keras' mixed_<dtype> policy "
+        "none",
+        "float16 or bfloat16: build the model under Keras' mixed_<dtype> policy "
         "(16-bit compute, float32 variables, loss and metrics); float16 adds dynamic loss "
-        "scaling", choices=PRECISIONS,
+        "scaling",
+        choices=PRECISIONS,
         fit_refusal="set Keras' policy in the script before building the model "
-                    "(keras.mixed_precision.set_global_policy('mixed_bfloat16'))",
-        fit_name="Keras' dtype policy")
+        "(keras.mixed_precision.set_global_policy('mixed_bfloat16'))",
+        fit_name="Keras' dtype policy",
+    )
     steps_per_execution: int = setting(
-        0, "synchronous steps per compiled call (fewer Python and host round trips; SIGTERM, "
+        0,
+        "synchronous steps per compiled call (fewer Python and host round trips; SIGTERM, "
         "checkpoints and resume stay on exact steps); 0: auto, calls of about 50 ms, at most "
-        "64 steps", defines_run=False,
+        "64 steps",
+        defines_run=False,
         fit_refusal="set it in model.compile(steps_per_execution=N)",
-        fit_name="compile's steps_per_execution")
+        fit_name="compile's steps_per_execution",
+    )
     # Distribution.
-    num_workers: Optional[int] = setting(
-        None, "worker count the launch scripts start; the launcher's world size wins (a "
-        "differing count is warned about)", defines_run=False,
-        fit_refusal="the launcher decides the world size")
-    backend: str = setting("auto", "auto: Horovod if importable, else one process; horovod: "
-                           "require it; single: one process, plain optimizer",
-                           defines_run=False, choices=BACKENDS,
-                           fit_refusal="hk.init(backend) decides it")
+    num_workers: int | None = setting(
+        None,
+        "worker count the launch scripts start; the launcher's world size wins (a "
+        "differing count is warned about)",
+        defines_run=False,
+        fit_refusal="the launcher decides the world size",
+    )
+    backend: str = setting(
+        "auto",
+        "auto: Horovod if importable, else one process; horovod: "
+        "require it; single: one process, plain optimizer",
+        defines_run=False,
+        choices=BACKENDS,
+        fit_refusal="hk.init(backend) decides it",
+    )
     # Fault tolerance.
-    checkpoint_every: int = setting(100, "rank 0 saves a checkpoint every N synchronous steps "
-                                    "(and at each epoch end); 0: only at epoch ends",
-                                    defines_run=False)
-    keep_checkpoints: int = setting(3, "how many of the newest checkpoints to keep",
-                                    defines_run=False)
-    resume: Optional[bool] = setting(None, "--resume: continue from the run dir's newest valid "
-                                     "checkpoint (error if none); --no-resume: refuse a run dir "
-                                     "that holds checkpoints; unset: resume when there is one",
-                                     defines_run=False)
-    peer_timeout: float = setting(30.0, "seconds without a heartbeat before a peer counts as "
-                                  "frozen and every rank stops (0 disables the watchdog)",
-                                  defines_run=False)
-    elastic: bool = setting(False, "train under Horovod's elastic driver (horovodrun --min-np/"
-                            "--max-np --host-discovery-script): workers may leave and join; "
-                            "needs --run-dir", defines_run=False,
-                            fit_refusal="elastic runs are offered for Task runs only")
-    commit_every: int = setting(20, "elastic: commit the state in memory every N steps (the "
-                                "most work a lost worker costs)", defines_run=False,
-                                fit_refusal="elastic runs are offered for Task runs only")
+    checkpoint_every: int = setting(
+        100,
+        "rank 0 saves a checkpoint every N synchronous steps "
+        "(and at each epoch end); 0: only at epoch ends",
+        defines_run=False,
+    )
+    keep_checkpoints: int = setting(
+        3, "how many of the newest checkpoints to keep", defines_run=False
+    )
+    resume: bool | None = setting(
+        None,
+        "--resume: continue from the run dir's newest valid "
+        "checkpoint (error if none); --no-resume: refuse a run dir "
+        "that holds checkpoints; unset: resume when there is one",
+        defines_run=False,
+    )
+    peer_timeout: float = setting(
+        30.0,
+        "seconds without a heartbeat before a peer counts as "
+        "frozen and every rank stops (0 disables the watchdog)",
+        defines_run=False,
+    )
+    elastic: bool = setting(
+        False,
+        "train under Horovod's elastic driver (horovodrun --min-np/"
+        "--max-np --host-discovery-script): workers may leave and join; "
+        "needs --run-dir",
+        defines_run=False,
+        fit_refusal="elastic runs are offered for Task runs only",
+    )
+    commit_every: int = setting(
+        20,
+        "elastic: commit the state in memory every N steps (the most work a lost worker costs)",
+        defines_run=False,
+        fit_refusal="elastic runs are offered for Task runs only",
+    )
     stop_on_divergence: bool = setting(
-        True, "stop with exit 1 when the loss becomes NaN or infinite, keeping the checkpoints "
-        "from before it; --no-stop-on-divergence trains on", defines_run=False)
+        True,
+        "stop with exit 1 when the loss becomes NaN or infinite, keeping the checkpoints "
+        "from before it; --no-stop-on-divergence trains on",
+        defines_run=False,
+    )
     # Output.
-    run_dir: Optional[str] = setting(None, "where rank 0 writes config, metrics, TensorBoard, "
-                                     "checkpoints, the model and the result (none: "
-                                     "runs/<task>-<time>)", defines_run=False, per_rank=True)
-    save_model: bool = setting(True, "rank 0 saves the trained model as RUN_DIR/model.keras",
-                               defines_run=False)
-    track: tuple[str, ...] = setting((), "experiment trackers rank 0 logs the run to, once per "
-                                     "job, continued on resume: mlflow, wandb, tensorboard "
-                                     "(several allowed)", defines_run=False)
-    track_required: bool = setting(False, "a tracker that cannot be reached or fails stops "
-                                   "the run (exit 1) instead of a warning", defines_run=False)
-    verbose: int = setting(1, "0 silent, 1 progress (rank 0), 2 one line per epoch",
-                           defines_run=False, per_rank=True, choices=(0, 1, 2))
+    run_dir: str | None = setting(
+        None,
+        "where rank 0 writes config, metrics, TensorBoard, "
+        "checkpoints, the model and the result (none: "
+        "runs/<task>-<time>)",
+        defines_run=False,
+        per_rank=True,
+    )
+    save_model: bool = setting(
+        True, "rank 0 saves the trained model as RUN_DIR/model.keras", defines_run=False
+    )
+    track: tuple[str, ...] = setting(
+        (),
+        "experiment trackers rank 0 logs the run to, once per "
+        "job, continued on resume: mlflow, wandb, tensorboard "
+        "(several allowed)",
+        defines_run=False,
+    )
+    track_required: bool = setting(
+        False,
+        "a tracker that cannot be reached or fails stops the run (exit 1) instead of a warning",
+        defines_run=False,
+    )
+    verbose: int = setting(
+        1,
+        "0 silent, 1 progress (rank 0), 2 one line per epoch",
+        defines_run=False,
+        per_rank=True,
+        choices=(0, 1, 2),
+    )
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         """Check every field.
 
         Returns:
@@ -174,13 +242,18 @@ class Config:
             if not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(name, value, "must be 0 or more")
         if self.accumulate_steps < 1:
-            raise ConfigError("accumulate_steps", self.accumulate_steps,
-                              "must be at least 1 (1: no accumulation)")
+            raise ConfigError(
+                "accumulate_steps", self.accumulate_steps, "must be at least 1 (1: no accumulation)"
+            )
         if self.commit_every < 1:
             raise ConfigError("commit_every", self.commit_every, "must be at least 1")
         if self.elastic and not self.run_dir:
-            raise ConfigError("elastic", True, "needs --run-dir (every worker, also one that "
-                              "joins later, must write to the same run directory)")
+            raise ConfigError(
+                "elastic",
+                True,
+                "needs --run-dir (every worker, also one that "
+                "joins later, must write to the same run directory)",
+            )
         if self.elastic and self.backend == "single":
             raise ConfigError("backend", self.backend, "--elastic needs Horovod")
         if self.keep_checkpoints < 1:
@@ -190,18 +263,21 @@ class Config:
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError("momentum", self.momentum, "must be in [0, 1)")
         if self.mixed_precision not in PRECISIONS:
-            raise ConfigError("mixed_precision", self.mixed_precision,
-                              f"choose one of {', '.join(PRECISIONS)}")
+            raise ConfigError(
+                "mixed_precision", self.mixed_precision, f"choose one of {', '.join(PRECISIONS)}"
+            )
         track = (self.track,) if isinstance(self.track, str) else tuple(self.track or ())
         names = [n.strip().lower() for item in track for n in str(item).split(",") if n.strip()]
         for name in names:
             if name not in TRACKERS:
-                raise ConfigError("track", name, f"unknown tracker; choose from "
-                                  f"{', '.join(TRACKERS)}")
+                raise ConfigError(
+                    "track", name, f"unknown tracker; choose from {', '.join(TRACKERS)}"
+                )
         self.track = tuple(dict.fromkeys(names))
         if self.backend not in BACKENDS:
-            raise ConfigError("backend", self.backend,
-                              f"unknown backend; choose one of {', '.join(BACKENDS)}")
+            raise ConfigError(
+                "backend", self.backend, f"unknown backend; choose one of {', '.join(BACKENDS)}"
+            )
         return self
 
     def to_dict(self) -> dict:
@@ -209,8 +285,11 @@ class Config:
         # works, saying what to use.
         import warnings
 
-        warnings.warn("Config.to_dict is deprecated: use dataclasses.asdict(config)",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "Config.to_dict is deprecated: use dataclasses.asdict(config)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return dataclasses.asdict(self)
 
 
@@ -229,7 +308,7 @@ def env_number(name: str, default: float, valid, advice: str, strip: bool = Fals
     return value
 
 
-def values(obj, defines_run: Optional[bool] = None, per_rank: Optional[bool] = None) -> dict:
+def values(obj, defines_run: bool | None = None, per_rank: bool | None = None) -> dict:
     """A settings dataclass as a dict, optionally only the fields with that metadata."""
     if obj is None:
         return {}
@@ -246,8 +325,11 @@ def values(obj, defines_run: Optional[bool] = None, per_rank: Optional[bool] = N
 
 def fit_refusals() -> dict:
     """{name: why}: Config's fields that hk.fit does not take (their ``fit_refusal``)."""
-    return {f.name: f.metadata["fit_refusal"] for f in dataclasses.fields(Config)
-            if "fit_refusal" in f.metadata}
+    return {
+        f.name: f.metadata["fit_refusal"]
+        for f in dataclasses.fields(Config)
+        if "fit_refusal" in f.metadata
+    }
 
 
 def fit_argument(name: str) -> str:
@@ -262,13 +344,15 @@ def validate_settings(settings) -> None:
     for f in dataclasses.fields(settings):
         choices = f.metadata.get("choices")
         if choices is not None and getattr(settings, f.name) not in choices:
-            raise ConfigError(f.name, getattr(settings, f.name),
-                              f"choose one of {', '.join(map(str, choices))}")
+            raise ConfigError(
+                f.name, getattr(settings, f.name), f"choose one of {', '.join(map(str, choices))}"
+            )
     if hasattr(settings, "validate"):
         settings.validate()
 
 
 # --- command line -------------------------------------------------------------------------
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``prog: error: --flag=value: reason``, exit status 2."""
@@ -280,6 +364,7 @@ class _Parser(argparse.ArgumentParser):
 def _optional(parse):
     def parse_optional(text: str):
         return None if text.lower() in ("none", "") else parse(text)
+
     parse_optional.__name__ = parse.__name__  # argparse names the type in its errors
     return parse_optional
 
@@ -315,37 +400,47 @@ def _add_fields(group, cls, defaults: dict) -> None:
         group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
-def build_parser(task, prog: Optional[str] = None) -> argparse.ArgumentParser:
+def build_parser(task, prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of ``task``: the training flags, then the task's own (if any).
     A task whose declarations break the rules (an unknown name in ``defaults``, a setting
     named like a training flag) is refused with a TaskError."""
     name, known = type(task).__name__, {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(task.defaults) - known)
     if unknown:
-        raise TaskError(f"{name}.defaults names {', '.join(map(repr, unknown))}, not a "
-                        "training setting (hvdtrain.Config's fields)")
-    clash = sorted(known & {f.name for f in dataclasses.fields(task.Settings)}
-                   if task.Settings is not None else ())
+        raise TaskError(
+            f"{name}.defaults names {', '.join(map(repr, unknown))}, not a "
+            "training setting (hvdtrain.Config's fields)"
+        )
+    clash = sorted(
+        known & {f.name for f in dataclasses.fields(task.Settings)}
+        if task.Settings is not None
+        else ()
+    )
     if clash:
-        raise TaskError(f"{name}.Settings field(s) {', '.join(map(repr, clash))} would shadow the "
-                        "training flag(s) of that name: rename them, or set the training "
-                        "value in defaults")
+        raise TaskError(
+            f"{name}.Settings field(s) {', '.join(map(repr, clash))} would shadow the "
+            "training flag(s) of that name: rename them, or set the training "
+            "value in defaults"
+        )
     defaults = Config(**task.defaults)
     parser = _Parser(
         prog=prog or f"python -m hvdtrain.{task.name}",
-        description=(task.description or f"Train the {task.name} task") +
-        " with synchronous data-parallel SGD (Horovod).",
+        description=(task.description or f"Train the {task.name} task")
+        + " with synchronous data-parallel SGD (Horovod).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _add_fields(parser.add_argument_group("training"), Config, dataclasses.asdict(defaults))
     if task.Settings is not None:
         current = getattr(task, "settings", None) or task.Settings()
-        _add_fields(parser.add_argument_group(f"{task.name} task"), task.Settings,
-                    {f.name: getattr(current, f.name) for f in dataclasses.fields(task.Settings)})
+        _add_fields(
+            parser.add_argument_group(f"{task.name} task"),
+            task.Settings,
+            {f.name: getattr(current, f.name) for f in dataclasses.fields(task.Settings)},
+        )
     return parser
 
 
-def given_run_dir(argv: Sequence[str], prog: str) -> Optional[str]:
+def given_run_dir(argv: Sequence[str], prog: str) -> str | None:
     """The run directory a task's command line gives: its ``--run-dir``, the last one, taken
     as the whole command line takes it (``none`` or empty: none given), else None. Neither
     the task nor its other flags are loaded or checked. Exit 2 with one line on a
@@ -355,7 +450,7 @@ def given_run_dir(argv: Sequence[str], prog: str) -> Optional[str]:
     return parser.parse_known_args(list(argv))[0].run_dir
 
 
-def parse_args(task, argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> Config:
+def parse_args(task, argv: Sequence[str] | None = None, prog: str | None = None) -> Config:
     """Parse ``task``'s command line: return the Config, and set ``task.settings`` from its
     own flags. Exit 2 with one line on a bad flag or value."""
     parser = build_parser(task, prog)
@@ -364,8 +459,9 @@ def parse_args(task, argv: Optional[Sequence[str]] = None, prog: Optional[str] =
     try:
         config = Config(**{k: v for k, v in parsed.items() if k not in own}).validate()
         if task.Settings is not None:
-            settings = task.Settings(**{k: tuple(v) if isinstance(v, list) else v
-                                        for k, v in parsed.items() if k in own})
+            settings = task.Settings(
+                **{k: tuple(v) if isinstance(v, list) else v for k, v in parsed.items() if k in own}
+            )
             with user_code(f"{type(task).__name__}.Settings.validate"):
                 validate_settings(settings)
             task.settings = settings

@@ -9,6 +9,7 @@ is one rank's: that rank reports it, and the watchdog stops its peers.
 The command line, the training loop and the fit path ask these two attributes; none of them
 keeps a list of classes.
 """
+
 from __future__ import annotations
 
 import errno
@@ -17,22 +18,36 @@ import re
 # The exit statuses. 1 and 2 are the user's to fix: the same command fails the same way again.
 # 69, 73, 74 and 75 are the infrastructure's: the same command, run again later, resumes from
 # the newest checkpoint (a cluster's launcher retries them; scripts/k8s_launcher.sh does).
-EXIT_FAILED = 1       # a runtime failure: data, checkpoint, diverged, the launcher, Keras
-EXIT_USAGE = 2        # a bad flag, setting or task name
-EXIT_PEER_LOST = 69   # EX_UNAVAILABLE: a rank died or froze (the watchdog); its node, usually
+EXIT_FAILED = 1  # a runtime failure: data, checkpoint, diverged, the launcher, Keras
+EXIT_USAGE = 2  # a bad flag, setting or task name
+EXIT_PEER_LOST = 69  # EX_UNAVAILABLE: a rank died or froze (the watchdog); its node, usually
 EXIT_RUN_DIR_HELD = 73  # EX_CANTCREAT: the run directory's lock outlived HVDTRAIN_LOCK_WAIT
-EXIT_STORAGE = 74     # EX_IOERR: the storage failed under a write (EIO, ESTALE, a timeout)
-EXIT_PREEMPTED = 75   # EX_TEMPFAIL: stopped by SIGTERM after saving; rerun to resume
+EXIT_STORAGE = 74  # EX_IOERR: the storage failed under a write (EIO, ESTALE, a timeout)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after saving; rerun to resume
 """The exit status after a SIGTERM (``Preempted``): a checkpoint was saved, and the same
 command run again resumes from it."""
 RETRIED = (EXIT_PEER_LOST, EXIT_RUN_DIR_HELD, EXIT_STORAGE, EXIT_PREEMPTED)
 
 # Write errors of a storage that is failing or unreachable, not full or misconfigured: a
 # network file system's server gone (ESTALE, ETIMEDOUT, EHOSTDOWN...), a disk's I/O error.
-TRANSIENT_ERRNOS = frozenset(getattr(errno, n) for n in (
-    "EIO", "ESTALE", "ETIMEDOUT", "ENOTCONN", "ECONNRESET", "ECONNREFUSED", "EHOSTDOWN",
-    "EHOSTUNREACH", "ENETDOWN", "ENETUNREACH", "ENOLCK", "EREMOTEIO")
-    if hasattr(errno, n))
+TRANSIENT_ERRNOS = frozenset(
+    getattr(errno, n)
+    for n in (
+        "EIO",
+        "ESTALE",
+        "ETIMEDOUT",
+        "ENOTCONN",
+        "ECONNRESET",
+        "ECONNREFUSED",
+        "EHOSTDOWN",
+        "EHOSTUNREACH",
+        "ENETDOWN",
+        "ENETUNREACH",
+        "ENOLCK",
+        "EREMOTEIO",
+    )
+    if hasattr(errno, n)
+)
 
 
 class Error(Exception):
@@ -60,6 +75,7 @@ class Together(Error):
 
 # --- bad input: exit 2 -------------------------------------------------------------------------
 
+
 class ConfigError(Together, ValueError):
     """A bad setting; exit status 2.
 
@@ -86,10 +102,11 @@ class ConfigError(Together, ValueError):
         self.flag = "--" + name.replace("_", "-")
         self.name, self.value, self.reason, self.call = name, value, reason, call
         shown = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-        super().__init__(f"{call}({name}={shown}): {reason}" if call else
-                         f"{self.flag}={shown}: {reason}")
+        super().__init__(
+            f"{call}({name}={shown}): {reason}" if call else f"{self.flag}={shown}: {reason}"
+        )
 
-    def in_call(self, call: str) -> "ConfigError":
+    def in_call(self, call: str) -> ConfigError:
         """The same refusal, naming the argument of a call rather than a flag.
 
         Args:
@@ -126,6 +143,7 @@ class SpecError(Error, ValueError):
 
 
 # --- the run's own failures: exit 1 --------------------------------------------------------------
+
 
 class TaskError(Together, ValueError):
     """The task's code broke one of the Task interface's rules; exit status 1.
@@ -212,6 +230,7 @@ class StorageError(Together, RuntimeError):
 
 # --- not a failure: exit 75 -----------------------------------------------------------------------
 
+
 class Preempted(Together, RuntimeError):
     """A SIGTERM reached a rank: every rank stopped after the same step; exit status 75.
 
@@ -225,8 +244,7 @@ class Preempted(Together, RuntimeError):
 # kernel's own message (Horovod's "Mismatched BROADCAST tensor shapes: ... [11, 4] ... [10, 4]",
 # a py_function's "ValueError: record 7 is unreadable") comes after them, then the node.
 TF_HEADER = "Graph execution error"
-TF_TRACE = (TF_HEADER, "Detected at node", "<stack traces unavailable>", "File ", "[[",
-            "Traceback")
+TF_TRACE = (TF_HEADER, "Detected at node", "<stack traces unavailable>", "File ", "[[", "Traceback")
 
 
 def first_line(message) -> str:
@@ -236,15 +254,20 @@ def first_line(message) -> str:
     raw = [line for line in str(message).splitlines() if line.strip()]
     lines = [line.strip() for line in raw]
     if lines and lines[0].startswith(TF_HEADER):
-        causes = [line.strip() for line in raw
-                  if not line[0].isspace() and not line.strip().startswith(TF_TRACE)]
+        causes = [
+            line.strip()
+            for line in raw
+            if not line[0].isspace() and not line.strip().startswith(TF_TRACE)
+        ]
         return _op_suffix(causes[0]) if causes else lines[0]
     return _op_suffix(lines[0]) if lines else "unknown error"
 
 
 # tf.data's wrapping of an error raised in a user's map (filter, ...) function.
-TF_DATA_FN = re.compile(r"Error in user-defined function passed to (\w+?)(?:Dataset)?(?::\d+)? "
-                        r"transformation with iterator: \S+: (.+)")
+TF_DATA_FN = re.compile(
+    r"Error in user-defined function passed to (\w+?)(?:Dataset)?(?::\d+)? "
+    r"transformation with iterator: \S+: (.+)"
+)
 
 
 def _op_suffix(line: str) -> str:
@@ -275,6 +298,7 @@ def error_line(e: BaseException) -> str:
 
 # --- the user's own code --------------------------------------------------------------------------
 
+
 def show_tracebacks() -> bool:
     """HVDTRAIN_TRACEBACK=1: let errors in the user's code (and hvdtrain's own) through
     with their full traceback instead of one line."""
@@ -284,7 +308,7 @@ def show_tracebacks() -> bool:
 
 
 def user_frame(e: BaseException) -> str:
-    """" (file:line)" of the innermost frame of ``e``'s traceback that is the user's code:
+    """ " (file:line)" of the innermost frame of ``e``'s traceback that is the user's code:
     not hvdtrain's, not an installed package's, not Python's own; "" if there is none."""
     import os
     import traceback
@@ -296,8 +320,12 @@ def user_frame(e: BaseException) -> str:
         frames.append(traceback.FrameSummary(e.filename, e.lineno or 0, "<module>"))
     for frame in frames:
         path = os.path.abspath(frame.filename)
-        if (path.startswith(here + os.sep) or "-packages" + os.sep in path
-                or frame.filename.startswith("<") or os.sep + "lib" + os.sep + "python" in path):
+        if (
+            path.startswith(here + os.sep)
+            or "-packages" + os.sep in path
+            or frame.filename.startswith("<")
+            or os.sep + "lib" + os.sep + "python" in path
+        ):
             continue
         found = f" ({frame.filename}:{frame.lineno})"
     return found
@@ -314,7 +342,6 @@ class user_code:
         return self
 
     def __exit__(self, kind, e, tb):
-        if e is None or isinstance(e, Error) or not isinstance(e, Exception) or \
-                show_tracebacks():
+        if e is None or isinstance(e, Error) or not isinstance(e, Exception) or show_tracebacks():
             return False
         raise TaskError(f"{self.what} raised {error_line(e)}{user_frame(e)}") from None

@@ -4,6 +4,7 @@ JSON that stays valid (NaN and infinities as null), written so.
 A write that fails (disk full, a read-only file system, a file where a directory belongs) is
 ``StorageError``: one line naming the file and the OS's reason (``writing``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -80,8 +81,9 @@ def replacing(path: str, suffix: str = ".tmp"):
     """
     directory = os.path.dirname(path) or "."
     with writing(path):
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
-                                   suffix=suffix)
+        fd, tmp = tempfile.mkstemp(
+            dir=directory, prefix="." + os.path.basename(path) + ".", suffix=suffix
+        )
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from the rest of the team
         os.close(fd)

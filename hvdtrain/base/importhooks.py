@@ -7,6 +7,7 @@ held back) and ``timings`` (the first imports timed) both hook into the import s
 - ``WrappedLoader``: that wrapper's base, creating the module as the real loader does;
   subclasses run their ``exec_module`` around the real one's.
 """
+
 import importlib.abc
 import importlib.util
 

@@ -1,14 +1,19 @@
 """What the launcher says, without Horovod: how many processes it started, this one's
 rank, and the cores this process may use. Read before Horovod starts (and by the doctor)."""
+
 from __future__ import annotations
 
 import os
 
-
 # Variables launchers set in every process they start: mpirun (Open MPI, MPICH/Hydra,
 # MVAPICH), horovodrun --gloo, and srun.
-LAUNCHER_SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
-                      "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+LAUNCHER_SIZE_VARS = (
+    "HOROVOD_SIZE",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+    "SLURM_STEP_NUM_TASKS",
+)
 
 
 def launcher_size(environ=os.environ) -> int:

@@ -19,6 +19,7 @@ The decision, in one place (``tunables``): the tunable is added when
 May import: nothing of hvdtrain but ``base.launch``; nothing heavy, since it runs before
 anything else of hvdtrain.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,17 @@ MIN_GLIBC = (2, 35)
 # imports run again), or show a process that is not a launched script's: a notebook, or a test
 # runner (pytest's capture has moved the output's file descriptors: the new process would
 # write into its temporary files).
-HEAVY = ("tensorflow", "keras", "tf_keras", "horovod", "torch", "jax", "IPython", "ipykernel",
-         "_pytest")
+HEAVY = (
+    "tensorflow",
+    "keras",
+    "tf_keras",
+    "horovod",
+    "torch",
+    "jax",
+    "IPython",
+    "ipykernel",
+    "_pytest",
+)
 
 
 def glibc_version() -> tuple | None:
@@ -58,15 +68,14 @@ def thp_mode(path: str = THP) -> str | None:
     except OSError:
         return None
     start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
+    return text[start + 1 : end] if 0 <= start < end else None
 
 
 def unavailable(glibc, thp) -> str | None:
     """Why a machine with this glibc (``glibc_version()``) and THP mode (``thp_mode()``)
     cannot have the tunable, or None when it can."""
     if glibc is None or glibc < MIN_GLIBC:
-        return (f"glibc {'.'.join(map(str, glibc))} is older than 2.35" if glibc else
-                "not glibc")
+        return f"glibc {'.'.join(map(str, glibc))} is older than 2.35" if glibc else "not glibc"
     if thp in (None, "never"):
         return "transparent huge pages are off" if thp else "no transparent huge pages"
     return None
@@ -100,23 +109,33 @@ def state(environ=os.environ) -> dict:
     environment gets (GLIBC_TUNABLES, or None: as it is), and what this process started
     with."""
     glibc, thp = glibc_version(), thp_mode()
-    return {"glibc": ".".join(map(str, glibc)) if glibc else None, "thp": thp,
-            "unavailable": unavailable(glibc, thp),
-            "switch": environ.get(SWITCH), "environment": environ.get("GLIBC_TUNABLES"),
-            "ranks_get": tunables(environ, (glibc, thp)),
-            "this_process": AT_START, "this_process_has": huge(AT_START)}
+    return {
+        "glibc": ".".join(map(str, glibc)) if glibc else None,
+        "thp": thp,
+        "unavailable": unavailable(glibc, thp),
+        "switch": environ.get(SWITCH),
+        "environment": environ.get("GLIBC_TUNABLES"),
+        "ranks_get": tunables(environ, (glibc, thp)),
+        "this_process": AT_START,
+        "this_process_has": huge(AT_START),
+    }
 
 
 def huge(value: str | None) -> bool:
     """Whether a GLIBC_TUNABLES value turns glibc.malloc.hugetlb on (1: THP, 2: hugetlbfs)."""
-    return any(item.startswith(TUNABLE + "=") and item.split("=", 1)[1] not in ("", "0")
-               for item in (value or "").split(":"))
+    return any(
+        item.startswith(TUNABLE + "=") and item.split("=", 1)[1] not in ("", "0")
+        for item in (value or "").split(":")
+    )
 
 
 def _interactive() -> bool:
-    return (bool(sys.flags.interactive) or hasattr(sys, "ps1")
-            or not getattr(sys, "orig_argv", None)  # Python < 3.10, or embedded
-            or sys.argv[:1] in ([""], ["-"]))  # a REPL, or a program read from stdin
+    return (
+        bool(sys.flags.interactive)
+        or hasattr(sys, "ps1")
+        or not getattr(sys, "orig_argv", None)  # Python < 3.10, or embedded
+        or sys.argv[:1] in ([""], ["-"])
+    )  # a REPL, or a program read from stdin
 
 
 def reexec(environ=os.environ) -> None:
@@ -136,11 +155,16 @@ def reexec(environ=os.environ) -> None:
     environment.md gives the figure).
     """
     value = tunables(environ)
-    if (value is None or environ.get(MARKER) == str(os.getpid())
-            or not several_processes(environ) or _interactive()
-            or any(name in sys.modules for name in HEAVY)):
+    if (
+        value is None
+        or environ.get(MARKER) == str(os.getpid())
+        or not several_processes(environ)
+        or _interactive()
+        or any(name in sys.modules for name in HEAVY)
+    ):
         return
     import threading  # a small module; asking starts nothing
+
     if threading.active_count() > 1:  # the program's own threads: their work would be lost
         return
     environ[MARKER] = str(os.getpid())

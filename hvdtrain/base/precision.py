@@ -15,6 +15,7 @@ reduction outside Keras 3's ``LossScaleOptimizer``, inside Keras 2's, whose inne
 reduces in ``compute_gradients``): a non-finite gradient on any rank makes the sum non-finite
 on every rank, every rank skips, and the scale stays the same everywhere. No extra round.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -104,4 +105,5 @@ def to_float32(pred):
         if isinstance(t, tf.Tensor) and t.dtype in (tf.float16, tf.bfloat16):
             return tf.cast(t, tf.float32)
         return t
+
     return tf.nest.map_structure(cast, pred)

@@ -23,6 +23,7 @@ drivers" line (no driver at all): on a machine with a driver, a failing cuInit i
 What a process writes to stderr in that window is delayed, not lost, unless the process
 dies in it (a crash while TensorFlow loads: run with HVDTRAIN_TF_LOGS=1 to see it).
 """
+
 import os
 import re
 import sys
@@ -38,9 +39,13 @@ _HELD = {  # file -> start of the message held back
     "cpu_feature_guard.cc": "This TensorFlow binary is optimized to use available CPU",
 }
 _NO_DRIVER_ONLY = ("cuda_platform.cc", "failed call to cuInit")
-_ABSL_NOTE = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
-_CPU_GUARD_TAIL = re.compile(r"^To enable the following instructions: .*, in other operations, "
-                             r"rebuild TensorFlow with the appropriate compiler flags\.$")
+_ABSL_NOTE = (
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+)
+_CPU_GUARD_TAIL = re.compile(
+    r"^To enable the following instructions: .*, in other operations, "
+    r"rebuild TensorFlow with the appropriate compiler flags\.$"
+)
 
 
 def wanted(environ=os.environ) -> bool:
@@ -64,7 +69,7 @@ def kept_lines(text: str) -> str:
             if held and m["msg"].startswith(held):
                 no_driver = no_driver or m["file"] == "cudart_stub.cc"
                 continue
-            if no_driver and (m["file"], m["msg"][:len(_NO_DRIVER_ONLY[1])]) == _NO_DRIVER_ONLY:
+            if no_driver and (m["file"], m["msg"][: len(_NO_DRIVER_ONLY[1])]) == _NO_DRIVER_ONLY:
                 continue
         elif bare == _ABSL_NOTE or _CPU_GUARD_TAIL.match(bare):
             continue
@@ -107,7 +112,7 @@ class _Held:
         self.file.close()
         data = kept_lines(text).encode("utf-8", "surrogateescape")
         while data:
-            data = data[os.write(2, data):]
+            data = data[os.write(2, data) :]
         return False
 
 

@@ -24,6 +24,7 @@ The first imports of TensorFlow, Keras and Horovod's TensorFlow module are count
 ``imports`` wherever they happen (a finder on ``sys.meta_path`` times their execution), and
 the same finder defers what they import that a run never uses (matplotlib: ``DEFERRED``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,31 +42,39 @@ from hvdtrain.base.importhooks import WrappedLoader, WrappingFinder
 # docs/performance/startup.md).
 PHASES = {
     "launcher": "the launcher's own start before this process began (horovodrun's, "
-                "mpirun's): 0 without one",
+    "mpirun's): 0 without one",
     "startup": "this process's start to hvdtrain's first code: the interpreter, and what "
-               "the program ran before importing hvdtrain",
+    "the program ran before importing hvdtrain",
     "imports": "hvdtrain's modules; TensorFlow, Keras and Horovod's, wherever first imported",
     "script": "the program's own code outside hvdtrain's calls: the command line; a fit "
-              "script's data and model before hk.fit",
-    "horovod_init": "hvd.init() (it waits for every rank to reach it), devices and thread "
-                    "pools",
+    "script's data and model before hk.fit",
+    "horovod_init": "hvd.init() (it waits for every rank to reach it), devices and thread pools",
     "agreement": "the ranks agreeing: the run directory, the watchdog's handshake, the "
-                 "checks' error agreement, preflight, rank 0's state broadcast",
+    "checks' error agreement, preflight, rank 0's state broadcast",
     "data": "loading, checking, sharding and counting the training data",
     "model": "the model, the optimizer's slots, the metrics, the step's setup and its check "
-             "on two examples",
+    "on two examples",
     "first_call": "the first compiled call: tracing the training step, its first steps",
     "training": "every other training call, the epochs' sums and stop checks",
     "evaluation": "the test set or validation_data scored, its step's tracing included",
     "checkpoints": "finding and restoring the newest checkpoint, every save",
     "model_save": "model.keras (rank 0)",
     "results": "config.json, metrics.jsonl and TensorBoard each epoch, the weights' "
-               "agreement, result.json",
+    "agreement, result.json",
     "other": "the run's time no phase above claims",
 }
 OUTSIDE, INSIDE = "script", "other"  # the time in no phase: before/after a run, in a run
-LAUNCHERS = ("horovodrun", "mpirun", "mpiexec", "mpiexec.hydra", "orterun", "prterun",
-             "orted", "prted", "hydra_pmi_proxy")
+LAUNCHERS = (
+    "horovodrun",
+    "mpirun",
+    "mpiexec",
+    "mpiexec.hydra",
+    "orterun",
+    "prterun",
+    "orted",
+    "prted",
+    "hydra_pmi_proxy",
+)
 GENERATIONS = 6  # horovodrun --gloo: rank, sh -c, its spawned helper, horovodrun
 IMPORTED = ("tensorflow", "keras", "tf_keras", "horovod.tensorflow")
 # What those imports import and a run never uses: Keras 3 imports matplotlib's pyplot and
@@ -75,9 +84,10 @@ IMPORTED = ("tensorflow", "keras", "tf_keras", "horovod.tensorflow")
 # DEFERRED (module, its attribute, what it imports) gets the module on its first use instead.
 # (Deferring pyplot alone, with importlib.util.LazyLoader, still imported matplotlib itself:
 # 0.23 s of it.)
-DEFERRED = (("keras.src.visualization.plot_image_gallery", "plt", "matplotlib.pyplot"),
-            ("keras.src.visualization.plot_bounding_box_gallery", "patches",
-             "matplotlib.patches"))
+DEFERRED = (
+    ("keras.src.visualization.plot_image_gallery", "plt", "matplotlib.pyplot"),
+    ("keras.src.visualization.plot_bounding_box_gallery", "patches", "matplotlib.patches"),
+)
 
 
 def _now() -> float:
@@ -88,7 +98,7 @@ def _stat(pid) -> tuple:
     """(parent pid, start in seconds since boot) of process ``pid`` from /proc."""
     with open(f"/proc/{pid}/stat") as f:
         text = f.read()
-    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
     return int(fields[1]), int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
@@ -150,7 +160,7 @@ class Clock:
         """Close the phase opened at ``depth``, and any left open inside it."""
         if depth and threading.get_ident() == self.main:
             self._charge()
-            del self.open[depth - 1:]
+            del self.open[depth - 1 :]
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -167,21 +177,29 @@ class Clock:
         self._charge()
         seconds = dict(self.seconds)
         found = launch_start()
-        mine, start, since = found if found and found[1] <= found[0] <= self.began else (
-            self.began, self.began, "hvdtrain")  # no /proc (or clocks that disagree)
+        mine, start, since = (
+            found
+            if found and found[1] <= found[0] <= self.began
+            else (self.began, self.began, "hvdtrain")
+        )  # no /proc (or clocks that disagree)
         seconds["launcher"], seconds["startup"] = mine - start, self.began - mine
         wall = self.last - start
         out = {k: round(v, 3) for k, v in seconds.items()}
-        out.update(wall=round(wall, 3), since=since,
-                   training_share=round(seconds["training"] / wall, 4) if wall > 0 else 0.0)
+        out.update(
+            wall=round(wall, 3),
+            since=since,
+            training_share=round(seconds["training"] / wall, 4) if wall > 0 else 0.0,
+        )
         return out
 
 
 def line(report: dict) -> str:
     """The one line ``--verbose 2`` prints: wall, training's share, every phase."""
     parts = ", ".join(f"{k} {report[k]:.2f}" for k in PHASES)
-    return (f"hvdtrain: timings (rank 0, s): wall {report['wall']:.2f}, training "
-            f"{report['training_share']:.0%} of it; {parts}")
+    return (
+        f"hvdtrain: timings (rank 0, s): wall {report['wall']:.2f}, training "
+        f"{report['training_share']:.0%} of it; {parts}"
+    )
 
 
 class _OnFirstUse:
@@ -196,9 +214,11 @@ class _OnFirstUse:
 
 def _hand_deferred_modules() -> None:
     """Each of DEFERRED that its import left without matplotlib gets it on first use."""
-    waiting = [(module, attr, name) for module, attr, name in
-               ((sys.modules.get(m), a, n) for m, a, n in DEFERRED)
-               if module is not None and getattr(module, attr, ...) is None]
+    waiting = [
+        (module, attr, name)
+        for module, attr, name in ((sys.modules.get(m), a, n) for m, a, n in DEFERRED)
+        if module is not None and getattr(module, attr, ...) is None
+    ]
     # Looked for only when one waits (this runs after each import of IMPORTED); not
     # installed: Keras says so itself, as without hvdtrain.
     if waiting and importlib.util.find_spec("matplotlib") is not None:
@@ -246,10 +266,14 @@ class _Finder(WrappingFinder):
         return name in IMPORTED and name not in sys.modules
 
     def find_spec(self, name, path=None, target=None):
-        if (_TimedLoader.inside > 0 and name.split(".")[0] == "matplotlib"
-                and "matplotlib" not in sys.modules):
-            raise ModuleNotFoundError(f"No module named {name!r} (yet: hvdtrain.base.timings)",
-                                      name=name)
+        if (
+            _TimedLoader.inside > 0
+            and name.split(".")[0] == "matplotlib"
+            and "matplotlib" not in sys.modules
+        ):
+            raise ModuleNotFoundError(
+                f"No module named {name!r} (yet: hvdtrain.base.timings)", name=name
+            )
         return super().find_spec(name, path, target)
 
 
@@ -265,10 +289,13 @@ def install() -> None:
 
 def timed(name: str):
     """A decorator: each call of the function counts as phase ``name``."""
+
     def wrap(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             with phase(name):
                 return fn(*args, **kwargs)
+
         return call
+
     return wrap

@@ -17,6 +17,7 @@ A developer's tool, not part of training: nothing else in hvdtrain imports this 
 is the optional part ``hvdtrain[bench]``: the tables and ratios need hvdtrain alone, the PNG
 plots need that extra's matplotlib (``pip install hvdtrain[bench]``).
 """
+
 from __future__ import annotations
 
 import json
@@ -120,9 +121,11 @@ def core_speed() -> dict:
     loop, a 64 MiB copy), best of 5: printed beside the tables so that runs on different
     machines can be compared; ratios inside one run never need it."""
     import json
+
     one = dict(env(), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", CORE_SPEED], env=one, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", CORE_SPEED], env=one, capture_output=True, text=True, timeout=120
+    )
     if out.returncode:
         raise BenchError(f"core speed probe failed: {out.stderr.strip()[-500:]}")
     return json.loads(out.stdout)

@@ -7,6 +7,7 @@ returns plain dicts.
     pipeline(...)    hk.fit from TFRecord files through tf.data vs from arrays, and vs
                      MultiWorkerMirroredStrategy's fit on the same pipeline
 """
+
 from __future__ import annotations
 
 import collections
@@ -15,8 +16,7 @@ import statistics
 
 from hvdtrain import bench
 from hvdtrain.bench import progress
-from hvdtrain.bench.cases import (CONTROLLER, NP, WORKERS, _load, _mwms, _steady,
-                                        run_variant)
+from hvdtrain.bench.cases import CONTROLLER, NP, WORKERS, _load, _mwms, _steady, run_variant
 
 # The data of the fit, keras_speed and pipeline cases (the others take it from their spec):
 # the full Fashion-MNIST, or the bundled 4,000-digit sample for --smoke (python -m hvdtrain.bench).
@@ -36,21 +36,27 @@ FIT_VARIANTS = {  # name: (label, worker --impl, Keras 2?)
 
 # What the fit-path figures count (issue 28: each says it; the bench's own Timer callback runs
 # after hk.fit's, so hk.fit's epoch-end checkpoint falls inside its timed epoch).
-FIT_COUNTS = ("counts: samples/s, the mean of epochs 2-N; no side validates; both sides "
-              "write a checkpoint of the model and its optimizer at each epoch's end, inside "
-              "the timed epoch (hk.fit its own; Horovod's fit a ModelCheckpoint on rank 0, as "
-              "Horovod's examples do)")
-KERAS_SPEED_COUNTS = ("counts: samples/s of the fastest epoch after the first, best of the "
-                      "launches; no side validates; hk.fit writes a checkpoint at each epoch's "
-                      "end, inside the timed epoch (the BN rows: also every bn_every steps), "
-                      "and so does Horovod's fit (a ModelCheckpoint on rank 0, as Horovod's "
-                      "examples do); the Task path's follows its timed epoch; Keras' "
-                      "one-process fit writes none. The paired rows: the same two fits in the "
-                      "same processes, epoch after epoch, the median of the epoch pairs' "
-                      "ratios after the first pair")
-PIPELINE_COUNTS = ("counts: samples/s, the mean of epochs 2-N; no side validates; hk.fit "
-                   "writes a checkpoint at each epoch's end, inside the timed epoch; "
-                   "MultiWorkerMirroredStrategy's fit writes none")
+FIT_COUNTS = (
+    "counts: samples/s, the mean of epochs 2-N; no side validates; both sides "
+    "write a checkpoint of the model and its optimizer at each epoch's end, inside "
+    "the timed epoch (hk.fit its own; Horovod's fit a ModelCheckpoint on rank 0, as "
+    "Horovod's examples do)"
+)
+KERAS_SPEED_COUNTS = (
+    "counts: samples/s of the fastest epoch after the first, best of the "
+    "launches; no side validates; hk.fit writes a checkpoint at each epoch's "
+    "end, inside the timed epoch (the BN rows: also every bn_every steps), "
+    "and so does Horovod's fit (a ModelCheckpoint on rank 0, as Horovod's "
+    "examples do); the Task path's follows its timed epoch; Keras' "
+    "one-process fit writes none. The paired rows: the same two fits in the "
+    "same processes, epoch after epoch, the median of the epoch pairs' "
+    "ratios after the first pair"
+)
+PIPELINE_COUNTS = (
+    "counts: samples/s, the mean of epochs 2-N; no side validates; hk.fit "
+    "writes a checkpoint at each epoch's end, inside the timed epoch; "
+    "MultiWorkerMirroredStrategy's fit writes none"
+)
 
 
 def fit(out, batch, epochs, repeats, hidden_units=256, lr=0.05) -> dict:
@@ -63,24 +69,62 @@ def fit(out, batch, epochs, repeats, hidden_units=256, lr=0.05) -> dict:
             env = bench.env(**({"TF_USE_LEGACY_KERAS": "1"} if keras2 else {}))
             if not keras2:
                 env.pop("TF_USE_LEGACY_KERAS", None)
-            bench.run(bench.horovodrun(NP, CONTROLLER, bench.python(
-                WORKERS, "fit", "--impl", impl, "--model", "mlp", "--out", path, "--batch",
-                batch, "--epochs", epochs, "--hidden-units", hidden_units, "--lr", lr,
-                "--dataset", DATASET)), env)
+            bench.run(
+                bench.horovodrun(
+                    NP,
+                    CONTROLLER,
+                    bench.python(
+                        WORKERS,
+                        "fit",
+                        "--impl",
+                        impl,
+                        "--model",
+                        "mlp",
+                        "--out",
+                        path,
+                        "--batch",
+                        batch,
+                        "--epochs",
+                        epochs,
+                        "--hidden-units",
+                        hidden_units,
+                        "--lr",
+                        lr,
+                        "--dataset",
+                        DATASET,
+                    ),
+                ),
+                env,
+            )
             runs[name].append(_steady(_load(path)["epochs"]))
     best = {v: max(r) for v, r in runs.items()}
-    ratios = {"hk_k3/hvd_k3": best["hk_k3"] / best["hvd_k3"],
-              "hk_k3/hvd_k2": best["hk_k3"] / best["hvd_k2"],
-              "hk_k2/hvd_k2": best["hk_k2"] / best["hvd_k2"]}
-    progress("fit: " + ", ".join(f"{v} {best[v]:,.0f}" for v in best) + " samples/s; "
-             + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    return {"batch_per_rank": batch, "ranks": NP, "epochs": epochs, "repeats": repeats,
-            "hidden_units": hidden_units, "samples_per_sec": best, "all_runs": dict(runs),
-            "ratios": ratios, "variants": {k: v[0] for k, v in FIT_VARIANTS.items()},
-            "counts": FIT_COUNTS}
+    ratios = {
+        "hk_k3/hvd_k3": best["hk_k3"] / best["hvd_k3"],
+        "hk_k3/hvd_k2": best["hk_k3"] / best["hvd_k2"],
+        "hk_k2/hvd_k2": best["hk_k2"] / best["hvd_k2"],
+    }
+    progress(
+        "fit: "
+        + ", ".join(f"{v} {best[v]:,.0f}" for v in best)
+        + " samples/s; "
+        + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
+    )
+    return {
+        "batch_per_rank": batch,
+        "ranks": NP,
+        "epochs": epochs,
+        "repeats": repeats,
+        "hidden_units": hidden_units,
+        "samples_per_sec": best,
+        "all_runs": dict(runs),
+        "ratios": ratios,
+        "variants": {k: v[0] for k, v in FIT_VARIANTS.items()},
+        "counts": FIT_COUNTS,
+    }
 
 
 # --- issue 17's speed targets: the Keras paths against Keras' and Horovod's own -----------
+
 
 def _fastest(epochs):
     """samples/s of the fastest epoch but the first: these epochs last 0.05-0.5 s, so one
@@ -92,12 +136,23 @@ def _fastest(epochs):
 def _paired_ratios(record) -> list:
     """A paired launch's ratios, one per epoch after the first: the seconds of Horovod's fit's
     epoch over those of the hk.fit epoch just before it (> 1: hk.fit the faster)."""
-    return [b["seconds"] / a["seconds"]
-            for a, b in zip(record["epochs"][1:], record["paired_epochs"][1:])]
+    return [
+        b["seconds"] / a["seconds"]
+        for a, b in zip(record["epochs"][1:], record["paired_epochs"][1:])
+    ]
 
 
-def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2", "k3"),
-                bn_units=1024, bn_every=100, pair_epochs=30) -> dict:
+def keras_speed(
+    out,
+    global_batch,
+    epochs,
+    repeats,
+    spes=(1, 64),
+    kerases=("k2", "k3"),
+    bn_units=1024,
+    bn_every=100,
+    pair_epochs=30,
+) -> dict:
     """samples/s of the fastest epoch after the first, best of ``repeats`` launches, every
     launch round-robin, on the softmax at ``global_batch`` (SGD, lr 0.5, full Fashion-MNIST):
 
@@ -119,51 +174,113 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
       processes, a checkpoint every ``bn_every`` steps), its moving statistics synced
       (hvdtrain's way, the sync's own seconds timed) or not (the bench's knob).
     """
-    softmax = {"label": "softmax", "model": "softmax", "hidden_units": 256, "lr": 0.5,
-               "dataset": DATASET}
+    softmax = {
+        "label": "softmax",
+        "model": "softmax",
+        "hidden_units": 256,
+        "lr": 0.5,
+        "dataset": DATASET,
+    }
     per_rank = global_batch // NP
     launches = {}  # name: (group, command for an output path or None: the Task path, Keras 2?)
 
     def worker(impl, batch, *flags):
-        return lambda path: bench.python(WORKERS, "fit", "--impl", impl, "--out", path,
-                                         "--batch", batch, "--epochs", epochs,
-                                         "--dataset", DATASET, *flags)
+        return lambda path: bench.python(
+            WORKERS,
+            "fit",
+            "--impl",
+            impl,
+            "--out",
+            path,
+            "--batch",
+            batch,
+            "--epochs",
+            epochs,
+            "--dataset",
+            DATASET,
+            *flags,
+        )
 
     soft = ("--model", "softmax", "--lr", softmax["lr"])
     for spe in spes:
         for name, impl, keras2, extra in (
-                (f"hk_k2_spe{spe}", "hk", True, ()),
-                (f"hvd_k2_spe{spe}", "hvd_keras", True, ("--input", "dataset")),
-                (f"hvd_arrays_k2_spe{spe}", "hvd_keras", True, ("--input", "arrays")),
-                (f"hk_k3_spe{spe}", "hk", False, ())):
+            (f"hk_k2_spe{spe}", "hk", True, ()),
+            (f"hvd_k2_spe{spe}", "hvd_keras", True, ("--input", "dataset")),
+            (f"hvd_arrays_k2_spe{spe}", "hvd_keras", True, ("--input", "arrays")),
+            (f"hk_k3_spe{spe}", "hk", False, ()),
+        ):
             cmd = worker(impl, per_rank, "--spe", spe, *soft, *extra)
-            launches[name] = ("fit", lambda p, c=cmd: bench.horovodrun(NP, CONTROLLER, c(p)),
-                              keras2)
+            launches[name] = (
+                "fit",
+                lambda p, c=cmd: bench.horovodrun(NP, CONTROLLER, c(p)),
+                keras2,
+            )
     for spe in spes:
         for tag in kerases:
+
             def cmd(path, spe=spe):
-                return bench.horovodrun(NP, CONTROLLER, bench.python(
-                    WORKERS, "fit", "--impl", "pair", "--out", path, "--batch", per_rank,
-                    "--epochs", pair_epochs, "--dataset", DATASET, "--spe", spe, *soft))
+                return bench.horovodrun(
+                    NP,
+                    CONTROLLER,
+                    bench.python(
+                        WORKERS,
+                        "fit",
+                        "--impl",
+                        "pair",
+                        "--out",
+                        path,
+                        "--batch",
+                        per_rank,
+                        "--epochs",
+                        pair_epochs,
+                        "--dataset",
+                        DATASET,
+                        "--spe",
+                        spe,
+                        *soft,
+                    ),
+                )
 
             launches[f"pair_{tag}_spe{spe}"] = ("pair", cmd, tag == "k2")
     for tag in kerases:
         keras2 = tag == "k2"
         launches[f"task_{tag}"] = ("task1", None, keras2)
-        launches[f"keras_{tag}"] = ("task1", worker("keras", global_batch, "--spe", 64, *soft),
-                                    keras2)
+        launches[f"keras_{tag}"] = (
+            "task1",
+            worker("keras", global_batch, "--spe", 64, *soft),
+            keras2,
+        )
     for name, extra in (("bn_sync", ()), ("bn_nosync", ("--no-bn-sync",))):
-        cmd = worker("hk", per_rank, "--model", "mlp", "--bn", "--hidden-units", bn_units,
-                     "--lr", 0.05, "--checkpoint-every", bn_every, *extra)
+        cmd = worker(
+            "hk",
+            per_rank,
+            "--model",
+            "mlp",
+            "--bn",
+            "--hidden-units",
+            bn_units,
+            "--lr",
+            0.05,
+            "--checkpoint-every",
+            bn_every,
+            *extra,
+        )
         launches[name] = ("bn", lambda p, c=cmd: bench.horovodrun(NP, CONTROLLER, c(p)), False)
     work = os.path.join(out, "runs")
     runs, sync_share, paired = collections.defaultdict(list), [], collections.defaultdict(list)
     for _ in range(repeats):
         for name, (group, cmd, keras2) in launches.items():
             if cmd is None:  # the Task path, as the throughput case runs it
-                records, _ = run_variant("b", softmax, global_batch, epochs, work,
-                                         {"TF_USE_LEGACY_KERAS": "1" if keras2 else "0"},
-                                         flags=("--steps-per-execution", 64), tag=f"-{name}")
+                records, _ = run_variant(
+                    "b",
+                    softmax,
+                    global_batch,
+                    epochs,
+                    work,
+                    {"TF_USE_LEGACY_KERAS": "1" if keras2 else "0"},
+                    flags=("--steps-per-execution", 64),
+                    tag=f"-{name}",
+                )
             else:
                 path = os.path.join(out, "raw", f"keras_speed-{name}.json")
                 bench.run(cmd(path), bench.keras_env(keras2))
@@ -172,8 +289,9 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
                 if group == "pair":
                     paired[name] += _paired_ratios(record)
                 if name == "bn_sync":  # the sync's own seconds against the training's
-                    sync_share.append(record["bn_sync"]["seconds"]
-                                      / sum(e["seconds"] for e in records))
+                    sync_share.append(
+                        record["bn_sync"]["seconds"] / sum(e["seconds"] for e in records)
+                    )
             runs[name].append(_fastest(records))
             progress(f"keras_speed {name}: {runs[name][-1]:,.0f} samples/s")
     best = {v: max(r) for v, r in runs.items()}
@@ -192,11 +310,23 @@ def keras_speed(out, global_batch, epochs, repeats, spes=(1, 64), kerases=("k2",
     ratios["bn_sync_share"] = min(sync_share)
     ratios["bn_sync_cost"] = best["bn_nosync"] / best["bn_sync"] - 1
     progress("keras_speed: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    return {"global_batch": global_batch, "ranks": NP, "epochs": epochs, "repeats": repeats,
-            "spes": list(spes), "kerases": list(kerases), "bn_units": bn_units,
-            "bn_every": bn_every, "pair_epochs": pair_epochs, "paired": dict(paired),
-            "samples_per_sec": best, "all_runs": dict(runs), "ratios": ratios,
-            "groups": {k: v[0] for k, v in launches.items()}, "counts": KERAS_SPEED_COUNTS}
+    return {
+        "global_batch": global_batch,
+        "ranks": NP,
+        "epochs": epochs,
+        "repeats": repeats,
+        "spes": list(spes),
+        "kerases": list(kerases),
+        "bn_units": bn_units,
+        "bn_every": bn_every,
+        "pair_epochs": pair_epochs,
+        "paired": dict(paired),
+        "samples_per_sec": best,
+        "all_runs": dict(runs),
+        "ratios": ratios,
+        "groups": {k: v[0] for k, v in launches.items()},
+        "counts": KERAS_SPEED_COUNTS,
+    }
 
 
 # --- issue 18's targets: a tf.data pipeline from TFRecord files ----------------------------
@@ -219,33 +349,87 @@ def pipeline(out, batch, epochs, repeats, files=8, hidden_units=256, lr=0.05) ->
     fails here (its distributed batches reach the model as PerReplica values)."""
     data_dir = os.path.join(out, f"tfrecord-{DATASET}-{files}")
     if not os.path.isdir(data_dir):
-        bench.run(bench.python(WORKERS, "tfrecords", "--files", files, "--dataset", DATASET,
-                               "--out", data_dir + ".tmp"), bench.env())
+        bench.run(
+            bench.python(
+                WORKERS,
+                "tfrecords",
+                "--files",
+                files,
+                "--dataset",
+                DATASET,
+                "--out",
+                data_dir + ".tmp",
+            ),
+            bench.env(),
+        )
         os.replace(data_dir + ".tmp", data_dir)
-    common = ("--model", "mlp", "--epochs", epochs, "--hidden-units", hidden_units, "--lr", lr,
-              "--dataset", DATASET)
+    common = (
+        "--model",
+        "mlp",
+        "--epochs",
+        epochs,
+        "--hidden-units",
+        hidden_units,
+        "--lr",
+        lr,
+        "--dataset",
+        DATASET,
+    )
     env = bench.keras_env(True)
     runs = collections.defaultdict(list)
     for _ in range(repeats):
         for name in PIPELINE_VARIANTS:
             path = os.path.join(out, "raw", f"pipeline-{name}.json")
             if name == "mwms_tfrecord":
-                records, _ = _mwms(path, batch, list(common), env, worker=(
-                    "fit", "--impl", "mwms", "--input", "tfrecord", "--data-dir", data_dir))
+                records, _ = _mwms(
+                    path,
+                    batch,
+                    list(common),
+                    env,
+                    worker=("fit", "--impl", "mwms", "--input", "tfrecord", "--data-dir", data_dir),
+                )
             else:
-                extra = ("--input", "tfrecord", "--data-dir", data_dir) \
-                    if name == "hk_tfrecord" else ()
-                bench.run(bench.horovodrun(NP, CONTROLLER, bench.python(
-                    WORKERS, "fit", "--impl", "hk", "--out", path, "--batch", batch,
-                    *common, *extra)), env)
+                extra = (
+                    ("--input", "tfrecord", "--data-dir", data_dir) if name == "hk_tfrecord" else ()
+                )
+                bench.run(
+                    bench.horovodrun(
+                        NP,
+                        CONTROLLER,
+                        bench.python(
+                            WORKERS,
+                            "fit",
+                            "--impl",
+                            "hk",
+                            "--out",
+                            path,
+                            "--batch",
+                            batch,
+                            *common,
+                            *extra,
+                        ),
+                    ),
+                    env,
+                )
                 records = _load(path)["epochs"]
             runs[name].append(_steady(records))
             progress(f"pipeline {name}: {runs[name][-1]:,.0f} samples/s")
     best = {v: max(r) for v, r in runs.items()}
-    ratios = {"tfrecord/arrays": best["hk_tfrecord"] / best["hk_arrays"],
-              "hk/mwms": best["hk_tfrecord"] / best["mwms_tfrecord"]}
+    ratios = {
+        "tfrecord/arrays": best["hk_tfrecord"] / best["hk_arrays"],
+        "hk/mwms": best["hk_tfrecord"] / best["mwms_tfrecord"],
+    }
     progress("pipeline: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    return {"batch_per_rank": batch, "ranks": NP, "epochs": epochs, "repeats": repeats,
-            "files": files, "hidden_units": hidden_units, "samples_per_sec": best,
-            "all_runs": dict(runs), "ratios": ratios, "variants": dict(PIPELINE_VARIANTS),
-            "counts": PIPELINE_COUNTS}
+    return {
+        "batch_per_rank": batch,
+        "ranks": NP,
+        "epochs": epochs,
+        "repeats": repeats,
+        "files": files,
+        "hidden_units": hidden_units,
+        "samples_per_sec": best,
+        "all_runs": dict(runs),
+        "ratios": ratios,
+        "variants": dict(PIPELINE_VARIANTS),
+        "counts": PIPELINE_COUNTS,
+    }

@@ -6,6 +6,7 @@ time, its whole process group killed when the bound passes.
     proc = harness.run(harness.horovodrun(2, "gloo", harness.python("hvdtrain.mnist")),
                        harness.environment(), timeout=180)
 """
+
 from __future__ import annotations
 
 import os
@@ -18,10 +19,15 @@ BIN = os.path.dirname(sys.executable)
 HOROVODRUN = os.path.join(BIN, "horovodrun")
 # A launcher's variables in this process's environment would make a child believe it is
 # one of several ranks (and TF_CONFIG, that it is a MultiWorkerMirroredStrategy worker).
-INHERITED = ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE", "TF_CONFIG",
-             # the launch scripts' interpreter for the ranks (scripts/launch_*.sh): a child
-             # runs this venv's; CI's PYTHON names the set-up's interpreter (.ci/run)
-             "PYTHON")
+INHERITED = (
+    "OMPI_COMM_WORLD_SIZE",
+    "HOROVOD_SIZE",
+    "PMI_SIZE",
+    "TF_CONFIG",
+    # the launch scripts' interpreter for the ranks (scripts/launch_*.sh): a child
+    # runs this venv's; CI's PYTHON names the set-up's interpreter (.ci/run)
+    "PYTHON",
+)
 
 
 class Timeout(RuntimeError):
@@ -38,10 +44,14 @@ def environment(**extra) -> dict:
     venv's launchers on PATH, TensorFlow's C++ log quiet, output unbuffered, mpirun allowed
     as root (CI and containers run as root), no launcher variables; then ``extra``."""
     env = dict(os.environ)
-    env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
-               PATH=BIN + os.pathsep + env.get("PATH", ""), TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONUNBUFFERED="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.update(
+        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+        PATH=BIN + os.pathsep + env.get("PATH", ""),
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONUNBUFFERED="1",
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    )
     for name in INHERITED:
         env.pop(name, None)
     env.update({k: str(v) for k, v in extra.items()})
@@ -59,14 +69,29 @@ def horovodrun(np: int, controller: str, cmd: list) -> list:
 
 
 def mpirun(np: int, cmd: list) -> list:
-    return ["mpirun", "-np", str(np), "--allow-run-as-root", "--oversubscribe",
-            "--bind-to", "none", *cmd]
+    return [
+        "mpirun",
+        "-np",
+        str(np),
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        *cmd,
+    ]
 
 
 def start(cmd: list, env: dict, cwd=None) -> subprocess.Popen:
     """Start ``cmd`` in its own session (stdout/stderr to pipes); pair with ``finish``."""
-    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float):

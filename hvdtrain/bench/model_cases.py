@@ -19,6 +19,7 @@ saw cancels out of its ratio.
 ``hk.fit`` against a plain Keras fit tuned as a user would tune it alone, under Keras 3 and
 under tf_keras (TF_USE_LEGACY_KERAS=1), round-robin and paired the same way.
 """
+
 from __future__ import annotations
 
 import collections
@@ -30,8 +31,7 @@ import numpy as np
 
 from hvdtrain import bench
 from hvdtrain.bench import progress
-from hvdtrain.bench.cases import (_DTYPE_BYTES, CONTROLLER, NP, _load, _mwms, _steady,
-                                        read_timeline)
+from hvdtrain.bench.cases import _DTYPE_BYTES, CONTROLLER, NP, _load, _mwms, _steady, read_timeline
 
 MODEL_WORKERS = "hvdtrain.bench.model_workers"
 VARIANTS = {  # name: label (every variant but "one" runs NP processes)
@@ -61,13 +61,24 @@ HOROVOD_REFERENCES = ("hvd_fit_best", "tape")
 TIMELINE_VARIANTS = ("task", "tape")
 
 
-def _launch(out, variant, name, size, batch, steps, epochs, extra_env=None, tag="",
-            keras="k3", ranks=NP):
+def _launch(
+    out, variant, name, size, batch, steps, epochs, extra_env=None, tag="", keras="k3", ranks=NP
+):
     """One launch of ``variant`` on model ``name`` (``ranks`` processes: "one" always runs
     alone), under ``keras``; returns its worker's JSON."""
     path = os.path.join(out, "raw", f"models-{name}-{variant}{tag}.json")
-    flags = ["--model", name, "--size", size, "--batch", batch, "--steps", steps,
-             "--epochs", epochs]
+    flags = [
+        "--model",
+        name,
+        "--size",
+        size,
+        "--batch",
+        batch,
+        "--steps",
+        steps,
+        "--epochs",
+        epochs,
+    ]
     env = bench.env(**dict(TUNED_ENV if variant == "hvd_fit_tuned" else {}, **(extra_env or {})))
     env.pop("TF_USE_LEGACY_KERAS", None)  # Keras 3 unless asked: the same model code
     if keras == "k2":
@@ -91,8 +102,7 @@ def paired(runs, pairs) -> dict:
     return out
 
 
-def models(out, names, size, batches, steps, epochs, repeats,
-           timeline=TIMELINE_VARIANTS) -> dict:
+def models(out, names, size, batches, steps, epochs, repeats, timeline=TIMELINE_VARIANTS) -> dict:
     """samples/s per model and variant (median of ``repeats`` round-robin launches, with the
     least and the most), scaling efficiency against the one-process run, gradient bytes, and
     the timeline's step split of the ``timeline`` variants."""
@@ -106,8 +116,7 @@ def models(out, names, size, batches, steps, epochs, repeats,
                 runs[variant].append(_steady(record["epochs"]))
                 progress(f"models {name} {variant}: {runs[variant][-1]:,.1f} samples/s")
         # Horovod's best Keras fit, round by round: its defaults or tuned, the faster
-        runs["hvd_fit_best"] = [max(a, b) for a, b in zip(runs["hvd_fit"],
-                                                          runs["hvd_fit_tuned"])]
+        runs["hvd_fit_best"] = [max(a, b) for a, b in zip(runs["hvd_fit"], runs["hvd_fit_tuned"])]
         ratios = paired(runs, [(a, b) for a in ("task", "hk_fit") for b in HOROVOD_REFERENCES])
         runs = {v: r for v, r in runs.items() if v in VARIANTS}
         median = {v: statistics.median(r) for v, r in runs.items()}
@@ -117,21 +126,43 @@ def models(out, names, size, batches, steps, epochs, repeats,
             path = os.path.join(out, f"timeline-{name}-{variant}.json")
             if os.path.exists(path):
                 os.remove(path)
-            rec = _launch(out, variant, name, size, batch, steps, epochs,
-                          {"HOROVOD_TIMELINE": path}, tag="-timeline")
+            rec = _launch(
+                out,
+                variant,
+                name,
+                size,
+                batch,
+                steps,
+                epochs,
+                {"HOROVOD_TIMELINE": path},
+                tag="-timeline",
+            )
             step = NP * batch / _steady(rec["epochs"])
             splits[variant] = step_split(path, step, one_step)
-        rows.append({"model": name, "batch_per_rank": batch, "ranks": NP,
-                     "parameters": record["parameters"],
-                     "gradient_bytes": record["gradient_bytes"], "samples_per_sec": median,
-                     "spread": {v: (min(r), max(r)) for v, r in runs.items()},
-                     "all_runs": dict(runs), "paired": ratios,
-                     "efficiency": {v: median[v] / (NP * median["one"]) for v in median
-                                    if v != "one"},
-                     "step_split": splits})
+        rows.append(
+            {
+                "model": name,
+                "batch_per_rank": batch,
+                "ranks": NP,
+                "parameters": record["parameters"],
+                "gradient_bytes": record["gradient_bytes"],
+                "samples_per_sec": median,
+                "spread": {v: (min(r), max(r)) for v, r in runs.items()},
+                "all_runs": dict(runs),
+                "paired": ratios,
+                "efficiency": {v: median[v] / (NP * median["one"]) for v in median if v != "one"},
+                "step_split": splits,
+            }
+        )
         progress(f"models {name}: " + ", ".join(f"{v} {s:,.1f}" for v, s in median.items()))
-    return {"size": size, "steps": steps, "epochs": epochs, "repeats": repeats,
-            "variants": dict(VARIANTS), "rows": rows}
+    return {
+        "size": size,
+        "steps": steps,
+        "epochs": epochs,
+        "repeats": repeats,
+        "variants": dict(VARIANTS),
+        "rows": rows,
+    }
 
 
 def alone(out, names, size, batches, steps, epochs, repeats, kerases=tuple(KERASES)) -> dict:
@@ -144,19 +175,44 @@ def alone(out, names, size, batches, steps, epochs, repeats, kerases=tuple(KERAS
             runs = collections.defaultdict(list)
             for _ in range(repeats):
                 for variant in ALONE:
-                    record = _launch(out, variant, name, size, batches[name], steps, epochs,
-                                     tag=f"-alone-{keras}", keras=keras, ranks=1)
+                    record = _launch(
+                        out,
+                        variant,
+                        name,
+                        size,
+                        batches[name],
+                        steps,
+                        epochs,
+                        tag=f"-alone-{keras}",
+                        keras=keras,
+                        ranks=1,
+                    )
                     runs[variant].append(_steady(record["epochs"]))
-                    progress(f"models alone {KERASES[keras]} {name} {variant}: "
-                             f"{runs[variant][-1]:,.1f} samples/s")
-            rows.append({"keras": keras, "model": name, "batch": batches[name],
-                         "keras_version": record["keras"],
-                         "samples_per_sec": {v: statistics.median(r) for v, r in runs.items()},
-                         "spread": {v: (min(r), max(r)) for v, r in runs.items()},
-                         "all_runs": dict(runs),
-                         "paired": paired(runs, [("task", "fit"), ("hk_fit", "fit")])})
-    return {"size": size, "steps": steps, "epochs": epochs, "repeats": repeats,
-            "variants": dict(ALONE), "kerases": {k: KERASES[k] for k in kerases}, "rows": rows}
+                    progress(
+                        f"models alone {KERASES[keras]} {name} {variant}: "
+                        f"{runs[variant][-1]:,.1f} samples/s"
+                    )
+            rows.append(
+                {
+                    "keras": keras,
+                    "model": name,
+                    "batch": batches[name],
+                    "keras_version": record["keras"],
+                    "samples_per_sec": {v: statistics.median(r) for v, r in runs.items()},
+                    "spread": {v: (min(r), max(r)) for v, r in runs.items()},
+                    "all_runs": dict(runs),
+                    "paired": paired(runs, [("task", "fit"), ("hk_fit", "fit")]),
+                }
+            )
+    return {
+        "size": size,
+        "steps": steps,
+        "epochs": epochs,
+        "repeats": repeats,
+        "variants": dict(ALONE),
+        "kerases": {k: KERASES[k] for k in kerases},
+        "rows": rows,
+    }
 
 
 def step_split(path, step_seconds, compute_seconds) -> dict:
@@ -186,18 +242,28 @@ def step_split(path, step_seconds, compute_seconds) -> dict:
                 start[e["pid"]].append(ts)
                 done[e["pid"]].append(e["ts"])
                 args = e.get("args", {})
-                size[e["pid"]].append(int(np.prod(json.loads(args["shape"]), dtype=np.int64))
-                                      * _DTYPE_BYTES[args["dtype"].lower()]
-                                      if "shape" in args else 0)
+                size[e["pid"]].append(
+                    int(np.prod(json.loads(args["shape"]), dtype=np.int64))
+                    * _DTYPE_BYTES[args["dtype"].lower()]
+                    if "shape" in args
+                    else 0
+                )
     # The steps' tensors: the largest set of tensors negotiated equally often (a run's other
     # collectives, its metric sums and agreement checks, come at other counts); a tensor's
     # last reduction may lack its end (the timeline stops with the process): steps that every
     # tensor finished count.
     counts = collections.Counter(len(v) for v in ready.values())
     if not counts:
-        return {"step": step_seconds, "compute": compute_seconds, "not_hidden": 0.0,
-                "rest": step_seconds - compute_seconds, "communication": 0.0, "tensors": 0,
-                "steps": 0, "bytes": 0}
+        return {
+            "step": step_seconds,
+            "compute": compute_seconds,
+            "not_hidden": 0.0,
+            "rest": step_seconds - compute_seconds,
+            "communication": 0.0,
+            "tensors": 0,
+            "steps": 0,
+            "bytes": 0,
+        }
     per_step = max(counts, key=lambda c: (counts[c], c))
     tensors = [p for p, v in ready.items() if len(v) == per_step and done[p]]
     most = min(min(len(done[p]), per_step) for p in tensors)
@@ -209,11 +275,16 @@ def step_split(path, step_seconds, compute_seconds) -> dict:
         exposed.append(max(0.0, (end - last_ready) / 1e6))
         busy.append((end - min(start[p][i] for p in tensors)) / 1e6)
     not_hidden = statistics.median(exposed) if exposed else 0.0
-    return {"step": step_seconds, "compute": compute_seconds, "not_hidden": not_hidden,
-            "rest": step_seconds - compute_seconds - not_hidden,
-            "communication": statistics.median(busy) if busy else 0.0,
-            "tensors": len(tensors), "steps": most,
-            "bytes": int(statistics.median(carried)) if carried else 0}
+    return {
+        "step": step_seconds,
+        "compute": compute_seconds,
+        "not_hidden": not_hidden,
+        "rest": step_seconds - compute_seconds - not_hidden,
+        "communication": statistics.median(busy) if busy else 0.0,
+        "tensors": len(tensors),
+        "steps": most,
+        "bytes": int(statistics.median(carried)) if carried else 0,
+    }
 
 
 def _median_spread(row, variant) -> str:
@@ -226,49 +297,84 @@ def section(m, table) -> str:
     """The models case's Markdown: samples/s with spread, efficiency, gradient bytes, and the
     step splits. ``table`` is report.table."""
     variants = list(m["variants"])
-    text = (f"\n### Models users train, {NP} processes against 1 ({m['size']} sizes, synthetic "
-            f"data): samples/s, median of {m['repeats']} round-robin launches (least-most), "
-            f"epoch{'s 2-' if m['epochs'] > 2 else ' '}{m['epochs']} of {m['steps']} steps "
-            "(the first traces)\n\n")
+    text = (
+        f"\n### Models users train, {NP} processes against 1 ({m['size']} sizes, synthetic "
+        f"data): samples/s, median of {m['repeats']} round-robin launches (least-most), "
+        f"epoch{'s 2-' if m['epochs'] > 2 else ' '}{m['epochs']} of {m['steps']} steps "
+        "(the first traces)\n\n"
+    )
     text += "".join(f"- {v}: {label}\n" for v, label in m["variants"].items()) + "\n"
     rows = []
     for r in m["rows"]:
         cells = [_median_spread(r, v) for v in variants]
-        rows.append([r["model"], r["batch_per_rank"], f"{r['gradient_bytes'] / 1e6:,.1f}"]
-                    + cells)
+        rows.append([r["model"], r["batch_per_rank"], f"{r['gradient_bytes'] / 1e6:,.1f}"] + cells)
     text += table(["model", "batch per rank", "gradient MB per step"] + variants, rows)
-    text += (f"\nScaling efficiency: samples/s of {NP} processes / ({NP} x the one-process "
-             "run at the same per-rank batch)\n\n")
-    text += table(["model"] + variants[1:], [
-        [r["model"]] + [r["efficiency"][v] for v in variants[1:]] for r in m["rows"]])
-    pairs = [(r["model"], pair, *(f"{x:.3g}" for x in got)) for r in m["rows"]
-             for pair, got in r.get("paired", {}).items()]
+    text += (
+        f"\nScaling efficiency: samples/s of {NP} processes / ({NP} x the one-process "
+        "run at the same per-rank batch)\n\n"
+    )
+    text += table(
+        ["model"] + variants[1:],
+        [[r["model"]] + [r["efficiency"][v] for v in variants[1:]] for r in m["rows"]],
+    )
+    pairs = [
+        (r["model"], pair, *(f"{x:.3g}" for x in got))
+        for r in m["rows"]
+        for pair, got in r.get("paired", {}).items()
+    ]
     if pairs:
-        text += ("\nhvdtrain against Horovod, paired by round: each round's samples/s ratio "
-                 "(hvd_fit_best: Horovod's Keras fit at its defaults or tuned, whichever that "
-                 "round found faster), median (least, most) over the rounds\n\n")
+        text += (
+            "\nhvdtrain against Horovod, paired by round: each round's samples/s ratio "
+            "(hvd_fit_best: Horovod's Keras fit at its defaults or tuned, whichever that "
+            "round found faster), median (least, most) over the rounds\n\n"
+        )
         text += table(["model", "ratio", "median", "least", "most"], pairs)
-    splits = [(r["model"], v, s["step"] * 1e3, s["compute"] * 1e3, s["not_hidden"] * 1e3,
-               s["rest"] * 1e3, s["communication"] * 1e3,
-               f"{s['bytes'] / 1e6:,.1f}" if "bytes" in s else None)
-              for r in m["rows"] for v, s in r["step_split"].items()]
+    splits = [
+        (
+            r["model"],
+            v,
+            s["step"] * 1e3,
+            s["compute"] * 1e3,
+            s["not_hidden"] * 1e3,
+            s["rest"] * 1e3,
+            s["communication"] * 1e3,
+            f"{s['bytes'] / 1e6:,.1f}" if "bytes" in s else None,
+        )
+        for r in m["rows"]
+        for v, s in r["step_split"].items()
+    ]
     if splits:
-        text += ("\nOne step split, ms (a launch under HOROVOD_TIMELINE): compute = the "
-                 "one-process step; not hidden = from the last gradient ready on every rank "
-                 "to the last reduction's end; rest = step - compute - not hidden; "
-                 "communication = first reduction's start to last one's end; MB carried = "
-                 "the step's collectives' tensors (an allgather's: every rank's rows)\n\n")
-        text += table(["model", "variant", "step", "compute", "not hidden", "rest",
-                       "communication", "MB carried"], splits)
+        text += (
+            "\nOne step split, ms (a launch under HOROVOD_TIMELINE): compute = the "
+            "one-process step; not hidden = from the last gradient ready on every rank "
+            "to the last reduction's end; rest = step - compute - not hidden; "
+            "communication = first reduction's start to last one's end; MB carried = "
+            "the step's collectives' tensors (an allgather's: every rank's rows)\n\n"
+        )
+        text += table(
+            [
+                "model",
+                "variant",
+                "step",
+                "compute",
+                "not hidden",
+                "rest",
+                "communication",
+                "MB carried",
+            ],
+            splits,
+        )
     return text
 
 
 def alone_section(a, table) -> str:
     """The np-1 comparison's Markdown: samples/s per Keras and model, and the paired ratios."""
     variants = list(a["variants"])
-    text = (f"\n### Models users train, one process, no launcher ({a['size']} sizes): "
-            f"samples/s, median of {a['repeats']} round-robin launches (least-most), and each "
-            "round's ratio to the plain Keras fit\n\n")
+    text = (
+        f"\n### Models users train, one process, no launcher ({a['size']} sizes): "
+        f"samples/s, median of {a['repeats']} round-robin launches (least-most), and each "
+        "round's ratio to the plain Keras fit\n\n"
+    )
     text += "".join(f"- {v}: {label}\n" for v, label in a["variants"].items()) + "\n"
     rows = []
     for r in a["rows"]:

@@ -26,6 +26,7 @@ as Horovod's synthetic benchmark does; the fit and Task paths iterate over ``ste
 random arrays per epoch. Each writes one JSON object (rank or worker 0): per-epoch seconds and
 samples/s (epoch 1 traces; the case counts epochs 2-E), the gradient bytes per step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,15 @@ SHAPES = {
     # gradients (smoke: two residual blocks of 8 filters)
     "resnet": {"full": dict(image=32, classes=10), "smoke": dict(image=16, classes=10, width=8)},
     # BERT-small-like encoder: a 30,522-word Embedding (its gradient is sparse: IndexedSlices)
-    "bert": {"full": dict(vocab=30522, seq=128, hidden=256, layers=4, heads=4, classes=2),
-             "smoke": dict(vocab=1000, seq=16, hidden=32, layers=1, heads=2, classes=2)},
+    "bert": {
+        "full": dict(vocab=30522, seq=128, hidden=256, layers=4, heads=4, classes=2),
+        "smoke": dict(vocab=1000, seq=16, hidden=32, layers=1, heads=2, classes=2),
+    },
     # wide MLP: 1024 -> 3 x 4096 -> 10, 37.8 M parameters, 151 MB of gradients (bandwidth-bound)
-    "mlp": {"full": dict(inputs=1024, width=4096, layers=3, classes=10),
-            "smoke": dict(inputs=64, width=128, layers=2, classes=10)},
+    "mlp": {
+        "full": dict(inputs=1024, width=4096, layers=3, classes=10),
+        "smoke": dict(inputs=64, width=128, layers=2, classes=10),
+    },
 }
 
 
@@ -57,8 +62,12 @@ def build(k, name: str, size: str):
     """The Keras model ``name`` at ``size``, outputs logits."""
     s = SHAPES[name][size]
     if name == "resnet" and size == "full":
-        return k.applications.ResNet50(weights=None, input_shape=(s["image"], s["image"], 3),
-                                       classes=s["classes"], classifier_activation=None)
+        return k.applications.ResNet50(
+            weights=None,
+            input_shape=(s["image"], s["image"], 3),
+            classes=s["classes"],
+            classifier_activation=None,
+        )
     if name == "resnet":
         x = inputs = k.Input((s["image"], s["image"], 3))
         x = k.layers.Conv2D(s["width"], 3, padding="same", activation="relu")(x)
@@ -72,8 +81,14 @@ def build(k, name: str, size: str):
     if name == "bert":
         tokens = k.Input((s["seq"],), dtype="int32")
         x = k.layers.Embedding(s["vocab"], s["hidden"])(tokens)
-        x = k.layers.Add()([x, k.layers.Embedding(s["seq"], s["hidden"])(
-            k.layers.Lambda(lambda t: t * 0 + np.arange(s["seq"], dtype="int32"))(tokens))])
+        x = k.layers.Add()(
+            [
+                x,
+                k.layers.Embedding(s["seq"], s["hidden"])(
+                    k.layers.Lambda(lambda t: t * 0 + np.arange(s["seq"], dtype="int32"))(tokens)
+                ),
+            ]
+        )
         for _ in range(s["layers"]):  # post-norm encoder layers, as BERT's
             a = k.layers.MultiHeadAttention(s["heads"], s["hidden"] // s["heads"])(x, x)
             x = k.layers.LayerNormalization()(k.layers.Add()([x, a]))
@@ -101,8 +116,12 @@ def synthetic(name: str, size: str, n: int, seed: int):
 def gradient_bytes(model) -> int:
     """Bytes of one step's gradients, dense: the sum of the trainable variables' sizes."""
     # a variable's dtype: its name under Keras 3, a tf.DType under tf_keras
-    return int(sum(np.prod(v.shape) * np.dtype(getattr(v.dtype, "as_numpy_dtype", v.dtype))
-                   .itemsize for v in model.trainable_variables))
+    return int(
+        sum(
+            np.prod(v.shape) * np.dtype(getattr(v.dtype, "as_numpy_dtype", v.dtype)).itemsize
+            for v in model.trainable_variables
+        )
+    )
 
 
 def _loss(k):
@@ -156,22 +175,31 @@ def run(args) -> None:
         _threads(tf, args.threads)
     elif args.kind == "mwms":  # the strategy first: before any other TensorFlow op
         from hvdtrain.distributed import usable_cores
+
         workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
         _threads(tf, max(1, usable_cores() // workers))  # the pools hvdtrain gives a rank
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
     elif args.kind in ("tape", "hvd_fit_tuned", "hk_fit", "task"):
         from hvdtrain import distributed  # started as hvdtrain starts a rank
+
         world = distributed.init("horovod", notice=lambda m: None)
         hvd = world.hvd if args.kind == "tape" else distributed.horovod_keras()  # both started
     elif args.kind == "fit":  # plain Keras: nothing of Horovod or hvdtrain started
         pass
     else:  # hvd_fit: Horovod's Keras example, Horovod's own defaults
         from hvdtrain import distributed
+
         hvd = distributed.horovod_keras()
         hvd.init()
-    rank, size = ((hvd.rank(), hvd.size()) if hvd is not None else
-                  (args.index, strategy.num_replicas_in_sync) if strategy else (0, 1))
+    rank, size = (
+        (hvd.rank(), hvd.size())
+        if hvd is not None
+        else (args.index, strategy.num_replicas_in_sync)
+        if strategy
+        else (0, 1)
+    )
     from hvdtrain.base.compat import keras
+
     k = keras()
     k.utils.set_random_seed(args.seed)
     n = args.steps * args.batch * size
@@ -187,28 +215,42 @@ def run(args) -> None:
         with strategy.scope() if strategy else contextlib.nullcontext():
             model = build(k, args.model, args.size)
             opt = k.optimizers.SGD(args.lr)
-        xb, yb = tf.constant(x[:args.batch]), tf.constant(y[:args.batch])
+        xb, yb = tf.constant(x[: args.batch]), tf.constant(y[: args.batch])
         loss_fn = tf.function(_step_fn(tf, k, model, opt, xb, yb, hvd, strategy, args.batch * size))
         if strategy:
-            step = tf.function(lambda: strategy.reduce(
-                "SUM", strategy.run(loss_fn.python_function), axis=None))
+            step = tf.function(
+                lambda: strategy.reduce("SUM", strategy.run(loss_fn.python_function), axis=None)
+            )
         else:
             step = loss_fn
         if hvd is not None:  # Horovod: broadcast after the first step (the optimizer's
-            step()          # variables exist only then), as its synthetic benchmark does
+            step()  # variables exist only then), as its synthetic benchmark does
             hvd.broadcast_variables(model.variables, root_rank=0)
             variables = opt.variables  # Keras 3: a list; tf_keras: a method
             hvd.broadcast_variables(variables() if callable(variables) else variables, 0)
         seconds = _loop(args, step)
     if rank == 0:
-        write_json(args.out, {"kind": args.kind, "model": args.model, "size": args.size,
-                              "ranks": size, "batch_per_rank": args.batch,
-                              "gradient_bytes": gradient_bytes(model),
-                              "parameters": int(model.count_params()),
-                              "keras": f"{k.__name__} {k.__version__}",
-                              "epochs": [{"epoch": i + 1, "seconds": t,
-                                          "samples_per_sec": args.steps * args.batch * size / t}
-                                         for i, t in enumerate(seconds)]})
+        write_json(
+            args.out,
+            {
+                "kind": args.kind,
+                "model": args.model,
+                "size": args.size,
+                "ranks": size,
+                "batch_per_rank": args.batch,
+                "gradient_bytes": gradient_bytes(model),
+                "parameters": int(model.count_params()),
+                "keras": f"{k.__name__} {k.__version__}",
+                "epochs": [
+                    {
+                        "epoch": i + 1,
+                        "seconds": t,
+                        "samples_per_sec": args.steps * args.batch * size / t,
+                    }
+                    for i, t in enumerate(seconds)
+                ],
+            },
+        )
 
 
 def _step_fn(tf, k, model, opt, xb, yb, hvd, strategy, global_batch):
@@ -220,8 +262,12 @@ def _step_fn(tf, k, model, opt, xb, yb, hvd, strategy, global_batch):
         with tf.GradientTape() as tape:
             logits = model(xb, training=True)
             if strategy:
-                loss = tf.reduce_sum(k.losses.sparse_categorical_crossentropy(
-                    yb, logits, from_logits=True)) / global_batch
+                loss = (
+                    tf.reduce_sum(
+                        k.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True)
+                    )
+                    / global_batch
+                )
             else:
                 loss = loss_of(yb, logits)
         if hvd is not None:  # Horovod: wrap the tape (its defaults: sparse gradients gathered)
@@ -243,19 +289,37 @@ def _fit(args, k, model, hvd, x, y, rank, size, seconds) -> None:
         return
     if args.kind == "hk_fit":
         import hvdtrain.keras as hk
-        model.compile(optimizer=hk.DistributedOptimizer(k.optimizers.SGD(args.lr)),
-                      jit_compile=False, **compiled)
+
+        model.compile(
+            optimizer=hk.DistributedOptimizer(k.optimizers.SGD(args.lr)),
+            jit_compile=False,
+            **compiled,
+        )
         with tempfile.TemporaryDirectory() as run_dir:
-            hk.fit(model, hk.dataset(x, y, args.batch, seed=args.seed), args.epochs,
-                   run_dir=run_dir, callbacks=[timer], verbose=0, checkpoint_every=0,
-                   save_model=False)
+            hk.fit(
+                model,
+                hk.dataset(x, y, args.batch, seed=args.seed),
+                args.epochs,
+                run_dir=run_dir,
+                callbacks=[timer],
+                verbose=0,
+                checkpoint_every=0,
+                save_model=False,
+            )
         return
     # Horovod's own: its optimizer and broadcast callback, each rank its shard as arrays
-    model.compile(optimizer=hvd.DistributedOptimizer(k.optimizers.SGD(args.lr)),
-                  jit_compile=False, **compiled)
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(k.optimizers.SGD(args.lr)), jit_compile=False, **compiled
+    )
     part = slice(rank * args.steps * args.batch, (rank + 1) * args.steps * args.batch)
-    model.fit(x[part], y[part], batch_size=args.batch, epochs=args.epochs, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer])
+    model.fit(
+        x[part],
+        y[part],
+        batch_size=args.batch,
+        epochs=args.epochs,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer],
+    )
 
 
 def _task(args, x, y) -> list:
@@ -282,10 +346,21 @@ def _task(args, x, y) -> list:
 
     with tempfile.TemporaryDirectory() as run_dir:
         task = ModelTask()
-        hvdtrain.train(task, task.config(
-            batch_size=args.batch, epochs=args.epochs, learning_rate=args.lr, momentum=0.0,
-            checkpoint_every=0, run_dir=run_dir, save_model=False, verbose=0, seed=args.seed,
-            steps_per_execution=args.steps_per_execution))
+        hvdtrain.train(
+            task,
+            task.config(
+                batch_size=args.batch,
+                epochs=args.epochs,
+                learning_rate=args.lr,
+                momentum=0.0,
+                checkpoint_every=0,
+                run_dir=run_dir,
+                save_model=False,
+                verbose=0,
+                seed=args.seed,
+                steps_per_execution=args.steps_per_execution,
+            ),
+        )
         metrics = os.path.join(run_dir, "metrics.jsonl")  # rank 0's run directory
         if not os.path.exists(metrics):
             return []
@@ -295,8 +370,9 @@ def _task(args, x, y) -> list:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.model_workers")
-    p.add_argument("kind", choices=("one", "tape", "hvd_fit", "hvd_fit_tuned", "hk_fit",
-                                    "task", "mwms", "fit"))
+    p.add_argument(
+        "kind", choices=("one", "tape", "hvd_fit", "hvd_fit_tuned", "hk_fit", "task", "mwms", "fit")
+    )
     p.add_argument("--model", choices=tuple(SHAPES), required=True)
     p.add_argument("--size", choices=("full", "smoke"), default="full")
     p.add_argument("--out", required=True)
@@ -306,8 +382,12 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="one: TensorFlow's intra-op threads")
-    p.add_argument("--steps-per-execution", type=int, default=0,
-                   help="task: its setting (0: auto, the default)")
+    p.add_argument(
+        "--steps-per-execution",
+        type=int,
+        default=0,
+        help="task: its setting (0: auto, the default)",
+    )
     p.add_argument("--index", type=int, default=0, help="mwms: this worker's index")
     p.add_argument("--target", type=float, default=0.0, help="(the mwms launcher's; unused)")
     args = p.parse_args(argv)

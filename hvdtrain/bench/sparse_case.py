@@ -10,6 +10,7 @@ HVDTRAIN_SPARSE_AS_DENSE_RATIO=0. Per variant: the bytes every allreduce and all
 run put out, per step (from the timeline: an allgather's output is every rank's rows), and
 samples/s over the steps after the first call (result.json's ``training`` seconds).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ import shutil
 import sys
 
 from hvdtrain import bench
-from hvdtrain.bench.cases import NP, CONTROLLER, timeline_collectives
+from hvdtrain.bench.cases import CONTROLLER, NP, timeline_collectives
 
 IDS = 4  # ids per example
 VARIANTS = {"gathered": {}, "dense": {"HVDTRAIN_SPARSE_AS_DENSE_RATIO": "0"}}
@@ -27,33 +28,45 @@ VARIANTS = {"gathered": {}, "dense": {"HVDTRAIN_SPARSE_AS_DENSE_RATIO": "0"}}
 def sparse(out, rows: int, columns: int, batch: int, steps: int) -> dict:
     """Both variants, one after the other; the numbers of each (see the module)."""
     work = os.path.join(out, "runs", "sparse")
-    result = {"rows": rows, "columns": columns, "batch_per_rank": batch, "ranks": NP,
-              "steps": steps, "variants": {}}
+    result = {
+        "rows": rows,
+        "columns": columns,
+        "batch_per_rank": batch,
+        "ranks": NP,
+        "steps": steps,
+        "variants": {},
+    }
     for variant, extra in VARIANTS.items():
         run_dir = os.path.join(work, variant)
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(run_dir)
         timeline = os.path.join(run_dir, "timeline.json")
-        cmd = bench.python("hvdtrain.bench.sparse_case", run_dir, rows, columns, batch,
-                           steps)
-        wall = bench.run(bench.horovodrun(NP, CONTROLLER, cmd),
-                         bench.env(HOROVOD_TIMELINE=timeline, **extra))
+        cmd = bench.python("hvdtrain.bench.sparse_case", run_dir, rows, columns, batch, steps)
+        wall = bench.run(
+            bench.horovodrun(NP, CONTROLLER, cmd), bench.env(HOROVOD_TIMELINE=timeline, **extra)
+        )
         with open(os.path.join(run_dir, "result.json")) as f:
             done = json.load(f)
         found = timeline_collectives(timeline)
         seconds = done["timings"]["training"]
-        row = {"wall": wall, "bytes_per_step": sum(c["bytes"] for c in found) / steps,
-               "allgathers": sum(c["kind"] == "ALLGATHER" for c in found),
-               "samples_per_sec": (steps - 1) * done["global_batch_size"] / seconds,
-               "largest": max(found, key=lambda c: c["bytes"])["shape"]}
+        row = {
+            "wall": wall,
+            "bytes_per_step": sum(c["bytes"] for c in found) / steps,
+            "allgathers": sum(c["kind"] == "ALLGATHER" for c in found),
+            "samples_per_sec": (steps - 1) * done["global_batch_size"] / seconds,
+            "largest": max(found, key=lambda c: c["bytes"])["shape"],
+        }
         result["variants"][variant] = row
-        bench.progress(f"sparse, {variant}: {row['bytes_per_step'] / 1e6:.3f} MB a step, "
-                       f"{row['samples_per_sec']:.0f} samples/s")
+        bench.progress(
+            f"sparse, {variant}: {row['bytes_per_step'] / 1e6:.3f} MB a step, "
+            f"{row['samples_per_sec']:.0f} samples/s"
+        )
     v = result["variants"]
-    result["ratios"] = {"bytes dense/gathered": v["dense"]["bytes_per_step"]
-                        / v["gathered"]["bytes_per_step"],
-                        "samples/s gathered/dense": v["gathered"]["samples_per_sec"]
-                        / v["dense"]["samples_per_sec"]}
+    result["ratios"] = {
+        "bytes dense/gathered": v["dense"]["bytes_per_step"] / v["gathered"]["bytes_per_step"],
+        "samples/s gathered/dense": v["gathered"]["samples_per_sec"]
+        / v["dense"]["samples_per_sec"],
+    }
     return result
 
 
@@ -78,10 +91,14 @@ def main(run_dir, rows, columns, batch, steps) -> None:
             return Data(x, y, x[:batch], y[:batch])
 
         def build_model(self, config):
-            return k.Sequential([k.Input((IDS,), dtype="int32"),
-                                 k.layers.Embedding(rows, columns),
-                                 k.layers.GlobalAveragePooling1D(),
-                                 k.layers.Dense(2, activation="softmax")])
+            return k.Sequential(
+                [
+                    k.Input((IDS,), dtype="int32"),
+                    k.layers.Embedding(rows, columns),
+                    k.layers.GlobalAveragePooling1D(),
+                    k.layers.Dense(2, activation="softmax"),
+                ]
+            )
 
         def build_optimizer(self, config, learning_rate):
             return k.optimizers.Adam(1e-3)
@@ -90,9 +107,19 @@ def main(run_dir, rows, columns, batch, steps) -> None:
             return k.losses.sparse_categorical_crossentropy(y, pred)
 
     # One update per call: the first call (tracing) is left out of the samples/s.
-    hvdtrain.train(Embed(), hvdtrain.Config(run_dir=run_dir, epochs=1, batch_size=batch,
-                                            steps_per_execution=1, checkpoint_every=0,
-                                            save_model=False, verbose=0), hvdtrain.world())
+    hvdtrain.train(
+        Embed(),
+        hvdtrain.Config(
+            run_dir=run_dir,
+            epochs=1,
+            batch_size=batch,
+            steps_per_execution=1,
+            checkpoint_every=0,
+            save_model=False,
+            verbose=0,
+        ),
+        hvdtrain.world(),
+    )
 
 
 if __name__ == "__main__":

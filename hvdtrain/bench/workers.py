@@ -22,6 +22,7 @@ the same model (``MnistTask.build_model``), data (``load_mnist_format``), per-ra
 plans (``epoch_plan``), preprocessing, loss and accuracy as hvdtrain, so the only difference
 from ``python -m hvdtrain.mnist`` is the distribution machinery.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,7 @@ def iterations(nbytes: int, scale: float = 1.0) -> int:
 
 # --- collectives -------------------------------------------------------------------------
 
+
 def allreduce(args) -> None:
     """Seconds per allreduce: the best of ``--rounds`` timed rounds (the least disturbed one on
     a shared machine), after 2 warm-ups. ``--mode graph`` calls hvd.allreduce inside a
@@ -49,7 +51,9 @@ def allreduce(args) -> None:
     rows = []
     if args.impl == "hvd":
         import tensorflow as tf
+
         from hvdtrain import distributed
+
         # hvd.allreduce as hvdtrain sets Horovod up: its defaults, its thread pools.
         hvd = distributed.init("horovod", notice=lambda m: None).hvd
         rank, size = hvd.rank(), hvd.size()
@@ -57,6 +61,7 @@ def allreduce(args) -> None:
         controller = "mpi" if hvd.mpi_enabled() else "gloo"
     else:
         from mpi4py import MPI
+
         comm = MPI.COMM_WORLD
         rank, size, barrier, controller = comm.Get_rank(), comm.Get_size(), comm.Barrier, "mpi4py"
     for nbytes in args.sizes:
@@ -82,11 +87,25 @@ def allreduce(args) -> None:
             if args.impl == "hvd":
                 out.numpy()
             times.append((time.perf_counter() - tick) / per_round)
-        rows.append({"bytes": nbytes, "iters": per_round * rounds, "seconds": min(times),
-                     "mean_seconds": sum(times) / len(times)})
+        rows.append(
+            {
+                "bytes": nbytes,
+                "iters": per_round * rounds,
+                "seconds": min(times),
+                "mean_seconds": sum(times) / len(times),
+            }
+        )
     if rank == 0:
-        write_json(args.out, {"impl": args.impl, "mode": args.mode, "controller": controller,
-                          "ranks": size, "rows": rows})
+        write_json(
+            args.out,
+            {
+                "impl": args.impl,
+                "mode": args.mode,
+                "controller": controller,
+                "ranks": size,
+                "rows": rows,
+            },
+        )
 
 
 def memcpy(args) -> None:
@@ -99,17 +118,20 @@ def memcpy(args) -> None:
         tick = time.perf_counter()
         for _ in range(iters):
             np.copyto(dst, src)
-        rows.append({"bytes": nbytes, "iters": iters, "seconds": (time.perf_counter() - tick) / iters})
+        rows.append(
+            {"bytes": nbytes, "iters": iters, "seconds": (time.perf_counter() - tick) / iters}
+        )
     write_json(args.out, {"impl": "memcpy", "ranks": 1, "rows": rows})
 
 
 # --- training peers ------------------------------------------------------------------------
 
+
 def _setup(args, rank: int, size: int):
     """Data, task and model exactly as hvdtrain builds them for these flags."""
     from hvdtrain.base.compat import keras
-    from hvdtrain.inputs.loaders import load_mnist_format
     from hvdtrain.distributed import World
+    from hvdtrain.inputs.loaders import load_mnist_format
     from hvdtrain.mnist import MnistTask
 
     data = load_mnist_format(args.dataset, None, False, World(), notice=lambda m: None)
@@ -121,6 +143,7 @@ def _setup(args, rank: int, size: int):
 def _train(args, rank, size, step, evaluate=None) -> dict:
     """Run ``args.epochs`` epochs of ``step(idx)`` over this rank's plans; time each epoch."""
     import tensorflow as tf
+
     from hvdtrain.inputs.arrays import epoch_plan, steps_per_epoch
 
     n = len(args.data.x_train)
@@ -133,8 +156,11 @@ def _train(args, rank, size, step, evaluate=None) -> dict:
             last = step(idx)
         float(last)  # the epoch's last step has finished
         seconds = time.perf_counter() - tick
-        record = {"epoch": epoch + 1, "seconds": seconds,
-                  "samples_per_sec": steps * args.batch * size / seconds}
+        record = {
+            "epoch": epoch + 1,
+            "seconds": seconds,
+            "samples_per_sec": steps * args.batch * size / seconds,
+        }
         if evaluate is not None:
             record["test_accuracy"] = evaluate()
             if args.target and record["test_accuracy"] >= args.target:
@@ -147,6 +173,7 @@ def _train(args, rank, size, step, evaluate=None) -> dict:
 def plain(args) -> None:
     """(a): what a user writes without Horovod: one tf.function step, loss and accuracy."""
     import tensorflow as tf
+
     from hvdtrain.base.compat import keras
 
     args.data, task, build = _setup(args, 0, 1)
@@ -165,9 +192,18 @@ def plain(args) -> None:
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         correct = tf.equal(tf.argmax(pred, -1, output_type=tf.int32), y)
-        sums.assign_add(tf.cast(tf.stack([tf.reduce_sum(per_example),
-                                          tf.cast(tf.size(y), tf.float32),
-                                          tf.reduce_sum(tf.cast(correct, tf.float32))]), tf.float64))
+        sums.assign_add(
+            tf.cast(
+                tf.stack(
+                    [
+                        tf.reduce_sum(per_example),
+                        tf.cast(tf.size(y), tf.float32),
+                        tf.reduce_sum(tf.cast(correct, tf.float32)),
+                    ]
+                ),
+                tf.float64,
+            )
+        )
         return loss
 
     write_json(args.out, {"peer": "plain", **_train(args, 0, 1, step)})
@@ -176,6 +212,7 @@ def plain(args) -> None:
 def mwms(args) -> None:
     """(d): the same model, data and global batch under MultiWorkerMirroredStrategy."""
     import tensorflow as tf
+
     from hvdtrain.base.compat import keras
     from hvdtrain.distributed import usable_cores
 
@@ -211,8 +248,13 @@ def mwms(args) -> None:
 
         def evaluate():
             pred = model(x_test[0], training=False)
-            return float(tf.reduce_mean(tf.cast(tf.equal(
-                tf.argmax(pred, -1, output_type=tf.int32), x_test[1]), tf.float32)))
+            return float(
+                tf.reduce_mean(
+                    tf.cast(
+                        tf.equal(tf.argmax(pred, -1, output_type=tf.int32), x_test[1]), tf.float32
+                    )
+                )
+            )
 
     result = _train(args, args.index, size, step, evaluate)
     if args.index == 0:
@@ -223,13 +265,19 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m hvdtrain.bench.workers")
     p.add_argument("kind", choices=("allreduce", "memcpy", "plain", "mwms", "fit", "tfrecords"))
     p.add_argument("--out", required=True)
-    p.add_argument("--impl", choices=("hvd", "mpi4py", "hk", "hvd_keras", "keras", "mwms",
-                                      "pair"),
-                   default="hvd")
+    p.add_argument(
+        "--impl",
+        choices=("hvd", "mpi4py", "hk", "hvd_keras", "keras", "mwms", "pair"),
+        default="hvd",
+    )
     p.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[4096])
     p.add_argument("--scale", type=float, default=1.0, help="repetitions scale (quick: < 1)")
-    p.add_argument("--mode", choices=("eager", "graph"), default="eager",
-                   help="allreduce --impl hvd: from Python, or inside a tf.function")
+    p.add_argument(
+        "--mode",
+        choices=("eager", "graph"),
+        default="eager",
+        help="allreduce --impl hvd: from Python, or inside a tf.function",
+    )
     p.add_argument("--rounds", type=int, default=5, help="allreduce: timed rounds, best kept")
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--dataset", default="fashion_mnist")
@@ -240,24 +288,47 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--spe", type=int, default=1, help="fit: compile(steps_per_execution=)")
-    p.add_argument("--input", choices=("arrays", "dataset", "tfrecord"), default="dataset",
-                   help="fit --impl hvd_keras: each rank's shard as arrays, or a tf.data "
-                   "pipeline shuffling all examples (Horovod's examples); --impl hk|mwms "
-                   "tfrecord: the TFRecord files in --data-dir through a tf.data pipeline")
+    p.add_argument(
+        "--input",
+        choices=("arrays", "dataset", "tfrecord"),
+        default="dataset",
+        help="fit --impl hvd_keras: each rank's shard as arrays, or a tf.data "
+        "pipeline shuffling all examples (Horovod's examples); --impl hk|mwms "
+        "tfrecord: the TFRecord files in --data-dir through a tf.data pipeline",
+    )
     p.add_argument("--data-dir", help="fit --input tfrecord: the files' directory")
     p.add_argument("--files", type=int, default=8, help="tfrecords: how many files")
-    p.add_argument("--bn", action="store_true", help="fit, mlp: BatchNormalization after the "
-                   "hidden layer")
-    p.add_argument("--no-bn-sync", action="store_true", help="fit --impl hk: leave the moving "
-                   "statistics unsynced (only to measure what the sync costs)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="fit --impl hk: steps "
-                   "between checkpoints (0: epoch ends only)")
+    p.add_argument(
+        "--bn", action="store_true", help="fit, mlp: BatchNormalization after the hidden layer"
+    )
+    p.add_argument(
+        "--no-bn-sync",
+        action="store_true",
+        help="fit --impl hk: leave the moving "
+        "statistics unsynced (only to measure what the sync costs)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="fit --impl hk: steps between checkpoints (0: epoch ends only)",
+    )
     p.add_argument("--target", type=float, default=0.0, help="mwms: stop at this test accuracy")
-    p.add_argument("--test-accuracy", action="store_true", help="mwms, fit --impl keras: "
-                   "score the test set after every epoch (untimed), for every epoch")
+    p.add_argument(
+        "--test-accuracy",
+        action="store_true",
+        help="mwms, fit --impl keras: "
+        "score the test set after every epoch (untimed), for every epoch",
+    )
     args = p.parse_args(argv)
-    {"allreduce": allreduce, "memcpy": memcpy, "plain": plain, "mwms": mwms,
-     "fit": fit, "tfrecords": tfrecords}[args.kind](args)
+    {
+        "allreduce": allreduce,
+        "memcpy": memcpy,
+        "plain": plain,
+        "mwms": mwms,
+        "fit": fit,
+        "tfrecords": tfrecords,
+    }[args.kind](args)
 
 
 if __name__ == "__main__":

@@ -18,16 +18,42 @@ reach Horovod through this package (``World.reduction``, ``horovod_package()``,
 ``horovod_tensorflow()``, ``horovod_keras()``, ``World.hvd``). This face hands on the
 World's names, so ``from hvdtrain import distributed; distributed.current()`` keeps working.
 """
+
 from hvdtrain.base.errors import RankError
-from hvdtrain.base.launch import (LAUNCHER_SIZE_VARS, launcher_rank, launcher_size,
-                                  usable_cores)  # base's, handed on
-from hvdtrain.distributed.horovod_setup import (horovod_keras, horovod_package,
-                                                horovod_tensorflow, tensorflow_mismatch)
+from hvdtrain.base.launch import (
+    LAUNCHER_SIZE_VARS,
+    launcher_rank,
+    launcher_size,
+    usable_cores,  # base's, handed on
+)
+from hvdtrain.distributed.horovod_setup import (
+    horovod_keras,
+    horovod_package,
+    horovod_tensorflow,
+    tensorflow_mismatch,
+)
 from hvdtrain.distributed.horovod_world import HorovodWorld, Reduction, broadcast_variables
 from hvdtrain.distributed.start import current, init
 from hvdtrain.distributed.world import COMPRESSIONS, OPS, QUESTIONS, Progress, World
 
-__all__ = ["COMPRESSIONS", "HorovodWorld", "LAUNCHER_SIZE_VARS", "OPS", "Progress", "QUESTIONS",
-           "RankError", "Reduction", "World", "broadcast_variables", "current",
-           "horovod_keras", "horovod_package", "horovod_tensorflow", "init", "launcher_rank",
-           "launcher_size", "tensorflow_mismatch", "usable_cores"]
+__all__ = [
+    "COMPRESSIONS",
+    "HorovodWorld",
+    "LAUNCHER_SIZE_VARS",
+    "OPS",
+    "Progress",
+    "QUESTIONS",
+    "RankError",
+    "Reduction",
+    "World",
+    "broadcast_variables",
+    "current",
+    "horovod_keras",
+    "horovod_package",
+    "horovod_tensorflow",
+    "init",
+    "launcher_rank",
+    "launcher_size",
+    "tensorflow_mismatch",
+    "usable_cores",
+]

@@ -1,5 +1,6 @@
 """Horovod's import and the run-time defaults hvdtrain gives it (and Open MPI) where the
 user has not; each process's device and thread pools. The one place hvdtrain imports horovod."""
+
 from __future__ import annotations
 
 import os
@@ -41,10 +42,12 @@ def tensorflow_mismatch():
         return None
     if built == installed:
         return None
-    return (f"horovod {horovod} was built against TensorFlow {built}, but this environment "
-            f"has TensorFlow {installed}: pip install tensorflow=={built} (the version the "
-            f"wheel needs), or pip uninstall -y horovod && scripts/setup.sh (a build "
-            f"against {installed})")
+    return (
+        f"horovod {horovod} was built against TensorFlow {built}, but this environment "
+        f"has TensorFlow {installed}: pip install tensorflow=={built} (the version the "
+        f"wheel needs), or pip uninstall -y horovod && scripts/setup.sh (a build "
+        f"against {installed})"
+    )
 
 
 def horovod_tensorflow():
@@ -88,9 +91,12 @@ def _configure_devices(local_rank: int, local_size: int) -> None:
             tf.config.set_visible_devices(gpu, "GPU")
             tf.config.experimental.set_memory_growth(gpu, True)
         except RuntimeError as e:  # TensorFlow already initialised its devices
-            print(f"hvdtrain: warning: cannot pin GPU {local_rank % len(gpus)} to local rank "
-                  f"{local_rank} ({e}): start hvdtrain before using TensorFlow",
-                  file=sys.stderr, flush=True)
+            print(
+                f"hvdtrain: warning: cannot pin GPU {local_rank % len(gpus)} to local rank "
+                f"{local_rank} ({e}): start hvdtrain before using TensorFlow",
+                file=sys.stderr,
+                flush=True,
+            )
     if "TF_NUM_INTRAOP_THREADS" not in os.environ:
         # Two ranks on two cores each running a full-width pool oversubscribe the CPU.
         threads = max(1, usable_cores() // max(1, local_size))
@@ -139,11 +145,17 @@ def _horovod_defaults(environ=os.environ) -> dict:
     if "HOROVOD_CYCLE_TIME" not in environ and several_processes(environ):
         chosen["HOROVOD_CYCLE_TIME"] = HOROVOD_CYCLE_TIME_MS
     local = environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
-    if (local.isdigit() and int(local) >= usable_cores()
-            and "OMPI_MCA_mpi_yield_when_idle" not in environ):
+    if (
+        local.isdigit()
+        and int(local) >= usable_cores()
+        and "OMPI_MCA_mpi_yield_when_idle" not in environ
+    ):
         chosen["OMPI_MCA_mpi_yield_when_idle"] = "1"
-    if environ.get("OMPI_MCA_btl") == HOROVODRUN_BTL and local and \
-            local == environ.get("OMPI_COMM_WORLD_SIZE"):
+    if (
+        environ.get("OMPI_MCA_btl") == HOROVODRUN_BTL
+        and local
+        and local == environ.get("OMPI_COMM_WORLD_SIZE")
+    ):
         chosen["OMPI_MCA_btl"] = ONE_HOST_BTL
     environ.update(chosen)
     return chosen

@@ -1,21 +1,29 @@
 """The World over Horovod: its collectives, the gradients' reduction (``Reduction``: what
 ``hvdtrain.DistributedOptimizer`` calls before every update) and Horovod's elastic state."""
+
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from hvdtrain.base.errors import ConfigError, LaunchError, first_line
 from hvdtrain.distributed import sparse
 from hvdtrain.distributed.horovod_setup import horovod_keras
-from hvdtrain.distributed.world import (ALONE_BYTES, LAST_BUCKET_BYTES, QUESTIONS, World,
-                                        configured_bucket_bytes, reduction_ops)
+from hvdtrain.distributed.world import (
+    ALONE_BYTES,
+    LAST_BUCKET_BYTES,
+    QUESTIONS,
+    World,
+    configured_bucket_bytes,
+    reduction_ops,
+)
 
 
-def _buckets(tensors, bucket_bytes: int, alone_bytes: int = ALONE_BYTES,
-             last_bytes: int = LAST_BUCKET_BYTES) -> list:
+def _buckets(
+    tensors, bucket_bytes: int, alone_bytes: int = ALONE_BYTES, last_bytes: int = LAST_BUCKET_BYTES
+) -> list:
     """The tensors' indices in buckets, in the order the backward pass completes them (by
     their first tensor, from the last; the backward pass produces the last tensors first).
     A tensor of ``alone_bytes`` or more (or of ``bucket_bytes``, if less) is a bucket of its
@@ -107,18 +115,27 @@ class HorovodWorld(World):
 
         result = self.hvd.elastic.run(run)(state)
         if result is None:
-            raise LaunchError("the elastic run ended without a result (Horovod's elastic "
-                              "driver swallowed an error)")
+            raise LaunchError(
+                "the elastic run ended without a result (Horovod's elastic "
+                "driver swallowed an error)"
+            )
         return result
 
-    def reduction(self, op: str = "average", compression: str = "none",
-                  gradient_predivide_factor: float = 1.0) -> "Reduction":
+    def reduction(
+        self, op: str = "average", compression: str = "none", gradient_predivide_factor: float = 1.0
+    ) -> Reduction:
         op, compression = reduction_ops(op, compression, gradient_predivide_factor, self.hvd)
         return Reduction(self, op, compression, gradient_predivide_factor)
 
-    def allreduce_gradients(self, grads, op="average", compression="none",
-                            gradient_predivide_factor=1.0, sparse_ratio=None,
-                            bucket_bytes=None) -> list:
+    def allreduce_gradients(
+        self,
+        grads,
+        op="average",
+        compression="none",
+        gradient_predivide_factor=1.0,
+        sparse_ratio=None,
+        bucket_bytes=None,
+    ) -> list:
         """Average (or sum) gradients over all ranks, inside a compiled step.
 
         In buckets of about ``bucket_bytes`` (default: ``configured_bucket_bytes()``,
@@ -142,15 +159,26 @@ class HorovodWorld(World):
         hvd = self.hvd
         op, compression = reduction_ops(op, compression, gradient_predivide_factor, hvd)
         grads, gathered = sparse.reduce_gathered(
-            self, grads, op, compression, gradient_predivide_factor,
-            sparse.ratio() if sparse_ratio is None else sparse_ratio)
+            self,
+            grads,
+            op,
+            compression,
+            gradient_predivide_factor,
+            sparse.ratio() if sparse_ratio is None else sparse_ratio,
+        )
         present = [i for i, g in enumerate(grads) if g is not None and i not in gathered]
         if not present:
             return grads
         # Horovod: split an average across pre- and post-scaling (as its own wrapper does);
         # the C++ side divides the postscale by the world size.
-        scale = dict(prescale_factor=1.0 / gradient_predivide_factor,
-                     postscale_factor=gradient_predivide_factor) if op == hvd.Average else {}
+        scale = (
+            dict(
+                prescale_factor=1.0 / gradient_predivide_factor,
+                postscale_factor=gradient_predivide_factor,
+            )
+            if op == hvd.Average
+            else {}
+        )
         tensors = [tf.convert_to_tensor(grads[i]) for i in present]
         if op == hvd.Adasum:
             # Horovod 0.28.1's grouped_allreduce fails with Adasum (it reads an unset local,
@@ -160,8 +188,9 @@ class HorovodWorld(World):
             reduced = [None] * len(tensors)
             limit = configured_bucket_bytes() if bucket_bytes is None else bucket_bytes
             for bucket in _buckets(tensors, limit):
-                out = hvd.grouped_allreduce([tensors[j] for j in bucket], op=op,
-                                            compression=compression, **scale)
+                out = hvd.grouped_allreduce(
+                    [tensors[j] for j in bucket], op=op, compression=compression, **scale
+                )
                 for j, r in zip(bucket, out):
                     reduced[j] = r
         for i, g in zip(present, reduced):
@@ -176,8 +205,9 @@ class HorovodWorld(World):
         if not self.alone:
             broadcast_variables(self.hvd, tf_variables(variables))
 
-    def allreduce_sum(self, values: Sequence[float] | np.ndarray,
-                      name: str = "hvdtrain.sum") -> np.ndarray:
+    def allreduce_sum(
+        self, values: Sequence[float] | np.ndarray, name: str = "hvdtrain.sum"
+    ) -> np.ndarray:
         """The sum over ranks; ``name``: the Horovod op's."""
         import tensorflow as tf
 
@@ -261,9 +291,14 @@ class Reduction:
         # Horovod: average gradients over all ranks with ring-allreduce before each update,
         # the synchronous update SyncReplicasOptimizer made (sparse ones gathered when that
         # sends less).
-        return self.world.allreduce_gradients(grads, self.op, self.compression,
-                                              self.gradient_predivide_factor,
-                                              self.sparse_ratio, self.bucket_bytes)
+        return self.world.allreduce_gradients(
+            grads,
+            self.op,
+            self.compression,
+            self.gradient_predivide_factor,
+            self.sparse_ratio,
+            self.bucket_bytes,
+        )
 
     def sum(self, tensor):
         """A tensor summed over the ranks in a round of its own (for Adasum's riders)."""
@@ -280,19 +315,25 @@ class Reduction:
         ``minimize`` just did (Horovod's ``_aggregated_gradients``, reset after each apply;
         hvdtrain's own step, which reduces with its riders, marks them reduced)."""
         opt = horovod_keras().DistributedOptimizer(
-            optimizer, op=self.op, compression=self.compression,
+            optimizer,
+            op=self.op,
+            compression=self.compression,
             gradient_predivide_factor=self.gradient_predivide_factor,
             backward_passes_per_step=backward_passes_per_step,
-            average_aggregated_gradients=True)
+            average_aggregated_gradients=True,
+        )
         horovods = opt.apply_gradients  # bound: Horovod's class calls super(self.__class__)
 
         def apply_gradients(grads_and_vars, *args, **kwargs):
             if not opt._aggregated_gradients:
                 if opt._agg_helper is not None:
-                    raise ConfigError("backward_passes_per_step", backward_passes_per_step,
-                                      "under Keras 2 it accumulates in minimize(), and this "
-                                      "model's own train_step calls apply_gradients itself: "
-                                      "use Keras 3, or no accumulation")
+                    raise ConfigError(
+                        "backward_passes_per_step",
+                        backward_passes_per_step,
+                        "under Keras 2 it accumulates in minimize(), and this "
+                        "model's own train_step calls apply_gradients itself: "
+                        "use Keras 3, or no accumulation",
+                    )
                 pairs = [(g, v) for g, v in grads_and_vars]
                 reduced = opt._allreduce([g for g, _ in pairs], [v for _, v in pairs])
                 grads_and_vars = list(zip(reduced, [v for _, v in pairs]))
@@ -312,8 +353,9 @@ class Reduction:
             if flags is None:
                 return horovods_reduce(grads, vars, use_generic_names)
             names = None if vars is None else [flags.total] + list(vars)  # riders first
-            return flags.ride(lambda tensors: horovods_reduce(tensors, names, use_generic_names),
-                              list(grads))
+            return flags.ride(
+                lambda tensors: horovods_reduce(tensors, names, use_generic_names), list(grads)
+            )
 
         object.__setattr__(opt, "_allreduce_grads", allreduce_grads)
         return opt

@@ -25,6 +25,7 @@ Args:
 Raises:
     ValueError: Keras 2: ``fused=True`` or ``virtual_batch_size`` was given.
 """
+
 from __future__ import annotations
 
 from hvdtrain.base import compat
@@ -58,7 +59,8 @@ def global_moments(x, axes, world, weights=None, keepdims=False):
     if weights is None:
         sizes = tf.gather(tf.shape(x), axes)
         n = tf.cast(tf.reduce_prod(sizes), x.dtype) * tf.ones_like(
-            tf.reduce_sum(x, axes, keepdims=True))
+            tf.reduce_sum(x, axes, keepdims=True)
+        )
         local_mean = tf.math.divide_no_nan(tf.reduce_sum(x, axes, keepdims=True), n)
         squares = tf.reduce_sum(tf.square(x - local_mean), axes, keepdims=True)
     else:
@@ -88,7 +90,11 @@ def _saved_as(cls, base):
     """Name ``cls`` like ``base``: Keras saves a layer by its class's name and module, so a
     model with ``cls`` saves ``base`` and opens without hvdtrain (as DistributedOptimizer's
     optimizers do)."""
-    cls.__name__, cls.__qualname__, cls.__module__ = base.__name__, base.__qualname__, base.__module__
+    cls.__name__, cls.__qualname__, cls.__module__ = (
+        base.__name__,
+        base.__qualname__,
+        base.__module__,
+    )
     return cls
 
 
@@ -121,18 +127,21 @@ def _keras2_class(keras):
         def __init__(self, *args, fused=False, virtual_batch_size=None, **kwargs):
             # The fused kernel computes its statistics inside, out of reach of the allreduce.
             if fused:
-                raise ValueError("SyncBatchNormalization: fused=True computes the statistics "
-                                 "in one kernel, per rank; leave fused unset")
+                raise ValueError(
+                    "SyncBatchNormalization: fused=True computes the statistics "
+                    "in one kernel, per rank; leave fused unset"
+                )
             if virtual_batch_size is not None:
-                raise ValueError("SyncBatchNormalization: virtual_batch_size (per-rank ghost "
-                                 "batches) contradicts statistics over the global batch")
+                raise ValueError(
+                    "SyncBatchNormalization: virtual_batch_size (per-rank ghost "
+                    "batches) contradicts statistics over the global batch"
+                )
             super().__init__(*args, fused=False, **kwargs)
 
         def _calculate_mean_and_var(self, inputs, reduction_axes, keep_dims, mask=None):
             world = current()
             if not _collective(world):
-                return super()._calculate_mean_and_var(inputs, reduction_axes, keep_dims,
-                                                       mask=mask)
+                return super()._calculate_mean_and_var(inputs, reduction_axes, keep_dims, mask=mask)
             weights = None
             if mask is not None:
                 import tensorflow as tf

@@ -46,18 +46,24 @@ is turned around by ``reduce_before_loss_scaling`` under Keras 3. Loss scaling a
 ``backward_passes_per_step`` together are refused (the Task path's ``--accumulate-steps``
 accumulates in its own step and takes both).
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from hvdtrain.base import compat, precision
-from hvdtrain.distributed.start import current
 from hvdtrain.base.errors import ConfigError
+from hvdtrain.distributed.start import current
 
 
-def DistributedOptimizer(optimizer, op: str = "average", compression: str = "none",
-                         gradient_predivide_factor: float = 1.0, world=None,
-                         backward_passes_per_step: int = 1):
+def DistributedOptimizer(
+    optimizer,
+    op: str = "average",
+    compression: str = "none",
+    gradient_predivide_factor: float = 1.0,
+    world=None,
+    backward_passes_per_step: int = 1,
+):
     """Wrap an optimizer so that every update uses gradients reduced over all ranks.
 
     Any Keras optimizer, under Keras 3 as under Keras 2 (``TF_USE_LEGACY_KERAS=1``, where it
@@ -92,8 +98,7 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
         ConfigError: ``backward_passes_per_step`` is not an integer of at least 1, or
             cannot accumulate here (with float16 loss scaling; an optimizer already built).
     """
-    reduction: Any = (world or current()).reduction(op, compression,
-                                                           gradient_predivide_factor)
+    reduction: Any = (world or current()).reduction(op, compression, gradient_predivide_factor)
     passes = _backward_passes(optimizer, backward_passes_per_step, reduction)
     if reduction is None:  # one process: nothing to reduce
         if not compat.is_keras3():
@@ -112,7 +117,8 @@ def DistributedOptimizer(optimizer, op: str = "average", compression: str = "non
         optimizer = type(optimizer)(
             reduction.keras2_optimizer(optimizer.inner_optimizer, passes),
             initial_scale=optimizer.initial_scale,
-            dynamic_growth_steps=optimizer.dynamic_growth_steps)
+            dynamic_growth_steps=optimizer.dynamic_growth_steps,
+        )
     else:
         optimizer = reduction.keras2_optimizer(optimizer, passes)
     # What apply_gradients below needs to put the step's flags in the gradients' reduction.
@@ -145,23 +151,36 @@ def _dense(grads) -> list:
 def _backward_passes(optimizer, n, reduction) -> int:
     """Check ``backward_passes_per_step``; Keras 3: set the optimizer's own accumulation."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError("backward_passes_per_step", n, "must be an integer, at least 1 "
-                          "(1: no accumulation)")
+        raise ConfigError(
+            "backward_passes_per_step", n, "must be an integer, at least 1 (1: no accumulation)"
+        )
     own = getattr(optimizer, "gradient_accumulation_steps", None) or 1
     if n == 1 or n == own:
         return own
     if precision.is_loss_scaled(optimizer):
-        raise ConfigError("backward_passes_per_step", n, "not with a LossScaleOptimizer "
-                          "(float16 loss scaling): use bfloat16, or no accumulation")
+        raise ConfigError(
+            "backward_passes_per_step",
+            n,
+            "not with a LossScaleOptimizer "
+            "(float16 loss scaling): use bfloat16, or no accumulation",
+        )
     if not compat.is_keras3():
         if reduction is None:
-            raise ConfigError("backward_passes_per_step", n, "under Keras 2 accumulation is "
-                              "Horovod's wrapper's, and this process runs without Horovod")
+            raise ConfigError(
+                "backward_passes_per_step",
+                n,
+                "under Keras 2 accumulation is "
+                "Horovod's wrapper's, and this process runs without Horovod",
+            )
         return n
     if own != 1 or getattr(optimizer, "built", False):
         had = f" with gradient_accumulation_steps={own}" if own != 1 else ""
-        raise ConfigError("backward_passes_per_step", n, f"the {type(optimizer).__name__} "
-                          f"optimizer is built already{had}; wrap it before compile or any use")
+        raise ConfigError(
+            "backward_passes_per_step",
+            n,
+            f"the {type(optimizer).__name__} "
+            f"optimizer is built already{had}; wrap it before compile or any use",
+        )
     # Keras' own accumulation: averaged over the N calls, applied at the N-th; its
     # accumulators are optimizer variables (checkpointed, broadcast) and its iterations
     # count updates, as the Task path's global step does.
@@ -186,20 +205,29 @@ def _reducing_subclass(optimizer, passes: int = 1):
 
     def apply(self, grads, trainable_variables=None):
         # Horovod: every rank applies the same, averaged gradients (a synchronous update).
-        return _apply_reduced(self, _reduce(self, self._hvdtrain_reduction, list(grads)),
-                              trainable_variables)
+        return _apply_reduced(
+            self, _reduce(self, self._hvdtrain_reduction, list(grads)), trainable_variables
+        )
 
     def _clip_gradients(self, grads):
         # Horovod: one allreduce per update, of the N micro-batches' mean; every rank takes
         # the update branch at the same call (the count is in the broadcast iterations).
         return super(wrapped, self)._clip_gradients(  # type: ignore[arg-type]  # made below
-            _reduce(self, self._hvdtrain_reduction, list(grads)))
+            _reduce(self, self._hvdtrain_reduction, list(grads))
+        )
 
     methods = {"_clip_gradients": _clip_gradients} if passes > 1 else {"apply": apply}
-    wrapped = type(cls.__name__, (cls,), {
-        **methods, "_hvdtrain_distributed": True,
-        # Saved models name the optimizer's own class, so they load without hvdtrain.
-        "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    wrapped = type(
+        cls.__name__,
+        (cls,),
+        {
+            **methods,
+            "_hvdtrain_distributed": True,
+            # Saved models name the optimizer's own class, so they load without hvdtrain.
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
+    )
     optimizer.__class__ = wrapped
     return optimizer
 
@@ -222,13 +250,13 @@ class StopFlags:
         import tensorflow as tf
 
         with tf.init_scope():
-            self.local = tf.Variable(0.0, trainable=False, dtype=tf.float32,
-                                     name="hvdtrain_stop")
-            self.total = tf.Variable([0.0, 0.0], trainable=False, dtype=tf.float64,
-                                     name="hvdtrain_stop_total")
+            self.local = tf.Variable(0.0, trainable=False, dtype=tf.float32, name="hvdtrain_stop")
+            self.total = tf.Variable(
+                [0.0, 0.0], trainable=False, dtype=tf.float64, name="hvdtrain_stop_total"
+            )
 
     @staticmethod
-    def attach(optimizer) -> "StopFlags":
+    def attach(optimizer) -> StopFlags:
         """Flags on ``optimizer`` and the optimizers it wraps (a LossScaleOptimizer's inner
         one: whichever reduces carries them), this rank's flag cleared. Made at the
         optimizer's first hk.fit and kept for its later ones: a train function traced then
@@ -238,8 +266,14 @@ class StopFlags:
         while o is not None and all(o is not c for c in chain):
             chain.append(o)
             o = getattr(o, "inner_optimizer", None)
-        flags = next((c._hvdtrain_stop_flags for c in chain
-                      if getattr(c, "_hvdtrain_stop_flags", None) is not None), None)
+        flags = next(
+            (
+                c._hvdtrain_stop_flags
+                for c in chain
+                if getattr(c, "_hvdtrain_stop_flags", None) is not None
+            ),
+            None,
+        )
         flags = flags or StopFlags()
         for c in chain:
             object.__setattr__(c, "_hvdtrain_stop_flags", flags)
@@ -307,7 +341,7 @@ def _reduce_riding(reduce, grads, riders):
         # last), so the riders go in it; the fit path's wait for every gradient and would
         # hold back any other bucket they were in.
         reduced = reduce(riders + grads)
-        return list(reduced[len(riders):]), list(reduced[:len(riders)])
+        return list(reduced[len(riders) :]), list(reduced[: len(riders)])
     # Adasum: its combination is meant for gradients only; the riders get a sum
     return list(reduce(grads)), [reduce.sum(r) for r in riders]
 
@@ -343,7 +377,9 @@ def _apply_reduced(optimizer, grads, variables):
     grads = _dense(grads)
     if compat.is_keras3():
         cls = type(optimizer)
-        own: Any = super(cls, optimizer) if getattr(cls, "_hvdtrain_distributed", False) else optimizer
+        own: Any = (
+            super(cls, optimizer) if getattr(cls, "_hvdtrain_distributed", False) else optimizer
+        )
         if not precision.is_loss_scaled(optimizer):
             return own.apply(grads, variables)
         skipped = tf.logical_not(optimizer.check_finite(grads))
@@ -365,13 +401,20 @@ def reduce_before_loss_scaling(optimizer):
     the others wait in. Turned around in place: the scaler reduces, its inner optimizer is
     plain again. Anything else is returned as it is."""
     inner: Any = getattr(optimizer, "inner_optimizer", None)
-    if not (compat.is_keras3() and precision.is_loss_scaled(optimizer)
-            and getattr(type(inner), "_hvdtrain_distributed", False)):
+    if not (
+        compat.is_keras3()
+        and precision.is_loss_scaled(optimizer)
+        and getattr(type(inner), "_hvdtrain_distributed", False)
+    ):
         return optimizer
     if accumulation(inner) > 1:
-        raise ConfigError("backward_passes_per_step", accumulation(inner), "not with a "
-                          "mixed_float16 policy (loss scaling): use mixed_bfloat16, or no "
-                          "accumulation")
+        raise ConfigError(
+            "backward_passes_per_step",
+            accumulation(inner),
+            "not with a "
+            "mixed_float16 policy (loss scaling): use mixed_bfloat16, or no "
+            "accumulation",
+        )
     reduction = inner._hvdtrain_reduction
     inner.__class__ = type(inner).__bases__[0]  # its own class again
     object.__delattr__(inner, "_hvdtrain_reduction")

@@ -22,6 +22,7 @@ it is applied, the gradient the dense reduction gives; only what crosses the net
 smaller. (Keras' Adam updates a sparse gradient's moments otherwise than a dense one's, so a
 model trains alike at any world size only if every world size applies it dense.)
 """
+
 from __future__ import annotations
 
 from hvdtrain.base.config import env_number
@@ -33,10 +34,15 @@ SPARSE_AS_DENSE_RATIO = 1.0
 
 def ratio() -> float:
     """HVDTRAIN_SPARSE_AS_DENSE_RATIO, checked: a number, 0 or more (``inf`` allowed)."""
-    return env_number("HVDTRAIN_SPARSE_AS_DENSE_RATIO", SPARSE_AS_DENSE_RATIO,
-                      lambda v: v >= 0, "give a number, 0 or more (0: sparse gradients "
-                      "reduced dense; inf: always gathered; default "
-                      f"{SPARSE_AS_DENSE_RATIO:g})", strip=True)
+    return env_number(
+        "HVDTRAIN_SPARSE_AS_DENSE_RATIO",
+        SPARSE_AS_DENSE_RATIO,
+        lambda v: v >= 0,
+        "give a number, 0 or more (0: sparse gradients "
+        "reduced dense; inf: always gathered; default "
+        f"{SPARSE_AS_DENSE_RATIO:g})",
+        strip=True,
+    )
 
 
 def gathers(rows, table_rows, size: int, ratio: float, elastic: bool = False) -> bool:
@@ -64,8 +70,7 @@ def shape_of(grad):
     return rows, None if dense is None else int(dense[0])
 
 
-def reduce_gathered(world, grads, op, compression, gradient_predivide_factor: float,
-                    ratio: float):
+def reduce_gathered(world, grads, op, compression, gradient_predivide_factor: float, ratio: float):
     """The sparse gradients among ``grads`` that go gathered, reduced: (``grads`` with each
     of those replaced by its reduced dense gradient, their positions). The rest are left for
     the dense reduction. ``op``: Horovod's Average or Sum (Adasum combines dense tensors
@@ -104,8 +109,11 @@ def _gathered(world, grad, op, compression, factor: float):
     indices = hvd.allgather(grad.indices)
     if average:
         # Elastic: the size when run, not when traced (Horovod's own allreduce does the same).
-        size = (tf.cast(hvd.size_op(), tf.float64) if world.elastic
-                else tf.constant(float(world.size), tf.float64))
+        size = (
+            tf.cast(hvd.size_op(), tf.float64)
+            if world.elastic
+            else tf.constant(float(world.size), tf.float64)
+        )
         values = values * tf.cast(factor / size, values.dtype)
     # The gathered rows summed into the dense gradient (repeated rows added up): what the
     # optimizer applies, on every world size.

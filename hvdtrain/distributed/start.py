@@ -1,20 +1,24 @@
 """``init()``: pick the backend (Horovod, or one process), start it, pin devices and thread
 pools, and return this process's ``World``; ``current()``: the World it made."""
+
 from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from hvdtrain.base import timings
 from hvdtrain.base.errors import LaunchError
-from hvdtrain.distributed.horovod_setup import _configure_devices, _horovod_defaults, _import_horovod
-from hvdtrain.distributed.horovod_world import HorovodWorld
 from hvdtrain.base.launch import LAUNCHER_SIZE_VARS, launcher_size
+from hvdtrain.distributed.horovod_setup import (
+    _configure_devices,
+    _horovod_defaults,
+    _import_horovod,
+)
+from hvdtrain.distributed.horovod_world import HorovodWorld
 from hvdtrain.distributed.world import World
 
-
-_current: Optional[World] = None
+_current: World | None = None
 
 
 def current() -> World:
@@ -22,9 +26,12 @@ def current() -> World:
     return _current if _current is not None else init()
 
 
-def init(backend: str = "auto", num_workers: Optional[int] = None,
-         notice: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
-         elastic: bool = False) -> World:
+def init(
+    backend: str = "auto",
+    num_workers: int | None = None,
+    notice: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+    elastic: bool = False,
+) -> World:
     """Start the backend and return this process's World.
 
     backend: "auto" (Horovod if importable, else one process), "horovod" or "single".
@@ -39,8 +46,10 @@ def _init(backend, num_workers, notice, elastic) -> World:
     launched = launcher_size()
     if backend == "single":
         if launched > 1:
-            raise LaunchError(f"--backend single, but a launcher started {launched} processes: "
-                              f"they would train {launched} independent copies")
+            raise LaunchError(
+                f"--backend single, but a launcher started {launched} processes: "
+                f"they would train {launched} independent copies"
+            )
         world = World()
     else:
         hvd, why = _import_horovod()
@@ -48,13 +57,20 @@ def _init(backend, num_workers, notice, elastic) -> World:
             if backend == "horovod" or launched > 1 or elastic:
                 raise LaunchError(
                     f"horovod cannot be imported ({why}), but "
-                    + (f"a launcher started {launched} processes: refusing to train "
-                       f"{launched} independent copies" if launched > 1 else
-                       "--backend horovod asks for it" if backend == "horovod" else
-                       "--elastic needs it")
-                    + ("" if "scripts/setup.sh" in why else "; run scripts/setup.sh"))
-            notice(f"hvdtrain: horovod unavailable ({why}); training in one process "
-                   "with the plain optimizer")
+                    + (
+                        f"a launcher started {launched} processes: refusing to train "
+                        f"{launched} independent copies"
+                        if launched > 1
+                        else "--backend horovod asks for it"
+                        if backend == "horovod"
+                        else "--elastic needs it"
+                    )
+                    + ("" if "scripts/setup.sh" in why else "; run scripts/setup.sh")
+                )
+            notice(
+                f"hvdtrain: horovod unavailable ({why}); training in one process "
+                "with the plain optimizer"
+            )
             world = World()
         else:
             _horovod_defaults()
@@ -64,8 +80,14 @@ def _init(backend, num_workers, notice, elastic) -> World:
     global _current
     _current = world
     # Without a launcher there is no count to disagree with: one process is simply one.
-    if (num_workers is not None and num_workers != world.size and world.is_chief
-            and any(name in os.environ for name in LAUNCHER_SIZE_VARS)):
-        notice(f"hvdtrain: warning: --num-workers is {num_workers} but the launcher started "
-               f"{world.size} process(es); training with world size {world.size}")
+    if (
+        num_workers is not None
+        and num_workers != world.size
+        and world.is_chief
+        and any(name in os.environ for name in LAUNCHER_SIZE_VARS)
+    ):
+        notice(
+            f"hvdtrain: warning: --num-workers is {num_workers} but the launcher started "
+            f"{world.size} process(es); training with world size {world.size}"
+        )
     return world

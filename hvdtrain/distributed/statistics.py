@@ -1,6 +1,7 @@
 """A model's statistics that each rank updates from its own batches (BatchNormalization's
 moving mean and variance) kept the same on every rank: averaged over the ranks when the run
 engine asks (before every evaluation, checkpoint, elastic commit and the final save)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,5 +32,5 @@ class MovingStatistics:
         flat = np.concatenate([np.ravel(a).astype(np.float64) for a in now])
         mean, at = self.world.allreduce_sum(flat) / self.world.size, 0
         for v, a in zip(self.weights, now):
-            v.assign(mean[at:at + a.size].reshape(a.shape).astype(a.dtype))
+            v.assign(mean[at : at + a.size].reshape(a.shape).astype(a.dtype))
             at += a.size

@@ -2,11 +2,13 @@
 collectives the loop needs: the gradients' reduction, broadcast, sums, barrier, agreement on
 errors, the elastic driver), and the single-process World, which needs no Horovod. Nothing
 else in hvdtrain asks ``rank() == 0``; it asks ``world.is_chief``."""
+
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,11 +33,11 @@ class Progress:
         path: the checkpoint it was restored from (None: none).
     """
 
-    epoch: Optional[int] = None
-    offset: Optional[int] = None
-    sums: Optional[list] = None
-    last_record: Optional[dict] = None
-    path: Optional[str] = None
+    epoch: int | None = None
+    offset: int | None = None
+    sums: list | None = None
+    last_record: dict | None = None
+    path: str | None = None
 
     def fields(self) -> dict:
         """The fields by name (what Horovod's elastic state is made from)."""
@@ -77,8 +79,9 @@ class World:
         """Rank 0 owns printing, files, checkpoints: the seeds' chief worker."""
         return self.rank == 0
 
-    def reduction(self, op: str = "average", compression: str = "none",
-                  gradient_predivide_factor: float = 1.0) -> Optional["Reduction"]:
+    def reduction(
+        self, op: str = "average", compression: str = "none", gradient_predivide_factor: float = 1.0
+    ) -> Reduction | None:
         """How an optimizer's gradients are reduced over the ranks: None in one process
         (there is nothing to reduce); the arguments and HVDTRAIN_BUCKET_BYTES are checked all
         the same."""
@@ -86,16 +89,23 @@ class World:
         configured_bucket_bytes()
         return None
 
-    def allreduce_gradients(self, grads, op="average", compression="none",
-                            gradient_predivide_factor=1.0, sparse_ratio=None,
-                            bucket_bytes=None) -> list:
+    def allreduce_gradients(
+        self,
+        grads,
+        op="average",
+        compression="none",
+        gradient_predivide_factor=1.0,
+        sparse_ratio=None,
+        bucket_bytes=None,
+    ) -> list:
         return list(grads)
 
     def broadcast_variables(self, variables) -> None:
         pass
 
-    def allreduce_sum(self, values: Sequence[float] | np.ndarray,
-                      name: str = "hvdtrain.sum") -> np.ndarray:
+    def allreduce_sum(
+        self, values: Sequence[float] | np.ndarray, name: str = "hvdtrain.sum"
+    ) -> np.ndarray:
         return np.asarray(values, dtype=np.float64)
 
     def sum_in_graph(self, tensor):
@@ -158,8 +168,10 @@ class World:
         return {}
 
     def run_elastic(self, variables, body, **progress):
-        raise LaunchError("--elastic needs Horovod under horovodrun's elastic mode "
-                          "(--min-np/--max-np with --host-discovery-script)")
+        raise LaunchError(
+            "--elastic needs Horovod under horovodrun's elastic mode "
+            "(--min-np/--max-np with --host-discovery-script)"
+        )
 
     def describe(self) -> str:
         return "1 process (no Horovod)"
@@ -200,8 +212,10 @@ def configured_bucket_bytes(environ=os.environ) -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise EnvError(f"HVDTRAIN_BUCKET_BYTES={raw}: give a size in bytes, 0 or more (0: all "
-                       f"gradients in one grouped allreduce; default {BUCKET_BYTES})")
+        raise EnvError(
+            f"HVDTRAIN_BUCKET_BYTES={raw}: give a size in bytes, 0 or more (0: all "
+            f"gradients in one grouped allreduce; default {BUCKET_BYTES})"
+        )
     return value
 
 
@@ -217,8 +231,9 @@ def reduction_ops(op, compression, gradient_predivide_factor, hvd=None):
         raise ValueError(f"compression={compression!r}: choose one of {', '.join(COMPRESSIONS)}")
     if not gradient_predivide_factor > 0:
         raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r}: must be > 0")
-    average = op.lower() == "average" if isinstance(op, str) else (
-        hvd is not None and op == hvd.Average)
+    average = (
+        op.lower() == "average" if isinstance(op, str) else (hvd is not None and op == hvd.Average)
+    )
     if gradient_predivide_factor != 1.0 and not average:
         raise ValueError("gradient_predivide_factor applies to op='average' only")
     if hvd is None:

@@ -15,6 +15,7 @@ matches but whose contents do not (a file made by hand, or by a bug): the metada
 the payload are checked against each other before any array is allocated. A save first
 removes the temporary files of saves that were killed (``.ckpt-*.tmp``).
 """
+
 from __future__ import annotations
 
 import glob
@@ -25,12 +26,12 @@ import os
 import re
 import struct
 import zipfile
-from typing import Callable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hvdtrain.base.errors import CheckpointError
 from hvdtrain.base import files
+from hvdtrain.base.errors import CheckpointError
 from hvdtrain.base.files import atomic_open, make_dirs, writing
 
 MAGIC = b"HVDTCKPT"
@@ -43,7 +44,7 @@ def path_for(directory: str, global_step: int) -> str:
     return os.path.join(directory, f"ckpt-{global_step:09d}.hvdt")
 
 
-def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     """(global step, path), newest first."""
     found = []
     for path in glob.glob(os.path.join(directory, "ckpt-*.hvdt")):
@@ -59,8 +60,9 @@ def remove_leftovers(directory: str) -> None:
     files.remove_leftovers(directory, patterns=(".ckpt-*.hvdt.*.tmp",))
 
 
-def save(directory: str, arrays: Sequence[np.ndarray], names: Sequence[str], meta: dict,
-         keep: int) -> str:
+def save(
+    directory: str, arrays: Sequence[np.ndarray], names: Sequence[str], meta: dict, keep: int
+) -> str:
     """Write one checkpoint atomically, then delete all but the newest ``keep``. An OSError
     (disk full, read-only, a file named like the directory) is ``StorageError`` naming the
     checkpoint; the checkpoints before it stay as they were."""
@@ -71,8 +73,11 @@ def save(directory: str, arrays: Sequence[np.ndarray], names: Sequence[str], met
     buf = io.BytesIO()
     np.savez(buf, *arrays)
     payload = buf.getvalue()
-    meta = dict(meta, payload_bytes=len(payload),
-                variables=[[n, list(a.shape), str(a.dtype)] for n, a in zip(names, arrays)])
+    meta = dict(
+        meta,
+        payload_bytes=len(payload),
+        variables=[[n, list(a.shape), str(a.dtype)] for n, a in zip(names, arrays)],
+    )
     header = json.dumps(meta, sort_keys=True).encode()
     body = MAGIC + bytes([VERSION]) + struct.pack(">Q", len(header)) + header + payload
     with atomic_open(target, "wb") as f:  # a crash leaves the previous checkpoint intact
@@ -84,7 +89,7 @@ def save(directory: str, arrays: Sequence[np.ndarray], names: Sequence[str], met
     return target
 
 
-def read(path: str) -> Tuple[dict, List[np.ndarray]]:
+def read(path: str) -> tuple[dict, list[np.ndarray]]:
     """Metadata and arrays of one checkpoint; CheckpointError says what is wrong with it."""
     try:
         with open(path, "rb") as f:
@@ -92,7 +97,7 @@ def read(path: str) -> Tuple[dict, List[np.ndarray]]:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
     head = len(MAGIC) + 1 + 8
-    if len(raw) < head or raw[:len(MAGIC)] != MAGIC:
+    if len(raw) < head or raw[: len(MAGIC)] != MAGIC:
         raise CheckpointError(f"{path}: not an hvdtrain checkpoint (bad header)")
     if raw[len(MAGIC)] != VERSION:
         raise CheckpointError(f"{path}: format version {raw[len(MAGIC)]}, expected {VERSION}")
@@ -101,19 +106,18 @@ def read(path: str) -> Tuple[dict, List[np.ndarray]]:
     body, digest = raw[:-DIGEST], raw[-DIGEST:]
     if hashlib.sha256(body).digest() != digest:
         # Truncation shows as a mismatch too; say which when the length gives it away.
-        (meta_len,) = struct.unpack(">Q", raw[len(MAGIC) + 1:head])
+        (meta_len,) = struct.unpack(">Q", raw[len(MAGIC) + 1 : head])
         try:
-            want = head + meta_len + json.loads(raw[head:head + meta_len])["payload_bytes"]
+            want = head + meta_len + json.loads(raw[head : head + meta_len])["payload_bytes"]
         except (ValueError, KeyError, TypeError):
             want = None
         if want is not None and len(body) < want:
-            raise CheckpointError(f"{path}: truncated: {len(raw)} bytes, expected "
-                                  f"{want + DIGEST}")
+            raise CheckpointError(f"{path}: truncated: {len(raw)} bytes, expected {want + DIGEST}")
         raise CheckpointError(f"{path}: checksum mismatch (the file was altered)")
-    (meta_len,) = struct.unpack(">Q", body[len(MAGIC) + 1:head])
+    (meta_len,) = struct.unpack(">Q", body[len(MAGIC) + 1 : head])
     try:
-        meta = json.loads(body[head:head + meta_len])
-        payload = body[head + meta_len:]
+        meta = json.loads(body[head : head + meta_len])
+        payload = body[head + meta_len :]
         if len(payload) != meta["payload_bytes"]:
             raise ValueError
     except (ValueError, KeyError, TypeError):  # hashed as written, so a bug, not damage
@@ -129,7 +133,7 @@ def read(path: str) -> Tuple[dict, List[np.ndarray]]:
     return meta, arrays
 
 
-def _check_contents(meta, payload: bytes) -> Optional[str]:
+def _check_contents(meta, payload: bytes) -> str | None:
     """What is wrong with a checkpoint whose hash matches (made by hand, or by a bug), before
     anything is allocated: None if the metadata and the payload's arrays agree."""
     if not isinstance(meta, dict):
@@ -176,16 +180,19 @@ def _check_contents(meta, payload: bytes) -> Optional[str]:
         if got_dtype.kind not in "biufc":
             return f"{member} ({name}): dtype {got_dtype} is not a number type"
         if tuple(got_shape) != shape or got_dtype != dtype:
-            return (f"{member} ({name}): array {got_dtype}{list(got_shape)} where the metadata "
-                    f"says {dtype}{list(shape)}")
+            return (
+                f"{member} ({name}): array {got_dtype}{list(got_shape)} where the metadata "
+                f"says {dtype}{list(shape)}"
+            )
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if members[member].file_size != offset + size:
-            return (f"{member} ({name}): {members[member].file_size - offset} bytes of data "
-                    f"for {size}")
+            return (
+                f"{member} ({name}): {members[member].file_size - offset} bytes of data for {size}"
+            )
     return None
 
 
-def load_latest(directory: str, warn: Callable[[str], None]) -> Optional[Tuple[dict, list, str]]:
+def load_latest(directory: str, warn: Callable[[str], None]) -> tuple[dict, list, str] | None:
     """The newest checkpoint that verifies, warning about each newer one that does not.
 
     None when the directory holds no checkpoint; CheckpointError when it holds only bad ones.

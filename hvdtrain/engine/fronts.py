@@ -5,13 +5,16 @@ names a setting and what its refusals and advice say; it never asks which driver
     Run(world, config, CommandLine("mnist"), settings)     # the Task path
     Run(world, config, FIT_SCRIPT, settings)               # hk.fit
 """
+
 from __future__ import annotations
 
 from hvdtrain.base.config import fit_argument
 
 # What defines a run that no flag or argument sets: a tf.data pipeline's input.
-INPUT_FACTS = {"train_files": "the training files",
-               "train_examples": "the training examples per epoch"}
+INPUT_FACTS = {
+    "train_files": "the training files",
+    "train_examples": "the training examples per epoch",
+}
 
 
 class CommandLine:
@@ -19,8 +22,9 @@ class CommandLine:
 
     fit = False  # the user's code that could change a model on one rank: the task's
     run_dir, no_resume, resume = "--run-dir", "--no-resume", "--resume"
-    diverged_advice = ("try a lower --learning-rate in a new --run-dir, or "
-                       "--no-stop-on-divergence to train on")
+    diverged_advice = (
+        "try a lower --learning-rate in a new --run-dir, or --no-stop-on-divergence to train on"
+    )
 
     def __init__(self, name: str):
         self.name = name  # the task's: config.json's "task", the default run directory's
@@ -37,8 +41,10 @@ class FitScript:
     name = "fit"
     fit = True  # the user's code that could change a model on one rank: train_step, callbacks
     run_dir, no_resume, resume = "run_dir", "resume=False", "resume=True"
-    diverged_advice = ("try a lower learning rate on the optimizer in a new run_dir, or "
-                       "stop_on_divergence=False to train on")
+    diverged_advice = (
+        "try a lower learning rate on the optimizer in a new run_dir, or "
+        "stop_on_divergence=False to train on"
+    )
 
     def argument(self, name: str) -> str:
         return INPUT_FACTS.get(name) or fit_argument(name)

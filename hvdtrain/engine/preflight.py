@@ -5,6 +5,7 @@ hang in Horovod (a collective waits for a tensor that never comes) or, worse, tr
 silently wrong model. One allgather of each rank's facts turns that into one error on
 every rank, naming the ranks and the differing values.
 """
+
 from __future__ import annotations
 
 from hvdtrain._version import __version__
@@ -19,8 +20,10 @@ class PreflightError(RankError):
 
 
 # The way out when a layer's state outside its weights differs between the ranks.
-ADAPT_HINT = ("adapt it on the same (whole) data on every rank, or with hk.adapt(layer, data) "
-              "(hvdtrain.keras.adapt: rank 0 adapts, every rank gets its state)")
+ADAPT_HINT = (
+    "adapt it on the same (whole) data on every rank, or with hk.adapt(layer, data) "
+    "(hvdtrain.keras.adapt: rank 0 adapts, every rank gets its state)"
+)
 
 
 def layer_state(model) -> dict:
@@ -41,13 +44,15 @@ def layer_state(model) -> dict:
         vocabulary = _vocabulary(layer)
         if vocabulary is not None:
             text = "\n".join(map(str, vocabulary)).encode("utf-8", "backslashreplace")
-            out[f"{where} vocabulary"] = (f"{len(vocabulary)} entries, sha256 "
-                                          f"{hashlib.sha256(text).hexdigest()[:12]}")
+            out[f"{where} vocabulary"] = (
+                f"{len(vocabulary)} entries, sha256 {hashlib.sha256(text).hexdigest()[:12]}"
+            )
         for name, value in sorted(state_attributes(layer).items()):
             a = np.asarray(value)
-            data = (a.tobytes() if a.dtype.kind != "O" else repr(a.tolist()).encode())
-            out[f"{where} {name.lstrip('_')}"] = (f"{list(a.shape)} {a.dtype}, sha256 "
-                                                 f"{hashlib.sha256(data).hexdigest()[:12]}")
+            data = a.tobytes() if a.dtype.kind != "O" else repr(a.tolist()).encode()
+            out[f"{where} {name.lstrip('_')}"] = (
+                f"{list(a.shape)} {a.dtype}, sha256 {hashlib.sha256(data).hexdigest()[:12]}"
+            )
     return out
 
 
@@ -82,10 +87,15 @@ def state_attributes(layer) -> dict:
             continue  # a variable (a weight), or Keras' own bookkeeping
         if isinstance(value, np.ndarray) or (type(value).__name__ == "EagerTensor"):
             found[name] = value
-        elif (isinstance(value, collections.abc.Sequence)
-              and not isinstance(value, (str, bytes)) and len(value)
-              and all(isinstance(v, numbers.Real) and not isinstance(v, (bool, int, np.integer))
-                      for v in value)):
+        elif (
+            isinstance(value, collections.abc.Sequence)
+            and not isinstance(value, (str, bytes))
+            and len(value)
+            and all(
+                isinstance(v, numbers.Real) and not isinstance(v, (bool, int, np.integer))
+                for v in value
+            )
+        ):
             found[name] = [float(v) for v in value]
     return found
 
@@ -93,10 +103,13 @@ def state_attributes(layer) -> dict:
 def model_facts(model) -> dict:
     """The model's fingerprint: its variables' names, shapes and dtypes, and its layers'
     state outside the weights (``layer_state``)."""
-    return {"model.variables": [(variable_name(v), tuple(v.shape),
-                                 str(getattr(v.dtype, "name", v.dtype)))
-                                for v in compat_variables(model.variables)],
-            **layer_state(model)}
+    return {
+        "model.variables": [
+            (variable_name(v), tuple(v.shape), str(getattr(v.dtype, "name", v.dtype)))
+            for v in compat_variables(model.variables)
+        ],
+        **layer_state(model),
+    }
 
 
 def check_model(world, model) -> None:
@@ -141,8 +154,9 @@ def _first_difference(key, values):
     for i in range(max(len(v) for v in values)):
         column = [v[i] if i < len(v) else None for v in values]
         if len(set(column)) > 1:
-            return f"model variable {i}", [("missing" if c is None else
-                                            f"{c[0]} {list(c[1])} {c[2]}") for c in column]
+            return f"model variable {i}", [
+                ("missing" if c is None else f"{c[0]} {list(c[1])} {c[2]}") for c in column
+            ]
     return key, values
 
 
@@ -157,13 +171,22 @@ def check(world, mine: dict) -> None:
         label, shown = _first_difference(key, values)
         groups = {}
         for rank, value in enumerate(shown):
-            groups.setdefault(value if isinstance(value, str) else _describe(key, value),
-                              []).append(rank)
-        parts = [f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {v}"
-                 for v, r in groups.items()]
+            groups.setdefault(
+                value if isinstance(value, str) else _describe(key, value), []
+            ).append(rank)
+        parts = [
+            f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {v}"
+            for v, r in groups.items()
+        ]
         problems.append(f"{label} differs ({'; '.join(parts)})")
     if problems:
-        hint = any(key.startswith("layer ") for key in sorted(set().union(*everyone))
-                   if len({str(f.get(key)) for f in everyone}) > 1)
-        raise PreflightError("ranks disagree before step 0: " + " | ".join(problems)
-                             + (f": {ADAPT_HINT}" if hint else ""))
+        hint = any(
+            key.startswith("layer ")
+            for key in sorted(set().union(*everyone))
+            if len({str(f.get(key)) for f in everyone}) > 1
+        )
+        raise PreflightError(
+            "ranks disagree before step 0: "
+            + " | ".join(problems)
+            + (f": {ADAPT_HINT}" if hint else "")
+        )

@@ -9,6 +9,7 @@ Run directory layout (``rundir.RunDir`` names each path):
     result.json      written last (atomically): the run's outcome
     tracking.json    with --track: each experiment tracker's run id (a resume continues it)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,12 +17,18 @@ import json
 import os
 import sys
 import time
-from typing import Optional
 
 from hvdtrain.base.config import env_number
 from hvdtrain.base.errors import StorageError
-from hvdtrain.base.files import (atomic_open, finite_json, make_dirs, remove_leftovers, replacing,
-                                 write_json_atomic, writing)
+from hvdtrain.base.files import (
+    atomic_open,
+    finite_json,
+    make_dirs,
+    remove_leftovers,
+    replacing,
+    write_json_atomic,
+    writing,
+)
 from hvdtrain.engine.rundir import RunDir
 
 # Where no live progress bar is drawn (a launcher's pipe, a SLURM or Kubernetes log), rank 0
@@ -53,24 +60,32 @@ class EpochRecord:
     samples_per_sec: float
     seconds: float
     world_size: int
-    input_wait: Optional[float] = None
+    input_wait: float | None = None
 
     def as_dict(self) -> dict:
         """The record as metrics.jsonl and the checkpoints keep it: the metrics by name
         beside the other fields (``input_wait`` only with a tf.data input)."""
-        out = {"epoch": self.epoch, "epochs": self.epochs, "global_step": self.global_step,
-               **self.metrics, "samples_per_sec": self.samples_per_sec,
-               "seconds": self.seconds, "world_size": self.world_size}
+        out = {
+            "epoch": self.epoch,
+            "epochs": self.epochs,
+            "global_step": self.global_step,
+            **self.metrics,
+            "samples_per_sec": self.samples_per_sec,
+            "seconds": self.seconds,
+            "world_size": self.world_size,
+        }
         if self.input_wait is not None:
             out["input_wait"] = self.input_wait
         return out
 
     @classmethod
-    def from_dict(cls, record: dict) -> "EpochRecord":
+    def from_dict(cls, record: dict) -> EpochRecord:
         """A record as ``as_dict`` made it (a checkpoint's, a line of metrics.jsonl)."""
         fields = {f.name for f in dataclasses.fields(cls)} - {"metrics"}
-        return cls(metrics={k: v for k, v in record.items() if k not in fields},
-                   **{k: record.get(k) for k in fields})
+        return cls(
+            metrics={k: v for k, v in record.items() if k not in fields},
+            **{k: record.get(k) for k in fields},
+        )
 
 
 def _scalars(values: dict) -> bytes:
@@ -79,18 +94,30 @@ def _scalars(values: dict) -> bytes:
     from tensorflow.core.framework import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 
     plugin = summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
-    return summary_pb2.Summary(value=[summary_pb2.Summary.Value(
-        tag=tag, metadata=plugin, tensor=tensor_pb2.TensorProto(
-            dtype=types_pb2.DT_FLOAT, tensor_shape=tensor_shape_pb2.TensorShapeProto(),
-            float_val=[value])) for tag, value in values.items()]).SerializeToString()
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+    )
+    return summary_pb2.Summary(
+        value=[
+            summary_pb2.Summary.Value(
+                tag=tag,
+                metadata=plugin,
+                tensor=tensor_pb2.TensorProto(
+                    dtype=types_pb2.DT_FLOAT,
+                    tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+                    float_val=[value],
+                ),
+            )
+            for tag, value in values.items()
+        ]
+    ).SerializeToString()
 
 
 class Reporter:
     """Prints and writes on the chief; does nothing on other ranks."""
 
-    def __init__(self, world, run_dir: RunDir, verbose: int = 1, track=(),
-                 track_required: bool = False):
+    def __init__(
+        self, world, run_dir: RunDir, verbose: int = 1, track=(), track_required: bool = False
+    ):
         self.world, self._verbose, self.dir = world, verbose, run_dir
         self._track, self._track_required = tuple(track), track_required
         self.trackers = None  # tracking.Trackers, on rank 0 once the run starts
@@ -98,8 +125,11 @@ class Reporter:
         self._tb = None
         self._lock = None
         self._progress_every = env_number(
-            "HVDTRAIN_PROGRESS_SECONDS", PROGRESS_SECONDS, lambda v: v >= 0,
-            "must be a number of seconds, 0 or more (0: no progress lines)")
+            "HVDTRAIN_PROGRESS_SECONDS",
+            PROGRESS_SECONDS,
+            lambda v: v >= 0,
+            "must be a number of seconds, 0 or more (0: no progress lines)",
+        )
         self._epoch_began = self._progress_at = time.monotonic()
 
     def problem(self):
@@ -122,7 +152,8 @@ class Reporter:
         except (OSError, ValueError):
             return None  # none, or unreadable: the checkpoints decide, as before
         same = all(saved.get(k) == v for k, v in defining.items() if k != "settings") and all(
-            saved.get("settings", {}).get(k) == v for k, v in defining["settings"].items())
+            saved.get("settings", {}).get(k) == v for k, v in defining["settings"].items()
+        )
         return done if same and done.get("epochs", 0) >= epochs else None
 
     def claim(self) -> None:
@@ -154,6 +185,7 @@ class Reporter:
         its ranks a pseudo-terminal even when its own output is a pipe, and tags and
         interleaves their lines, so a bar's carriage returns end up in the log.)"""
         from hvdtrain.base.launch import launcher_size
+
         return sys.stdout.isatty() and launcher_size() == 1
 
     def epoch_began(self) -> None:
@@ -170,8 +202,16 @@ class Reporter:
         self._progress_at = now
         return True
 
-    def progress(self, epoch: int, epochs: int, step: int, steps: int, done: int,
-                 step_examples: int, metrics: dict) -> None:
+    def progress(
+        self,
+        epoch: int,
+        epochs: int,
+        step: int,
+        steps: int,
+        done: int,
+        step_examples: int,
+        metrics: dict,
+    ) -> None:
         """One plain progress line: the epoch's step, rank 0's running metrics, the rate of
         the ``done`` steps (of ``step_examples`` over all ranks each) since the epoch began,
         and the epoch's time left."""
@@ -179,8 +219,10 @@ class Reporter:
         rate = done / seconds
         left = (steps - step) / rate if rate else float("nan")
         shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        self.print(f"Epoch {epoch}/{epochs}  step {step}/{steps}  {shown}  "
-                   f"{rate * step_examples:,.0f} samples/s  epoch ETA {_duration(left)}")
+        self.print(
+            f"Epoch {epoch}/{epochs}  step {step}/{steps}  {shown}  "
+            f"{rate * step_examples:,.0f} samples/s  epoch ETA {_duration(left)}"
+        )
 
     def print(self, message: str, level: int = 1) -> None:
         if self.verbose >= level:
@@ -221,8 +263,7 @@ class Reporter:
         if self._track and self.trackers is None:
             from hvdtrain.engine.tracking import Trackers
 
-            self.trackers = Trackers(self._track, self.dir, self._track_required,
-                                     self.notice)
+            self.trackers = Trackers(self._track, self.dir, self._track_required, self.notice)
             self.trackers.start(self._config, self.records())
 
     def records(self) -> list:
@@ -252,9 +293,15 @@ class Reporter:
             with self._tb.as_default(step=record["global_step"]):
                 # The epoch's scalars in one Summary, written by one op (what
                 # tf.summary.scalar writes, value by value, at one op each).
-                tf.summary.experimental.write_raw_pb(_scalars(
-                    {k: v for k, v in record.items()
-                     if k not in ("epoch", "epochs", "global_step") and isinstance(v, float)}))
+                tf.summary.experimental.write_raw_pb(
+                    _scalars(
+                        {
+                            k: v
+                            for k, v in record.items()
+                            if k not in ("epoch", "epochs", "global_step") and isinstance(v, float)
+                        }
+                    )
+                )
             self._tb.flush()
         if self.trackers is None and self._config is not None:
             self._start_trackers()  # an elastic run whose rank 0 changed: it tracks now
@@ -281,9 +328,11 @@ class Reporter:
             weights = self.dir.model_weights
             with replacing(weights, suffix=".weights.h5") as tmp:  # Keras' required suffix
                 model.save_weights(tmp)
-            self.notice(f"hvdtrain: warning: model.keras not saved: Keras cannot save this "
-                        f"{type(model).__name__} whole ({type(e).__name__}: {why}); its weights are in "
-                        f"{weights} (model.load_weights opens them in the model built in code)")
+            self.notice(
+                f"hvdtrain: warning: model.keras not saved: Keras cannot save this "
+                f"{type(model).__name__} whole ({type(e).__name__}: {why}); its weights are in "
+                f"{weights} (model.load_weights opens them in the model built in code)"
+            )
             return weights
 
     def result(self, result: dict) -> None:

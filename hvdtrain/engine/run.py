@@ -25,18 +25,32 @@ result.json last); errors (raised on every rank together: said once; one rank's:
 stopped by the watchdog; a failed collective: one line naming the rank). Only rank 0 reads
 and writes files (``report.Reporter``).
 """
+
 from __future__ import annotations
 
 import signal
-from typing import Optional
 
 import numpy as np
 
 from hvdtrain.base import compat, precision, timings
 from hvdtrain.base.config import Config, values
-from hvdtrain.base.errors import (CheckpointError, ConfigError, Diverged, EnvError, Error,
-                                  Preempted, RankError, RanksDiffer, RunDirBusy, RunDirHeld,
-                                  StorageError, TaskError, error_line, first_line, user_code)
+from hvdtrain.base.errors import (
+    CheckpointError,
+    ConfigError,
+    Diverged,
+    EnvError,
+    Error,
+    Preempted,
+    RankError,
+    RanksDiffer,
+    RunDirBusy,
+    RunDirHeld,
+    StorageError,
+    TaskError,
+    error_line,
+    first_line,
+    user_code,
+)
 from hvdtrain.distributed.optimizer import updates
 from hvdtrain.distributed.statistics import MovingStatistics
 from hvdtrain.distributed.world import Progress, World
@@ -63,8 +77,7 @@ class Run:
     (``start``: it changes with the world size in elastic runs); it sets no attribute.
     """
 
-    def __init__(self, world: World, config: Config, front: CommandLine | FitScript,
-                 settings=None):
+    def __init__(self, world: World, config: Config, front: CommandLine | FitScript, settings=None):
         self.world, self.config, self.front, self.settings = world, config, front, settings
         self.name = front.name  # the task's, or "fit"
         # Elastic runs: nothing before Horovod's driver may be a collective (a worker that
@@ -78,10 +91,10 @@ class Run:
         # scale_lr, fixed at the start (as the optimizer is); None: a schedule's (hk.fit).
         rate = config.learning_rate
         self.learning_rate = rate if rate is None or not config.scale_lr else rate * world.size
-        self.finished: Optional[dict] = None  # a finished run's result.json (check_run_dir)
+        self.finished: dict | None = None  # a finished run's result.json (check_run_dir)
         self.stop_requested = False
         # The newest finished epoch's record (kept in checkpoints: result.json's final_*).
-        self.last_record: Optional[EpochRecord] = None
+        self.last_record: EpochRecord | None = None
         self.global_batch = 0  # examples of one update over all ranks (start)
         self.model = self.optimizer = None
         self.state: list = []  # model and optimizer variables: what a checkpoint holds
@@ -93,10 +106,11 @@ class Run:
 
     # --- the run's frame: watchdog, SIGTERM, errors ---------------------------------------------
     @timings.timed("agreement")  # the watchdog's handshake
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Run:
         # Elastic runs survive a lost worker by design: Horovod's driver, not the watchdog, acts.
-        self.dog = Watchdog(self.world, 0 if self.config.elastic else
-                            self.config.peer_timeout).start()
+        self.dog = Watchdog(
+            self.world, 0 if self.config.elastic else self.config.peer_timeout
+        ).start()
         return self
 
     def __exit__(self, kind, e, tb) -> bool:
@@ -139,9 +153,11 @@ class Run:
     def user(self, what: str, fn, *args, catch=()):
         """The user's ``fn(*args)`` on every rank: an exception from it (or ``catch``) on any
         rank stops every rank with one line naming it and the user's file and line."""
+
         def call():
             with user_code(what):
                 return fn(*args)
+
         return self.agree(call, catch=(TaskError,) + tuple(catch), merge=TaskError)
 
     # --- before training ----------------------------------------------------------------------
@@ -153,8 +169,12 @@ class Run:
         # which take no collective here, and resume from their checkpoints as before.
         # --no-resume is refused by the checkpoints as before.
         finished = self.collective and self.config.resume is not False
-        problem = (self.out.problem(), self.out.finished(
-            self.config.epochs, self.record(defines_run=True)) if finished else None)
+        problem = (
+            self.out.problem(),
+            self.out.finished(self.config.epochs, self.record(defines_run=True))
+            if finished
+            else None,
+        )
         if self.collective:
             problem = self.world.broadcast_object(problem)
         problem, self.finished = problem
@@ -164,21 +184,25 @@ class Run:
     def unchanged(self) -> str:
         """A rerun of a finished run (``finished``): what the driver says instead of training."""
         done = self.finished
-        return (f"hvdtrain: {self.dir} holds a finished run ({done.get('epochs')} "
-                f"epochs, step {done.get('global_step')}): nothing to train, nothing "
-                f"overwritten; a new {self.front.argument('run_dir')} trains again, more "
-                f"{self.front.argument('epochs')} train on")
+        return (
+            f"hvdtrain: {self.dir} holds a finished run ({done.get('epochs')} "
+            f"epochs, step {done.get('global_step')}): nothing to train, nothing "
+            f"overwritten; a new {self.front.argument('run_dir')} trains again, more "
+            f"{self.front.argument('epochs')} train on"
+        )
 
     @timings.timed("agreement")
     def claim(self) -> None:
         """Everything is checked: rank 0 takes the run directory for this run (a second run
         on it is refused while this one lives)."""
+
         def take():  # rank 0's StorageError (the lock file) said as the others' saves are,
-            try:     # and a lock held elsewhere too: both are every rank's exit status
+            try:  # and a lock held elsewhere too: both are every rank's exit status
                 self.out.claim()
             except (StorageError, RunDirHeld, EnvError) as e:
                 return type(e).__name__, str(e)
             return None
+
         error = self.agree(take, catch=(RunDirBusy, OSError))
         if self.collective:
             error = self.world.broadcast_object(error)
@@ -193,11 +217,13 @@ class Run:
         from. From here on SIGTERM and SIGINT stop the run at a step boundary instead of
         killing (interrupting) the process."""
         self.model, self.optimizer = model, optimizer
-        self.state = (compat.variables(model.variables) + list(optimizer.variables)
-                      + precision.scaler_state(optimizer)
-                      + [v for o in others for v in o.variables])
-        self.moving = MovingStatistics(self.world,
-                                       compat.variables(model.non_trainable_weights))
+        self.state = (
+            compat.variables(model.variables)
+            + list(optimizer.variables)
+            + precision.scaler_state(optimizer)
+            + [v for o in others for v in o.variables]
+        )
+        self.moving = MovingStatistics(self.world, compat.variables(model.non_trainable_weights))
         find = lambda: self.checkpoints.find(self.record(defines_run=True))  # noqa: E731
         found = self.agree(find, catch=(CheckpointError,))
         load = lambda: self.checkpoints.load(found, self.state)  # noqa: E731
@@ -213,13 +239,17 @@ class Run:
         # Horovod: every rank starts from rank 0's state, initial or restored.
         self.world.broadcast_variables(self.state)
 
-    def record(self, defines_run: Optional[bool] = None) -> dict:
+    def record(self, defines_run: bool | None = None) -> dict:
         """The run's name and settings (all, or only those that define the run): what
         config.json shows, what a checkpoint keeps, what a resume compares."""
-        return {"task": self.name, **values(self.config, defines_run=defines_run),
-                "settings": values(self.settings, defines_run=defines_run), **self.input}
+        return {
+            "task": self.name,
+            **values(self.config, defines_run=defines_run),
+            "settings": values(self.settings, defines_run=defines_run),
+            **self.input,
+        }
 
-    def use_input(self, pipeline=None, identity: Optional[dict] = None) -> None:
+    def use_input(self, pipeline=None, identity: dict | None = None) -> None:
         """The driver's training input, once loaded: its tf.data ``pipeline`` (its input wait
         recorded each epoch, checked unchanged before each save), and what identifies it
         besides the settings (``identity``: its files, compared on resume)."""
@@ -232,11 +262,17 @@ class Run:
         of one update over all ranks at this world size (a checkpoint's step)."""
         self.global_batch, last = global_batch, progress.last_record
         self.last_record = EpochRecord.from_dict(last) if last is not None else None
-        self.rank0_writes(self.out.start, {**self.record(), "world_size": self.world.size,
-                                           "backend": self.world.backend,
-                                           "keras": compat.describe(),
-                                           "applied_learning_rate": self.learning_rate},
-                          progress.epoch or 0)
+        self.rank0_writes(
+            self.out.start,
+            {
+                **self.record(),
+                "world_size": self.world.size,
+                "backend": self.world.backend,
+                "keras": compat.describe(),
+                "applied_learning_rate": self.learning_rate,
+            },
+            progress.epoch or 0,
+        )
 
     def reached(self, global_step: int) -> None:
         """The driver's step so far: what the watchdog's heartbeat tells the other ranks."""
@@ -266,9 +302,16 @@ class Run:
         self.sync_state()
         self.check_weights()
         self.check_agreement()
-        self.rank0_writes(self.checkpoints.save, progress, partial_sums, self.state,
-                          self.global_batch, self.global_step, self.record(),
-                          self.last_record and self.last_record.as_dict())
+        self.rank0_writes(
+            self.checkpoints.save,
+            progress,
+            partial_sums,
+            self.state,
+            self.global_batch,
+            self.global_step,
+            self.record(),
+            self.last_record and self.last_record.as_dict(),
+        )
 
     @timings.timed("checkpoints")
     def commit(self, progress: Progress, partial_sums) -> None:
@@ -282,7 +325,8 @@ class Run:
         """Every rank holds the same weights, so every rank decides the same here: a
         checkpoint of NaN weights would make the "last good" one useless."""
         if self.config.stop_on_divergence and not all(
-                np.isfinite(v.numpy()).all() for v in self.model.trainable_variables):
+            np.isfinite(v.numpy()).all() for v in self.model.trainable_variables
+        ):
             raise self.diverged(f"the weights became NaN or infinite by step {self.global_step}")
 
     def check_agreement(self) -> None:
@@ -294,13 +338,18 @@ class Run:
             return
         differ = weights_agreement(self.world, self.model)["differ"]
         if differ:
-            raise RanksDiffer(f"{ranks_differ_line(differ, self.global_step, self.front.fit)}; "
-                              f"training stopped ({self._kept()})")
+            raise RanksDiffer(
+                f"{ranks_differ_line(differ, self.global_step, self.front.fit)}; "
+                f"training stopped ({self._kept()})"
+            )
 
     def _kept(self) -> str:
         newest = self.checkpoints.steps()
-        return (f"the newest checkpoint, from before it, is step {newest[0]} in "
-                f"{self.dir.checkpoints}" if newest else "no checkpoint was saved before it")
+        return (
+            f"the newest checkpoint, from before it, is step {newest[0]} in {self.dir.checkpoints}"
+            if newest
+            else "no checkpoint was saved before it"
+        )
 
     def diverged(self, what: str) -> Diverged:
         kept = self._kept()
@@ -315,10 +364,15 @@ class Run:
             signal.signal(signum, signal.SIG_IGN)
         self._handlers = {}
         # Nobody exits (and gets the job killed) before the save; the signal the ranks saw.
-        seen = [s for s in self.world.allgather_object(
-            self.stop_signal if self.stop_requested else None) if s] or ["SIGTERM"]
-        stop = Preempted(f"stopped by {seen[0]} at step {global_step}; checkpoint saved in "
-                         f"{self.dir.checkpoints}; run the same command to resume")
+        seen = [
+            s
+            for s in self.world.allgather_object(self.stop_signal if self.stop_requested else None)
+            if s
+        ] or ["SIGTERM"]
+        stop = Preempted(
+            f"stopped by {seen[0]} at step {global_step}; checkpoint saved in "
+            f"{self.dir.checkpoints}; run the same command to resume"
+        )
         stop.world = self.world  # report(): no rank exits before rank 0 has said the line
         raise stop
 
@@ -330,9 +384,11 @@ class Run:
             record.input_wait = share = self.pipeline.wait_share(record.seconds)
             if share > INPUT_BOUND and not self._said_input_bound:
                 self._said_input_bound = True
-                self.out.notice(f"hvdtrain: input-bound: epoch {record.epoch}'s steps waited "
-                                f"for input {share:.0%} of its time (slowest rank); parallel "
-                                "map/interleave, prefetch or cache would speed it up")
+                self.out.notice(
+                    f"hvdtrain: input-bound: epoch {record.epoch}'s steps waited "
+                    f"for input {share:.0%} of its time (slowest rank); parallel "
+                    "map/interleave, prefetch or cache would speed it up"
+                )
         self.last_record = record
         self.rank0_writes(self.out.epoch, record.as_dict())
 
@@ -345,12 +401,19 @@ class Run:
         """result.json: the common fields, the driver's ``result``, every rank's weights
         compared, and model.keras (unless ``save_model`` is off). All ranks."""
         last = self.last_record.metrics if self.last_record else {}
-        out = {"task": self.name, "backend": self.world.backend, "world_size": self.world.size,
-               "global_step": self.global_step, "epochs": self.config.epochs,
-               "keras": compat.describe(), **{f"final_{k}": v for k, v in last.items()},
-               # the rate the optimizer applied (``learning_rate``: its name before)
-               "applied_learning_rate": self.learning_rate, "learning_rate": self.learning_rate,
-               **result}
+        out = {
+            "task": self.name,
+            "backend": self.world.backend,
+            "world_size": self.world.size,
+            "global_step": self.global_step,
+            "epochs": self.config.epochs,
+            "keras": compat.describe(),
+            **{f"final_{k}": v for k, v in last.items()},
+            # the rate the optimizer applied (``learning_rate``: its name before)
+            "applied_learning_rate": self.learning_rate,
+            "learning_rate": self.learning_rate,
+            **result,
+        }
         scale = precision.loss_scale(self.optimizer)
         if scale is not None:  # float16: the scale the run ended with (the same on every rank)
             out["loss_scale"] = scale
@@ -367,13 +430,15 @@ class Run:
             self.rank0_writes(self.out.result, out)
         self.out.print(timings.line(out["timings"]), level=2)
         if differ:  # the work is kept (result.json says so), and the run fails
-            raise RanksDiffer(f"{ranks_differ_line(differ, self.global_step, self.front.fit)}; "
-                              f"result.json and the model hold rank 0's "
-                              f"(ranks_identical: false)")
+            raise RanksDiffer(
+                f"{ranks_differ_line(differ, self.global_step, self.front.fit)}; "
+                f"result.json and the model hold rank 0's "
+                f"(ranks_identical: false)"
+            )
         return out
 
 
-def _stop_watching(dog: Watchdog, world: World, e: Optional[BaseException]) -> None:
+def _stop_watching(dog: Watchdog, world: World, e: BaseException | None) -> None:
     """End the watchdog as the run ended: normally, together, or on this rank alone."""
     if e is None or getattr(e, "together", False):
         dog.close()  # every rank ended here together; nobody waits for anyone
@@ -383,8 +448,9 @@ def _stop_watching(dog: Watchdog, world: World, e: Optional[BaseException]) -> N
         # watchdog's verdict a moment to arrive, then say it in one line.
         dog.await_verdict(5.0)
         dog.abort(error_line(e))
-        raise RankError(f"rank {world.rank}: a collective failed (a peer is gone?): "
-                        f"{first_line(str(e))}") from None
+        raise RankError(
+            f"rank {world.rank}: a collective failed (a peer is gone?): {first_line(str(e))}"
+        ) from None
     else:
         # This rank alone: stop the others too. Rank 0 says the line, once (for another
         # rank's error, the verdict it relays; for its own, its report).

@@ -2,6 +2,7 @@
 default name, why a path cannot hold a new or continued run, and the lock by which rank 0
 holds it for the whole run (a second run on it is refused, a dead holder's lease waited out).
 docs/reference/run-directory.md describes each file."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,6 @@ import time
 from hvdtrain.base.config import env_number
 from hvdtrain.base.errors import RunDirBusy, RunDirHeld
 from hvdtrain.base.files import make_dirs, writing
-
 
 # The run directory's layout: the names of what rank 0 writes there.
 CONFIG, METRICS, RESULT = "config.json", "metrics.jsonl", "result.json"
@@ -41,7 +41,7 @@ class RunDir:
         object.__setattr__(self, "path", os.path.abspath(self.path))
 
     @classmethod
-    def resolve(cls, given, task: str, world) -> "RunDir":
+    def resolve(cls, given, task: str, world) -> RunDir:
         """The run directory of a run: ``given`` (``--run-dir``, ``run_dir=``), else a new
         one named after ``task`` by rank 0 (its clock decides) and told to the other ranks.
 
@@ -77,7 +77,7 @@ class RunDir:
         """Why this directory cannot hold a new or continued run (``run_dir_problem``)."""
         return run_dir_problem(self.path)
 
-    def lock(self, wait: float = None) -> "RunLock":
+    def lock(self, wait: float = None) -> RunLock:
         """Hold this directory for this run (``RunLock``)."""
         return RunLock(self.path, wait)
 
@@ -119,13 +119,18 @@ def run_dir_problem(path: str):
     for name in FOLDERS:
         inside = os.path.join(path, name)
         if os.path.exists(inside) and not os.path.isdir(inside):
-            return (f"holds a file {name} where its {name}/ folder belongs: move it away "
-                    f"(and put the {name} back, to resume)")
+            return (
+                f"holds a file {name} where its {name}/ folder belongs: move it away "
+                f"(and put the {name} back, to resume)"
+            )
     checkpoints = os.path.join(path, CHECKPOINTS)
     if os.path.exists(os.path.join(path, RESULT)) and not (
-            os.path.isdir(checkpoints) and any(n.endswith(".hvdt") for n in os.listdir(checkpoints))):
-        return ("holds a finished run (result.json) and no checkpoint to continue from: "
-                "choose a new one rather than overwrite it")
+        os.path.isdir(checkpoints) and any(n.endswith(".hvdt") for n in os.listdir(checkpoints))
+    ):
+        return (
+            "holds a finished run (result.json) and no checkpoint to continue from: "
+            "choose a new one rather than overwrite it"
+        )
     return None
 
 
@@ -134,8 +139,12 @@ LOCK_WAIT = 120.0  # HVDTRAIN_LOCK_WAIT's default: NFSv4's 90 s lease, and a mar
 
 def lock_wait() -> float:
     """HVDTRAIN_LOCK_WAIT: seconds to wait for a run directory held by a run elsewhere."""
-    return env_number("HVDTRAIN_LOCK_WAIT", LOCK_WAIT, lambda v: 0 <= v <= 86400,
-                      f"give seconds from 0 to 86400 (default {LOCK_WAIT:g})")
+    return env_number(
+        "HVDTRAIN_LOCK_WAIT",
+        LOCK_WAIT,
+        lambda v: 0 <= v <= 86400,
+        f"give seconds from 0 to 86400 (default {LOCK_WAIT:g})",
+    )
 
 
 def _identity(pid: int) -> str:
@@ -175,15 +184,21 @@ class RunLock:
             if self._live_here(holder, identity) or not self._wait(run_dir, holder, wait):
                 os.close(self._fd)
                 if self._live_here(holder, identity):
-                    raise RunDirBusy(f"{run_dir} is in use by another run ({holder}): wait "
-                                     "for it to end, or choose another --run-dir") from None
-                raise RunDirHeld(f"{run_dir} is still locked after {wait:g} s by a run "
-                                 f"elsewhere ({holder}): a run on another node, or a crashed "
-                                 "node's lock the file server keeps; retry later (exit 73), "
-                                 "or choose another --run-dir") from None
+                    raise RunDirBusy(
+                        f"{run_dir} is in use by another run ({holder}): wait "
+                        "for it to end, or choose another --run-dir"
+                    ) from None
+                raise RunDirHeld(
+                    f"{run_dir} is still locked after {wait:g} s by a run "
+                    f"elsewhere ({holder}): a run on another node, or a crashed "
+                    "node's lock the file server keeps; retry later (exit 73), "
+                    "or choose another --run-dir"
+                ) from None
         with writing(path):
-            self._write(f"pid {os.getpid()} on {socket.gethostname()} since "
-                        f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n{_identity(os.getpid())}\n")
+            self._write(
+                f"pid {os.getpid()} on {socket.gethostname()} since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n{_identity(os.getpid())}\n"
+            )
 
     def _take(self) -> bool:
         try:
@@ -203,15 +218,20 @@ class RunLock:
         words = holder.split()
         if len(words) < 4 or words[0] != "pid" or words[2] != "on" or not words[1].isdigit():
             return False
-        return words[3] == socket.gethostname() and bool(identity) and \
-            _identity(int(words[1])) == identity
+        return (
+            words[3] == socket.gethostname()
+            and bool(identity)
+            and _identity(int(words[1])) == identity
+        )
 
     def _wait(self, run_dir: str, holder: str, wait: float) -> bool:
         if wait <= 0:
             return False
-        sys.stderr.write(f"hvdtrain: {run_dir} is locked by a run elsewhere ({holder}): "
-                         f"waiting up to {wait:g} s (HVDTRAIN_LOCK_WAIT) for its lock to "
-                         "end\n")
+        sys.stderr.write(
+            f"hvdtrain: {run_dir} is locked by a run elsewhere ({holder}): "
+            f"waiting up to {wait:g} s (HVDTRAIN_LOCK_WAIT) for its lock to "
+            "end\n"
+        )
         sys.stderr.flush()
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:

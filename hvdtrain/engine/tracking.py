@@ -23,6 +23,7 @@ The trackers' own variables configure them (``MLFLOW_TRACKING_URI``,
 ``MLFLOW_EXPERIMENT_NAME``, ``WANDB_MODE``, ``WANDB_PROJECT``, ``WANDB_API_KEY``, ...);
 their packages are imported only when a run asks for them (``pip install "hvdtrain[track]"``).
 """
+
 from __future__ import annotations
 
 import glob
@@ -34,7 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Callable, Optional
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 from hvdtrain.base.errors import StorageError
@@ -67,7 +68,7 @@ def flat(settings: dict, prefix: str = "") -> dict:
     return out
 
 
-def reachable(url: str) -> Optional[str]:
+def reachable(url: str) -> str | None:
     """Why ``url``'s host and port cannot be connected to within CONNECT_SECONDS (None if
     they can, or the URL is not a network one)."""
     parts = urlparse(url)
@@ -105,28 +106,39 @@ class MLflow:
         experiment = self._experiment()
         # The job's run: by its saved id, else by the job's tag (a run made by a process
         # that was stopped before it could save the id), else a new one.
-        found = [self.client.get_run(saved["run_id"])] if saved.get("run_id") else \
-            self.client.search_runs([experiment], f"tags.`hvdtrain.job` = '{saved['job']}'",
-                                    max_results=1)
+        found = (
+            [self.client.get_run(saved["run_id"])]
+            if saved.get("run_id")
+            else self.client.search_runs(
+                [experiment], f"tags.`hvdtrain.job` = '{saved['job']}'", max_results=1
+            )
+        )
         if found:
             run = found[0]
             self.client.update_run(run.info.run_id, status="RUNNING")
         else:
-            run = self.client.create_run(experiment, run_name=run_name, tags={
-                "hvdtrain.run_dir": run_dir, "hvdtrain.job": saved["job"]})
+            run = self.client.create_run(
+                experiment,
+                run_name=run_name,
+                tags={"hvdtrain.run_dir": run_dir, "hvdtrain.job": saved["job"]},
+            )
         self.run_id = run.info.run_id
         known, text = run.data.params, {k: str(v) for k, v in flat(settings).items()}
         params = [Param(k, v[:6000]) for k, v in text.items() if k not in known]
         for i in range(0, len(params), 100):  # log_batch takes 100 parameters at most
-            self.client.log_batch(self.run_id, params=params[i:i + 100])
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
         changed = {k: v for k, v in text.items() if k in known and known[k] != v[:6000]}
         for k, v in changed.items():  # a parameter cannot change; a resume with more epochs
             self.client.set_tag(self.run_id, f"hvdtrain.resumed.{k}", v)
         # The epochs the server has (a stopped process may have sent one it did not record).
         logged = [m.value for m in self.client.get_metric_history(self.run_id, "epoch")]
-        return {"run_id": self.run_id, "experiment_id": run.info.experiment_id,
-                "tracking_uri": uri, "run_name": run.info.run_name,
-                "epochs_logged": int(max(logged, default=0))}
+        return {
+            "run_id": self.run_id,
+            "experiment_id": run.info.experiment_id,
+            "tracking_uri": uri,
+            "run_name": run.info.run_name,
+            "epochs_logged": int(max(logged, default=0)),
+        }
 
     def _experiment(self) -> str:
         if os.environ.get("MLFLOW_EXPERIMENT_ID"):
@@ -141,8 +153,9 @@ class MLflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[
-            Metric(k, float(v), now, step) for k, v in values.items()])
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()]
+        )
 
     def artifacts(self, paths: list) -> None:
         for path in paths:
@@ -173,13 +186,16 @@ class Wandb:
                 raise ConnectionError(problem)
         run_id = saved.get("run_id") or saved["job"][:8]
         self.run = wandb.init(
-            id=run_id, resume="allow", name=run_name,
+            id=run_id,
+            resume="allow",
+            name=run_name,
             project=os.environ.get("WANDB_PROJECT", "hvdtrain"),
-            dir=os.environ.get("WANDB_DIR", run_dir), reinit="create_new",
-            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+            dir=os.environ.get("WANDB_DIR", run_dir),
+            reinit="create_new",
+            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+        )
         self.run.config.update(flat(settings), allow_val_change=True)
-        return {"run_id": run_id, "project": self.run.project, "run_name": run_name,
-                "mode": mode}
+        return {"run_id": run_id, "project": self.run.project, "run_name": run_name, "mode": mode}
 
     def metrics(self, values: dict, step: int) -> None:
         self.run.log(dict(values), step=step)
@@ -207,8 +223,7 @@ class TensorBoard:
         import tensorflow as tf
         from tensorboard.plugins.hparams import api as hp
 
-        values = {k: v for k, v in flat(settings).items()
-                  if isinstance(v, (bool, int, float, str))}
+        values = {k: v for k, v in flat(settings).items() if isinstance(v, (bool, int, float, str))}
         writer = tf.summary.create_file_writer(os.path.join(run_dir, TENSORBOARD))
         with writer.as_default():
             hp.hparams(values, trial_id=run_name)
@@ -228,10 +243,10 @@ class Trackers:
     def __init__(self, names, run_dir: RunDir, required: bool, notice: Callable[[str], None]):
         self.names, self.dir, self.required, self.notice = tuple(names), run_dir, required, notice
         self.live: dict = {}  # name: backend, while it works
-        self.failed: Optional[str] = None  # the first failure's line (--track-required)
+        self.failed: str | None = None  # the first failure's line (--track-required)
         self.record: dict = {}
         self._queue: queue.Queue = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     # --- the training thread's calls --------------------------------------------------------
     def start(self, config: dict, kept: list) -> None:
@@ -245,8 +260,7 @@ class Trackers:
         for name in self.names:
             self.record.setdefault(name, {}).setdefault("job", uuid.uuid4().hex)
         self._write()
-        self._thread = threading.Thread(target=self._work, name="hvdtrain-trackers",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._work, name="hvdtrain-trackers", daemon=True)
         self._thread.start()
         self._put(self._start, config)
         for record in kept:
@@ -266,7 +280,7 @@ class Trackers:
         self.check()
         self._put(self._finish, dict(result))
 
-    def close(self, status: str, seconds: Optional[float] = None) -> None:
+    def close(self, status: str, seconds: float | None = None) -> None:
         """End each tracker's run with ``status`` (FINISHED, KILLED, FAILED); wait up to
         ``seconds`` (FLUSH_SECONDS) for the calls still queued."""
         if self._thread is None:
@@ -276,9 +290,11 @@ class Trackers:
         self._put(None)
         self._thread.join(seconds)
         if self._thread.is_alive() and seconds:
-            self.notice(f"hvdtrain: warning: the trackers ({', '.join(self.live)}) still had "
-                        f"not answered after {seconds:.0f} s: left behind, the run is saved in "
-                        f"{self.dir}")
+            self.notice(
+                f"hvdtrain: warning: the trackers ({', '.join(self.live)}) still had "
+                f"not answered after {seconds:.0f} s: left behind, the run is saved in "
+                f"{self.dir}"
+            )
         self._thread = None
 
     def check(self) -> None:
@@ -306,19 +322,24 @@ class Trackers:
             except Exception as e:  # noqa: BLE001 (a tracker's failure is never training's)
                 self._fail(what, e, name)
 
-    def _fail(self, what: str, e: BaseException, name: Optional[str] = None) -> None:
+    def _fail(self, what: str, e: BaseException, name: str | None = None) -> None:
         names = [name] if name else list(self.live)
         for n in names:
             self.live.pop(n, None)
         reason = " ".join(str(e).split())[:300] or type(e).__name__
-        line = (f"tracker {'/'.join(names) or ', '.join(self.names)} failed at the {what}: "
-                f"{type(e).__name__}: {reason}")
+        line = (
+            f"tracker {'/'.join(names) or ', '.join(self.names)} failed at the {what}: "
+            f"{type(e).__name__}: {reason}"
+        )
         if self.required:
-            self.failed = self.failed or (f"{line}; the run stops (--track-required); the "
-                                          f"checkpoints are in {self.dir}")
+            self.failed = self.failed or (
+                f"{line}; the run stops (--track-required); the checkpoints are in {self.dir}"
+            )
         else:
-            self.notice(f"hvdtrain: warning: {line}; training goes on without it "
-                        "(--track-required stops instead)")
+            self.notice(
+                f"hvdtrain: warning: {line}; training goes on without it "
+                "(--track-required stops instead)"
+            )
 
     def _start(self, config: dict) -> None:
         run_name = os.path.basename(self.dir.path)
@@ -332,14 +353,19 @@ class Trackers:
                 self._fail("start", e, name)
                 continue
             self.live[name] = tracker
-            self.record[name] = {**saved, **info, "epochs_logged": max(
-                saved.get("epochs_logged", 0), info.get("epochs_logged", 0))}
+            self.record[name] = {
+                **saved,
+                **info,
+                "epochs_logged": max(saved.get("epochs_logged", 0), info.get("epochs_logged", 0)),
+            }
             self._write()  # at once: the run's id, for the next run of this job
 
     def _epoch(self, record: dict) -> None:
-        values = {k: v for k, v in record.items()
-                  if k not in NOT_METRICS and isinstance(v, (int, float))
-                  and not isinstance(v, bool)}
+        values = {
+            k: v
+            for k, v in record.items()
+            if k not in NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         values["epoch"] = record["epoch"]
         for name, tracker in list(self.live.items()):
             if record["epoch"] <= self.record[name].get("epochs_logged", 0):
@@ -353,12 +379,25 @@ class Trackers:
         self._write()
 
     def _finish(self, result: dict) -> None:
-        numbers = {k: v for k, v in result.items() if isinstance(v, (int, float))
-                   and not isinstance(v, bool) and k not in ("world_size", "epochs")}
-        numbers.update({f"time_{k}": v for k, v in (result.get("timings") or {}).items()
-                        if isinstance(v, (int, float))})
-        paths = [os.path.join(self.dir.path, f) for f in ARTIFACTS
-                 if os.path.exists(os.path.join(self.dir.path, f))]
+        numbers = {
+            k: v
+            for k, v in result.items()
+            if isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and k not in ("world_size", "epochs")
+        }
+        numbers.update(
+            {
+                f"time_{k}": v
+                for k, v in (result.get("timings") or {}).items()
+                if isinstance(v, (int, float))
+            }
+        )
+        paths = [
+            os.path.join(self.dir.path, f)
+            for f in ARTIFACTS
+            if os.path.exists(os.path.join(self.dir.path, f))
+        ]
         model = result.get("model")
         if model and os.path.exists(model):
             paths.append(model)
@@ -368,8 +407,10 @@ class Trackers:
                 json.dump(_checkpoints(self.dir.checkpoints), f, indent=1)
             paths.append(listing)
             step = int(result.get("global_step", 0))
-            self._each("end", lambda t: (t.summary(numbers) if hasattr(t, "summary")
-                                         else t.metrics(numbers, step)))
+            self._each(
+                "end",
+                lambda t: t.summary(numbers) if hasattr(t, "summary") else t.metrics(numbers, step),
+            )
             self._each("end", lambda t: t.artifacts(paths))
 
     def _end(self, status: str) -> None:
@@ -395,5 +436,8 @@ class Trackers:
 def _checkpoints(directory: str) -> list:
     """The checkpoints on disk: name, bytes and modification time (not their contents)."""
     paths = sorted(glob.glob(os.path.join(glob.escape(directory), "ckpt-*")))
-    return [{"file": os.path.basename(p), "bytes": os.path.getsize(p),
-             "mtime": os.path.getmtime(p)} for p in paths if not p.endswith(".tmp")]
+    return [
+        {"file": os.path.basename(p), "bytes": os.path.getsize(p), "mtime": os.path.getmtime(p)}
+        for p in paths
+        if not p.endswith(".tmp")
+    ]

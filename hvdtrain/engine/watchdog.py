@@ -32,6 +32,7 @@ refused connections are counted and said in at most one line a minute (``WARN_EV
 once more at the end if any went unsaid. ``HVDTRAIN_WATCHDOG_PORT`` naming a port that
 another process holds is one line on every rank (exit 2), before training.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,7 +43,6 @@ import socket
 import sys
 import threading
 import time
-from typing import Dict, Optional
 
 from hvdtrain.base.errors import EXIT_FAILED, EXIT_PEER_LOST, EnvError
 
@@ -65,11 +65,17 @@ def _addresses() -> list:
     try:
         import psutil  # a Horovod dependency; without it, names only
 
-        preferred = {os.environ.get(v) for v in ("HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME",
-                                                  "OMPI_MCA_btl_tcp_if_include")}
+        preferred = {
+            os.environ.get(v)
+            for v in ("HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME", "OMPI_MCA_btl_tcp_if_include")
+        }
         interfaces = sorted(psutil.net_if_addrs().items(), key=lambda kv: kv[0] not in preferred)
-        found += [a.address for _, addrs in interfaces for a in addrs
-                  if a.family == socket.AF_INET and not a.address.startswith("127.")]
+        found += [
+            a.address
+            for _, addrs in interfaces
+            for a in addrs
+            if a.family == socket.AF_INET and not a.address.startswith("127.")
+        ]
     except ImportError:
         pass
     found += [n for n in (os.environ.get("HOROVOD_HOSTNAME"), socket.gethostname()) if n]
@@ -85,7 +91,7 @@ class _Lines:
     def __init__(self, sock: socket.socket):
         self.sock, self.buffer = sock, b""
 
-    def readline(self, limit: int, deadline: Optional[float] = None) -> Optional[str]:
+    def readline(self, limit: int, deadline: float | None = None) -> str | None:
         """The next line (with its newline); "" at the end of the stream; None when it is
         longer than ``limit`` bytes or the deadline passes first."""
         while b"\n" not in self.buffer:
@@ -98,7 +104,7 @@ class _Lines:
                 self.sock.settimeout(left)
             try:
                 chunk = self.sock.recv(4096)
-            except socket.timeout:
+            except TimeoutError:
                 return None
             if not chunk:
                 return ""
@@ -129,6 +135,7 @@ class _Peer:
 
 # --- the handshake: each side proves it knows the job's secret (HMAC of fresh nonces) -----------
 
+
 def _listen(world):
     """Rank 0: (its listening socket, what the ranks need to reach it: addresses, port,
     host name and the job's secret). One host (every rank local): loopback only. Several:
@@ -140,16 +147,23 @@ def _listen(world):
         server = socket.create_server((bind, port), backlog=max(world.size, PENDING))
     except OSError as e:
         # Said on every rank (the ranks wait for the address in the broadcast below).
-        return None, ("error", f"HVDTRAIN_WATCHDOG_PORT={port}: rank 0 cannot listen on "
-                      f"{bind or 'every interface'}:{port} "
-                      f"({os.strerror(e.errno) if e.errno else e}): another "
-                      "process holds it; free it, choose another port, or unset "
-                      "HVDTRAIN_WATCHDOG_PORT for a free one")
-    return server, (["127.0.0.1"] if one_host else _addresses(), server.getsockname()[1],
-                    socket.gethostname(), secrets.token_bytes(32))
+        return None, (
+            "error",
+            f"HVDTRAIN_WATCHDOG_PORT={port}: rank 0 cannot listen on "
+            f"{bind or 'every interface'}:{port} "
+            f"({os.strerror(e.errno) if e.errno else e}): another "
+            "process holds it; free it, choose another port, or unset "
+            "HVDTRAIN_WATCHDOG_PORT for a free one",
+        )
+    return server, (
+        ["127.0.0.1"] if one_host else _addresses(),
+        server.getsockname()[1],
+        socket.gethostname(),
+        secrets.token_bytes(32),
+    )
 
 
-def _handshake_as_rank(sock, secret: bytes, rank: int) -> Optional[_Peer]:
+def _handshake_as_rank(sock, secret: bytes, rank: int) -> _Peer | None:
     """A rank's side: answer rank 0's challenge, check its answer to ours."""
     deadline = time.monotonic() + HANDSHAKE_SECONDS
     stream = _Lines(sock)
@@ -159,18 +173,25 @@ def _handshake_as_rank(sock, secret: bytes, rank: int) -> Optional[_Peer]:
             return None
         mine = secrets.token_hex(16)
         me = (rank, os.getpid(), socket.gethostname())
-        sock.sendall((f"HELLO {me[0]} {me[1]} {me[2]} {mine} "
-                      f"{_mac(secret, 'rank', challenge[1], *me, mine)}\n").encode())
+        sock.sendall(
+            (
+                f"HELLO {me[0]} {me[1]} {me[2]} {mine} "
+                f"{_mac(secret, 'rank', challenge[1], *me, mine)}\n"
+            ).encode()
+        )
         reply = (stream.readline(LINE_BYTES, deadline) or "").split()
-        if (len(reply) != 4 or reply[0] != "WELCOME" or not hmac.compare_digest(
-                reply[3], _mac(secret, "rank0", mine, reply[1], reply[2]))):
+        if (
+            len(reply) != 4
+            or reply[0] != "WELCOME"
+            or not hmac.compare_digest(reply[3], _mac(secret, "rank0", mine, reply[1], reply[2]))
+        ):
             return None
     except (OSError, ValueError):
         return None
     return _Peer(sock, stream, 0, reply[2], reply[1])
 
 
-def _handshake_as_chief(sock, secret: bytes, size: int) -> Optional[_Peer]:
+def _handshake_as_chief(sock, secret: bytes, size: int) -> _Peer | None:
     """Rank 0's side: challenge the caller; welcome it (answering its challenge) only if it
     is a rank of this job. None for anything else."""
     deadline = time.monotonic() + HANDSHAKE_SECONDS
@@ -180,8 +201,11 @@ def _handshake_as_chief(sock, secret: bytes, size: int) -> Optional[_Peer]:
     try:
         sock.sendall(f"CHALLENGE {nonce}\n".encode())
         hello = (stream.readline(LINE_BYTES, deadline) or "").split()
-        if not (len(hello) == 6 and hello[0] == "HELLO" and hmac.compare_digest(
-                hello[5], _mac(secret, "rank", nonce, *hello[1:5]))):
+        if not (
+            len(hello) == 6
+            and hello[0] == "HELLO"
+            and hmac.compare_digest(hello[5], _mac(secret, "rank", nonce, *hello[1:5]))
+        ):
             return None
         rank = int(hello[1])
     except (OSError, ValueError):
@@ -200,17 +224,17 @@ class Watchdog:
     def __init__(self, world, timeout: float):
         self.world, self.timeout = world, timeout
         self.step = 0  # the training loop updates it; it goes into heartbeats and messages
-        self.peers: Dict[int, _Peer] = {}
+        self.peers: dict[int, _Peer] = {}
         self._closing = threading.Event()
         self._failed = threading.Lock()
-        self._server: Optional[socket.socket] = None
+        self._server: socket.socket | None = None
         self._pending = threading.BoundedSemaphore(PENDING)  # handshakes in flight
-        self._refused: Dict[str, int] = {}  # source address: refusals not yet said
+        self._refused: dict[str, int] = {}  # source address: refusals not yet said
         self._refusals_said = -WARN_EVERY  # when a line about them was last printed
         self._refusals_lock = threading.Lock()
 
     # --- life cycle -----------------------------------------------------------------------
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         if self.world.size == 1 or self.timeout <= 0:
             return self
         server, where = _listen(self.world) if self.world.is_chief else (None, None)
@@ -226,8 +250,10 @@ class Watchdog:
         else:
             peer = self._connect(addresses, port)
             if peer is None:
-                self._warn(f"rank 0's watchdog unreachable at {addresses}:{port}; "
-                           "continuing without dead-peer detection on this rank")
+                self._warn(
+                    f"rank 0's watchdog unreachable at {addresses}:{port}; "
+                    "continuing without dead-peer detection on this rank"
+                )
                 return self
             self.peers[0] = peer
             threading.Thread(target=self._read, args=(peer,), daemon=True).start()
@@ -265,7 +291,7 @@ class Watchdog:
         return False
 
     # --- threads --------------------------------------------------------------------------
-    def _connect(self, addresses, port) -> Optional[_Peer]:
+    def _connect(self, addresses, port) -> _Peer | None:
         """A rank: connect to rank 0 and prove, both ways, that we share the job's secret."""
         deadline = time.monotonic() + max(self.timeout, 10.0)
         while time.monotonic() < deadline:
@@ -322,12 +348,14 @@ class Watchdog:
                 return
             refused, self._refused, self._refusals_said = self._refused, {}, now
         n = sum(refused.values())
-        sources = ", ".join(f"{a} ({c})" if c > 1 and len(refused) > 1 else a
-                            for a, c in sorted(refused.items()))
-        self._warn(f"watchdog: refused {'a connection' if n == 1 else f'{n} connections'} "
-                   f"from {sources}: not a rank of this job" +
-                   ("" if final else f" (the next such line in {WARN_EVERY:.0f} s at the "
-                    "earliest)"))
+        sources = ", ".join(
+            f"{a} ({c})" if c > 1 and len(refused) > 1 else a for a, c in sorted(refused.items())
+        )
+        self._warn(
+            f"watchdog: refused {'a connection' if n == 1 else f'{n} connections'} "
+            f"from {sources}: not a rank of this job"
+            + ("" if final else f" (the next such line in {WARN_EVERY:.0f} s at the earliest)")
+        )
 
     def _read(self, peer: _Peer) -> None:
         stream = peer.stream
@@ -351,8 +379,12 @@ class Watchdog:
                 self._fail(rest, status=EXIT_FAILED)
             elif kind == "ABORT":  # from rank 0: the verdict (its status first), said there
                 status, _, rest = rest.partition(" ")
-                self._fail(rest, relay=False, show=False,
-                           status=int(status) if status.isdigit() else EXIT_PEER_LOST)
+                self._fail(
+                    rest,
+                    relay=False,
+                    show=False,
+                    status=int(status) if status.isdigit() else EXIT_PEER_LOST,
+                )
 
     def _beat(self) -> None:
         while not self._closing.wait(INTERVAL):
@@ -361,17 +393,25 @@ class Watchdog:
             for peer in list(self.peers.values()):
                 peer.send(f"HB {self.step}")
                 if not peer.done and now - peer.last_seen > self.timeout:
-                    self._fail(f"{peer} stopped answering: no heartbeat for "
-                               f"{now - peer.last_seen:.0f} s (frozen or stalled) at step "
-                               f"{self.step}")
+                    self._fail(
+                        f"{peer} stopped answering: no heartbeat for "
+                        f"{now - peer.last_seen:.0f} s (frozen or stalled) at step "
+                        f"{self.step}"
+                    )
 
     def _stop_listening(self) -> None:
         server, self._server = self._server, None
         if server is not None:
             server.close()
 
-    def _fail(self, message: str, relay: bool = True, exit_now: bool = True,
-              show: bool = True, status: int = EXIT_PEER_LOST) -> None:
+    def _fail(
+        self,
+        message: str,
+        relay: bool = True,
+        exit_now: bool = True,
+        show: bool = True,
+        status: int = EXIT_PEER_LOST,
+    ) -> None:
         """The verdict: ``status`` is every rank's exit status, 69 (EXIT_PEER_LOST) when a
         rank died or froze (its node, usually: retried), 1 when a rank failed on its own
         (its error is the run's: the user's to fix)."""

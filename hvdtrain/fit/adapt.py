@@ -2,6 +2,7 @@
 rank (the vocabulary, the adapted variables, and the arrays, tensors and lists of floats the
 layer keeps outside them: ``engine.preflight.state_attributes``, what the preflight compares).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,9 +25,13 @@ def adapt_on_chief(layer, data, world, kwargs: dict):
         if vocabulary is not None:
             return {"vocabulary": list(vocabulary())}
         build = getattr(layer, "get_build_config", lambda: None)()
-        return {"build": build, "variables": [np.asarray(v.numpy()) for v in layer.variables],
-                "attributes": {k: (_kind(v), np.asarray(v))
-                               for k, v in state_attributes(layer).items()}}
+        return {
+            "build": build,
+            "variables": [np.asarray(v.numpy()) for v in layer.variables],
+            "attributes": {
+                k: (_kind(v), np.asarray(v)) for k, v in state_attributes(layer).items()
+            },
+        }
 
     state = world.broadcast_object(world.agree(on_rank0, catch=(TaskError,), merge=TaskError))
     if world.is_chief:
@@ -46,5 +51,10 @@ def adapt_on_chief(layer, data, world, kwargs: dict):
 
 
 def _kind(value) -> str:
-    return ("tensor" if type(value).__name__ == "EagerTensor" else
-            "array" if isinstance(value, np.ndarray) else "list")
+    return (
+        "tensor"
+        if type(value).__name__ == "EagerTensor"
+        else "array"
+        if isinstance(value, np.ndarray)
+        else "list"
+    )

@@ -1,5 +1,6 @@
 """The Keras side of the fit path: the callback that hands Keras' events to the driver
 (``driver.FitRun``), and Keras 3's compiled calls cut to an epoch's last steps."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -42,7 +43,7 @@ class Calls:
             self.full = None
 
 
-def keras_callback(keras, run: "FitRun"):
+def keras_callback(keras, run: FitRun):
     """The Keras callback (of the Keras in use) that hands fit's events to ``run``."""
 
     class HorovodFit(keras.callbacks.Callback):

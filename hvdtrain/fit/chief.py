@@ -13,6 +13,7 @@ raises, or does not return in time (a tracker's server that hangs), stops every 
 line naming the callback, its method and the user's line (exit 1): the other ranks, waiting
 in the next step's allreduce, are told by the watchdog.
 """
+
 from __future__ import annotations
 
 import signal
@@ -21,8 +22,15 @@ import threading
 from hvdtrain.base.errors import CallbackError, Error, error_line, show_tracebacks, user_frame
 
 # Class names of callbacks that report the run to a tracker: rank 0's alone, as hk.on_chief's.
-TRACKER_CALLBACKS = ("WandbMetricsLogger", "WandbModelCheckpoint", "WandbEvalCallback",
-                     "WandbCallback", "MlflowCallback", "MLflowCallback", "RemoteMonitor")
+TRACKER_CALLBACKS = (
+    "WandbMetricsLogger",
+    "WandbModelCheckpoint",
+    "WandbEvalCallback",
+    "WandbCallback",
+    "MlflowCallback",
+    "MLflowCallback",
+    "RemoteMonitor",
+)
 TIMEOUT = 300.0  # seconds a chief-only callback's call may take, unless told otherwise
 
 
@@ -85,14 +93,19 @@ def keras_proxy(keras, wrapped: OnChief):
             except Exception as e:  # said in one line: rank 0's alone
                 if isinstance(e, Error) or show_tracebacks():
                     raise
-                raise CallbackError(f"hk.on_chief callback {name}.{method} raised "
-                                    f"{error_line(e)}{user_frame(e)}") from None
+                raise CallbackError(
+                    f"hk.on_chief callback {name}.{method} raised {error_line(e)}{user_frame(e)}"
+                ) from None
+
         return call
 
     # The events the callback handles (a batch hook that it leaves to the base class would
     # make Keras 2 copy the logs to numpy after every step for nothing).
-    methods = {m: forward(m) for m in dir(keras.callbacks.Callback)
-               if m.startswith("on_") and _overrides(inner, m)}
+    methods = {
+        m: forward(m)
+        for m in dir(keras.callbacks.Callback)
+        if m.startswith("on_") and _overrides(inner, m)
+    }
 
     def set_model(self, model):
         keras.callbacks.Callback.set_model(self, model)
@@ -102,8 +115,11 @@ def keras_proxy(keras, wrapped: OnChief):
         keras.callbacks.Callback.set_params(self, params)
         inner.set_params(params)
 
-    proxy = type(f"OnChief{name}", (keras.callbacks.Callback,),
-                 {**methods, "set_model": set_model, "set_params": set_params})()
+    proxy = type(
+        f"OnChief{name}",
+        (keras.callbacks.Callback,),
+        {**methods, "set_model": set_model, "set_params": set_params},
+    )()
     proxy.inner = inner
     proxy._supports_tf_logs = getattr(inner, "_supports_tf_logs", False)
     return proxy
@@ -124,8 +140,9 @@ class _bound:
         self.seconds = seconds
 
     def __enter__(self):
-        self.armed = (self.seconds is not None
-                      and threading.current_thread() is threading.main_thread())
+        self.armed = (
+            self.seconds is not None and threading.current_thread() is threading.main_thread()
+        )
         if self.armed:
             self.previous = signal.signal(signal.SIGALRM, self._expired)
             signal.setitimer(signal.ITIMER_REAL, self.seconds)

@@ -13,6 +13,7 @@ accumulation (``hk.DistributedOptimizer(..., backward_passes_per_step=N)``) Kera
 micro-batches and the run's global step counts updates; checkpoints and SIGTERM stops wait
 for the first call boundary that ends an update, so no checkpoint holds half an update.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -119,8 +120,9 @@ class FitRun:
             self.out.notice("hvdtrain: jit_compile turned off: Horovod's ops have no XLA kernels")
             model.jit_compile = False  # the setter drops any traced train function
         if isinstance(self.train, pipeline.Batches):  # the user's examples must fit the model
-            run.user(f"hk.fit: the model on {self.train.what}'s first batch", model,
-                     self.train.sample)
+            run.user(
+                f"hk.fit: the model on {self.train.what}'s first batch", model, self.train.sample
+            )
         elif not model.built:
             model(self.train.sample)
         compat.check_model(model, "hk.fit", "was given")
@@ -143,19 +145,26 @@ class FitRun:
         at.global_step = run.global_step
         at.micro = at.global_step * self.passes  # micro-batches (Keras' steps) so far
         if progress.path:
-            self.out.notice(f"hvdtrain: resumed from {progress.path} at epoch {start + 1}, "
-                            f"step {at.global_step}")
+            self.out.notice(
+                f"hvdtrain: resumed from {progress.path} at epoch {start + 1}, "
+                f"step {at.global_step}"
+            )
         elif at.global_step:  # e.g. a second hk.fit of the same model in one process
-            self.out.notice(f"hvdtrain: the model's optimizer is at step {at.global_step} "
-                            "already; training on from there")
+            self.out.notice(
+                f"hvdtrain: the model's optimizer is at step {at.global_step} "
+                "already; training on from there"
+            )
         run.start(progress, self.global_batch)
         val, val_steps, validation_batch_size = self._validation_shard(validation_batch_size)
         callback = keras_callback(keras, self)
         shown = self.out.verbose if self.out.interactive else 0  # rank 0, on a terminal
         histories = []
         # Resuming inside an epoch: one call for its remaining steps, then the others.
-        for e0, e1, skip in ((start, start + 1, first), (start + 1, self.epochs, 0)) if first \
-                else ((start, self.epochs, 0),):
+        for e0, e1, skip in (
+            ((start, start + 1, first), (start + 1, self.epochs, 0))
+            if first
+            else ((start, self.epochs, 0),)
+        ):
             if e1 <= e0:
                 continue
             at.first_step = skip
@@ -164,15 +173,30 @@ class FitRun:
             with timings.phase("training"):
                 # Keras' setup and its first compiled call (tracing), until its first batch ends
                 self.first_call = timings.enter("first_call") if not histories else 0
-                histories.append(self._model_fit(
-                    batches, epochs=e1, initial_epoch=e0,
-                    steps_per_epoch=train.steps - skip, validation_data=val,
-                    validation_batch_size=validation_batch_size, validation_steps=val_steps,
-                    callbacks=[callback] + callbacks,
-                    shuffle=False, verbose=shown))  # the order is the Dataset's
+                histories.append(
+                    self._model_fit(
+                        batches,
+                        epochs=e1,
+                        initial_epoch=e0,
+                        steps_per_epoch=train.steps - skip,
+                        validation_data=val,
+                        validation_batch_size=validation_batch_size,
+                        validation_steps=val_steps,
+                        callbacks=[callback] + callbacks,
+                        shuffle=False,
+                        verbose=shown,
+                    )
+                )  # the order is the Dataset's
         best = self._restored_best(callbacks)
-        run.finish({"batch_size": train.batch_size, "global_batch_size": self.global_batch,
-                    **best, **train.info()}, self.model)
+        run.finish(
+            {
+                "batch_size": train.batch_size,
+                "global_batch_size": self.global_batch,
+                **best,
+                **train.info(),
+            },
+            self.model,
+        )
         self.world.finished_runs.add(run.dir.path)
         history = histories[-1] if histories else keras.callbacks.History()
         for h in histories[:-1]:  # one History for the whole run
@@ -199,11 +223,17 @@ class FitRun:
             # The step: after the last call that ended (batch_end counted its steps), within
             # the next call's (Keras' steps are micro-batches when accumulating).
             micro = self.at.micro
-            first, last = (micro // self.passes + 1,
-                           (micro + steps_per_execution(self.model) - 1) // self.passes + 1)
-            where = (f"validation after training step {self.at.global_step}" if self.evaluating
-                     else f"training step {first}" if first == last else
-                     f"one of training steps {first}-{last}")
+            first, last = (
+                micro // self.passes + 1,
+                (micro + steps_per_execution(self.model) - 1) // self.passes + 1,
+            )
+            where = (
+                f"validation after training step {self.at.global_step}"
+                if self.evaluating
+                else f"training step {first}"
+                if first == last
+                else f"one of training steps {first}-{last}"
+            )
             raise step_failed(e, where, self.world.rank) or e
 
     def _restored_best(self, callbacks) -> dict:
@@ -214,18 +244,26 @@ class FitRun:
         keras = compat.keras()
         for cb in callbacks:
             best = getattr(cb, "best_weights", None)
-            if not (isinstance(cb, keras.callbacks.EarlyStopping) and best is not None
-                    and getattr(cb, "restore_best_weights", False)):
+            if not (
+                isinstance(cb, keras.callbacks.EarlyStopping)
+                and best is not None
+                and getattr(cb, "restore_best_weights", False)
+            ):
                 continue
             epoch = int(getattr(cb, "best_epoch", -1))
             record = self.records.get(epoch + 1)
             now = self.model.get_weights()
-            if record is None or record is self.run_.last_record or len(now) != len(best) \
-                    or not all(np.array_equal(a, b) for a, b in zip(now, best)):
+            if (
+                record is None
+                or record is self.run_.last_record
+                or len(now) != len(best)
+                or not all(np.array_equal(a, b) for a, b in zip(now, best))
+            ):
                 continue  # not restored, or the last epoch was the best
             self.run_.use_record(record)
-            self.run_.save(Progress(epoch=self.at.epochs_done, offset=0),
-                           np.zeros_like(self.metrics.flat()))
+            self.run_.save(
+                Progress(epoch=self.at.epochs_done, offset=0), np.zeros_like(self.metrics.flat())
+            )
             return {"restored_best_epoch": epoch + 1}
         return {}
 
@@ -238,9 +276,13 @@ class FitRun:
         needs its own run_dir."""
         run = self.run_
         if run.dir.path in self.world.finished_runs:
-            raise ConfigError("run_dir", run.dir.path, "holds this script's earlier hk.fit, "
-                              "finished: give each phase of training its own run_dir (e.g. "
-                              "run_dir=RUN_DIR + '/phase2'), or more epochs to train on in it")
+            raise ConfigError(
+                "run_dir",
+                run.dir.path,
+                "holds this script's earlier hk.fit, "
+                "finished: give each phase of training its own run_dir (e.g. "
+                "run_dir=RUN_DIR + '/phase2'), or more epochs to train on in it",
+            )
         self._prepare()  # the newest checkpoint restored on rank 0 and broadcast
         self.out.notice(run.unchanged())
         history = keras.callbacks.History()
@@ -257,8 +299,11 @@ class FitRun:
         part of the arrays (each example on one rank), or the user's batched pipeline."""
         if self.validation_data is None:
             return None, None, batch_size
-        if isinstance(self.validation_data, tuple) and len(self.validation_data) == 2 and \
-                is_dataset(self.validation_data[0]):
+        if (
+            isinstance(self.validation_data, tuple)
+            and len(self.validation_data) == 2
+            and is_dataset(self.validation_data[0])
+        ):
             # Batched by the user; its counted batches: Keras 3 warns when it runs dry.
             return (*self.validation_data, None)
         n = len(nest.leaves(self.validation_data[0])[0][1])
@@ -310,9 +355,15 @@ class FitRun:
                 logs.update(self.train_logs)
             return  # the epoch's end saves, and stops if a stop is pending
         if self.out.progress_due(drawn=self.out.interactive):  # Keras' bar draws it there
-            self.out.progress(at.epoch + 1, self.epochs, at.step, self.train.steps,
-                              at.step - at.started, self.examples_per_step,
-                              {k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0})
+            self.out.progress(
+                at.epoch + 1,
+                self.epochs,
+                at.step,
+                self.train.steps,
+                at.step - at.started,
+                self.examples_per_step,
+                {k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0},
+            )
         if at.micro % self.passes:
             return  # inside an update: its gradients are half accumulated, not in a checkpoint
         if at.stop_pending:
@@ -363,10 +414,14 @@ class FitRun:
             logs.update({f"val_{k}": v for k, v in self.val_logs.items()})
         seconds = time.perf_counter() - at.tick
         record = EpochRecord(
-            epoch=epoch + 1, epochs=self.epochs, global_step=at.global_step,
+            epoch=epoch + 1,
+            epochs=self.epochs,
+            global_step=at.global_step,
             metrics={k: float(v) for k, v in logs.items() if np.ndim(v) == 0},
             samples_per_sec=(self.train.steps - at.started) * self.examples_per_step / seconds,
-            seconds=seconds, world_size=self.world.size)
+            seconds=seconds,
+            world_size=self.world.size,
+        )
         if run.config.stop_on_divergence and not np.isfinite(record.metrics.get("loss", 0.0)):
             # The loss is reduced over every rank: every rank decides the same here.
             raise run.diverged(f"the loss became NaN or infinite in epoch {epoch + 1}")
@@ -375,9 +430,15 @@ class FitRun:
         run.save(Progress(epoch=epoch + 1, offset=0), np.zeros_like(self.metrics.flat()))
         at.save_pending = False
         if not self.out.interactive:
-            self.out.print(f"Epoch {epoch + 1}/{self.epochs} - " + " - ".join(
-                f"{k}: {record.metrics[k]:.4f}" for k in logs if k in record.metrics
-                and k != "lr") + f" - {record.samples_per_sec:,.0f} samples/s")
+            self.out.print(
+                f"Epoch {epoch + 1}/{self.epochs} - "
+                + " - ".join(
+                    f"{k}: {record.metrics[k]:.4f}"
+                    for k in logs
+                    if k in record.metrics and k != "lr"
+                )
+                + f" - {record.samples_per_sec:,.0f} samples/s"
+            )
         if at.stop_pending:
             run.preempt(at.global_step)
 

@@ -1,5 +1,6 @@
 """The fit path's epoch and validation metrics made exact over all ranks: each metric's state
 variables (sums and counts) summed over the ranks, and the results read from the sums."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,8 +23,9 @@ class GlobalMetrics:
         return found
 
     def flat(self) -> np.ndarray:
-        return np.concatenate([np.ravel(v.numpy()).astype(np.float64)
-                               for v in self.variables()] or [np.zeros(0)])
+        return np.concatenate(
+            [np.ravel(v.numpy()).astype(np.float64) for v in self.variables()] or [np.zeros(0)]
+        )
 
     def summed(self) -> np.ndarray:
         """All ranks: the metric state so far, summed over ranks (what a checkpoint keeps)."""
@@ -38,7 +40,7 @@ class GlobalMetrics:
         for v in self.variables():
             n = int(np.prod(v.shape))
             now = np.asarray(v.numpy())
-            part = flat[at:at + n].reshape(now.shape).astype(now.dtype)
+            part = flat[at : at + n].reshape(now.shape).astype(now.dtype)
             v.assign(now + part if add else part)
             at += n
 
@@ -47,5 +49,7 @@ class GlobalMetrics:
         and whether ``stop`` was set on any rank: one host allreduce carries both."""
         total = self.world.allreduce_sum(np.append(self.flat(), float(stop)))
         self._put(total[:-1], add=False)
-        return ({k: float(v) for k, v in self.model.get_metrics_result().items()},
-                bool(total[-1] > 0))
+        return (
+            {k: float(v) for k, v in self.model.get_metrics_result().items()},
+            bool(total[-1] > 0),
+        )

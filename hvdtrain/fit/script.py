@@ -3,6 +3,7 @@ the optimizers it applies (distributed on several ranks), the callbacks (those t
 files run on rank 0; ``BackupAndRestore`` is refused), the validation data, and the settings
 (``Config``'s fields that a fit script may pass: ``hvdtrain.base.config``). ``fit_config``
 makes the run's ``Config``, recording what the model, its optimizer and the dataset decide."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,10 @@ from hvdtrain.inputs.sources import is_dataset
 # Keras callbacks that write files: rank 0 runs them, the other ranks leave them out (each
 # would write the same files). BackupAndRestore is refused: it would restore one rank alone.
 RANK0_CALLBACKS = ("ModelCheckpoint", "TensorBoard", "CSVLogger")
-REFUSED_CALLBACKS = {"BackupAndRestore": "hk.fit checkpoints and resumes by itself (run_dir, "
-                                         "checkpoint_every): leave it out"}
+REFUSED_CALLBACKS = {
+    "BackupAndRestore": "hk.fit checkpoints and resumes by itself (run_dir, "
+    "checkpoint_every): leave it out"
+}
 
 
 def user_callbacks(callbacks, world) -> list:
@@ -30,8 +33,11 @@ def user_callbacks(callbacks, world) -> list:
     (``hk.on_chief``, the trackers' callbacks: ``chief``) on rank 0 alone, each call bounded."""
     keras = compat.keras()
     wrapped = [chief_only(cb) for cb in callbacks]
-    callbacks = [keras_proxy(keras, w) if w is not None else cb
-                 for cb, w in zip(callbacks, wrapped) if w is None or world.is_chief]
+    callbacks = [
+        keras_proxy(keras, w) if w is not None else cb
+        for cb, w in zip(callbacks, wrapped)
+        if w is None or world.is_chief
+    ]
     for cb in callbacks:
         for name, why in REFUSED_CALLBACKS.items():
             if isinstance(cb, getattr(keras.callbacks, name)):
@@ -41,7 +47,8 @@ def user_callbacks(callbacks, world) -> list:
     if not world.is_chief:  # Keras' own lines (EarlyStopping's "early stopping", ...): once
         for cb in kept:
             if isinstance(cb, keras.callbacks.Callback) and isinstance(
-                    getattr(cb, "verbose", None), int):
+                getattr(cb, "verbose", None), int
+            ):
                 cb.verbose = 0
     return kept
 
@@ -52,8 +59,11 @@ class FitSettings:
 
     shuffle: bool = setting(True, "a new permutation of the examples every epoch")
     train_examples: int = setting(0, "training examples (a tf.data pipeline: trained per epoch)")
-    input: str = setting("arrays", "the training input: arrays (hk.dataset), or a tf.data "
-                         "pipeline sharded by file, by element (data) or by the user")
+    input: str = setting(
+        "arrays",
+        "the training input: arrays (hk.dataset), or a tf.data "
+        "pipeline sharded by file, by element (data) or by the user",
+    )
     steps_per_epoch: int = setting(0, "steps per epoch given to hk.fit (0: counted)")
 
 
@@ -61,32 +71,48 @@ def fit_config(model, train, epochs: int, world, **settings) -> Config:
     """``Config`` for a fit: ``settings`` by Config's names and with Config's defaults; the
     learning rate, momentum, batch and seed recorded from the optimizer and the dataset."""
     if "class_weight" in settings:
-        raise ConfigError("class_weight", "...", "not supported by hk.fit (the exact global "
-                          "metrics sum unweighted examples): weight the loss instead")
+        raise ConfigError(
+            "class_weight",
+            "...",
+            "not supported by hk.fit (the exact global "
+            "metrics sum unweighted examples): weight the loss instead",
+        )
     for name, why in fit_refusals().items():
         if name in settings:
             raise ConfigError(name, settings[name], f"not an hk.fit setting: {why}")
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
         raise TypeError(f"hk.fit() got unexpected keyword argument(s) {', '.join(unknown)}")
-    config = Config(epochs=epochs, batch_size=train.batch_size, seed=train.seed,
-                    backend=world.backend, **settings).validate()
+    config = Config(
+        epochs=epochs,
+        batch_size=train.batch_size,
+        seed=train.seed,
+        backend=world.backend,
+        **settings,
+    ).validate()
     check_compiled(model, world)
     optimizer = applied_optimizers(model)[0][1]  # the GAN pattern: the first it applies
     passes = accumulation(optimizer)
     if train.steps % passes:
         # Every epoch ends on an update, so that its end (a checkpoint) holds no
         # half-accumulated gradients and the next epoch's first update is whole.
-        raise ConfigError("backward_passes_per_step", passes, f"must divide the {train.steps} "
-                          f"steps of an epoch ({train.examples} examples in batches of "
-                          f"{train.batch_size} x {world.size} ranks): choose a batch_size "
-                          "that makes it so")
+        raise ConfigError(
+            "backward_passes_per_step",
+            passes,
+            f"must divide the {train.steps} "
+            f"steps of an epoch ({train.examples} examples in batches of "
+            f"{train.batch_size} x {world.size} ranks): choose a batch_size "
+            "that makes it so",
+        )
     # What the compiled optimizer really uses (None for a schedule): recorded, not checked.
-    return dataclasses.replace(config, learning_rate=_number(optimizer, "learning_rate"),
-                               momentum=_number(optimizer, "momentum"),
-                               steps_per_execution=steps_per_execution(model),
-                               accumulate_steps=passes,
-                               mixed_precision=precision.model_precision(model))
+    return dataclasses.replace(
+        config,
+        learning_rate=_number(optimizer, "learning_rate"),
+        momentum=_number(optimizer, "momentum"),
+        steps_per_execution=steps_per_execution(model),
+        accumulate_steps=passes,
+        mixed_precision=precision.model_precision(model),
+    )
 
 
 def steps_per_execution(model) -> int:
@@ -109,8 +135,11 @@ def applied_optimizers(model) -> list:
     keras = compat.keras()
     base = keras.optimizers.Optimizer
     own = getattr(model, "optimizer", None)
-    others = [(name, v) for name, v in vars(model).items()
-              if isinstance(v, base) and v is not own and not name.startswith("_")]
+    others = [
+        (name, v)
+        for name, v in vars(model).items()
+        if isinstance(v, base) and v is not own and not name.startswith("_")
+    ]
     custom = type(model).train_step is not keras.Model.train_step
     return others if others and custom else [("optimizer", own)] + others
 
@@ -119,27 +148,34 @@ def check_compiled(model, world) -> None:
     """The model is compiled, and on several ranks each optimizer it applies is distributed
     (a plain one would train one independent model per rank)."""
     if getattr(model, "optimizer", None) is None:
-        raise TaskError("hk.fit: the model is not compiled: call model.compile(optimizer="
-                        "hk.DistributedOptimizer(...), loss=..., metrics=...) first")
+        raise TaskError(
+            "hk.fit: the model is not compiled: call model.compile(optimizer="
+            "hk.DistributedOptimizer(...), loss=..., metrics=...) first"
+        )
     for name, optimizer in applied_optimizers(model):
         # Keras 3 under mixed_float16: compile put the loss scaler outside; reduce first.
         optimizer = reduce_before_loss_scaling(optimizer)
         # Keras 2 under mixed_float16: the scaler outside Horovod's wrapper is the right order.
         inner = getattr(optimizer, "inner_optimizer", None)
-        distributed = any(getattr(o, "_hvdtrain_reduction", None) is not None
-                          or _horovods_wrapper(o) for o in (optimizer, inner))
+        distributed = any(
+            getattr(o, "_hvdtrain_reduction", None) is not None or _horovods_wrapper(o)
+            for o in (optimizer, inner)
+        )
         if world.size > 1 and not distributed:
-            raise TaskError(f"hk.fit: the model's {name} ({type(optimizer).__name__}) is not "
-                            f"distributed: the {world.size} ranks would train {world.size} "
-                            f"independent models; compile with hk.DistributedOptimizer(optimizer)")
+            raise TaskError(
+                f"hk.fit: the model's {name} ({type(optimizer).__name__}) is not "
+                f"distributed: the {world.size} ranks would train {world.size} "
+                f"independent models; compile with hk.DistributedOptimizer(optimizer)"
+            )
 
 
 def _horovods_wrapper(optimizer) -> bool:
     """Horovod's own DistributedOptimizer (``horovod.tensorflow.keras``)? Under Keras 3 its
     class keeps the wrapped class's module and name (a saved model loads without Horovod):
     its Horovod method tells it."""
-    return (type(optimizer).__module__.startswith("horovod")
-            or callable(getattr(type(optimizer), "_horovod_setup", None)))
+    return type(optimizer).__module__.startswith("horovod") or callable(
+        getattr(type(optimizer), "_horovod_setup", None)
+    )
 
 
 def check_validation(validation_data, train, world, sharded=False):
@@ -150,34 +186,45 @@ def check_validation(validation_data, train, world, sharded=False):
     if is_dataset(validation_data):
         return pipeline.validation(validation_data, world, sharded)
     if not (isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3)):
-        raise ConfigError("validation_data", type(validation_data).__name__,
-                          "give (x_val, y_val) or (x_val, y_val, sample_weight_val)")
+        raise ConfigError(
+            "validation_data",
+            type(validation_data).__name__,
+            "give (x_val, y_val) or (x_val, y_val, sample_weight_val)",
+        )
     parts = tuple(nest.arrays(a) for a in validation_data)
     names = ("x", "y", "sample_weight")
     counts = [len(a) for part in parts for _, a in nest.leaves(part) if np.ndim(a)]
     if len(set(counts)) > 1:
         shown = ", ".join(f"{len(nest.leaves(a)[0][1])} {n}" for n, a in zip(names, parts))
-        raise ConfigError("validation_data", shown,
-                          "x and y must hold the same number of examples")
+        raise ConfigError("validation_data", shown, "x and y must hold the same number of examples")
     trained = (train.sample, getattr(train, "y", None), getattr(train, "sample_weight", None))
     for name, a, b in zip(names, parts, trained):
         if b is None or not all(hasattr(leaf, "shape") for _, leaf in nest.leaves(b)):
             continue
         mine, theirs = nest.shapes(a), nest.shapes(b)
         if set(mine) != set(theirs):
-            raise ConfigError("validation_data", f"{name} of {sorted(mine)}", "must be "
-                              f"structured like the training {name}'s {sorted(theirs)}")
+            raise ConfigError(
+                "validation_data",
+                f"{name} of {sorted(mine)}",
+                f"must be structured like the training {name}'s {sorted(theirs)}",
+            )
         for path, shape in mine.items():
             if shape != theirs[path]:
                 rows = len(nest.leaves(a)[0][1])
-                raise ConfigError("validation_data", f"{name}{path} of shape "
-                                  f"{[rows, *shape]}", f"examples must be shaped like the "
-                                  f"training {name}{path}'s {list(theirs[path])}")
+                raise ConfigError(
+                    "validation_data",
+                    f"{name}{path} of shape {[rows, *shape]}",
+                    f"examples must be shaped like the "
+                    f"training {name}{path}'s {list(theirs[path])}",
+                )
     n = counts[0] if counts else 0
     if n < world.size:
-        raise ConfigError("validation_data", f"{n} example(s)",
-                          f"fewer than the {world.size} ranks: each rank scores its own part "
-                          "of it, and none may be empty")
+        raise ConfigError(
+            "validation_data",
+            f"{n} example(s)",
+            f"fewer than the {world.size} ranks: each rank scores its own part "
+            "of it, and none may be empty",
+        )
     return parts
 
 

@@ -7,6 +7,7 @@ that is the same in any process, so a resumed run trains on what it would have.
   ``batches.TrainBatches`` for the fit driver, as a ``tf.data`` pipeline's
   ``pipeline.Batches`` is.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,8 +30,15 @@ def steps_per_epoch(num_examples: int, batch_size: int, world_size: int) -> int:
     return num_examples // (batch_size * world_size)
 
 
-def epoch_plan(num_examples: int, batch_size: int, rank: int, world_size: int, seed: int,
-               epoch: int, shuffle: bool = True) -> np.ndarray:
+def epoch_plan(
+    num_examples: int,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+) -> np.ndarray:
     """This rank's example indices for one epoch.
 
     One permutation of all examples per (seed, epoch), identical on every rank; global
@@ -86,18 +94,26 @@ class ArrayBatches:
     def __init__(self, x, y, batch_size, seed, shuffle, world, sample_weight=None):
         self.x, self.y, self.seed, self.shuffle, self.world = x, y, seed, shuffle, world
         self.sample_weight = sample_weight
-        parts = (("x", x), ("y", y)) + ((("sample_weight", sample_weight),)
-                                        if sample_weight is not None else ())
+        parts = (("x", x), ("y", y)) + (
+            (("sample_weight", sample_weight),) if sample_weight is not None else ()
+        )
         n = nest.examples("hk.dataset", parts)
         if batch_size is not None and batch_size < 0:
-            raise ConfigError("batch_size", batch_size, "must be 0 or None (each rank's whole "
-                              "shard per step) or more")
+            raise ConfigError(
+                "batch_size",
+                batch_size,
+                "must be 0 or None (each rank's whole shard per step) or more",
+            )
         self.batch_size = batch_size or n // world.size
         self.steps = steps_per_epoch(n, self.batch_size, world.size)
         if self.steps < 1:
-            raise ConfigError("batch_size", self.batch_size, f"a global batch of "
-                              f"{self.batch_size} x {world.size} ranks needs more than the "
-                              f"{n} examples")
+            raise ConfigError(
+                "batch_size",
+                self.batch_size,
+                f"a global batch of "
+                f"{self.batch_size} x {world.size} ranks needs more than the "
+                f"{n} examples",
+            )
         self.examples, self.sample = n, nest.take(x, slice(0, 1))
 
     def info(self) -> dict:
@@ -108,17 +124,25 @@ class ArrayBatches:
         import tensorflow as tf
 
         w = self.world
-        idx = np.concatenate([epoch_plan(self.examples, self.batch_size, w.rank, w.size,
-                                         self.seed, e, self.shuffle)
-                              [first_step if e == first_epoch else 0:]
-                              for e in range(first_epoch, end_epoch)])
-        parts = tuple(nest.map(tf.constant, p) for p in (self.x, self.y, self.sample_weight)
-                      if p is not None)
+        idx = np.concatenate(
+            [
+                epoch_plan(
+                    self.examples, self.batch_size, w.rank, w.size, self.seed, e, self.shuffle
+                )[first_step if e == first_epoch else 0 :]
+                for e in range(first_epoch, end_epoch)
+            ]
+        )
+        parts = tuple(
+            nest.map(tf.constant, p) for p in (self.x, self.y, self.sample_weight) if p is not None
+        )
         # tf.data's default rewrites serialize the pipeline's graph with the arrays the map
         # captures (0.3-0.7 s for Fashion-MNIST's 188 MB) for nothing a gather needs: off,
         # as Keras' own array adapter has them.
         options = tf.data.Options()
         options.experimental_optimization.apply_default_optimizations = False
-        return (tf.data.Dataset.from_tensor_slices(idx)
-                .map(lambda i: tuple(nest.map(lambda a: tf.gather(a, i), p) for p in parts))
-                .prefetch(2).with_options(options))
+        return (
+            tf.data.Dataset.from_tensor_slices(idx)
+            .map(lambda i: tuple(nest.map(lambda a: tf.gather(a, i), p) for p in parts))
+            .prefetch(2)
+            .with_options(options)
+        )

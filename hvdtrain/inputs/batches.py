@@ -5,6 +5,7 @@ Two kinds hold it: ``arrays.ArrayBatches`` (a script's arrays, ``hk.dataset``) a
 driver (``hvdtrain.fit``) reads either through this protocol alone, and asks a pipeline's
 ``Batches`` for more (its files, watched for changes) by its type.
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol

@@ -5,6 +5,7 @@ Everything here is plain numpy; ``arrays`` deals the examples to the ranks. Load
 what they read and raise ``DataError`` with one line naming the file and what is wrong, so a
 bad file never becomes a traceback or a silent wrong answer.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -16,7 +17,6 @@ import urllib.request
 import zipfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
@@ -57,12 +57,13 @@ class Data:
 
     x_train: np.ndarray
     y_train: np.ndarray
-    x_test: Optional[np.ndarray] = None
-    y_test: Optional[np.ndarray] = None
+    x_test: np.ndarray | None = None
+    y_test: np.ndarray | None = None
     info: dict = field(default_factory=dict)  # goes into result.json (dataset, source, ...)
 
 
 # --- linear -----------------------------------------------------------------------------
+
 
 def linear_data(num_samples, true_weights, true_bias, seed) -> Data:
     """The linear task's synthetic data: ``x ~ N(0, 1)``, ``y = x @ w + b``.
@@ -84,6 +85,7 @@ def linear_data(num_samples, true_weights, true_bias, seed) -> Data:
 
 
 # --- IDX and npz ------------------------------------------------------------------------
+
 
 def _read_bytes(path: str) -> bytes:
     try:
@@ -134,7 +136,7 @@ def read_idx(path: str, expect_ndim: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
 
 
-def _find(directory: str, name: str) -> Optional[str]:
+def _find(directory: str, name: str) -> str | None:
     for candidate in (name, name[:-3] if name.endswith(".gz") else name + ".gz"):
         path = os.path.join(directory, candidate)
         if os.path.exists(path):
@@ -157,9 +159,11 @@ def _check_pair(x, y, x_path, y_path, what=("images", "labels")):
         raise DataError(f"{y_path}: {what[1]} have shape {y.shape}, expected one per image")
     if not np.issubdtype(x.dtype, np.integer):
         lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
-        raise DataError(f"{x_path}: {what[0]} are {x.dtype} (values {lo:g}..{hi:g}); "
-                        "MNIST-format pixels are integers 0-255 (e.g. np.uint8(np.rint(x * 255)) "
-                        "for images scaled to [0, 1])")
+        raise DataError(
+            f"{x_path}: {what[0]} are {x.dtype} (values {lo:g}..{hi:g}); "
+            "MNIST-format pixels are integers 0-255 (e.g. np.uint8(np.rint(x * 255)) "
+            "for images scaled to [0, 1])"
+        )
     if x.size and (x.min() < 0 or x.max() > 255):
         bad = int(x.min()) if x.min() < 0 else int(x.max())
         raise DataError(f"{x_path}: pixel value {bad} outside 0-255 in {what[0]}")
@@ -170,7 +174,7 @@ def _check_pair(x, y, x_path, y_path, what=("images", "labels")):
         raise DataError(f"{y_path}: label {bad} outside 0-9 in {what[1]}")
 
 
-def load_idx_dir(directory: str) -> Optional[Data]:
+def load_idx_dir(directory: str) -> Data | None:
     """The four standard MNIST IDX files in a directory.
 
     Args:
@@ -229,7 +233,7 @@ def load_npz(path: str) -> Data:
     return Data(x_train, y_train, x_test, y_test, info={"source": os.path.abspath(path)})
 
 
-def load_dir(directory: str, dataset: str) -> Optional[Data]:
+def load_dir(directory: str, dataset: str) -> Data | None:
     """An MNIST-format dataset in a directory: its IDX files, else its npz.
 
     Args:
@@ -251,6 +255,7 @@ def load_dir(directory: str, dataset: str) -> Optional[Data]:
 
 
 # --- the bundled sample ----------------------------------------------------------------
+
 
 def load_sample(path: str = SAMPLE_PATH) -> Data:
     """The 5,000 real MNIST digits shipped with hvdtrain.
@@ -288,6 +293,7 @@ def load_sample(path: str = SAMPLE_PATH) -> Data:
 
 # --- the MNIST search order -----------------------------------------------------------
 
+
 def download_mnist(cache_dir: str = KERAS_CACHE, timeout: float = 20.0) -> str:
     """Fetch Keras' mnist.npz into the cache atomically (temporary file, hash check, rename)."""
     os.makedirs(cache_dir, exist_ok=True)
@@ -303,8 +309,9 @@ def download_mnist(cache_dir: str = KERAS_CACHE, timeout: float = 20.0) -> str:
     return target
 
 
-def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, world,
-                      notice=print) -> Data:
+def load_mnist_format(
+    dataset: str, data_dir: str | None, download: bool, world, notice=print
+) -> Data:
     """Find an MNIST-format dataset, without the network where possible.
 
     The order: ``data_dir``; the Keras cache (``~/.keras/datasets``); for MNIST, a download
@@ -327,6 +334,7 @@ def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, wor
         DataError: ``data_dir`` does not hold it, a file is bad, or Fashion-MNIST is
             nowhere.
     """
+
     def tagged(data: Data) -> Data:
         data.info["dataset"] = dataset
         return data
@@ -343,8 +351,10 @@ def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, wor
             data = load_dir(directory, dataset) if os.path.isdir(directory) else None
             if data is not None:
                 return tagged(data)
-        raise DataError(f"fashion_mnist: not in {FASHION_SYSTEM_DIR} (apt-get install "
-                        "dataset-fashion-mnist) nor in --data-dir")
+        raise DataError(
+            f"fashion_mnist: not in {FASHION_SYSTEM_DIR} (apt-get install "
+            "dataset-fashion-mnist) nor in --data-dir"
+        )
 
     cached = os.path.join(KERAS_CACHE, NPZ_NAMES[dataset])
     tried = "--data-dir, ~/.keras/datasets/mnist.npz"
@@ -361,10 +371,11 @@ def load_mnist_format(dataset: str, data_dir: Optional[str], download: bool, wor
         tried += f", download ({type(error).__name__})" if error else ", download"
     if os.path.exists(cached):
         return tagged(load_npz(cached))
-    notice(f"hvdtrain: no MNIST found ({tried}); training on the bundled 5,000-digit sample "
-           "(4,000 train / 1,000 test); for full MNIST pass --data-dir with the IDX files or "
-           "mnist.npz")
+    notice(
+        f"hvdtrain: no MNIST found ({tried}); training on the bundled 5,000-digit sample "
+        "(4,000 train / 1,000 test); for full MNIST pass --data-dir with the IDX files or "
+        "mnist.npz"
+    )
     data = load_sample()
     data.info["dataset"] = "mnist_sample"
     return data
-

@@ -6,6 +6,7 @@ A list of numbers (``[[0, 1], [1, 0]]``) is one array, as numpy reads it: a list
 a structure only when its items are arrays (or structures) themselves, as Keras reads a list
 of inputs.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,9 +17,13 @@ from hvdtrain.base.errors import DataError
 def is_structure(x) -> bool:
     if isinstance(x, dict):
         return True
-    return isinstance(x, (tuple, list)) and len(x) > 0 and all(
-        isinstance(i, (dict, tuple, list)) and is_structure(i) or hasattr(i, "shape")
-        for i in x)
+    return (
+        isinstance(x, (tuple, list))
+        and len(x) > 0
+        and all(
+            isinstance(i, (dict, tuple, list)) and is_structure(i) or hasattr(i, "shape") for i in x
+        )
+    )
 
 
 def map(fn, x):  # the structure's map, as tf.nest.map_structure
@@ -26,8 +31,9 @@ def map(fn, x):  # the structure's map, as tf.nest.map_structure
     if isinstance(x, dict):
         return {k: map(fn, v) for k, v in x.items()}
     if is_structure(x):
-        return type(x)(map(fn, v) for v in x) if isinstance(x, list) else \
-            tuple(map(fn, v) for v in x)
+        return (
+            type(x)(map(fn, v) for v in x) if isinstance(x, list) else tuple(map(fn, v) for v in x)
+        )
     return fn(x)
 
 
@@ -62,12 +68,12 @@ def examples(what: str, parts) -> int:
     for name, x in parts:
         for path, a in leaves(x):
             if np.ndim(a) == 0:
-                raise DataError(f"{what}: {name}{path} is a single value, not an array of "
-                                "examples")
+                raise DataError(f"{what}: {name}{path} is a single value, not an array of examples")
             counts.append((f"{name}{path}", len(a)))
     first = counts[0]
     for other in counts[1:]:
         if other[1] != first[1]:
-            raise DataError(f"{what}: {first[0]} has {first[1]} examples but {other[0]} has "
-                            f"{other[1]}")
+            raise DataError(
+                f"{what}: {first[0]} has {first[1]} examples but {other[0]} has {other[1]}"
+            )
     return first[1]

@@ -36,17 +36,24 @@
   raises (``assert_cardinality``) instead of taking batches from the next epoch
   (``failure`` says it in one line naming the file).
 """
+
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import numpy as np
 
 from hvdtrain.base.errors import ConfigError, DataError, InputError
 from hvdtrain.inputs.sharding import same_files, sharded_sizes
-from hvdtrain.inputs.sources import (batch_sizes_differ, corrupt_file, dataset_nodes,
-                                     describe_files, error_cause, order_differs, stat_files)
+from hvdtrain.inputs.sources import (
+    batch_sizes_differ,
+    corrupt_file,
+    dataset_nodes,
+    describe_files,
+    error_cause,
+    order_differs,
+    stat_files,
+)
 
 
 class Batches:
@@ -62,15 +69,26 @@ class Batches:
 
     seed, shuffle = 0, False  # the pipeline's own
 
-    def __init__(self, ds, world, sharded: bool = False, steps_per_epoch: Optional[int] = None,
-                 what: str = "the training dataset", batch: Optional[int] = None):
+    def __init__(
+        self,
+        ds,
+        world,
+        sharded: bool = False,
+        steps_per_epoch: int | None = None,
+        what: str = "the training dataset",
+        batch: int | None = None,
+    ):
         import tensorflow as tf
 
         self.world, self.what = world, what
         infinite = int(ds.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
         if infinite and not steps_per_epoch:
-            raise ConfigError("steps_per_epoch", steps_per_epoch, f"{what} repeats forever: "
-                              "give steps_per_epoch, the steps every rank takes per epoch")
+            raise ConfigError(
+                "steps_per_epoch",
+                steps_per_epoch,
+                f"{what} repeats forever: "
+                "give steps_per_epoch, the steps every rank takes per epoch",
+            )
         if steps_per_epoch is not None and steps_per_epoch < 1:
             raise ConfigError("steps_per_epoch", steps_per_epoch, "must be 1 or more")
 
@@ -79,29 +97,37 @@ class Batches:
         self.files = everyone_files[world.rank]
         self.snapshot = stat_files(p for p, _ in self.files)  # this rank's view, for later looks
         self.ds, sizes, self.policy, digest = sharded_sizes(
-            ds, world, sharded, what, steps_per_epoch if infinite else None, batch, nodes)
+            ds, world, sharded, what, steps_per_epoch if infinite else None, batch, nodes
+        )
         everyone = world.allgather_object((sizes, digest))
         everyone, digests = [s for s, _ in everyone], [d for _, d in everyone]
         self.used = 1  # iterations of self.ds created so far: the count's
         empty = [r for r, s in enumerate(everyone) if not s]
         if empty:
-            raise InputError(f"{what}: rank {empty[0]}'s shard is empty (sharded {self.policy}"
-                             f" over {world.size} ranks): give it more files or examples")
-        problem = (order_differs(what, digests) or
-                   batch_sizes_differ(what, [max(s) for s in everyone], self.policy))
+            raise InputError(
+                f"{what}: rank {empty[0]}'s shard is empty (sharded {self.policy}"
+                f" over {world.size} ranks): give it more files or examples"
+            )
+        problem = order_differs(what, digests) or batch_sizes_differ(
+            what, [max(s) for s in everyone], self.policy
+        )
         if problem:
             raise InputError(problem)
         fewest = min(len(s) for s in everyone)
         if steps_per_epoch and steps_per_epoch > fewest and not infinite:
-            raise ConfigError("steps_per_epoch", steps_per_epoch, f"{what} has only {fewest} "
-                              "batches on some rank; every rank must have that many")
+            raise ConfigError(
+                "steps_per_epoch",
+                steps_per_epoch,
+                f"{what} has only {fewest} batches on some rank; every rank must have that many",
+            )
         self.steps = steps_per_epoch or fewest
         self.batch_size = max(max(s) for s in everyone)
-        self.examples = sum(sum(s[:self.steps]) for s in everyone)  # trained per epoch
+        self.examples = sum(sum(s[: self.steps]) for s in everyone)  # trained per epoch
         self.left_out = 0 if infinite else sum(sum(s) for s in everyone) - self.examples
         # Sharded by hand: every rank's files together (the same on another world size).
-        self.train_files = describe_files(sorted({f for files in everyone_files for f in files})
-                                          if sharded else everyone_files[0])
+        self.train_files = describe_files(
+            sorted({f for files in everyone_files for f in files}) if sharded else everyone_files[0]
+        )
         self.first = self._first()
         self.sample = self.first[0] if isinstance(self.first, (tuple, list)) else self.first
         self.waited = tf.Variable(0.0, dtype=tf.float64, trainable=False)  # seconds
@@ -113,14 +139,17 @@ class Batches:
         return _numpy(first)
 
     def info(self) -> dict:
-        return {"train_examples": self.examples, "examples_left_out": self.left_out,
-                "sharding": self.policy}
+        return {
+            "train_examples": self.examples,
+            "examples_left_out": self.left_out,
+            "sharding": self.policy,
+        }
 
     def identity(self) -> dict:
         """What the run was trained on, for the settings a resume compares."""
         return {"train_files": self.train_files, "train_examples": self.examples}
 
-    def changed(self) -> Optional[str]:
+    def changed(self) -> str | None:
         """This rank: the first of the pipeline's files that is not as it was at the start
         (deleted, cut short, grown, rewritten, unreadable), said as ``path: how``."""
         now = stat_files(self.snapshot)
@@ -138,33 +167,40 @@ class Batches:
     def check_unchanged(self, when: str) -> None:
         """All ranks: stop every rank with one line if a file changed (``when``: "before
         epoch 3") before anything is trained on it or saved after it."""
+
         def look():
             problem = self.changed()
             if problem:
                 raise InputError(f"{problem} {when}: {STOPPED}")
+
         self.world.agree(look, catch=(DataError,), merge=InputError)
 
-    def failure(self, e, epoch: int) -> Optional[DataError]:
+    def failure(self, e, epoch: int) -> DataError | None:
         """The one line for a TensorFlow error ``e`` that reading epoch ``epoch`` (from 0)
         raised on this rank alone: a file that changed, a shard that ran short, a corrupt
         file; None when it is not the input's (the step's own)."""
         import tensorflow as tf
 
         rank, problem = self.world.rank, self.changed()
-        short = re.search(r"expected to contain (\d+) elements but contained only (\d+)",
-                          str(getattr(e, "message", e)))
+        short = re.search(
+            r"expected to contain (\d+) elements but contained only (\d+)",
+            str(getattr(e, "message", e)),
+        )
         where = f"in epoch {epoch + 1} (rank {rank})"
         if problem:
             return DataError(f"{problem} {where}: {STOPPED}")
         if short:
-            return DataError(f"{self.what}: rank {rank}'s shard ended after {short.group(2)} "
-                             f"of its {short.group(1)} batches {where}: its input changed "
-                             f"under the running job; {STOPPED}")
+            return DataError(
+                f"{self.what}: rank {rank}'s shard ended after {short.group(2)} "
+                f"of its {short.group(1)} batches {where}: its input changed "
+                f"under the running job; {STOPPED}"
+            )
         if isinstance(e, tf.errors.DataLossError):
             found = corrupt_file(self.ds)  # None: not a training file (validation's)
             return DataError(f"{found[0]}: {found[1]} {where}") if found else None
-        if isinstance(e, (tf.errors.NotFoundError, tf.errors.PermissionDeniedError)) \
-                and any(path in str(e) for path in self.snapshot):
+        if isinstance(e, (tf.errors.NotFoundError, tf.errors.PermissionDeniedError)) and any(
+            path in str(e) for path in self.snapshot
+        ):
             return DataError(f"{self.what}: {error_cause(e)} {where}")
         return None
 
@@ -186,7 +222,8 @@ class Batches:
         # raises rather than take the next epoch's batches (and leave a rank without any).
         exact = tf.data.experimental.assert_cardinality(steps)
         stream = tf.data.Dataset.range(end_epoch - first_epoch).flat_map(
-            lambda e: ds.take(steps).apply(exact))
+            lambda e: ds.take(steps).apply(exact)
+        )
         return self._timed(stream.skip(first_step) if first_step else stream)
 
     def _timed(self, stream):
@@ -214,8 +251,10 @@ class Batches:
         return max(self.world.allgather_object(min(1.0, waited / max(seconds, 1e-9))))
 
 
-STOPPED = ("training stopped, nothing saved after it; put the input back as it was and run "
-           "the same command to resume, or train on the new input in a new run directory")
+STOPPED = (
+    "training stopped, nothing saved after it; put the input back as it was and run "
+    "the same command to resume, or train on the new input in a new run directory"
+)
 
 
 def _numpy(x):
@@ -224,20 +263,22 @@ def _numpy(x):
     return tf.nest.map_structure(lambda t: np.asarray(t), x)
 
 
-def validation(ds, world, sharded: bool = False, batch: Optional[int] = None,
-               what: str = "validation_data") -> tuple:
+def validation(
+    ds, world, sharded: bool = False, batch: int | None = None, what: str = "validation_data"
+) -> tuple:
     """A validation dataset as (this rank's shard, its batches): each example is scored by
     exactly one rank (no rank may be empty: its part of the exact metrics would be missing).
     ``batch``: ``ds`` holds examples, to be sharded, then batched."""
     nodes = dataset_nodes(ds)
     same_files(ds, world, sharded, what, nodes)
-    mine, sizes, policy, digest = sharded_sizes(ds, world, sharded, what, batch=batch,
-                                                 nodes=nodes)
+    mine, sizes, policy, digest = sharded_sizes(ds, world, sharded, what, batch=batch, nodes=nodes)
     everyone = world.allgather_object((sum(sizes), digest))
     counts = [n for n, _ in everyone]
     if min(counts) == 0:
-        raise InputError(f"{what}: rank {counts.index(0)}'s shard is empty "
-                         f"(sharded {policy} over {world.size} ranks)")
+        raise InputError(
+            f"{what}: rank {counts.index(0)}'s shard is empty "
+            f"(sharded {policy} over {world.size} ranks)"
+        )
     problem = order_differs(what, [d for _, d in everyone])
     if problem:
         raise InputError(problem)

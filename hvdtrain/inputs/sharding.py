@@ -1,14 +1,20 @@
 """A ``tf.data`` pipeline sharded over the ranks (by file, else by batch, or by the user) and
 counted: one pass over each rank's shard, then every rank takes the fewest steps any rank
 has. The ranks' files, order and batch sizes are compared on the way (``sources``)."""
+
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
 
 from hvdtrain.base.errors import DataError, InputError
-from hvdtrain.inputs.sources import (corrupt_file, error_cause, file_facts, file_names,
-                                     files_differ, reads_files)
+from hvdtrain.inputs.sources import (
+    corrupt_file,
+    error_cause,
+    file_facts,
+    file_names,
+    files_differ,
+    reads_files,
+)
 
 
 def shard(ds, world, policy: str):
@@ -38,8 +44,10 @@ def _fingerprint(*batch):
     """A batch's size and a fingerprint of its contents (8 bytes)."""
     import tensorflow as tf
 
-    parts = [tf.reshape(tf.fingerprint(tf.reshape(t, [1, -1])), [-1])
-             for t in tf.nest.flatten(batch, expand_composites=True)]
+    parts = [
+        tf.reshape(tf.fingerprint(tf.reshape(t, [1, -1])), [-1])
+        for t in tf.nest.flatten(batch, expand_composites=True)
+    ]
     whole = tf.reshape(tf.concat(parts, 0), [1, -1])
     return _batch_len(*batch), tf.reshape(tf.fingerprint(whole), [8])
 
@@ -66,8 +74,9 @@ def _count(ds, what: str, digest: bool = False):
             sizes += [int(n) for n in chunk.numpy()]
     except tf.errors.DataLossError as e:
         found = corrupt_file(ds)
-        raise DataError(f"{found[0]}: {found[1]}" if found else
-                        f"{what}: {error_cause(e)}") from None
+        raise DataError(
+            f"{found[0]}: {found[1]}" if found else f"{what}: {error_cause(e)}"
+        ) from None
     except tf.errors.OpError as e:
         raise DataError(f"{what}: {error_cause(e)}") from None
     if digest:
@@ -75,7 +84,7 @@ def _count(ds, what: str, digest: bool = False):
     return sizes
 
 
-def _rank_sizes(sizes: list, world, batch: Optional[int]) -> list:
+def _rank_sizes(sizes: list, world, batch: int | None) -> list:
     """Rank ``world.rank``'s batch sizes under the DATA policy, from the whole pipeline's
     (``batch``: ``sizes`` are of chunks of ``batch`` x size examples, dealt out one by one)."""
     r, n = world.rank, world.size
@@ -84,8 +93,15 @@ def _rank_sizes(sizes: list, world, batch: Optional[int]) -> list:
     return [k for k in (min(batch, max(0, -(-(t - r) // n))) for t in sizes) if k]
 
 
-def sharded_sizes(ds, world, sharded: bool, what: str, limit: Optional[int] = None,
-                   batch: Optional[int] = None, nodes=None):
+def sharded_sizes(
+    ds,
+    world,
+    sharded: bool,
+    what: str,
+    limit: int | None = None,
+    batch: int | None = None,
+    nodes=None,
+):
     """All ranks: (this rank's shard, its batch sizes (the first ``limit``), the policy
     used, the digest of the batches' order: by batch, every rank reads the whole pipeline
     here and digests it; else None): by file if it can be on every rank, else by element.
@@ -112,10 +128,18 @@ def sharded_sizes(ds, world, sharded: bool, what: str, limit: Optional[int] = No
                 if policy == "file" and "shard" in str(e):
                     return None  # fewer files than ranks: TensorFlow says so on some ranks
                 raise
+
         return world.agree(attempt, catch=(DataError, tf.errors.OpError), merge=InputError)
 
-    policy = ("user" if sharded else "none" if world.size == 1 else
-              "file" if reads_files(ds, nodes) else "data")
+    policy = (
+        "user"
+        if sharded
+        else "none"
+        if world.size == 1
+        else "file"
+        if reads_files(ds, nodes)
+        else "data"
+    )
     found = count(policy)
     # Horovod: the policy must be every rank's, or ranks would read overlapping shards.
     if policy == "file" and not all(world.allgather_object(found is not None)):

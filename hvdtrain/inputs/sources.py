@@ -1,16 +1,15 @@
 """What a user's ``tf.data`` pipeline reads: whether it reads files and which, their facts
 (names, sizes; their size and modification time, to see a change under a running job), the
 file behind a read error, and the one-line reports of how the ranks' inputs differ."""
+
 from __future__ import annotations
 
 import hashlib
 import os
-from typing import Optional
 
 import numpy as np
 
 from hvdtrain.base.errors import DataError, InputError
-
 
 # Dataset ops that read files: a pipeline with one of them can be sharded by file.
 READERS = ("TFRecordDataset", "TextLineDataset", "FixedLengthRecordDataset")
@@ -30,6 +29,7 @@ def files(pattern: str, world) -> list:
         if not found:
             raise DataError(f"{pattern}: matches no file")
         return found
+
     return world.agree(match, catch=(DataError,), merge=InputError)
 
 
@@ -49,7 +49,7 @@ def file_names(ds, nodes=None) -> list:
     import tensorflow as tf
 
     names = []
-    for n in (dataset_nodes(ds) if nodes is None else nodes):
+    for n in dataset_nodes(ds) if nodes is None else nodes:
         if n.op == "Const" and n.attr["dtype"].type == tf.string.as_datatype_enum:
             try:
                 value = tf.io.parse_tensor(n.attr["value"].tensor.SerializeToString(), tf.string)
@@ -87,11 +87,12 @@ def describe_files(files: list) -> str:
     if not files:
         return "none"
     digest = hashlib.sha256("\n".join(f"{os.path.basename(p)} {n}" for p, n in files).encode())
-    return (f"{len(files)} files, {sum(n for _, n in files):,} bytes, sha256 "
-            f"{digest.hexdigest()[:12]}")
+    return (
+        f"{len(files)} files, {sum(n for _, n in files):,} bytes, sha256 {digest.hexdigest()[:12]}"
+    )
 
 
-def files_differ(what: str, everyone: list) -> Optional[str]:
+def files_differ(what: str, everyone: list) -> str | None:
     """The first rank whose [(path, size)] list differs from rank 0's, and how; None when all
     are the same."""
     ours = everyone[0]
@@ -103,47 +104,59 @@ def files_differ(what: str, everyone: list) -> Optional[str]:
         extra = [p for p in other if p not in mine]
         counts = f"{len(mine)} files on rank 0, {len(other)} on rank {rank}"
         if lacks:
-            how = f"rank {rank} lacks {lacks[0]}" + (f" and {len(lacks) - 1} more"
-                                                     if len(lacks) > 1 else "")
+            how = f"rank {rank} lacks {lacks[0]}" + (
+                f" and {len(lacks) - 1} more" if len(lacks) > 1 else ""
+            )
         elif extra:
             how = f"rank {rank} reads {extra[0]}, which rank 0 does not"
         elif mine != other:
             at = next(i for i, (a, b) in enumerate(zip(mine, other)) if a != b)
-            how = (f"rank {rank} lists them in another order (file {at}: {other[at]} where "
-                   f"rank 0 has {mine[at]}): list them sorted (hk.files)")
+            how = (
+                f"rank {rank} lists them in another order (file {at}: {other[at]} where "
+                f"rank 0 has {mine[at]}): list them sorted (hk.files)"
+            )
         else:
             path, a, b = next((p, a, b) for (p, a), (_, b) in zip(ours, theirs) if a != b)
             how = f"{path} is {a:,} bytes on rank 0, {b:,} on rank {rank}"
-        return (f"{what}: the ranks read different files: {how} ({counts}); every rank "
-                "must list the same files (or shard them by hand: sharded=True)")
+        return (
+            f"{what}: the ranks read different files: {how} ({counts}); every rank "
+            "must list the same files (or shard them by hand: sharded=True)"
+        )
     return None
 
 
-def order_differs(what: str, digests: list) -> Optional[str]:
+def order_differs(what: str, digests: list) -> str | None:
     """Sharded by batch, every rank reads the whole pipeline: the first rank whose batches
     (their contents, in order) differ from rank 0's; None when all are the same."""
     for rank, digest in enumerate(digests):
         if digest is not None and digests[0] is not None and digest != digests[0]:
-            return (f"{what}: rank {rank} reads its batches in another order than rank 0 "
-                    "(sharded by batch, every rank keeps every size-th batch of the same "
-                    "sequence): seed every shuffle alike on every rank (shuffle(n, seed=0)), "
-                    "list the files sorted")
+            return (
+                f"{what}: rank {rank} reads its batches in another order than rank 0 "
+                "(sharded by batch, every rank keeps every size-th batch of the same "
+                "sequence): seed every shuffle alike on every rank (shuffle(n, seed=0)), "
+                "list the files sorted"
+            )
     return None
 
 
-def batch_sizes_differ(what: str, largest: list, policy: str) -> Optional[str]:
+def batch_sizes_differ(what: str, largest: list, policy: str) -> str | None:
     """The first rank whose largest batch differs from rank 0's; None when all agree."""
     for rank, n in enumerate(largest):
         if n != largest[0]:
-            fix = ("batch every rank's shard alike" if policy == "user" else
-                   "give every rank's shard at least one whole batch")
-            return (f"{what}: rank {rank}'s batches hold {n} examples, rank 0's "
-                    f"{largest[0]}: every rank's batches must be the per-rank batch size "
-                    f"({fix})")
+            fix = (
+                "batch every rank's shard alike"
+                if policy == "user"
+                else "give every rank's shard at least one whole batch"
+            )
+            return (
+                f"{what}: rank {rank}'s batches hold {n} examples, rank 0's "
+                f"{largest[0]}: every rank's batches must be the per-rank batch size "
+                f"({fix})"
+            )
     return None
 
 
-def corrupt_file(ds) -> Optional[tuple]:
+def corrupt_file(ds) -> tuple | None:
     """(path, cause) of the first of the pipeline's files that TFRecord cannot read through."""
     import tensorflow as tf
 

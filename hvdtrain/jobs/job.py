@@ -4,10 +4,11 @@ A task (a built-in name, ``package.module:TaskClass`` or a Task) is checked here
 flag says the task's own line and stops the driver with status 2 before any rank starts. A
 script runs as ``python SCRIPT FLAGS``; a function is called with its arguments on every rank.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from hvdtrain.base.errors import EXIT_USAGE, LaunchError
 
@@ -27,11 +28,20 @@ def is_script(target: str) -> bool:
 
 def is_task(target) -> bool:
     from hvdtrain.tasks.task import Task
+
     return isinstance(target, Task) or (isinstance(target, str) and not is_script(target))
 
 
-def job_for(target, argv, args, kwargs, prog: Optional[str], front: str,
-            dumps: Callable[[object], bytes], error: type = JobError):
+def job_for(
+    target,
+    argv,
+    args,
+    kwargs,
+    prog: str | None,
+    front: str,
+    dumps: Callable[[object], bytes],
+    error: type = JobError,
+):
     """(job, default rank count): what each rank runs. ``prog``: the name the ranks' lines
     start with (default ``FRONT TARGET``); ``dumps`` pickles the payload (the front's
     cloudpickle: a function of the driver's ``__main__`` goes by value)."""
@@ -57,23 +67,31 @@ def job_for(target, argv, args, kwargs, prog: Optional[str], front: str,
         payload = {"kind": "task", "task": target, "prog": prog}
         return {"kind": "task", "argv": argv, "payload": dumps(payload)}, config.num_workers
     if callable(target):
-        payload = {"kind": "function", "function": target, "args": list(args),
-                   "kwargs": dict(kwargs or {}),
-                   "prog": prog or f"{front} {getattr(target, '__name__', 'function')}"}
+        payload = {
+            "kind": "function",
+            "function": target,
+            "args": list(args),
+            "kwargs": dict(kwargs or {}),
+            "prog": prog or f"{front} {getattr(target, '__name__', 'function')}",
+        }
         return {"kind": "function", "argv": [], "payload": dumps(payload)}, None
-    raise error(f"{target!r}: give a task (a built-in name, package.module:TaskClass "
-                "or a Task), a script path or a function", 2)
+    raise error(
+        f"{target!r}: give a task (a built-in name, package.module:TaskClass "
+        "or a Task), a script path or a function",
+        2,
+    )
 
 
 def check_counts(error: type, **values) -> None:
     """Each ``name=(value, least)``: an integer of at least ``least`` (None: not given)."""
     for name, (value, least) in values.items():
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < least):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < least
+        ):
             raise error(f"{name}={value!r}: must be an integer of at least {least}", 2)
 
 
-def task_argv(target, argv, ranks: Optional[int], elastic: bool = False) -> list:
+def task_argv(target, argv, ranks: int | None, elastic: bool = False) -> list:
     """A task's flags with the launch's rank count (and ``--elastic``) when it has none."""
     argv = list(argv)
     if not is_task(target):

@@ -12,6 +12,7 @@ An attempt's answers mean:
 - the driver stopped (SIGINT, SIGTERM): the signal went to every rank, which saved at a step
   they agreed on and exited 75; so does the driver.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,19 +23,38 @@ from hvdtrain.base.errors import EXIT_FAILED, EXIT_PEER_LOST, EXIT_PREEMPTED, RE
 
 # The driver's environment the ranks get (the cluster's processes have the environment their
 # node's daemon started with): hvdtrain's and its frameworks' switches, the trackers' settings.
-FORWARDED = ("HVDTRAIN_", "TF_", "KERAS_", "MLFLOW_", "WANDB_", "NCCL_", "HOROVOD_", "OMP_",
-             "GLIBC_TUNABLES", "PYTHONPATH")
+FORWARDED = (
+    "HVDTRAIN_",
+    "TF_",
+    "KERAS_",
+    "MLFLOW_",
+    "WANDB_",
+    "NCCL_",
+    "HOROVOD_",
+    "OMP_",
+    "GLIBC_TUNABLES",
+    "PYTHONPATH",
+)
 # Horovod's variables that describe one launch: the cluster's integration sets them per rank.
-LAUNCH_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
-               "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME",
-               "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT",
-               "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS", "HOROVOD_GLOO_IFACE",
-               "HOROVOD_ELASTIC")
+LAUNCH_VARS = (
+    "HOROVOD_RANK",
+    "HOROVOD_SIZE",
+    "HOROVOD_LOCAL_RANK",
+    "HOROVOD_LOCAL_SIZE",
+    "HOROVOD_CROSS_RANK",
+    "HOROVOD_CROSS_SIZE",
+    "HOROVOD_HOSTNAME",
+    "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+    "HOROVOD_GLOO_RENDEZVOUS_PORT",
+    "HOROVOD_CONTROLLER",
+    "HOROVOD_CPU_OPERATIONS",
+    "HOROVOD_GLOO_IFACE",
+    "HOROVOD_ELASTIC",
+)
 
 
 def forwarded_env(environ=os.environ) -> dict:
-    return {k: v for k, v in environ.items()
-            if k.startswith(FORWARDED) and k not in LAUNCH_VARS}
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED) and k not in LAUNCH_VARS}
 
 
 class Console:
@@ -80,8 +100,9 @@ class Stop:
     def _on(self, signum, frame):
         if not self.signum:
             self.signum = signum
-            self.console.say(f"{signal.Signals(signum).name}: stopping the ranks (they save a "
-                             "checkpoint first)")
+            self.console.say(
+                f"{signal.Signals(signum).name}: stopping the ranks (they save a checkpoint first)"
+            )
 
     def __exit__(self, *exc):
         for s, handler in self._old.items():
@@ -92,8 +113,14 @@ class Stop:
 def failed(rank: int, host, status, error: str) -> dict:
     """A rank's answer when the rank could not give one (its process lost; the job failed as
     a whole: ``host`` None)."""
-    return {"rank": rank, "host": host, "status": status, "signal": None, "result": None,
-            "error": error}
+    return {
+        "rank": rank,
+        "host": host,
+        "status": status,
+        "signal": None,
+        "result": None,
+        "error": error,
+    }
 
 
 def outcome(answers: list, stopped: bool) -> tuple:
@@ -113,24 +140,41 @@ def outcome(answers: list, stopped: bool) -> tuple:
     lost = [a for a in answers if a["status"] is None or a["signal"]]
     if lost:
         a = lost[0]
-        why = (f"rank {a['rank']} on {a['host']} was killed by {a['signal']}" if a["signal"]
-               else f"rank {a['rank']} on {a['host']}: {a['error']}" if a["host"]
-               else a["error"])  # the job failed as a whole: no rank to name
+        why = (
+            f"rank {a['rank']} on {a['host']} was killed by {a['signal']}"
+            if a["signal"]
+            else f"rank {a['rank']} on {a['host']}: {a['error']}"
+            if a["host"]
+            else a["error"]
+        )  # the job failed as a whole: no rank to name
         return EXIT_PEER_LOST, why, True
     retried = [s for s in statuses if s in RETRIED]
     if retried:
         return retried[0], f"the ranks ended with status {retried[0]}", True
     odd = next(a for a in answers if a["status"] != 0)
-    return odd["status"] or EXIT_FAILED, (f"rank {odd['rank']} on {odd['host']} ended with "
-                                          f"status {odd['status']}"), False
+    return (
+        odd["status"] or EXIT_FAILED,
+        (f"rank {odd['rank']} on {odd['host']} ended with status {odd['status']}"),
+        False,
+    )
 
 
-def restart_or_raise(status: int, why: str, retry: bool, stopped: bool, attempt: int,
-                     max_restarts: int, console: Console, error: type) -> None:
+def restart_or_raise(
+    status: int,
+    why: str,
+    retry: bool,
+    stopped: bool,
+    attempt: int,
+    max_restarts: int,
+    console: Console,
+    error: type,
+) -> None:
     """After an attempt that did not finish: say the restart and return, or raise ``error``."""
     if retry and not stopped and attempt < max_restarts:
-        console.say(f"{why}: the job starts again from its newest checkpoint "
-                    f"(restart {attempt + 1} of {max_restarts})")
+        console.say(
+            f"{why}: the job starts again from its newest checkpoint "
+            f"(restart {attempt + 1} of {max_restarts})"
+        )
         return
     if retry and attempt == max_restarts and max_restarts:
         why = f"{why}, after {max_restarts} restarts"

@@ -19,6 +19,7 @@ from its first instruction. The parent only:
 Imports only the standard library and hvdtrain's: the parent must not import TensorFlow (it
 would hold the GPU the child needs).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,15 +30,15 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from hvdtrain.base import malloc  # the standard library's only
 from hvdtrain.base.launch import launcher_rank
 from hvdtrain.jobs.outcome import failed
 
 PR_SET_PDEATHSIG = 1
-POLL = 0.25       # seconds between two looks at the driver's stop request
-CHUNK = 1 << 16   # bytes relayed at once
+POLL = 0.25  # seconds between two looks at the driver's stop request
+CHUNK = 1 << 16  # bytes relayed at once
 
 
 def _rank_start() -> None:
@@ -58,8 +59,7 @@ def child_env(job: dict, environ=os.environ) -> dict:
     for name, value in job["env"].items():
         if not name.startswith("HOROVOD_") or name not in env:
             env[name] = value
-    paths = [p for p in (job["cwd"], job["env"].get("PYTHONPATH"), environ.get("PYTHONPATH"))
-             if p]
+    paths = [p for p in (job["cwd"], job["env"].get("PYTHONPATH"), environ.get("PYTHONPATH")) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(os.pathsep.join(paths).split(os.pathsep)))
     value = malloc.tunables(env)
     if value:
@@ -67,8 +67,9 @@ def child_env(job: dict, environ=os.environ) -> dict:
     return env
 
 
-def run_rank(job: dict, write: Callable[[str, bytes], None],
-             stop_signal: Callable[[], int]) -> dict:
+def run_rank(
+    job: dict, write: Callable[[str, bytes], None], stop_signal: Callable[[], int]
+) -> dict:
     """Run this process's rank to its end; what the driver needs of it. ``write(stream,
     chunk)`` relays the child's output ("out" or "err"); ``stop_signal()`` is the signal the
     driver asks the ranks to stop with (0: none yet)."""
@@ -76,8 +77,10 @@ def run_rank(job: dict, write: Callable[[str, bytes], None],
     host = socket.gethostname()
     answer = failed(rank, host, None, None)  # until the child says otherwise
     if not os.path.isdir(job["cwd"]):
-        answer["error"] = (f"the driver's working directory {job['cwd']} does not exist on "
-                           f"host {host}: start the driver from a directory every node sees")
+        answer["error"] = (
+            f"the driver's working directory {job['cwd']} does not exist on "
+            f"host {host}: start the driver from a directory every node sees"
+        )
         answer["status"] = 1
         return answer
     with tempfile.TemporaryDirectory(prefix="hvdtrain-rank-") as tmp:
@@ -88,9 +91,15 @@ def run_rank(job: dict, write: Callable[[str, bytes], None],
             # The task's flags on the command line (what ps shows), the rest on stdin.
             cmd = [sys.executable, "-m", "hvdtrain.jobs.worker", result_path, *job["argv"]]
         try:
-            proc = subprocess.Popen(cmd, cwd=job["cwd"], env=child_env(job),
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, preexec_fn=_rank_start)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=job["cwd"],
+                env=child_env(job),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=_rank_start,
+            )
         except OSError as e:
             answer["error"], answer["status"] = f"cannot start {cmd[0]} on {host}: {e}", 1
             return answer
@@ -103,8 +112,10 @@ def run_rank(job: dict, write: Callable[[str, bytes], None],
                     return
                 write(name, chunk)
 
-        threads = [threading.Thread(target=relay, args=(proc.stdout, "out"), daemon=True),
-                   threading.Thread(target=relay, args=(proc.stderr, "err"), daemon=True)]
+        threads = [
+            threading.Thread(target=relay, args=(proc.stdout, "out"), daemon=True),
+            threading.Thread(target=relay, args=(proc.stderr, "err"), daemon=True),
+        ]
         for t in threads:
             t.start()
         try:

@@ -6,6 +6,7 @@ runs it (a Task with FLAGS) as a launched rank runs (``hvdtrain.cli.run`` for a 
 flags, lines and exit statuses as ``python -m hvdtrain``), writes what it returned to RESULT
 (pickled), and exits with its status.
 """
+
 import pickle
 import sys
 import traceback
@@ -23,6 +24,7 @@ def main(result_path: str, argv: list) -> int:
         task = job["task"]
         if isinstance(task, str):
             from hvdtrain.tasks.task import load_task
+
             try:
                 task = load_task(task)
             except Error as e:

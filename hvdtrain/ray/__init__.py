@@ -16,10 +16,12 @@ checkpoints, exact resume, SIGTERM stop, watchdog and exit statuses
 directory the driver was started from, which must exist on every node, and a run directory
 they share must be on storage every node sees.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hvdtrain.ray.driver import RayJobError
 
@@ -30,13 +32,24 @@ PLACEMENT_TIMEOUT = 120  # seconds to wait for the cluster to have room for ever
 COOLDOWN = (10, 60)  # an elastic job's lost address is tried again after 10 s, then longer
 
 
-def run(target: str | Callable | Any, *, argv: Sequence[str] = (), args: Sequence = (),
-        kwargs: dict | None = None, num_workers: int | None = None,
-        cpus_per_worker: int = 1, gpus_per_worker: int = 0, use_gpu: bool = False,
-        address: str | None = None, max_restarts: int = MAX_RESTARTS,
-        placement_timeout: int = PLACEMENT_TIMEOUT, min_workers: int | None = None,
-        max_workers: int | None = None, cooldown: Sequence[int] = COOLDOWN,
-        prog: str | None = None) -> Any:
+def run(
+    target: str | Callable | Any,
+    *,
+    argv: Sequence[str] = (),
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    num_workers: int | None = None,
+    cpus_per_worker: int = 1,
+    gpus_per_worker: int = 0,
+    use_gpu: bool = False,
+    address: str | None = None,
+    max_restarts: int = MAX_RESTARTS,
+    placement_timeout: int = PLACEMENT_TIMEOUT,
+    min_workers: int | None = None,
+    max_workers: int | None = None,
+    cooldown: Sequence[int] = COOLDOWN,
+    prog: str | None = None,
+) -> Any:
     """Train ``target`` on Horovod workers of a Ray cluster; rank 0's result.
 
     Args:
@@ -84,21 +97,31 @@ def run(target: str | Callable | Any, *, argv: Sequence[str] = (), args: Sequenc
     if elastic:
         min_workers = min_workers or 1
         if max_workers is not None and max_workers < min_workers:
-            raise RayJobError(f"max_workers={max_workers}: must be at least min_workers="
-                              f"{min_workers}", 2)
-    check_counts(RayJobError, num_workers=(num_workers, 1), min_workers=(min_workers, 1),
-                 max_workers=(max_workers, 1), cpus_per_worker=(cpus_per_worker, 1),
-                 gpus_per_worker=(gpus_per_worker, 0), max_restarts=(max_restarts, 0),
-                 placement_timeout=(placement_timeout, 1))
+            raise RayJobError(
+                f"max_workers={max_workers}: must be at least min_workers={min_workers}", 2
+            )
+    check_counts(
+        RayJobError,
+        num_workers=(num_workers, 1),
+        min_workers=(min_workers, 1),
+        max_workers=(max_workers, 1),
+        cpus_per_worker=(cpus_per_worker, 1),
+        gpus_per_worker=(gpus_per_worker, 0),
+        max_restarts=(max_restarts, 0),
+        placement_timeout=(placement_timeout, 1),
+    )
     argv = task_argv(target, argv, num_workers, elastic)
-    job, configured = job_for(target, argv, args, kwargs, prog, "hvdtrain.ray",
-                              cloudpickle.dumps, RayJobError)
+    job, configured = job_for(
+        target, argv, args, kwargs, prog, "hvdtrain.ray", cloudpickle.dumps, RayJobError
+    )
     job["cwd"] = os.getcwd()
-    placement = {"num_workers": num_workers or configured or 1,
-                 "cpus_per_worker": cpus_per_worker, "gpus_per_worker": gpus_per_worker,
-                 "timeout_s": placement_timeout}
+    placement = {
+        "num_workers": num_workers or configured or 1,
+        "cpus_per_worker": cpus_per_worker,
+        "gpus_per_worker": gpus_per_worker,
+        "timeout_s": placement_timeout,
+    }
     if elastic:
-        placement.update(min_workers=min_workers, max_workers=max_workers,
-                         cooldown=tuple(cooldown))
+        placement.update(min_workers=min_workers, max_workers=max_workers, cooldown=tuple(cooldown))
         job["elastic"] = True
     return run_job(job, placement, address, max_restarts)

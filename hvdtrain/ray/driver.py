@@ -11,6 +11,7 @@ An attempt ends as ``hvdtrain.jobs.outcome`` says (done, the user's error, start
 the newest checkpoint up to ``max_restarts`` times, stopped); a worker actor or its node lost
 counts as a rank lost.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -18,12 +19,11 @@ import functools
 import pickle
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 from hvdtrain.base.errors import EXIT_FAILED
 from hvdtrain.jobs.job import JobError
-from hvdtrain.jobs.outcome import (Console, Stop, failed, forwarded_env, outcome,
-                                   restart_or_raise)
+from hvdtrain.jobs.outcome import Console, Stop, failed, forwarded_env, outcome, restart_or_raise
 
 PROG = "hvdtrain.ray"
 RELEASE_SECONDS = 20.0
@@ -35,7 +35,7 @@ class RayJobError(JobError):
     """The job on Ray did not finish; ``status`` is what the command line exits with."""
 
 
-@functools.lru_cache(maxsize=None)  # one actor class per process, not one per attempt
+@functools.cache  # one actor class per process, not one per attempt
 def _hub_class():
     import ray
 
@@ -75,8 +75,11 @@ def _hub():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
-    return _hub_class().options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        here, soft=False)).remote()
+    return (
+        _hub_class()
+        .options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
+        .remote()
+    )
 
 
 def bounded(fn, what: str, seconds: float = RELEASE_SECONDS) -> None:
@@ -94,8 +97,10 @@ def bounded(fn, what: str, seconds: float = RELEASE_SECONDS) -> None:
     t.start()
     t.join(seconds)
     if t.is_alive() or errors:
-        say(f"{what}: {'no answer from Ray within %g s' % seconds if t.is_alive() else errors[0]}"
-            " (left to Ray)")
+        say(
+            f"{what}: {'no answer from Ray within %g s' % seconds if t.is_alive() else errors[0]}"
+            " (left to Ray)"
+        )
 
 
 def _write(chunks) -> None:
@@ -123,15 +128,20 @@ def _attempt(job: dict, placement: dict, stop: Stop) -> list:
     """Run the job once on fresh workers; the ranks' answers (or why there are none)."""
     import ray
     from horovod.ray import RayExecutor
+
     from hvdtrain.ray.rank import run_rank
 
     hub = _hub()
-    settings = RayExecutor.create_settings(timeout_s=placement["timeout_s"],
-                                           placement_group_timeout_s=placement["timeout_s"])
-    executor = RayExecutor(settings, num_workers=placement["num_workers"],
-                           cpus_per_worker=placement["cpus_per_worker"],
-                           use_gpu=placement["gpus_per_worker"] > 0,
-                           gpus_per_worker=placement["gpus_per_worker"] or None)
+    settings = RayExecutor.create_settings(
+        timeout_s=placement["timeout_s"], placement_group_timeout_s=placement["timeout_s"]
+    )
+    executor = RayExecutor(
+        settings,
+        num_workers=placement["num_workers"],
+        cpus_per_worker=placement["cpus_per_worker"],
+        use_gpu=placement["gpus_per_worker"] > 0,
+        gpus_per_worker=placement["gpus_per_worker"] or None,
+    )
     try:
         try:
             executor.start()
@@ -139,8 +149,7 @@ def _attempt(job: dict, placement: dict, stop: Stop) -> list:
             raise RayJobError(_no_room(placement)) from None
         workers = executor.adapter.workers
         hosts = ray.get([w.hostname.remote() for w in workers])
-        say(f"{len(hosts)} workers: " + ", ".join(f"rank {r} on {h}"
-                                                for r, h in enumerate(hosts)))
+        say(f"{len(hosts)} workers: " + ", ".join(f"rank {r} on {h}" for r, h in enumerate(hosts)))
         refs = executor.run_remote(run_rank, args=[job, hub])
         pending = list(refs)
 
@@ -154,17 +163,23 @@ def _attempt(job: dict, placement: dict, stop: Stop) -> list:
         for rank, ref in enumerate(refs):
             try:
                 answers.append(ray.get(ref))
-            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
-                    ray.exceptions.NodeDiedError) as e:
-                answers.append(failed(rank, hosts[rank], None,
-                                      f"its Ray worker was lost ({type(e).__name__})"))
+            except (
+                ray.exceptions.RayActorError,
+                ray.exceptions.WorkerCrashedError,
+                ray.exceptions.NodeDiedError,
+            ) as e:
+                answers.append(
+                    failed(rank, hosts[rank], None, f"its Ray worker was lost ({type(e).__name__})")
+                )
         return answers
     finally:
+
         def release():
             for worker in getattr(getattr(executor, "adapter", None), "workers", None) or []:
                 ray.kill(worker)  # now, not when Python collects the handles
             executor.shutdown()  # its placement group
             ray.kill(hub)
+
         bounded(release, "releasing the workers")
 
 
@@ -181,12 +196,18 @@ def _attempt_elastic(job: dict, placement: dict, stop: Stop) -> list:
 
     hub = _hub()
     settings = ElasticRayExecutor.create_settings(
-        min_num_proc=placement["min_workers"], max_num_proc=placement["max_workers"],
-        elastic_timeout=placement["timeout_s"], timeout_s=placement["timeout_s"],
-        cooldown_range=placement["cooldown"])
-    executor = ElasticRayExecutor(settings, use_gpu=placement["gpus_per_worker"] > 0,
-                                  cpus_per_slot=placement["cpus_per_worker"],
-                                  gpus_per_slot=placement["gpus_per_worker"] or None)
+        min_num_proc=placement["min_workers"],
+        max_num_proc=placement["max_workers"],
+        elastic_timeout=placement["timeout_s"],
+        timeout_s=placement["timeout_s"],
+        cooldown_range=placement["cooldown"],
+    )
+    executor = ElasticRayExecutor(
+        settings,
+        use_gpu=placement["gpus_per_worker"] > 0,
+        cpus_per_slot=placement["cpus_per_worker"],
+        gpus_per_slot=placement["gpus_per_worker"] or None,
+    )
     failure = []
 
     def drive():
@@ -214,24 +235,32 @@ def _no_room(placement: dict) -> str:
 
     free = ray.available_resources()
     want = f"{placement['cpus_per_worker']} CPU" + (
-        f" and {placement['gpus_per_worker']} GPU" if placement["gpus_per_worker"] else "")
-    return (f"the Ray cluster has no room for {placement['num_workers']} workers of {want} "
-            f"each within {placement['timeout_s']} s (free now: "
-            f"{free.get('CPU', 0):g} CPU, {free.get('GPU', 0):g} GPU)")
+        f" and {placement['gpus_per_worker']} GPU" if placement["gpus_per_worker"] else ""
+    )
+    return (
+        f"the Ray cluster has no room for {placement['num_workers']} workers of {want} "
+        f"each within {placement['timeout_s']} s (free now: "
+        f"{free.get('CPU', 0):g} CPU, {free.get('GPU', 0):g} GPU)"
+    )
 
 
-def run_job(job: dict, placement: dict, address: Optional[str], max_restarts: int) -> Any:
+def run_job(job: dict, placement: dict, address: str | None, max_restarts: int) -> Any:
     """Run ``job`` on the Ray cluster at ``address`` (None: the one Ray finds, or a new one on
     this machine) until it finishes; rank 0's result."""
     import ray
 
     if not ray.is_initialized():
         try:
-            ray.init(address=address, log_to_driver=False,
-                     configure_logging=True, logging_level="warning")
+            ray.init(
+                address=address,
+                log_to_driver=False,
+                configure_logging=True,
+                logging_level="warning",
+            )
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise RayJobError(f"cannot connect to the Ray cluster"
-                              f"{f' at {address}' if address else ''}: {e}") from None
+            raise RayJobError(
+                f"cannot connect to the Ray cluster{f' at {address}' if address else ''}: {e}"
+            ) from None
         started = True  # this process connected: it disconnects, within a bound
     else:
         started = False
@@ -253,5 +282,6 @@ def _run(job: dict, placement: dict, max_restarts: int) -> Any:
             if status == 0:
                 data = next((a["result"] for a in answers if a["result"] is not None), None)
                 return pickle.loads(data) if data is not None else None
-            restart_or_raise(status, why, retry, bool(stop.signum), attempt, max_restarts,
-                             console, RayJobError)
+            restart_or_raise(
+                status, why, retry, bool(stop.signum), attempt, max_restarts, console, RayJobError
+            )

@@ -5,6 +5,7 @@ it comes, to the driver's ``Hub`` actor (the driver prints it), and the driver's
 is read there. Imports only the standard library and Ray's: the actor has Horovod and Ray
 loaded already, and must not import TensorFlow (it would hold the GPU the child needs).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,11 @@ def run_rank(job: dict, hub) -> dict:
     import ray
 
     rank = int(os.environ.get("HOROVOD_RANK", "0"))
-    return run_child(job, lambda stream, chunk: hub.write.remote(rank, stream, chunk),
-                     lambda: ray.get(hub.stop_signal.remote(), timeout=10))
+    return run_child(
+        job,
+        lambda stream, chunk: hub.write.remote(rank, stream, chunk),
+        lambda: ray.get(hub.stop_signal.remote(), timeout=10),
+    )
 
 
 def run_rank_elastic(job: dict, hub) -> dict:

@@ -20,10 +20,12 @@ what restarts it). The ranks run in the directory the driver was started from, w
 exist on every machine, and a run directory they share must be on storage every executor
 sees.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hvdtrain.spark.driver import SparkJobError
 from hvdtrain.spark.parquet import read_parquet, write_parquet
@@ -34,11 +36,20 @@ MAX_RESTARTS = 3
 START_TIMEOUT = 120  # seconds for Spark to start every rank's task
 
 
-def run(target: str | Callable | Any, *, argv: Sequence[str] = (), args: Sequence = (),
-        kwargs: dict | None = None, num_proc: int | None = None, spark=None,
-        master: str | None = None, use_mpi: bool = False,
-        max_restarts: int = MAX_RESTARTS, start_timeout: int = START_TIMEOUT,
-        prog: str | None = None) -> Any:
+def run(
+    target: str | Callable | Any,
+    *,
+    argv: Sequence[str] = (),
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    num_proc: int | None = None,
+    spark=None,
+    master: str | None = None,
+    use_mpi: bool = False,
+    max_restarts: int = MAX_RESTARTS,
+    start_timeout: int = START_TIMEOUT,
+    prog: str | None = None,
+) -> Any:
     """Train ``target`` on Horovod processes running as Spark tasks; rank 0's result.
 
     Args:
@@ -76,15 +87,27 @@ def run(target: str | Callable | Any, *, argv: Sequence[str] = (), args: Sequenc
     from hvdtrain.jobs.job import check_counts, job_for, task_argv
     from hvdtrain.spark.driver import run_job
 
-    check_counts(SparkJobError, num_proc=(num_proc, 1), max_restarts=(max_restarts, 0),
-                 start_timeout=(start_timeout, 1))
+    check_counts(
+        SparkJobError,
+        num_proc=(num_proc, 1),
+        max_restarts=(max_restarts, 0),
+        start_timeout=(start_timeout, 1),
+    )
     if spark is not None and master:
-        raise SparkJobError(f"master={master}: the session given (spark=) has its own "
-                            f"master ({spark.sparkContext.master}); give one or the other", 2)
+        raise SparkJobError(
+            f"master={master}: the session given (spark=) has its own "
+            f"master ({spark.sparkContext.master}); give one or the other",
+            2,
+        )
     argv = task_argv(target, argv, num_proc)
-    job, configured = job_for(target, argv, args, kwargs, prog, "hvdtrain.spark",
-                              cloudpickle.dumps, SparkJobError)
+    job, configured = job_for(
+        target, argv, args, kwargs, prog, "hvdtrain.spark", cloudpickle.dumps, SparkJobError
+    )
     job["cwd"] = os.getcwd()
-    launch = {"num_proc": num_proc or configured, "master": master, "use_mpi": bool(use_mpi),
-              "start_timeout": start_timeout}
+    launch = {
+        "num_proc": num_proc or configured,
+        "master": master,
+        "use_mpi": bool(use_mpi),
+        "start_timeout": start_timeout,
+    }
     return run_job(job, launch, max_restarts, spark)

@@ -7,6 +7,7 @@ TARGET is a task (a built-in name or package.module:TaskClass, with its flags af
 script (a path). Exit status: the ranks' (as under horovodrun: 0, 1, 2, 69, 73, 74, 75), after
 at most --max-restarts restarts of a job whose infrastructure failed.
 """
+
 import argparse
 
 from hvdtrain.jobs import cli
@@ -18,22 +19,39 @@ def parser() -> argparse.ArgumentParser:
     from hvdtrain.spark import MAX_RESTARTS, START_TIMEOUT
 
     def options(p):
-        p.add_argument("--master", default=None,
-                       help="the Spark master (spark://HOST:7077, yarn, k8s://..., local[N]; "
-                       "default: spark-submit's or Spark's configuration, else local)")
-        p.add_argument("--num-proc", type=int, default=None,
-                       help="ranks to start, one Spark task each (default: the task's configured "
-                       "count, else Spark's default parallelism)")
-        p.add_argument("--mpi", action="store_true",
-                       help="the ranks talk through Open MPI instead of Gloo")
-        p.add_argument("--max-restarts", type=int, default=MAX_RESTARTS,
-                       help="restarts from the newest checkpoint after a lost rank, executor or "
-                       "storage (default %(default)s)")
-        p.add_argument("--start-timeout", type=int, default=START_TIMEOUT,
-                       help="seconds for Spark to start every rank's task (default %(default)s)")
+        p.add_argument(
+            "--master",
+            default=None,
+            help="the Spark master (spark://HOST:7077, yarn, k8s://..., local[N]; "
+            "default: spark-submit's or Spark's configuration, else local)",
+        )
+        p.add_argument(
+            "--num-proc",
+            type=int,
+            default=None,
+            help="ranks to start, one Spark task each (default: the task's configured "
+            "count, else Spark's default parallelism)",
+        )
+        p.add_argument(
+            "--mpi", action="store_true", help="the ranks talk through Open MPI instead of Gloo"
+        )
+        p.add_argument(
+            "--max-restarts",
+            type=int,
+            default=MAX_RESTARTS,
+            help="restarts from the newest checkpoint after a lost rank, executor or "
+            "storage (default %(default)s)",
+        )
+        p.add_argument(
+            "--start-timeout",
+            type=int,
+            default=START_TIMEOUT,
+            help="seconds for Spark to start every rank's task (default %(default)s)",
+        )
 
-    return cli.parser(PROG, "Train a task or a fit script on Horovod processes that run "
-                      "as Spark tasks.", options)
+    return cli.parser(
+        PROG, "Train a task or a fit script on Horovod processes that run as Spark tasks.", options
+    )
 
 
 def main(argv=None) -> int:
@@ -42,9 +60,16 @@ def main(argv=None) -> int:
     def call():
         from hvdtrain.spark import run
 
-        return run(args.target, argv=args.args, num_proc=args.num_proc, master=args.master,
-                   use_mpi=args.mpi, max_restarts=args.max_restarts,
-                   start_timeout=args.start_timeout, prog=f"{PROG} {args.target}")
+        return run(
+            args.target,
+            argv=args.args,
+            num_proc=args.num_proc,
+            master=args.master,
+            use_mpi=args.mpi,
+            max_restarts=args.max_restarts,
+            start_timeout=args.start_timeout,
+            prog=f"{PROG} {args.target}",
+        )
 
     return cli.front_main(PROG, ("pyspark", "horovod.spark"), "PySpark", "spark", call)
 

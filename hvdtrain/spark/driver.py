@@ -12,6 +12,7 @@ the newest checkpoint up to ``max_restarts`` times, stopped). ``horovod.spark.ru
 (a rank's process, its executor or its machine lost: Horovod ends the other ranks) counts as a
 rank lost; no room for the ranks within ``start_timeout`` ends the job with one line.
 """
+
 from __future__ import annotations
 
 import io
@@ -22,12 +23,11 @@ import secrets
 import socketserver
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any
 
 from hvdtrain.base.errors import EXIT_FAILED
 from hvdtrain.jobs.job import JobError
-from hvdtrain.jobs.outcome import (Console, Stop, failed, forwarded_env, outcome,
-                                   restart_or_raise)
+from hvdtrain.jobs.outcome import Console, Stop, failed, forwarded_env, outcome, restart_or_raise
 
 PROG = "hvdtrain.spark"
 STOP_GRACE = 120.0  # seconds the ranks have to save and end after a stop, before a cancel
@@ -93,7 +93,7 @@ class _Relay(io.TextIOBase):
         return len(text)
 
 
-def session(master: Optional[str]):
+def session(master: str | None):
     """(SparkSession, whether this process made it): the active one, else a new one on
     ``master`` (default: what spark-submit or Spark's configuration say, else local)."""
     from pyspark.sql import SparkSession
@@ -102,28 +102,35 @@ def session(master: Optional[str]):
     if active is not None:
         have = active.sparkContext.master
         if master and master != have:
-            raise SparkJobError(f"master={master}: this process's Spark session runs on "
-                                f"{have}; stop it first or leave the master out", 2)
+            raise SparkJobError(
+                f"master={master}: this process's Spark session runs on "
+                f"{have}; stop it first or leave the master out",
+                2,
+            )
         return active, False
     # The executors run this Python unless told otherwise (Spark's default is the first
     # python3 on their PATH, which may lack hvdtrain): the venv at the same path everywhere.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName("hvdtrain").config(
-        "spark.ui.showConsoleProgress", "false")  # its bar would cut the ranks' lines
+        "spark.ui.showConsoleProgress", "false"
+    )  # its bar would cut the ranks' lines
     if master:
         builder = builder.master(master)
     try:
         return builder.getOrCreate(), True
     except Exception as e:  # noqa: BLE001 (Java missing, a master unreachable: py4j's)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise SparkJobError(f"cannot start a Spark session"
-                            f"{f' on {master}' if master else ''}: {first}") from None
+        raise SparkJobError(
+            f"cannot start a Spark session{f' on {master}' if master else ''}: {first}"
+        ) from None
 
 
 def _no_room(error: Exception, launch: dict, sc) -> str:
-    return (f"Spark did not start {launch['num_proc']} tasks for the ranks within "
-            f"{launch['start_timeout']} s (each rank is one task of one core; the "
-            f"application has {sc.defaultParallelism} cores now): {error}")
+    return (
+        f"Spark did not start {launch['num_proc']} tasks for the ranks within "
+        f"{launch['start_timeout']} s (each rank is one task of one core; the "
+        f"application has {sc.defaultParallelism} cores now): {error}"
+    )
 
 
 def _attempt(job: dict, launch: dict, stop: Stop, service: StopService, sc) -> list:
@@ -137,11 +144,20 @@ def _attempt(job: dict, launch: dict, stop: Stop, service: StopService, sc) -> l
 
     def drive():
         try:
-            returned.extend(horovod.spark.run(
-                run_rank, args=(job,), num_proc=launch["num_proc"],
-                start_timeout=launch["start_timeout"], use_mpi=launch["use_mpi"],
-                use_gloo=not launch["use_mpi"], env=dict(job["env"]), verbose=0,
-                stdout=_Relay("out"), stderr=_Relay("err")))
+            returned.extend(
+                horovod.spark.run(
+                    run_rank,
+                    args=(job,),
+                    num_proc=launch["num_proc"],
+                    start_timeout=launch["start_timeout"],
+                    use_mpi=launch["use_mpi"],
+                    use_gloo=not launch["use_mpi"],
+                    env=dict(job["env"]),
+                    verbose=0,
+                    stdout=_Relay("out"),
+                    stderr=_Relay("err"),
+                )
+            )
         except BaseException as e:  # noqa: BLE001 (read below)
             failure.append(e)
 
@@ -153,14 +169,18 @@ def _attempt(job: dict, launch: dict, stop: Stop, service: StopService, sc) -> l
         thread.join(0.2)
         hosts = dict(service.hosts)
         if not placed and len(hosts) == launch["num_proc"]:
-            say(f"{len(hosts)} ranks: " + ", ".join(f"rank {r} on {h}"
-                                                 for r, h in sorted(hosts.items())))
+            say(
+                f"{len(hosts)} ranks: "
+                + ", ".join(f"rank {r} on {h}" for r, h in sorted(hosts.items()))
+            )
             placed = True
         if stop.signum:
             waited += 0.2
             if waited >= STOP_GRACE:  # the ranks did not end after the stop: end their tasks
-                say(f"the ranks did not end within {STOP_GRACE:g} s of the stop: cancelling "
-                    "their Spark tasks")
+                say(
+                    f"the ranks did not end within {STOP_GRACE:g} s of the stop: cancelling "
+                    "their Spark tasks"
+                )
                 sc.cancelAllJobs()
                 thread.join(30)
                 break
@@ -177,8 +197,10 @@ def _why(error: BaseException) -> str:
     text = str(error)
     lost = re.search(r"Process name: (\S+)\s+Exit code: (\S+)", text)
     if lost:  # Horovod's gloo launcher: a rank's Horovod process ended without an answer
-        return (f"rank {lost.group(1)}'s process ended before its rank did (its Spark task, "
-                "executor or machine lost)")
+        return (
+            f"rank {lost.group(1)}'s process ended before its rank did (its Spark task, "
+            "executor or machine lost)"
+        )
     first = (text.strip().splitlines() or [type(error).__name__])[0]
     return f"the Spark job failed ({type(error).__name__}: {first})"
 
@@ -212,8 +234,16 @@ def run_job(job: dict, launch: dict, max_restarts: int, spark=None) -> Any:
                 if status == 0:
                     data = next((a["result"] for a in answers if a["result"] is not None), None)
                     return pickle.loads(data) if data is not None else None
-                restart_or_raise(status, why, retry, bool(stop.signum), attempt, max_restarts,
-                                 console, SparkJobError)
+                restart_or_raise(
+                    status,
+                    why,
+                    retry,
+                    bool(stop.signum),
+                    attempt,
+                    max_restarts,
+                    console,
+                    SparkJobError,
+                )
     finally:
         threading.excepthook = previous_hook
         if made:

@@ -8,6 +8,7 @@ driver's stop service (``hvdtrain.spark.driver.StopService``) every quarter seco
 driver was stopped (saying its rank and host). Imports only the standard library: this process must not import
 TensorFlow (it would hold the GPU the child needs).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ from hvdtrain.base.launch import launcher_rank
 from hvdtrain.jobs.rank import run_rank as run_child
 
 STOP_TIMEOUT = 5.0  # seconds for one question to the driver's stop service
-STOP_MISSES = 8     # questions in a row without an answer: the driver is gone (2 s)
+STOP_MISSES = 8  # questions in a row without an answer: the driver is gone (2 s)
 
 
 class StopClient:
@@ -48,7 +49,7 @@ class StopClient:
 def _write(stream: str, chunk: bytes) -> None:
     fd = 1 if stream == "out" else 2
     while chunk:
-        chunk = chunk[os.write(fd, chunk):]
+        chunk = chunk[os.write(fd, chunk) :]
 
 
 def run_rank(job: dict) -> dict:

@@ -6,8 +6,8 @@
 Each worker holds half of the 1,000 examples; the gradients of the two halves are
 averaged, which equals the one-process gradient, so N workers end with the same weights.
 """
+
 from dataclasses import dataclass
-from typing import Tuple
 
 from hvdtrain.base.config import ConfigError, setting
 from hvdtrain.inputs.loaders import linear_data
@@ -20,7 +20,7 @@ class LinearSettings:
 
     num_samples: int = setting(1000, "synthetic examples (global, split over workers)")
     num_features: int = setting(3, "input features")
-    true_weights: Tuple[float, ...] = setting((0.1, 0.2, 0.3), "weights generating y")
+    true_weights: tuple[float, ...] = setting((0.1, 0.2, 0.3), "weights generating y")
     true_bias: float = setting(0.4, "bias generating y")
 
     def validate(self):
@@ -28,8 +28,11 @@ class LinearSettings:
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be greater than 0")
         if len(self.true_weights) != self.num_features:
-            raise ConfigError("true_weights", self.true_weights,
-                              f"needs {self.num_features} values (--num-features)")
+            raise ConfigError(
+                "true_weights",
+                self.true_weights,
+                f"needs {self.num_features} values (--num-features)",
+            )
 
 
 class LinearTask(Task):
@@ -38,9 +41,9 @@ class LinearTask(Task):
     Settings = LinearSettings
     defaults = dict(
         learning_rate=0.5,  # seed: GradientDescentOptimizer(0.5)
-        epochs=10,          # seed: 10 full-batch steps
-        batch_size=None,    # full batch: each worker's whole shard (the reference: x_data)
-        num_workers=2,      # seed: two workers
+        epochs=10,  # seed: 10 full-batch steps
+        batch_size=None,  # full batch: each worker's whole shard (the reference: x_data)
+        num_workers=2,  # seed: two workers
     )
     progress_bar = False  # one full-batch step per epoch
 
@@ -50,19 +53,25 @@ class LinearTask(Task):
 
     def build_model(self, config):
         from hvdtrain.base.compat import keras
+
         k = keras()
-        return k.Sequential([
-            k.Input(shape=(self.settings.num_features,)),
-            k.layers.Dense(1, kernel_initializer="zeros", bias_initializer="zeros"),
-        ])
+        return k.Sequential(
+            [
+                k.Input(shape=(self.settings.num_features,)),
+                k.layers.Dense(1, kernel_initializer="zeros", bias_initializer="zeros"),
+            ]
+        )
 
     def loss(self, y, pred):
         import tensorflow as tf
+
         return tf.reduce_mean(tf.square(pred - y), axis=-1)  # the reference's mean squared error
 
     def format_epoch(self, record):
         # The reference program's line.
-        return f"Epoch: {record['epoch']}  Step: {record['global_step']}  Loss: {record['loss']:.6g}"
+        return (
+            f"Epoch: {record['epoch']}  Step: {record['global_step']}  Loss: {record['loss']:.6g}"
+        )
 
     def summarize(self, model):
         kernel, bias = model.layers[-1].get_weights()
@@ -71,4 +80,3 @@ class LinearTask(Task):
     def format_result(self, result):
         weights = ", ".join(f"{w:.6f}" for w in result["weights"])
         return f"Weights: [{weights}]  Bias: {result['bias']:.6f}"
-

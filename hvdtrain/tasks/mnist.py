@@ -7,8 +7,8 @@
 With no MNIST on the machine and no network it trains on the 5,000 real digits bundled
 with hvdtrain and says so.
 """
+
 from dataclasses import dataclass
-from typing import Optional
 
 from hvdtrain.base.config import ConfigError, setting
 from hvdtrain.inputs.loaders import DATASETS, load_mnist_format
@@ -21,15 +21,27 @@ MODELS = ("softmax", "mlp")
 class MnistSettings:
     """Which MNIST-format data, from where, and which model."""
 
-    dataset: str = setting("mnist", f"MNIST-format dataset: {', '.join(DATASETS)}",
-                           choices=DATASETS)
-    data_dir: Optional[str] = setting(
-        None, "directory with IDX files (train-images-idx3-ubyte.gz, ...) or a Keras "
-        "mnist.npz / fashion-mnist.npz", defines_run=False, per_rank=True)
-    download: bool = setting(True, "let one process per host download MNIST when no local "
-                             "copy exists", defines_run=False, per_rank=True)
-    model: str = setting("softmax", "softmax (784->10, the reference program's) or mlp "
-                         "(784->hidden->10)", choices=MODELS)
+    dataset: str = setting(
+        "mnist", f"MNIST-format dataset: {', '.join(DATASETS)}", choices=DATASETS
+    )
+    data_dir: str | None = setting(
+        None,
+        "directory with IDX files (train-images-idx3-ubyte.gz, ...) or a Keras "
+        "mnist.npz / fashion-mnist.npz",
+        defines_run=False,
+        per_rank=True,
+    )
+    download: bool = setting(
+        True,
+        "let one process per host download MNIST when no local copy exists",
+        defines_run=False,
+        per_rank=True,
+    )
+    model: str = setting(
+        "softmax",
+        "softmax (784->10, the reference program's) or mlp (784->hidden->10)",
+        choices=MODELS,
+    )
     hidden_units: int = setting(256, "hidden layer width of the mlp model")
 
     def validate(self):
@@ -47,11 +59,11 @@ class MnistTask(Task):
     Settings = MnistSettings
     defaults = dict(
         learning_rate=0.001,  # seed: GradientDescentOptimizer(0.001)
-        batch_size=100,       # seed: mnist.train.next_batch(100), per worker
+        batch_size=100,  # seed: mnist.train.next_batch(100), per worker
         # The reference program loops until stopped; 10 epochs is 3,000 synchronous steps on
         # full MNIST with two workers: enough for the softmax regression to level off at lr 0.5.
         epochs=10,
-        num_workers=2,        # seed: two workers
+        num_workers=2,  # seed: two workers
     )
 
     def __init__(self, settings=None, notice=None, **values):
@@ -65,6 +77,7 @@ class MnistTask(Task):
 
     def build_model(self, config):
         from hvdtrain.base.compat import keras
+
         k = keras()
         layers = [k.Input(shape=(784,))]
         if self.settings.model == "mlp":
@@ -76,17 +89,19 @@ class MnistTask(Task):
 
     def preprocess(self, x, y):
         import tensorflow as tf
+
         x = tf.reshape(tf.cast(x, tf.float32) / 255.0, (-1, 784))  # as input_data gave it
         return x, tf.cast(y, tf.int32)
 
     def loss(self, y, pred):
         import tensorflow as tf
+
         return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=pred)
 
     def metrics(self):
         import tensorflow as tf
+
         return {"accuracy": lambda y, pred: tf.equal(tf.argmax(pred, -1, output_type=tf.int32), y)}
 
     def format_result(self, result):
         return f"Test accuracy: {result['test_accuracy']:.4f}"
-

@@ -14,12 +14,13 @@ Input comes one of two ways, with the same batches in the same order (``data.epo
   object with ``len()`` and integer-array indexing) stay on disk; a background tf.data
   pipeline reads this rank's next batches (and only those) while the current step runs.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain.distributed.optimizer import apply_gradients
 from hvdtrain.base.precision import scale_loss, to_float32
+from hvdtrain.distributed.optimizer import apply_gradients
 from hvdtrain.tasks.task import check_loss_shape, check_metric_shape
 
 # Arrays up to this size are held on the device; larger ones are streamed even if they are
@@ -28,8 +29,11 @@ IN_MEMORY_BYTES = 1 << 30
 
 
 def in_memory(array) -> bool:
-    return (isinstance(array, np.ndarray) and not isinstance(array, np.memmap)
-            and array.nbytes <= IN_MEMORY_BYTES)
+    return (
+        isinstance(array, np.ndarray)
+        and not isinstance(array, np.memmap)
+        and array.nbytes <= IN_MEMORY_BYTES
+    )
 
 
 def _converted(fn):
@@ -99,29 +103,45 @@ class TrainStep:
             if not self.streamed:
                 idx = tf.reshape(args, [self.accumulate, -1])[i]
                 return tf.gather(x_all, idx), tf.gather(y_all, idx)
-            return tuple(tf.reshape(a, [self.accumulate, a.shape[0] // self.accumulate]
-                                    + a.shape[1:].as_list())[i] for a in args)
+            return tuple(
+                tf.reshape(
+                    a, [self.accumulate, a.shape[0] // self.accumulate] + a.shape[1:].as_list()
+                )[i]
+                for a in args
+            )
 
         def accumulated(args):
             """The mean of the update's micro-batch gradients (what one batch of all their
             examples with a mean loss gives), computed one micro-batch at a time."""
             if self.accumulate == 1:
-                return gradients(*(args if self.streamed else
-                                   (tf.gather(x_all, args), tf.gather(y_all, args))))
+                return gradients(
+                    *(args if self.streamed else (tf.gather(x_all, args), tf.gather(y_all, args)))
+                )
             grads, diverged, step_sums = gradients(*micro_batch(args, 0))
             present = [i for i, g in enumerate(grads) if g is not None]
 
             def body(i, total, diverged, step_sums):
                 g, d, s = gradients(*micro_batch(args, i))
-                return (i + 1, [t + tf.convert_to_tensor(g[j]) for t, j in zip(total, present)],
-                        tf.maximum(diverged, d), step_sums + s)
+                return (
+                    i + 1,
+                    [t + tf.convert_to_tensor(g[j]) for t, j in zip(total, present)],
+                    tf.maximum(diverged, d),
+                    step_sums + s,
+                )
 
             # One micro-batch at a time (parallel_iterations=1): the point is to hold one
             # micro-batch's activations, and layers' moving statistics update in order.
             _, total, diverged, step_sums = tf.while_loop(
-                lambda i, *_: i < self.accumulate, body,
-                (tf.constant(1), [tf.convert_to_tensor(grads[j]) for j in present], diverged,
-                 step_sums), parallel_iterations=1)
+                lambda i, *_: i < self.accumulate,
+                body,
+                (
+                    tf.constant(1),
+                    [tf.convert_to_tensor(grads[j]) for j in present],
+                    diverged,
+                    step_sums,
+                ),
+                parallel_iterations=1,
+            )
             for j, t in zip(present, total):
                 grads[j] = t / self.accumulate
             return grads, diverged, step_sums
@@ -132,7 +152,7 @@ class TrainStep:
             # Horovod: the gradients are averaged over all ranks by the wrapped optimizer's
             # reduction, with the flags in the last bucket: no round of their own, and one
             # reduction per update however many micro-batches it accumulated.
-            flags, = apply_gradients(optimizer, grads, variables, [flags])
+            (flags,) = apply_gradients(optimizer, grads, variables, [flags])
             with tf.control_dependencies([sums.assign_add(step_sums)]):
                 with tf.control_dependencies([self.finished.assign_add(1)]):
                     return tf.identity(flags)
@@ -148,8 +168,9 @@ class TrainStep:
 
             # One update at a time (parallel_iterations=1): the next reads the weights the
             # previous one wrote.
-            return tf.while_loop(go_on, body, (tf.constant(0), tf.zeros([2], dtype)),
-                                 parallel_iterations=1)
+            return tf.while_loop(
+                go_on, body, (tf.constant(0), tf.zeros([2], dtype)), parallel_iterations=1
+            )
 
         # Traced as written, without AutoGraph: every loop and branch here is TensorFlow's own
         # (tf.while_loop), and AutoGraph's conversion of this code, Horovod's and the optimizer
@@ -173,8 +194,7 @@ class TrainStep:
         written."""
         import tensorflow as tf
 
-        loss, metrics = ((self.task.loss, self.metric_fns) if eager
-                         else (self._loss, self._metrics))
+        loss, metrics = (self.task.loss, self.metric_fns) if eager else (self._loss, self._metrics)
         pred = to_float32(pred)
         per_example = loss(y, pred)
         parts = [per_example, tf.ones_like(per_example)]
@@ -203,7 +223,9 @@ class TrainStep:
         prefetched: index rows (in memory) or the rows' arrays read from disk (streamed)."""
         import tensorflow as tf
 
-        if not isinstance(plan, np.ndarray):  # a tf.data pipeline's batches (hvdtrain.inputs.pipeline)
+        if not isinstance(
+            plan, np.ndarray
+        ):  # a tf.data pipeline's batches (hvdtrain.inputs.pipeline)
             return iter(plan)
         # Without tf.data's autotuning: a fixed prefetch has nothing to tune, and an iterator
         # whose autotuner runs is slow to delete (its tuning thread is joined): 3-9 s at each
@@ -220,8 +242,10 @@ class TrainStep:
         if not self.streamed:
             return tf.data.Dataset.from_tensor_slices(plan)
         x, y = self.x, self.y
-        spec = (tf.TensorSpec((plan.shape[1],) + tuple(x.shape[1:]), tf.as_dtype(x.dtype)),
-                tf.TensorSpec((plan.shape[1],) + tuple(y.shape[1:]), tf.as_dtype(y.dtype)))
+        spec = (
+            tf.TensorSpec((plan.shape[1],) + tuple(x.shape[1:]), tf.as_dtype(x.dtype)),
+            tf.TensorSpec((plan.shape[1],) + tuple(y.shape[1:]), tf.as_dtype(y.dtype)),
+        )
 
         def read():
             for idx in plan:  # only this rank's rows are read from the array

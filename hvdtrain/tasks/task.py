@@ -18,20 +18,20 @@ exactly like the built-in tasks, with the same command line, checkpoints and gua
     hvdtrain.cli.run(MyTask())           # flags, exit codes, SIGTERM; or:
     hvdtrain.train(MyTask(width=32), hvdtrain.Config(learning_rate=0.1, epochs=3))
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import os
-from typing import Callable, Dict, Optional
+from collections.abc import Callable
 
 from hvdtrain.base.config import Config, ConfigError, validate_settings
-from hvdtrain.inputs.loaders import Data
 from hvdtrain.base.errors import SpecError, TaskError, error_line, user_code, user_frame
+from hvdtrain.inputs.loaders import Data
 
 # The built-in tasks, by the name their command is run with (python -m hvdtrain.<name>).
-BUILTIN = {"linear": "hvdtrain.tasks.linear:LinearTask",
-           "mnist": "hvdtrain.tasks.mnist:MnistTask"}
+BUILTIN = {"linear": "hvdtrain.tasks.linear:LinearTask", "mnist": "hvdtrain.tasks.mnist:MnistTask"}
 
 
 class Task:
@@ -64,7 +64,7 @@ class Task:
     """
 
     name = "task"
-    description: Optional[str] = None
+    description: str | None = None
     Settings = None
     settings = None  # the Settings instance (set by __init__, and by the command line)
     defaults: dict = {}
@@ -73,8 +73,10 @@ class Task:
     def __init__(self, settings=None, **values):
         if self.Settings is None:
             if settings is not None or values:
-                raise TypeError(f"{type(self).__name__} declares no Settings; got "
-                                f"{sorted(values) or settings!r}")
+                raise TypeError(
+                    f"{type(self).__name__} declares no Settings; got "
+                    f"{sorted(values) or settings!r}"
+                )
             self.settings = None
             return
         if settings is None:
@@ -171,6 +173,7 @@ class Task:
             A Keras optimizer of the Keras in use.
         """
         from hvdtrain.base.compat import keras
+
         return keras().optimizers.SGD(learning_rate=learning_rate, momentum=config.momentum)
 
     def preprocess(self, x, y):
@@ -185,7 +188,7 @@ class Task:
         """
         return x, y
 
-    def metrics(self) -> Dict[str, Callable]:
+    def metrics(self) -> dict[str, Callable]:
         """The task's metrics, reported as exact means over every rank's examples.
 
         Returns:
@@ -204,8 +207,11 @@ class Task:
         Returns:
             One line.
         """
-        parts = [f"Epoch {record['epoch']}/{record['epochs']}", f"step {record['global_step']}",
-                 f"loss {record['loss']:.6f}"]
+        parts = [
+            f"Epoch {record['epoch']}/{record['epochs']}",
+            f"step {record['global_step']}",
+            f"loss {record['loss']:.6f}",
+        ]
         parts += [f"{k} {record[k]:.4f}" for k in self.metrics()]
         parts.append(f"{record['samples_per_sec']:.0f} samples/s")
         return "  ".join(parts)
@@ -237,8 +243,11 @@ class Task:
         # works, saying what to use.
         import warnings
 
-        warnings.warn("Task.describe_settings is deprecated: use "
-                      "dataclasses.asdict(task.settings)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "Task.describe_settings is deprecated: use dataclasses.asdict(task.settings)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return {} if self.settings is None else dataclasses.asdict(self.settings)
 
 
@@ -250,7 +259,8 @@ def check_loss_shape(task: Task, per_example, batch: int) -> None:
         raise TaskError(
             f"{type(task).__name__}.loss returned shape {list(shape)} for a batch of {batch}: "
             "it must return one value per example (e.g. reduction='none', or "
-            "keras.losses.<name>(y, pred) rather than a Loss object's mean)")
+            "keras.losses.<name>(y, pred) rather than a Loss object's mean)"
+        )
 
 
 REQUIRED = ("load_data", "build_model", "loss")
@@ -260,11 +270,13 @@ def check_task(task: Task) -> None:
     """The methods every task must implement."""
     missing = [m for m in REQUIRED if getattr(type(task), m) is getattr(Task, m)]
     if missing:
-        raise TaskError(f"{type(task).__name__} does not implement {', '.join(missing)} "
-                        f"(every Task implements {', '.join(REQUIRED)}; see hvdtrain/tasks/task.py)")
+        raise TaskError(
+            f"{type(task).__name__} does not implement {', '.join(missing)} "
+            f"(every Task implements {', '.join(REQUIRED)}; see hvdtrain/tasks/task.py)"
+        )
 
 
-def _array_problem(name: str, a) -> Optional[str]:
+def _array_problem(name: str, a) -> str | None:
     if isinstance(a, (list, tuple)):
         return f"{name} is a {type(a).__name__}: give a numpy array (np.asarray(...))"
     if not (hasattr(a, "shape") and hasattr(a, "__len__") and hasattr(a, "dtype")):
@@ -278,8 +290,10 @@ def check_data(task: Task, data) -> None:
     """What ``load_data`` returned: a ``Data`` of arrays, each x as long as its y."""
     where = f"{type(task).__name__}.load_data"
     if not isinstance(data, Data):
-        raise TaskError(f"{where} returned {type(data).__name__}, not hvdtrain.data.Data("
-                        "x_train, y_train, x_test, y_test)")
+        raise TaskError(
+            f"{where} returned {type(data).__name__}, not hvdtrain.data.Data("
+            "x_train, y_train, x_test, y_test)"
+        )
     pairs = [("x_train", "y_train")]
     if data.x_test is not None or data.y_test is not None:
         pairs.append(("x_test", "y_test"))
@@ -287,18 +301,24 @@ def check_data(task: Task, data) -> None:
         x, y = getattr(data, xn), getattr(data, yn)
         if hasattr(x, "element_spec"):
             pairs.remove((xn, yn))
-            if y is not None or not (isinstance(x.element_spec, tuple)
-                                     and len(x.element_spec) == 2):
-                raise TaskError(f"{where}: {xn} is a tf.data.Dataset: its elements must be "
-                                f"(x, y) examples, unbatched, and {yn} None")
+            if y is not None or not (
+                isinstance(x.element_spec, tuple) and len(x.element_spec) == 2
+            ):
+                raise TaskError(
+                    f"{where}: {xn} is a tf.data.Dataset: its elements must be "
+                    f"(x, y) examples, unbatched, and {yn} None"
+                )
     for xn, yn in pairs:
         x, y = getattr(data, xn), getattr(data, yn)
         problem = _array_problem(xn, x) or _array_problem(yn, y)
         if problem is None and len(x) != len(y):
             problem = f"{xn} has {len(x)} examples but {yn} has {len(y)}"
         if problem is None and len(x) == 0:  # found now, not after every epoch trained
-            problem = (f"{xn} has no examples" if xn == "x_train" else "x_test and y_test "
-                       "have no examples: give a test set, or None for none")
+            problem = (
+                f"{xn} has no examples"
+                if xn == "x_train"
+                else "x_test and y_test have no examples: give a test set, or None for none"
+            )
         if problem:
             raise TaskError(f"{where}: {problem}")
 
@@ -308,22 +328,29 @@ def check_optimizer(task: Task, optimizer):
     from hvdtrain.base.compat import keras
 
     if not (hasattr(optimizer, "apply_gradients") and hasattr(optimizer, "iterations")):
-        raise TaskError(f"{type(task).__name__}.build_optimizer returned "
-                        f"{type(optimizer).__name__} {optimizer!r:.40}, not an optimizer "
-                        f"(e.g. {keras().__name__}.optimizers.SGD(learning_rate))")
+        raise TaskError(
+            f"{type(task).__name__}.build_optimizer returned "
+            f"{type(optimizer).__name__} {optimizer!r:.40}, not an optimizer "
+            f"(e.g. {keras().__name__}.optimizers.SGD(learning_rate))"
+        )
     steps = getattr(optimizer, "gradient_accumulation_steps", None)
     if steps and steps > 1:  # it would reduce every micro-batch: the loop accumulates instead
-        raise TaskError(f"{type(task).__name__}.build_optimizer returned an optimizer with "
-                        f"gradient_accumulation_steps={steps}: use --accumulate-steps {steps}")
+        raise TaskError(
+            f"{type(task).__name__}.build_optimizer returned an optimizer with "
+            f"gradient_accumulation_steps={steps}: use --accumulate-steps {steps}"
+        )
     return optimizer
 
 
 def check_metrics(task: Task, metrics) -> dict:
     """What ``metrics()`` returned: a dict of name -> per-example function."""
     if not isinstance(metrics, dict) or not all(
-            isinstance(k, str) and callable(f) for k, f in metrics.items()):
-        raise TaskError(f"{type(task).__name__}.metrics returned {type(metrics).__name__}; it "
-                        "must return a dict of name -> fn(y, pred) (one value per example)")
+        isinstance(k, str) and callable(f) for k, f in metrics.items()
+    ):
+        raise TaskError(
+            f"{type(task).__name__}.metrics returned {type(metrics).__name__}; it "
+            "must return a dict of name -> fn(y, pred) (one value per example)"
+        )
     if "loss" in metrics:
         raise TaskError(f"{type(task).__name__}.metrics: 'loss' is the loss's name")
     return metrics
@@ -336,7 +363,8 @@ def check_metric_shape(task: Task, name: str, values, batch: int) -> None:
         raise TaskError(
             f"{type(task).__name__}.metrics()[{name!r}] returned shape {list(shape)} for a "
             f"batch of {batch}: it must return one value per example (are y and the "
-            "predictions shaped alike?)")
+            "predictions shaped alike?)"
+        )
 
 
 def load_task(spec: str) -> Task:
@@ -344,19 +372,23 @@ def load_task(spec: str) -> Task:
     spec = BUILTIN.get(spec, spec)
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise SpecError(f"{spec!r}: name a task as package.module:TaskClass "
-                        f"(or one of {', '.join(BUILTIN)})")
+        raise SpecError(
+            f"{spec!r}: name a task as package.module:TaskClass (or one of {', '.join(BUILTIN)})"
+        )
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         hint = ""
         if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
-            hint = (f"; KERAS_BACKEND={os.environ['KERAS_BACKEND']} is set, and hvdtrain "
-                    "trains with TensorFlow: unset it")
+            hint = (
+                f"; KERAS_BACKEND={os.environ['KERAS_BACKEND']} is set, and hvdtrain "
+                "trains with TensorFlow: unset it"
+            )
         raise SpecError(f"{spec!r}: cannot import {module_name} ({e}){hint}") from None
     except Exception as e:  # noqa: BLE001 (the module's own: a SyntaxError, an error at import)
-        raise SpecError(f"{spec!r}: importing {module_name} raised {error_line(e)}"
-                        f"{user_frame(e)}") from None
+        raise SpecError(
+            f"{spec!r}: importing {module_name} raised {error_line(e)}{user_frame(e)}"
+        ) from None
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise SpecError(f"{spec!r}: {module_name} has no Task subclass named {attr}")
@@ -367,5 +399,15 @@ def load_task(spec: str) -> Task:
         raise TaskError(f"{attr}.Settings' default {e}") from None
 
 
-__all__ = ["BUILTIN", "Task", "TaskError", "ConfigError", "check_data", "check_loss_shape",
-           "check_metrics", "check_optimizer", "check_task", "load_task"]
+__all__ = [
+    "BUILTIN",
+    "Task",
+    "TaskError",
+    "ConfigError",
+    "check_data",
+    "check_loss_shape",
+    "check_metrics",
+    "check_optimizer",
+    "check_task",
+    "load_task",
+]

@@ -5,29 +5,36 @@ A run's life around the loop (run directory, checkpoints and resume, SIGTERM, di
 the watchdog, the result) is the run engine's (``hvdtrain.engine``), shared with the fit path;
 the compiled steps are ``step.py``'s.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
 
 import numpy as np
 
-from hvdtrain.base import compat, precision, timings
 from hvdtrain import distributed
-from hvdtrain.inputs import pipeline
-from hvdtrain.inputs.sources import is_dataset
-from hvdtrain.engine import preflight
+from hvdtrain.base import compat, precision, timings
 from hvdtrain.base.config import Config
-from hvdtrain.base.errors import DataError
-from hvdtrain.inputs.arrays import epoch_plan, steps_per_epoch, test_shard
-from hvdtrain.engine.fronts import CommandLine
+from hvdtrain.base.errors import (  # noqa: F401
+    EXIT_PREEMPTED,
+    ConfigError,
+    DataError,
+    Diverged,
+    Preempted,
+    StepError,
+    TaskError,
+    step_failed,
+)
+from hvdtrain.distributed.optimizer import DistributedOptimizer
 from hvdtrain.distributed.world import steps_done
+from hvdtrain.engine import preflight
+from hvdtrain.engine.fronts import CommandLine
 from hvdtrain.engine.report import EpochRecord
 from hvdtrain.engine.run import Run
-from hvdtrain.base.errors import (EXIT_PREEMPTED, ConfigError, Diverged, Preempted,  # noqa: F401
-                             StepError, TaskError, step_failed)
-from hvdtrain.distributed.optimizer import DistributedOptimizer
+from hvdtrain.inputs import pipeline
+from hvdtrain.inputs.arrays import epoch_plan, steps_per_epoch, test_shard
+from hvdtrain.inputs.sources import is_dataset
 from hvdtrain.tasks.step import TrainStep
 from hvdtrain.tasks.task import Task, check_data, check_metrics, check_optimizer, check_task
 
@@ -37,8 +44,7 @@ AUTO_CALL_SECONDS = 0.05
 AUTO_MAX_STEPS = 64
 
 
-def train(task: Task, config: Optional[Config] = None,
-          world: Optional[distributed.World] = None) -> dict:
+def train(task: Task, config: Config | None = None, world: distributed.World | None = None) -> dict:
     """Train a task on every rank, and return the result.
 
     Call it on every rank. Rank 0 prints and writes the run directory; a run directory that
@@ -63,8 +69,9 @@ def train(task: Task, config: Optional[Config] = None,
         compat.keras()  # fail early, with one line, if the Keras in use cannot train here
         check_task(task)
         config = (config or task.config()).validate()
-        world = world or distributed.init(config.backend, config.num_workers,
-                                          elastic=config.elastic)
+        world = world or distributed.init(
+            config.backend, config.num_workers, elastic=config.elastic
+        )
         with Run(world, config, CommandLine(task.name), task.settings) as run:
             return _TaskRun(task, run).run()
 
@@ -110,14 +117,21 @@ class _TaskRun:
         task, config, world, run = self.task, self.task_config, self.world, self.run_
         # The task's own code, checked where it is called: an error in it (or a broken rule
         # of the interface) stops every rank with one line, before anything is written.
-        self.data = run.user(f"{type(task).__name__}.load_data", task.load_data, config, world,
-                             catch=(DataError, OSError))
+        self.data = run.user(
+            f"{type(task).__name__}.load_data",
+            task.load_data,
+            config,
+            world,
+            catch=(DataError, OSError),
+        )
         check_data(task, self.data)
         self.pipe = self._pipeline() if is_dataset(self.data.x_train) else None
         # A test pipeline's shards, counted now: an empty one is said before training.
-        self.test = (pipeline.validation(self.data.x_test, world, batch=EVAL_BATCH,
-                                         what="x_test")[0]
-                     if is_dataset(self.data.x_test) else None)
+        self.test = (
+            pipeline.validation(self.data.x_test, world, batch=EVAL_BATCH, what="x_test")[0]
+            if is_dataset(self.data.x_test)
+            else None
+        )
         run.use_input(self.pipe, self.pipe.identity() if self.pipe is not None else None)
         self._shape()
 
@@ -132,17 +146,27 @@ class _TaskRun:
         with precision.policy(config.mixed_precision):  # the layers keep it, the process not
             self.model = run.user(f"{name}.build_model", task.build_model, config)
         compat.check_model(self.model, f"{name}.build_model")
-        optimizer = check_optimizer(task, run.user(
-            f"{name}.build_optimizer", task.build_optimizer, config, self.lr))
+        optimizer = check_optimizer(
+            task, run.user(f"{name}.build_optimizer", task.build_optimizer, config, self.lr)
+        )
         # float16: loss scaling, composed with the reduction so that every rank skips alike.
         self.optimizer = DistributedOptimizer(
-            precision.with_loss_scaling(optimizer, config.mixed_precision), world=world)
+            precision.with_loss_scaling(optimizer, config.mixed_precision), world=world
+        )
         # Create the optimizer's slots now so that one broadcast covers the whole state.
         self.optimizer.build(self.model.trainable_variables)
         self.metric_fns = check_metrics(task, run.user(f"{name}.metrics", task.metrics))
         self.sums = tf.Variable(tf.zeros(2 + len(self.metric_fns), tf.float64), trainable=False)
-        self.step = TrainStep(task, self.model, self.optimizer, world, self.data, self.sums,
-                              self.metric_fns, self.config.accumulate_steps)
+        self.step = TrainStep(
+            task,
+            self.model,
+            self.optimizer,
+            world,
+            self.data,
+            self.sums,
+            self.metric_fns,
+            self.config.accumulate_steps,
+        )
         if self.pipe is not None:
             self.step.sample = self.pipe.first  # what the checks below run on
         # The loss and metrics' shapes on two examples, before anything is written.
@@ -151,21 +175,33 @@ class _TaskRun:
     def _pipeline(self) -> pipeline.Batches:
         """load_data's tf.data pipeline of examples, batched, sharded and counted."""
         if self.config.elastic:
-            raise ConfigError("elastic", True, "not with a tf.data pipeline from load_data (its "
-                              "shards change with the world size): give arrays, or drop it")
+            raise ConfigError(
+                "elastic",
+                True,
+                "not with a tf.data pipeline from load_data (its "
+                "shards change with the world size): give arrays, or drop it",
+            )
         if not self.config.batch_size:
-            raise ConfigError("batch_size", self.config.batch_size, "a tf.data pipeline from "
-                              "load_data needs a batch size (per worker)")
+            raise ConfigError(
+                "batch_size",
+                self.config.batch_size,
+                "a tf.data pipeline from load_data needs a batch size (per worker)",
+            )
         if self.config.accumulate_steps > 1:
             # A pipeline's last batch may be short, and micro-batches split a step's batch
             # evenly: not offered yet (arrays from load_data, or hk.fit, accumulate).
-            raise ConfigError("accumulate_steps", self.config.accumulate_steps,
-                              "not with a tf.data pipeline from load_data: give arrays, or "
-                              "use hk.fit with DistributedOptimizer(backward_passes_per_step)")
+            raise ConfigError(
+                "accumulate_steps",
+                self.config.accumulate_steps,
+                "not with a tf.data pipeline from load_data: give arrays, or "
+                "use hk.fit with DistributedOptimizer(backward_passes_per_step)",
+            )
         train = self.data.x_train
         if int(train.cardinality()) == -1:  # tf.data.INFINITE_CARDINALITY
-            raise TaskError(f"{type(self.task).__name__}.load_data: x_train repeats forever; "
-                            "hvdtrain runs the epochs: leave out the repeat()")
+            raise TaskError(
+                f"{type(self.task).__name__}.load_data: x_train repeats forever; "
+                "hvdtrain runs the epochs: leave out the repeat()"
+            )
         return pipeline.Batches(train, self.world, what="x_train", batch=self.config.batch_size)
 
     def _shape(self) -> None:
@@ -185,20 +221,32 @@ class _TaskRun:
         self.update_batch = self.batch * micro
         self.steps = steps_per_epoch(n, self.update_batch, size) if self.batch else 0
         if self.steps < 1 and micro > 1:
-            raise ConfigError("accumulate_steps", micro, f"{micro} micro-batches of "
-                              f"{self.batch} x {size} workers need more than the {n} "
-                              "training examples")
+            raise ConfigError(
+                "accumulate_steps",
+                micro,
+                f"{micro} micro-batches of "
+                f"{self.batch} x {size} workers need more than the {n} "
+                "training examples",
+            )
         if self.steps < 1:
-            raise ConfigError("batch_size", self.batch, f"a global batch of {self.batch} x "
-                              f"{size} workers needs more than the {n} training examples")
+            raise ConfigError(
+                "batch_size",
+                self.batch,
+                f"a global batch of {self.batch} x "
+                f"{size} workers needs more than the {n} training examples",
+            )
         self.global_batch = self.update_batch * size
 
     @timings.timed("agreement")
     def _preflight(self) -> None:
         """All ranks must agree on versions, settings, variables and step counts before the
         first step, or they would hang or train wrong."""
-        preflight.check(self.world, preflight.facts(self.world, self.config, self.task.settings,
-                                                    self.model, self.steps, self.data))
+        preflight.check(
+            self.world,
+            preflight.facts(
+                self.world, self.config, self.task.settings, self.model, self.steps, self.data
+            ),
+        )
 
     def _train(self, progress) -> dict:
         """Every rank, after the state is in sync: check, loop, evaluate, report."""
@@ -211,15 +259,23 @@ class _TaskRun:
         if progress.epoch is None:  # a fresh start
             progress.epoch, progress.offset, progress.sums = 0, 0, None
         # Rank 0 holds the epoch's partial sums (restored or committed); the others add theirs.
-        self.sums.assign(progress.sums if world.is_chief and progress.sums is not None
-                         else tf.zeros_like(self.sums))
+        self.sums.assign(
+            progress.sums
+            if world.is_chief and progress.sums is not None
+            else tf.zeros_like(self.sums)
+        )
         run.start(progress, self.global_batch)
-        micro = (f" in {config.accumulate_steps} micro-batches of {self.batch}"
-                 if config.accumulate_steps > 1 else "")
-        self.out.print(f"hvdtrain: {self.task.name} on {world.describe()}; global batch "
-                       f"{self.update_batch * world.size} ({self.update_batch} per worker"
-                       f"{micro}), {self.steps} steps per epoch, learning rate {self.lr:g}; "
-                       f"run dir {self.run_.dir}")
+        micro = (
+            f" in {config.accumulate_steps} micro-batches of {self.batch}"
+            if config.accumulate_steps > 1
+            else ""
+        )
+        self.out.print(
+            f"hvdtrain: {self.task.name} on {world.describe()}; global batch "
+            f"{self.update_batch * world.size} ({self.update_batch} per worker"
+            f"{micro}), {self.steps} steps per epoch, learning rate {self.lr:g}; "
+            f"run dir {self.run_.dir}"
+        )
         step = run.global_step
         if step:
             source = f" from {progress.path}" if progress.path else ""
@@ -233,10 +289,15 @@ class _TaskRun:
     # --- after the loop -------------------------------------------------------------------------
     def _finish(self) -> dict:
         data, world = self.data, self.world
-        examples = (self.pipe.info() if self.pipe is not None else
-                    {"train_examples": len(data.x_train)})
-        result = {"batch_size": self.batch, "global_batch_size": self.update_batch * world.size,
-                  **examples, **data.info}
+        examples = (
+            self.pipe.info() if self.pipe is not None else {"train_examples": len(data.x_train)}
+        )
+        result = {
+            "batch_size": self.batch,
+            "global_batch_size": self.update_batch * world.size,
+            **examples,
+            **data.info,
+        }
         with timings.phase("evaluation"):
             if data.x_test is not None:
                 self.run_.sync_state()  # every rank scores its part with the same statistics
@@ -262,14 +323,17 @@ class _TaskRun:
             batches = self.test
         else:
             idx = test_shard(len(data.x_test), world.rank, world.size)
-            batches = ((tf.constant(data.x_test[part]), tf.constant(data.y_test[part]))
-                       for part in (idx[i:i + EVAL_BATCH] for i in range(0, len(idx), EVAL_BATCH)))
+            batches = (
+                (tf.constant(data.x_test[part]), tf.constant(data.y_test[part]))
+                for part in (idx[i : i + EVAL_BATCH] for i in range(0, len(idx), EVAL_BATCH))
+            )
         for x, y in batches:
             local += eval_step(x, y).numpy()
         totals = world.allreduce_sum(local)
         result = {"test_examples": int(totals[1]), "test_loss": float(totals[0] / totals[1])}
-        result.update({f"test_{k}": float(totals[2 + i] / totals[1])
-                       for i, k in enumerate(self.metric_fns)})
+        result.update(
+            {f"test_{k}": float(totals[2 + i] / totals[1]) for i, k in enumerate(self.metric_fns)}
+        )
         return result
 
 
@@ -277,8 +341,12 @@ class _Epochs:
     """The Task path's loop: each epoch in compiled calls of several steps, its record."""
 
     def __init__(self, owner: _TaskRun):
-        self.task, self.config, self.world, self.run_ = (owner.task, owner.config, owner.world,
-                                                          owner.run_)
+        self.task, self.config, self.world, self.run_ = (
+            owner.task,
+            owner.config,
+            owner.world,
+            owner.run_,
+        )
         self.out, self.step, self.sums = owner.out, owner.step, owner.sums
         # batch: the examples of one update on this rank (all its micro-batches)
         self.batch, self.steps, self.pipe = owner.update_batch, owner.steps, owner.pipe
@@ -303,8 +371,11 @@ class _Epochs:
             self.pipe.check_unchanged(f"before epoch {epoch + 1}")
         self.epoch = epoch
         if self.pipe is None:
-            batches = self.step.batches(epoch_plan(self.examples, self.batch, world.rank,
-                                                   world.size, config.seed, epoch)[first:])
+            batches = self.step.batches(
+                epoch_plan(self.examples, self.batch, world.rank, world.size, config.seed, epoch)[
+                    first:
+                ]
+            )
         else:
             if self.stream is None:
                 self.stream = self.step.batches(self.pipe.batches(epoch, config.epochs, first))
@@ -322,8 +393,11 @@ class _Epochs:
             global_step = base_step + step
             run.reached(global_step)
             progress.offset = step * global_batch
-            if self.stopped or (config.checkpoint_every and step < self.steps
-                                and global_step % config.checkpoint_every == 0):
+            if self.stopped or (
+                config.checkpoint_every
+                and step < self.steps
+                and global_step % config.checkpoint_every == 0
+            ):
                 run.save(progress, self._partial_sums())
             if self.stopped:
                 run.preempt(global_step)
@@ -331,24 +405,41 @@ class _Epochs:
                 run.commit(progress, self._partial_sums())
             if bar is None and step < self.steps and self.out.progress_due():
                 local = self.sums.numpy()  # rank 0's running means, for the eye only
-                self.out.progress(epoch + 1, config.epochs, step, self.steps, step - first,
-                                  global_batch, {k: local[0 if i == 0 else i + 1] / local[1]
-                                                 for i, k in enumerate(self.names)})
+                self.out.progress(
+                    epoch + 1,
+                    config.epochs,
+                    step,
+                    self.steps,
+                    step - first,
+                    global_batch,
+                    {k: local[0 if i == 0 else i + 1] / local[1] for i, k in enumerate(self.names)},
+                )
             if bar is not None and step < self.steps:
                 every = max(1, self.steps // 20)
                 if step // every > (step - done) // every:
                     local = self.sums.numpy()  # rank 0's running means, for the eye only
-                    bar.update(step, [(k, local[0 if i == 0 else i + 1] / local[1])
-                                      for i, k in enumerate(self.names)])
+                    bar.update(
+                        step,
+                        [
+                            (k, local[0 if i == 0 else i + 1] / local[1])
+                            for i, k in enumerate(self.names)
+                        ],
+                    )
         totals = self._partial_sums()  # exact sums over every rank
         elapsed = time.perf_counter() - tick
         record = EpochRecord(
-            epoch=epoch + 1, epochs=config.epochs, global_step=run.global_step,
-            metrics={k: float(totals[0 if i == 0 else i + 1] / totals[1])
-                     for i, k in enumerate(self.names)},
+            epoch=epoch + 1,
+            epochs=config.epochs,
+            global_step=run.global_step,
+            metrics={
+                k: float(totals[0 if i == 0 else i + 1] / totals[1])
+                for i, k in enumerate(self.names)
+            },
             # examples this process trained in the epoch (fewer after a resume), per second
             samples_per_sec=(self.steps - first) * global_batch / elapsed,
-            seconds=elapsed, world_size=world.size)
+            seconds=elapsed,
+            world_size=world.size,
+        )
         progress.epoch, progress.offset = epoch + 1, 0
         self.sums.assign(tf.zeros_like(self.sums))
         run.epoch_end(record)
@@ -357,8 +448,12 @@ class _Epochs:
         if config.elastic:
             run.commit(progress, zeros)
         if bar is not None:
-            bar.update(self.steps, [(k, record.metrics[k]) for k in self.names] +
-                       [("samples/s", record.samples_per_sec)], finalize=True)
+            bar.update(
+                self.steps,
+                [(k, record.metrics[k]) for k in self.names]
+                + [("samples/s", record.samples_per_sec)],
+                finalize=True,
+            )
         else:
             self.out.print(self.task.format_epoch(record.as_dict()))
 
@@ -369,8 +464,7 @@ class _Epochs:
         if not (self.out.verbose == 1 and self.task.progress_bar and self.out.interactive):
             return None
         self.out.print(f"Epoch {epoch + 1}/{self.config.epochs}")
-        return compat.keras().utils.Progbar(self.steps,
-                                            stateful_metrics=self.names + ["samples/s"])
+        return compat.keras().utils.Progbar(self.steps, stateful_metrics=self.names + ["samples/s"])
 
     def _call(self, batches, base_step: int, step: int) -> int:
         """One compiled call of several updates, ending on every step that must be seen by
@@ -399,16 +493,19 @@ class _Epochs:
         self.finished += done
         self._tune(time.perf_counter() - started, done)
         if diverged and self.config.stop_on_divergence:
-            raise self.run_.diverged(f"the loss became NaN or infinite at step "
-                                     f"{base_step + step + done}")
+            raise self.run_.diverged(
+                f"the loss became NaN or infinite at step {base_step + step + done}"
+            )
         return done
 
     def _steps_per_call(self, global_step: int, left: int) -> int:
         """Updates in the next compiled call: the setting (or the tuned value), cut so that the
         call ends on the next checkpoint, elastic commit or epoch end."""
         n = min(self.config.steps_per_execution or self.auto_steps, left)
-        for every in (self.config.checkpoint_every,
-                      self.config.commit_every if self.config.elastic else 0):
+        for every in (
+            self.config.checkpoint_every,
+            self.config.commit_every if self.config.elastic else 0,
+        ):
             if every:
                 n = min(n, every - global_step % every)
         return n

@@ -4,6 +4,7 @@ Building the images takes podman and minutes (done by hand; the GPUs guide says 
 measured): these checks hold what makes the build cheap to repeat and the image safe to run,
 and they hold the guide's commands to the Dockerfile and scripts/base_image.sh they name.
 """
+
 import json
 import os
 import re
@@ -12,12 +13,12 @@ import shutil
 import subprocess
 
 import pytest
+from test_setup_sh import as_user, user_tempdir
 
 import k8s_manifests as K
 from conftest import ROOT
-from k8s_cluster import dockerfile_lines
 from docs_pages import block, docs_text
-from test_setup_sh import as_user, user_tempdir
+from k8s_cluster import dockerfile_lines
 
 pytestmark = pytest.mark.quick
 DOCKERFILE = os.path.join(ROOT, "Dockerfile")
@@ -42,8 +43,12 @@ def test_the_build_stage_sees_no_hvdtrain_source():
     (build_from, build), (_, final) = stages()
     assert build_from.endswith(" AS build")
     copied = [src for word, rest in build if word == "COPY" for src in rest.split()[:-1]]
-    assert sorted(copied) == ["constraints.txt", "pyproject.toml", "scripts/patches/",
-                              "scripts/setup.sh"]
+    assert sorted(copied) == [
+        "constraints.txt",
+        "pyproject.toml",
+        "scripts/patches/",
+        "scripts/setup.sh",
+    ]
     assert any(word == "RUN" and "scripts/setup.sh --horovod-only" in rest for word, rest in build)
     order = [(w, r) for w, r in final if w in ("COPY", "RUN")]
     venv = order.index(("COPY", "--from=build /opt/hvdtrain/.venv /opt/hvdtrain/.venv"))
@@ -68,8 +73,19 @@ def test_the_runtime_image_is_unprivileged_and_has_no_build_or_test_tools():
 
 
 # Flags that take a value, where the tool is not installed to say so itself.
-VALUE_FLAGS = {"-t", "--tag", "-v", "--volume", "--build-arg", "--network", "--runtime",
-               "--cgroup-manager", "-f", "--file", "--target"}
+VALUE_FLAGS = {
+    "-t",
+    "--tag",
+    "-v",
+    "--volume",
+    "--build-arg",
+    "--network",
+    "--runtime",
+    "--cgroup-manager",
+    "-f",
+    "--file",
+    "--target",
+}
 
 
 def help_flags(tool, command):
@@ -82,8 +98,9 @@ def help_flags(tool, command):
         if argv:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
             assert p.returncode == 0, p.stderr
-            for short, name, kind in re.findall(r"^\s+(?:-(\w), )?--([\w-]+)(?:[ =](\S+))?",
-                                                p.stdout, re.M):
+            for short, name, kind in re.findall(
+                r"^\s+(?:-(\w), )?--([\w-]+)(?:[ =](\S+))?", p.stdout, re.M
+            ):
                 flags.setdefault(f"--{name}", bool(kind))  # the command's own first
                 if short:
                     flags.setdefault(f"-{short}", bool(kind))
@@ -101,8 +118,11 @@ def image_commands(b):
     text = open(DOCKERFILE).read()
     args = set(re.findall(r"^ARG (\w+)", text, re.M))
     script = open(os.path.join(ROOT, "scripts", "base_image.sh")).read()
-    base = re.search(r"^tag=\$\{2:-(\S+)\}$", script, re.M).group(1).replace(
-        "$suite", re.search(r"^suite=\$\{1:-(\w+)\}$", script, re.M).group(1))
+    base = (
+        re.search(r"^tag=\$\{2:-(\S+)\}$", script, re.M)
+        .group(1)
+        .replace("$suite", re.search(r"^suite=\$\{1:-(\w+)\}$", script, re.M).group(1))
+    )
     built, out = {}, []
     for line in b.commands():
         words = shlex.split(line)
@@ -146,8 +166,9 @@ def image_commands(b):
                 target = volume.split(":")[1]
                 assert re.search(rf"install -d -o mpiuser -g mpiuser {target}\b", text), target
             if cmd:
-                assert cmd[:2] == ["python", "-m"] and os.path.exists(os.path.join(
-                    ROOT, *cmd[2].split(".")) + ".py"), words
+                assert cmd[:2] == ["python", "-m"] and os.path.exists(
+                    os.path.join(ROOT, *cmd[2].split(".")) + ".py"
+                ), words
         elif command == "push":
             assert positional[0] in built and len(positional) == 1, words
         else:
@@ -182,8 +203,11 @@ def test_the_install_guides_container_commands_name_what_the_image_and_scripts_h
     commands, built = image_commands(on_base)
     assert [c[:2] for c in commands] == [("podman", "build")] and "BASE_IMAGE" in built["hvdtrain"]
     # The proxy's CA line names the same build argument and mount point as the GPUs guide's.
-    assert re.search(r"-v /etc/ssl/certs/ca-certificates.crt:/run/build-ca.crt:ro "
-                     r"--build-arg PIP_CERT=/run/build-ca.crt", docs_text("guides/install.md"))
+    assert re.search(
+        r"-v /etc/ssl/certs/ca-certificates.crt:/run/build-ca.crt:ro "
+        r"--build-arg PIP_CERT=/run/build-ca.crt",
+        docs_text("guides/install.md"),
+    )
 
 
 def test_the_gpu_guides_image_builds_are_the_two_images():
@@ -199,12 +223,14 @@ def test_the_kubernetes_guides_images_are_the_overlays():
     """The Kubernetes guide's builds and pushes: the CPU and CUDA images under the name the
     overlays pull (newName), the CUDA one what the GPU overlay's workers run, the CPU one
     every other pod's."""
-    commands, built = image_commands(block("guides/clusters/kubernetes.md",
-                                           "docker build -t registry.example.com/hvdtrain:cpu"))
+    commands, built = image_commands(
+        block("guides/clusters/kubernetes.md", "docker build -t registry.example.com/hvdtrain:cpu")
+    )
     assert [c[1] for c in commands] == ["build", "build", "push", "push"]
     for overlay in ("cpu", "gpu"):
-        kustomization = K.yaml.safe_load(open(os.path.join(
-            K.DEPLOY, "overlays", overlay, "kustomization.yaml")))
+        kustomization = K.yaml.safe_load(
+            open(os.path.join(K.DEPLOY, "overlays", overlay, "kustomization.yaml"))
+        )
         for image in kustomization["images"]:
             flavour = "gpu" if (overlay, image["name"]) == ("gpu", "hvdtrain") else "cpu"
             assert f"{image['newName']}:{flavour}" in built, (overlay, image)
@@ -213,11 +239,18 @@ def test_the_kubernetes_guides_images_are_the_overlays():
 def test_base_image_refuses_a_user_without_root_in_one_line():
     uid, d = user_tempdir("hvdtrain-base-image-")
     try:
-        p = subprocess.run(as_user(uid, ["bash", os.path.join(ROOT, "scripts", "base_image.sh")]),
-                           capture_output=True, text=True, timeout=30, cwd=d,
-                           env={"PATH": "/usr/sbin:/usr/bin:/bin", "HOME": d})
+        p = subprocess.run(
+            as_user(uid, ["bash", os.path.join(ROOT, "scripts", "base_image.sh")]),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=d,
+            env={"PATH": "/usr/sbin:/usr/bin:/bin", "HOME": d},
+        )
         assert p.returncode == 1 and p.stdout == ""
-        assert p.stderr == ("base_image.sh: error: needs root (debootstrap); run it as root or "
-                            "use a registry's debian:bookworm\n"), p.stderr
+        assert p.stderr == (
+            "base_image.sh: error: needs root (debootstrap); run it as root or "
+            "use a registry's debian:bookworm\n"
+        ), p.stderr
     finally:
         subprocess.run(["rm", "-rf", d])

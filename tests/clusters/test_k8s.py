@@ -24,6 +24,7 @@ emulation before it had the three workers, the crash and the non-root pods. A la
 another engineer's wheel build: 5.2 min in all, of which the eviction and resume 31-34 s and
 the two checks without the Role 15-16 s each (about 1.1 min added for them).
 """
+
 import copy
 import fcntl
 import glob
@@ -45,12 +46,15 @@ pytestmark = pytest.mark.k8s
 # --- the emulation ------------------------------------------------------------------------------
 # What the guide's first command of a run applies (`kubectl apply -k .../overlays/smoke`): the
 # MPIJob the emulation runs.
-APPLIED = K.applied(block("guides/clusters/kubernetes.md",
-                         "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
+APPLIED = K.applied(
+    block(
+        "guides/clusters/kubernetes.md", "kubectl apply -k deploy/kubernetes/overlays/smoke "
+    ).commands()[0]
+)
 SMOKE = K.mpijob(APPLIED)
 RBAC = [d for d in APPLIED if d["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
 RUN_DIR = K.containers(SMOKE, "Launcher")[0]["args"][2]  # --run-dir's value
-GRACE = 60    # the test's bound on a pod's termination (the manifest's 120 s)
+GRACE = 60  # the test's bound on a pod's termination (the manifest's 120 s)
 
 
 def three_workers(job, epochs=4):
@@ -62,7 +66,8 @@ def three_workers(job, epochs=4):
     args = K.containers(job, "Launcher")[0]["args"]
     args[args.index("--epochs") + 1] = str(epochs)
     K.containers(job, "Launcher")[0].setdefault("env", []).append(
-        {"name": "OMPI_MCA_routed_radix", "value": "1"})
+        {"name": "OMPI_MCA_routed_radix", "value": "1"}
+    )
     return job
 
 
@@ -74,6 +79,7 @@ STEPS = 264  # 4 epochs of 66 steps (5 examples per rank and step, 1,000 example
 @pytest.fixture(scope="module")
 def cluster():
     from k8s_cluster import Network
+
     net = Network(f"hk{os.getpid() % 100000}")
     try:
         yield net.create()
@@ -86,9 +92,13 @@ def on_claim(claim):
 
 
 def checkpoint_steps(run_dir):
-    return sorted((int(re.search(r"ckpt-(\d+)\.hvdt$", p).group(1))
-                   for p in glob.glob(os.path.join(run_dir, "checkpoints", "ckpt-*.hvdt"))),
-                  reverse=True)
+    return sorted(
+        (
+            int(re.search(r"ckpt-(\d+)\.hvdt$", p).group(1))
+            for p in glob.glob(os.path.join(run_dir, "checkpoints", "ckpt-*.hvdt"))
+        ),
+        reverse=True,
+    )
 
 
 def result(run_dir):
@@ -112,8 +122,15 @@ def job_run(cluster, base, claim, job=SMOKE, job_uid=None, rbac=None):
     with the launcher's service account and Role (``rbac``; None: the overlay's, for ``job``'s
     workers)."""
     from k8s_cluster import JobRun
-    return JobRun(cluster, base, job, {"hvdtrain-runs": claim}, job_uid=job_uid,
-                  rbac=rbac_for(job) if rbac is None else rbac)
+
+    return JobRun(
+        cluster,
+        base,
+        job,
+        {"hvdtrain-runs": claim},
+        job_uid=job_uid,
+        rbac=rbac_for(job) if rbac is None else rbac,
+    )
 
 
 def launcher_argv(run, timeout=10):
@@ -170,8 +187,12 @@ def credentials(pid):
     """Uid and the capability sets of a process, from /proc/PID/status."""
     with open(f"/proc/{pid}/status") as f:
         fields = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-    return (fields["Uid"].split()[0], int(fields["CapEff"], 16), int(fields["CapBnd"], 16),
-            fields["NoNewPrivs"])
+    return (
+        fields["Uid"].split()[0],
+        int(fields["CapEff"], 16),
+        int(fields["CapBnd"], 16),
+        fields["NoNewPrivs"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -184,14 +205,15 @@ def uninterrupted(cluster, tmp_path_factory):
     # launcher pod's env reaches the ranks as the rest of it does, through launch_cluster.sh.
     job = copy.deepcopy(JOB)
     K.containers(job, "Launcher")[0].setdefault("env", []).append(
-        {"name": "PYTHONPATH", "value": rank_env.install(claim, K.RUNS)})
+        {"name": "PYTHONPATH", "value": rank_env.install(claim, K.RUNS)}
+    )
     t = time.monotonic()
     run = job_run(cluster, base / "pods", claim, job)
     try:
         run.start()
         # PID 1 of the launcher pod is the MPIJob's command and args, exactly.
         cmd = K.containers(job, "Launcher")[0]
-        assert launcher_argv(run)[-len(cmd["args"]) - 1:] == cmd["command"] + cmd["args"]
+        assert launcher_argv(run)[-len(cmd["args"]) - 1 :] == cmd["command"] + cmd["args"]
         creds = {p.name: credentials(p.pid1()) for p in run.pods.values()}
         # The kubelet probes on while the job runs: three more rounds of every worker's probe.
         probed = [w.ready() for w in run.workers for _ in range(3)]
@@ -201,10 +223,19 @@ def uninterrupted(cluster, tmp_path_factory):
         statuses = run.delete(GRACE)
     finally:
         run.remove()
-    return {"rc": rc, "logs": logs, "statuses": statuses, "result": result(on_claim(claim)),
-            "seconds": time.monotonic() - t, "run": run, "creds": creds, "addresses": addresses,
-            "owner": os.stat(on_claim(claim) / "result.json").st_uid,
-            "starts": rank_env.starts(claim), "probed": probed}
+    return {
+        "rc": rc,
+        "logs": logs,
+        "statuses": statuses,
+        "result": result(on_claim(claim)),
+        "seconds": time.monotonic() - t,
+        "run": run,
+        "creds": creds,
+        "addresses": addresses,
+        "owner": os.stat(on_claim(claim) / "result.json").st_uid,
+        "starts": rank_env.starts(claim),
+        "probed": probed,
+    }
 
 
 @pytest.mark.timeout(600)  # its fixtures start the pods' daemons
@@ -216,8 +247,9 @@ def test_k8s_emulated_mpijob_trains_with_identical_ranks(uninterrupted):
     launcher = run.launcher.log()
     hosts = [f"hvdtrain-smoke-worker-{i}.hvdtrain-smoke.default.svc" for i in range(WORKERS)]
     assert run.objects["hostfile"] == "".join(f"{h} slots=1\n" for h in hosts)
-    assert (f"k8s_launcher.sh: linear on 3 processes, 3 workers ({' '.join(hosts)}); "
-            f"run dir {RUN_DIR}") in launcher, launcher
+    assert (
+        f"k8s_launcher.sh: linear on 3 processes, 3 workers ({' '.join(hosts)}); run dir {RUN_DIR}"
+    ) in launcher, launcher
     # Every pod as the image's mpiuser, with no capability and none to regain (no
     # CAP_SYS_CHROOT: CRI-O's default set drops it, drop: [ALL] drops the rest), and the
     # ranks' files on the claim are mpiuser's.
@@ -250,8 +282,7 @@ def test_k8s_emulated_mpijob_trains_with_identical_ranks(uninterrupted):
 
 
 @pytest.mark.timeout(600)  # its fixtures start the pods' daemons
-def test_k8s_emulated_pod_deletion_gives_75_then_new_pods_resume(cluster, uninterrupted,
-                                                                  tmp_path):
+def test_k8s_emulated_pod_deletion_gives_75_then_new_pods_resume(cluster, uninterrupted, tmp_path):
     claim = tmp_path / "claim"
     claim.mkdir()
     run_dir = on_claim(claim)
@@ -312,8 +343,9 @@ class Lease(threading.Thread):
 
 
 @pytest.mark.timeout(600)  # its fixtures start the pods' daemons
-def test_k8s_emulated_launcher_replaced_while_its_ranks_run_resumes(cluster, uninterrupted,
-                                                                     tmp_path):
+def test_k8s_emulated_launcher_replaced_while_its_ranks_run_resumes(
+    cluster, uninterrupted, tmp_path
+):
     """The launcher's node dies; its ranks, on the workers, train on (nothing tells them);
     the Job's next launcher pod stops them first (each saves at a shared step), then
     resumes: no RunDirBusy taken for the user's mistake, the uninterrupted weights."""
@@ -360,8 +392,10 @@ def test_k8s_emulated_node_crash_is_retried_and_resumes(cluster, uninterrupted, 
         assert holder.startswith("pid ") and " on hvdtrain-smoke-worker-0 since " in holder
         crashed.kill()  # SIGKILL to the pod's every process, as the node's end
         again_log = tmp_path / "pods-again" / "hvdtrain-smoke-launcher" / "log"
-        lease = Lease(run_dir / ".lock", lambda: again_log.exists() and
-                      "waiting up to" in again_log.read_text(errors="replace"))
+        lease = Lease(
+            run_dir / ".lock",
+            lambda: again_log.exists() and "waiting up to" in again_log.read_text(errors="replace"),
+        )
         rc = finish(run, 120)
         run.delete(GRACE)
     finally:
@@ -399,16 +433,23 @@ def test_k8s_emulated_permanent_error_is_not_run_again(cluster, tmp_path):
     claim.mkdir()
     statuses, first_job = [], None
     for attempt in range(3):
-        run = job_run(cluster, tmp_path / f"pods{attempt}", claim, job,
-                      job_uid=first_job if attempt == 1 else None)
+        run = job_run(
+            cluster,
+            tmp_path / f"pods{attempt}",
+            claim,
+            job,
+            job_uid=first_job if attempt == 1 else None,
+        )
         first_job = first_job or run.job_uid
         try:
             run.start()
             t = time.monotonic()
             statuses.append((finish(run, 90), time.monotonic() - t))
             logs = run.logs()
-            accepted = sum(len(re.findall(r"Accepted publickey .* from (?!::1 |127\.0\.0\.1 )",
-                                          w.log())) for w in run.workers)  # not the probe's
+            accepted = sum(
+                len(re.findall(r"Accepted publickey .* from (?!::1 |127\.0\.0\.1 )", w.log()))
+                for w in run.workers
+            )  # not the probe's
             run.delete(GRACE)
         finally:
             run.remove()
@@ -427,8 +468,9 @@ RECOVERY = 120  # s, from the next launcher pod's start to training resumed (its
 
 
 @pytest.mark.timeout(900)  # its fixtures start the pods' daemons
-def test_k8s_emulated_evicted_worker_is_replaced_and_the_job_resumes(cluster, uninterrupted,
-                                                                      tmp_path):
+def test_k8s_emulated_evicted_worker_is_replaced_and_the_job_resumes(
+    cluster, uninterrupted, tmp_path
+):
     """worker-1 evicted mid-run (its processes killed, the pod left Failed, its name out of
     the DNS): the launcher fails, as mpirun does when it loses a node; the operator does not
     re-create the worker (it is not missing). The Job's next launcher pod finds it Failed
@@ -465,14 +507,25 @@ def test_k8s_emulated_evicted_worker_is_replaced_and_the_job_resumes(cluster, un
     assert rc not in (0, 1, 2, 75), failed_launcher
     assert "is the infrastructure's" in failed_launcher, failed_launcher
     # Left in place, Failed, until the launcher deleted it; then a new pod of that name.
-    assert left["status"] == {"phase": "Failed", "reason": "Evicted", "message": (
-        "The node was low on resource: ephemeral-storage. Threshold quantity: 10%, available: "
-        "4%.")} and left["metadata"]["uid"] == first.uid
+    assert (
+        left["status"]
+        == {
+            "phase": "Failed",
+            "reason": "Evicted",
+            "message": (
+                "The node was low on resource: ephemeral-storage. Threshold quantity: 10%, available: "
+                "4%."
+            ),
+        }
+        and left["metadata"]["uid"] == first.uid
+    )
     new = run.pods[EVICTED]
     assert new is not first and new.uid != first.uid and new_ip != first_ip
-    line = (f"k8s_launcher.sh: worker pod {EVICTED} is Failed (Evicted: The node was low on "
-            "resource: ephemeral-storage. Threshold quantity: 10%, available: 4%.): deleted it, "
-            "the operator re-creates it")
+    line = (
+        f"k8s_launcher.sh: worker pod {EVICTED} is Failed (Evicted: The node was low on "
+        "resource: ephemeral-storage. Threshold quantity: 10%, available: 4%.): deleted it, "
+        "the operator re-creates it"
+    )
     assert run.launcher.log().count(line) == 1, logs
     deletes = [r for r in api.requests if r[0] == "DELETE"]
     assert deletes == [("DELETE", EVICTED, "hvdtrain-launcher-smoke", 200)], api.requests
@@ -491,7 +544,8 @@ def test_k8s_emulated_evicted_worker_is_replaced_and_the_job_resumes(cluster, un
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("without", ["token", "role"])
 def test_k8s_emulated_without_the_launchers_role_a_failed_worker_is_left_with_one_line(
-        cluster, tmp_path, without):
+    cluster, tmp_path, without
+):
     """A worker left Failed when a launcher pod starts (a retry's case; the test starts it at
     once), and the launcher cannot delete it: no service account token
     (automountServiceAccountToken: false), or the namespace's default account without the
@@ -500,7 +554,8 @@ def test_k8s_emulated_without_the_launchers_role_a_failed_worker_is_left_with_on
     worker is left in place."""
     job = copy.deepcopy(SMOKE)
     K.containers(job, "Launcher")[0].setdefault("env", []).append(
-        {"name": "HVDTRAIN_WAIT_WORKERS", "value": "14"})
+        {"name": "HVDTRAIN_WAIT_WORKERS", "value": "14"}
+    )
     spec = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]
     if without == "token":
         spec["automountServiceAccountToken"] = False
@@ -524,14 +579,20 @@ def test_k8s_emulated_without_the_launchers_role_a_failed_worker_is_left_with_on
     assert len(said) == 1 and said[0].endswith(f"kubectl delete pod {EVICTED} -n default"), log
     requests = run.api.requests
     if without == "token":
-        assert said[0].startswith(f"k8s_launcher.sh: {EVICTED} does not answer ssh, and this "
-                                  "launcher has no service account token"), said
+        assert said[0].startswith(
+            f"k8s_launcher.sh: {EVICTED} does not answer ssh, and this "
+            "launcher has no service account token"
+        ), said
         assert requests == []
     else:
-        assert said[0].startswith(f"k8s_launcher.sh: cannot get worker pod {EVICTED} through "
-                                  "the API server (403: "), said
+        assert said[0].startswith(
+            f"k8s_launcher.sh: cannot get worker pod {EVICTED} through the API server (403: "
+        ), said
         assert "lacks 'get' on pods/" in said[0], said
         # Asked again every 10 s (a Role applied meanwhile would work), said once.
-        assert requests and len(requests) <= 2 and {r[1:] for r in requests} == {
-            (EVICTED, "default", 403)}, requests
+        assert (
+            requests
+            and len(requests) <= 2
+            and {r[1:] for r in requests} == {(EVICTED, "default", 403)}
+        ), requests
     assert run.pod_json(EVICTED)["status"]["phase"] == "Failed"

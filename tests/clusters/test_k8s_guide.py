@@ -4,6 +4,7 @@ folder picture is the tree, its kubectl commands name what the manifests make (e
 at the schema's version), and its status command, evaluated offline by ``kubectl label --local``
 on a status as the operator writes it, shows the job's conditions.
 """
+
 import copy
 import os
 import re
@@ -23,8 +24,11 @@ OVERLAYS = K.overlays()
 
 
 # What the guide's first command of a run applies (`kubectl apply -k .../overlays/smoke`).
-SMOKE = K.applied_job(block("guides/clusters/kubernetes.md",
-                            "kubectl apply -k deploy/kubernetes/overlays/smoke ").commands()[0])
+SMOKE = K.applied_job(
+    block(
+        "guides/clusters/kubernetes.md", "kubectl apply -k deploy/kubernetes/overlays/smoke "
+    ).commands()[0]
+)
 
 
 @pytest.mark.quick
@@ -39,12 +43,14 @@ def test_k8s_the_guides_folder_tree_is_the_tree():
     assert len(named) == len(rows)
     folders = {os.path.relpath(d, K.DEPLOY) for d, _, files in os.walk(K.DEPLOY) if files}
     assert set(named) == folders
-    assert {f for f in named if os.path.exists(os.path.join(K.DEPLOY, f, "kustomization.yaml"))
-            } == set(OVERLAYS)
+    assert {
+        f for f in named if os.path.exists(os.path.join(K.DEPLOY, f, "kustomization.yaml"))
+    } == set(OVERLAYS)
     for folder, what in named.items():
         for name in re.findall(r"[\w/-]+\.(?:sh|md)\b", what):
-            assert (os.path.exists(os.path.join(K.DEPLOY, folder, name)) or os.path.exists(
-                os.path.join(K.ROOT, "scripts", os.path.basename(name)))), name
+            assert os.path.exists(os.path.join(K.DEPLOY, folder, name)) or os.path.exists(
+                os.path.join(K.ROOT, "scripts", os.path.basename(name))
+            ), name
         m = re.search(r"\b(\d+) workers(?: of (\d+) (process|GPUs))?", what)
         if m:
             spec = K.mpijob(K.rendered(folder))["spec"]
@@ -61,17 +67,24 @@ def test_k8s_the_guides_folder_tree_is_the_tree():
 
 def documented_status_command():
     """The MPIJob status command of the Kubernetes guide: its -o jsonpath= argument."""
-    (cmd,) = block("guides/clusters/kubernetes.md",
-                   "kubectl get mpijob hvdtrain-smoke -o jsonpath=").commands()
+    (cmd,) = block(
+        "guides/clusters/kubernetes.md", "kubectl get mpijob hvdtrain-smoke -o jsonpath="
+    ).commands()
     words = shlex.split(cmd)
     assert words[:4] == ["kubectl", "get", "mpijob", SMOKE["metadata"]["name"]], words
     assert words[4:6] == ["-o", words[5]] and words[5].startswith("jsonpath="), words
-    return words[5][len("jsonpath="):]
+    return words[5][len("jsonpath=") :]
 
 
 # kubectl's names of the kinds the guide's commands use (`kubectl api-resources` on a cluster).
-KINDS = {"sc": "StorageClass", "pvc": "PersistentVolumeClaim", "crd": "CustomResourceDefinition",
-         "pods": "Pod", "mpijob": "MPIJob", "job": "Job"}
+KINDS = {
+    "sc": "StorageClass",
+    "pvc": "PersistentVolumeClaim",
+    "crd": "CustomResourceDefinition",
+    "pods": "Pod",
+    "mpijob": "MPIJob",
+    "job": "Job",
+}
 
 
 def kubectl_flags(verb):
@@ -122,11 +135,14 @@ def test_k8s_the_guides_kubectl_commands_name_what_the_manifests_make():
     operator_file = re.search(r"`(deploy/v2beta1/[\w-]+\.yaml)`", provenance).group(1)
     (claim,) = K.rendered("claim")
     group = SMOKE["apiVersion"].split("/")[0]
-    blocks = [block("guides/clusters/kubernetes.md", "kubectl apply --server-side -f "),
-              block("guides/clusters/kubernetes.md", "kubectl get sc "),
-              block("guides/clusters/kubernetes.md",
-                    "kubectl apply -k deploy/kubernetes/overlays/smoke "),
-              block("guides/clusters/kubernetes.md", "kubectl delete mpijob hvdtrain ")]
+    blocks = [
+        block("guides/clusters/kubernetes.md", "kubectl apply --server-side -f "),
+        block("guides/clusters/kubernetes.md", "kubectl get sc "),
+        block(
+            "guides/clusters/kubernetes.md", "kubectl apply -k deploy/kubernetes/overlays/smoke "
+        ),
+        block("guides/clusters/kubernetes.md", "kubectl delete mpijob hvdtrain "),
+    ]
     seen = set()
     for b in blocks:
         commands = [shlex.split(c) for c in b.commands()]
@@ -138,8 +154,9 @@ def test_k8s_the_guides_kubectl_commands_name_what_the_manifests_make():
             if "-k" in words:
                 path = os.path.relpath(os.path.join(K.ROOT, words[words.index("-k") + 1]), K.DEPLOY)
                 assert path in OVERLAYS, words
-                block_jobs.update({d["metadata"]["name"]: d for d in K.rendered(path)
-                                   if d["kind"] == "MPIJob"})
+                block_jobs.update(
+                    {d["metadata"]["name"]: d for d in K.rendered(path) if d["kind"] == "MPIJob"}
+                )
         for words in commands:
             if have_kubectl and words[1] not in flags:
                 flags[words[1]] = kubectl_flags(words[1])
@@ -147,35 +164,50 @@ def test_k8s_the_guides_kubectl_commands_name_what_the_manifests_make():
             seen.add(verb)
             if verb in ("apply", "delete") and "-k" in given:
                 assert args == [], words
-                made = {d["metadata"]["name"]: d for d in K.rendered(os.path.relpath(
-                    os.path.join(K.ROOT, given["-k"]), K.DEPLOY)) if d["kind"] == "MPIJob"}
+                made = {
+                    d["metadata"]["name"]: d
+                    for d in K.rendered(
+                        os.path.relpath(os.path.join(K.ROOT, given["-k"]), K.DEPLOY)
+                    )
+                    if d["kind"] == "MPIJob"
+                }
                 if verb == "apply":
                     jobs.update(made)
                 else:
                     assert made and all(jobs.pop(name, None) for name in made), words
             elif verb == "apply":
-                assert args == [] and given == {"--server-side": "", "-f": (
-                    f"https://raw.githubusercontent.com/kubeflow/mpi-operator/{release}/"
-                    f"{operator_file}")}, words
+                assert args == [] and given == {
+                    "--server-side": "",
+                    "-f": (
+                        f"https://raw.githubusercontent.com/kubeflow/mpi-operator/{release}/"
+                        f"{operator_file}"
+                    ),
+                }, words
             elif verb in ("logs", "wait"):
                 kind, name = args[0].split("/")
                 assert KINDS[kind] == "Job" and name in [
-                    K.operator_objects(j)["launcher"]["metadata"]["name"] for j in jobs.values()]
+                    K.operator_objects(j)["launcher"]["metadata"]["name"] for j in jobs.values()
+                ]
             elif args[:1] == ["pods"]:
                 key, value = given["-l"].split("=")  # every pod of one of those jobs
                 selected = []
                 for made in map(K.operator_objects, jobs.values()):
                     pods = [p["metadata"]["labels"] for p in made["workers"]] + [
-                        made["launcher"]["spec"]["template"]["metadata"]["labels"]]
+                        made["launcher"]["spec"]["template"]["metadata"]["labels"]
+                    ]
                     if all(labels.get(key) == value for labels in pods):
                         selected.append(made)
                 assert len(selected) == 1, words
             else:
                 kind, names = KINDS[args[0]], args[1:]
-                want = {"StorageClass": [], "CustomResourceDefinition": [f"mpijobs.{group}"],
-                        "PersistentVolumeClaim": [claim["metadata"]["name"]],
-                        "MPIJob": [n for n in names[:1]
-                                   if n in (block_jobs if verb == "delete" else jobs)]}
+                want = {
+                    "StorageClass": [],
+                    "CustomResourceDefinition": [f"mpijobs.{group}"],
+                    "PersistentVolumeClaim": [claim["metadata"]["name"]],
+                    "MPIJob": [
+                        n for n in names[:1] if n in (block_jobs if verb == "delete" else jobs)
+                    ],
+                }
                 assert names == want[kind], (words, list(jobs))
     assert seen == {"apply", "get", "describe", "wait", "logs", "delete"}
     # The claim's required edit names the same command for the classes.
@@ -189,25 +221,53 @@ def test_k8s_the_documented_status_command_shows_the_conditions(tmp_path):
     a Failed job after an eviction: Running set False, no completionTime), offline: kubectl
     label --local evaluates the same -o jsonpath."""
     job = copy.deepcopy(SMOKE)
-    job["status"] = {"conditions": [
-        {"type": "Created", "status": "True", "reason": "MPIJobCreated",
-         "message": "MPIJob default/hvdtrain-smoke is created."},
-        {"type": "Running", "status": "False", "reason": "MPIJobRunning",
-         "message": "MPIJob default/hvdtrain-smoke is running."},
-        {"type": "Failed", "status": "True", "reason": "MPIJobEvicted",
-         "message": "launcher pod was evicted"}],
-        "startTime": "2026-01-01T00:00:00Z"}
+    job["status"] = {
+        "conditions": [
+            {
+                "type": "Created",
+                "status": "True",
+                "reason": "MPIJobCreated",
+                "message": "MPIJob default/hvdtrain-smoke is created.",
+            },
+            {
+                "type": "Running",
+                "status": "False",
+                "reason": "MPIJobRunning",
+                "message": "MPIJob default/hvdtrain-smoke is running.",
+            },
+            {
+                "type": "Failed",
+                "status": "True",
+                "reason": "MPIJobEvicted",
+                "message": "launcher pod was evicted",
+            },
+        ],
+        "startTime": "2026-01-01T00:00:00Z",
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
-    p = subprocess.run(["kubectl", "label", "--local", "-f", str(path), "x=y", "-o",
-                        f"jsonpath={documented_status_command()}"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            "kubectl",
+            "label",
+            "--local",
+            "-f",
+            str(path),
+            "x=y",
+            "-o",
+            f"jsonpath={documented_status_command()}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines() == [
         "Created=True MPIJobCreated: MPIJob default/hvdtrain-smoke is created.",
         "Running=False MPIJobRunning: MPIJob default/hvdtrain-smoke is running.",
         "Failed=True MPIJobEvicted: launcher pod was evicted",
-        "completionTime: "], p.stdout
+        "completionTime: ",
+    ], p.stdout
 
 
 GUIDE = "guides/clusters/kubernetes.md"
@@ -238,11 +298,15 @@ def test_k8s_the_inspect_pod_is_the_jobs_user_on_the_jobs_claim():
     assert K.api_errors(pod) == []
     spec = pod["spec"]
     for job_pod in base_pods():
-        assert claim_of(spec) == claim_of(job_pod) == (K.rendered("claim")[0]["metadata"]["name"],
-                                                       K.RUNS)
+        assert (
+            claim_of(spec)
+            == claim_of(job_pod)
+            == (K.rendered("claim")[0]["metadata"]["name"], K.RUNS)
+        )
         assert spec["securityContext"] == job_pod["securityContext"]
-        assert spec["containers"][0]["securityContext"] == \
-            job_pod["containers"][0]["securityContext"]
+        assert (
+            spec["containers"][0]["securityContext"] == job_pod["containers"][0]["securityContext"]
+        )
     assert spec["securityContext"]["runAsUser"] == 1000
     assert spec["automountServiceAccountToken"] is False
     assert spec["restartPolicy"] == "Never" and 0 < spec["activeDeadlineSeconds"] <= 24 * 3600
@@ -257,14 +321,24 @@ def exec_command(words, pod_name):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("inspect", [
-    block("guides/clusters/kubernetes.md", "kubectl apply -f deploy/kubernetes/inspect/pod.yaml\n"
-          "kubectl wait --for=condition=Ready pod/hvdtrain-inspect --timeout=5m\n"
-          "kubectl exec hvdtrain-inspect -- ls"),
-    block("guides/clusters/kubernetes.md", "kubectl apply -f deploy/kubernetes/inspect/pod.yaml\n"
-          "kubectl wait --for=condition=Ready pod/hvdtrain-inspect --timeout=5m\n"
-          "kubectl exec hvdtrain-inspect -- cat /opt/hvdtrain/runs/hvdtrain-mnist/k8s-launcher-")],
-    ids=["result", "marker"])
+@pytest.mark.parametrize(
+    "inspect",
+    [
+        block(
+            "guides/clusters/kubernetes.md",
+            "kubectl apply -f deploy/kubernetes/inspect/pod.yaml\n"
+            "kubectl wait --for=condition=Ready pod/hvdtrain-inspect --timeout=5m\n"
+            "kubectl exec hvdtrain-inspect -- ls",
+        ),
+        block(
+            "guides/clusters/kubernetes.md",
+            "kubectl apply -f deploy/kubernetes/inspect/pod.yaml\n"
+            "kubectl wait --for=condition=Ready pod/hvdtrain-inspect --timeout=5m\n"
+            "kubectl exec hvdtrain-inspect -- cat /opt/hvdtrain/runs/hvdtrain-mnist/k8s-launcher-",
+        ),
+    ],
+    ids=["result", "marker"],
+)
 def test_k8s_the_guides_inspect_commands_name_the_pod_and_the_run_directory(inspect):
     """The inspect blocks: the manifest applied is the inspect pod's; each command names that
     pod; every flag is kubectl's (where it is installed); what they read or remove is in the
@@ -278,8 +352,13 @@ def test_k8s_the_guides_inspect_commands_name_the_pod_and_the_run_directory(insp
     launcher = open(os.path.join(K.ROOT, "scripts", "k8s_launcher.sh")).read()
     commands = [shlex.split(c) for c in inspect.commands()]
     assert commands[0] == ["kubectl", "apply", "-f", os.path.relpath(INSPECT, K.ROOT)]
-    assert commands[1] == ["kubectl", "wait", "--for=condition=Ready", f"pod/{name}",
-                           "--timeout=5m"]
+    assert commands[1] == [
+        "kubectl",
+        "wait",
+        "--for=condition=Ready",
+        f"pod/{name}",
+        "--timeout=5m",
+    ]
     assert commands[-1] == ["kubectl", "delete", "pod", name]
     if shutil.which("kubectl"):
         for words in commands[:2]:
@@ -307,35 +386,57 @@ def test_k8s_the_guides_failed_worker_text_is_the_role_and_the_launchers_line():
     job = K.mpijob(docs)
     (role,) = [d for d in docs if d["kind"] == "Role"]
     (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]
-    m = re.search(r"the ServiceAccount `([\w-]+)` \(`base/(\w+\.yaml)`\), bound\nto a Role that "
-                  r"allows `(\w+)` and `(\w+)` on `(\w+)` named `([\w-]+)` and\n`([\w-]+)`", text)
+    m = re.search(
+        r"the ServiceAccount `([\w-]+)` \(`base/(\w+\.yaml)`\), bound\nto a Role that "
+        r"allows `(\w+)` and `(\w+)` on `(\w+)` named `([\w-]+)` and\n`([\w-]+)`",
+        text,
+    )
     assert m, "the guide's description of the Role"
     assert m.group(1) == sa["metadata"]["name"]
     assert os.path.exists(os.path.join(K.DEPLOY, "base", m.group(2)))
-    assert role["rules"] == [{"apiGroups": [""], "resources": [m.group(5)],
-                              "verbs": [m.group(3), m.group(4)],
-                              "resourceNames": [m.group(6), m.group(7)]}]
+    assert role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": [m.group(5)],
+            "verbs": [m.group(3), m.group(4)],
+            "resourceNames": [m.group(6), m.group(7)],
+        }
+    ]
     assert [m.group(6), m.group(7)] == K.worker_names(job)
-    (line,) = block("guides/clusters/kubernetes.md",
-                    "k8s_launcher.sh: worker pod ").text.splitlines()
-    said = re.fullmatch(r"k8s_launcher\.sh: worker pod ([\w-]+) is Failed \(Evicted: [^()]+\): "
-                        r"(deleted it, the operator re-creates it)", line)
+    (line,) = block(
+        "guides/clusters/kubernetes.md", "k8s_launcher.sh: worker pod "
+    ).text.splitlines()
+    said = re.fullmatch(
+        r"k8s_launcher\.sh: worker pod ([\w-]+) is Failed \(Evicted: [^()]+\): "
+        r"(deleted it, the operator re-creates it)",
+        line,
+    )
     assert said and said.group(1) in K.worker_names(job), line
     client = open(os.path.join(K.ROOT, "scripts", "k8s_pods.py")).read()
     assert f'is Failed ({{what}}): {said.group(2)}")' in client
-    get, delete = [shlex.split(c) for c in block(
-        "guides/clusters/kubernetes.md",
-        "kubectl get pods -l training.kubeflow.org/job-name=hvdtrain ").commands()]
+    get, delete = [
+        shlex.split(c)
+        for c in block(
+            "guides/clusters/kubernetes.md",
+            "kubectl get pods -l training.kubeflow.org/job-name=hvdtrain ",
+        ).commands()
+    ]
     flags = {v: kubectl_flags(v) for v in ("get", "delete")} if shutil.which("kubectl") else {}
     verb, given, args = kubectl_command(get, flags.get("get"))
     assert (verb, args) == ("get", ["pods"]) and given == {
         "-l": f"training.kubeflow.org/job-name={job['metadata']['name']}",
-        "--field-selector": "status.phase=Failed"}, get
+        "--field-selector": "status.phase=Failed",
+    }, get
     labels = K.operator_objects(job)["workers"][0]["metadata"]["labels"]
     assert labels["training.kubeflow.org/job-name"] == job["metadata"]["name"]
     verb, given, args = kubectl_command(delete, flags.get("delete"))
-    assert verb == "delete" and given == {} and args[0] == "pod" and \
-        args[1:] == [said.group(1)] and args[1] in role["rules"][0]["resourceNames"], delete
+    assert (
+        verb == "delete"
+        and given == {}
+        and args[0] == "pod"
+        and args[1:] == [said.group(1)]
+        and args[1] in role["rules"][0]["resourceNames"]
+    ), delete
 
 
 @pytest.mark.quick
@@ -344,10 +445,15 @@ def test_k8s_the_retry_timing_text_is_the_job_controllers_back_off():
     overlay, against the Job controller's back-off (k8s_cluster.job_backoff: 10 s, doubling,
     at most 6 min): the text cannot drift from it."""
     from k8s_cluster import job_backoff
+
     waits = lambda n: sum(job_backoff(i) for i in range(1, n + 1))  # noqa: E731
     texts = {}  # each file's text as one line, without the comments' "#"
-    for name in (os.path.join("docs", GUIDE), "deploy/kubernetes/base/mpijob.yaml",
-                 "deploy/kubernetes/overlays/smoke/task.yaml", "scripts/k8s_launcher.sh"):
+    for name in (
+        os.path.join("docs", GUIDE),
+        "deploy/kubernetes/base/mpijob.yaml",
+        "deploy/kubernetes/overlays/smoke/task.yaml",
+        "scripts/k8s_launcher.sh",
+    ):
         with open(os.path.join(K.ROOT, name)) as f:
             texts[name] = " ".join(re.sub(r"^\s*#", "", line) for line in f.read().split("\n"))
             texts[name] = " ".join(texts[name].split())
@@ -359,29 +465,39 @@ def test_k8s_the_retry_timing_text_is_the_job_controllers_back_off():
             assert (job_backoff(1), job_backoff(2)) == (int(first), 2 * int(first))
             assert max(job_backoff(i) for i in range(1, 100)) == int(most) * 60
             rules[name] += 1
-        for *seq, most in re.findall(r"waits (\d+) s, (\d+) s, (\d+) s \.\.\. \(at most (\d+) min\)",
-                                     text):
+        for *seq, most in re.findall(
+            r"waits (\d+) s, (\d+) s, (\d+) s \.\.\. \(at most (\d+) min\)", text
+        ):
             assert [job_backoff(i) for i in (1, 2, 3)] == list(map(int, seq))
             assert max(job_backoff(i) for i in range(1, 100)) == int(most) * 60
             rules[name] += 1
-        for n, minutes in re.findall(r"(\d+) retries take about (\d+) minutes", text) + \
-                re.findall(r"with `backoffLimit: (\d+)` the MPIJob is `Failed` about (\d+) "
-                           r"minutes later", text):
+        for n, minutes in re.findall(r"(\d+) retries take about (\d+) minutes", text) + re.findall(
+            r"with `backoffLimit: (\d+)` the MPIJob is `Failed` about (\d+) "
+            r"minutes later",
+            text,
+        ):
             assert abs(waits(int(n)) / 60 - int(minutes)) <= 0.5, (name, n, minutes)  # "about"
             rules[name] += 1
         for n in re.findall(r"(\d+) retries end in about half a minute", text):
             assert waits(int(n)) == 30, (name, n)
             rules[name] += 1
-    m = re.search(r"the first five retries wait about (\d+) minutes in all, the sixth about (\d+) "
-                  r"minutes and each later one (\d+) minutes", guide)
+    m = re.search(
+        r"the first five retries wait about (\d+) minutes in all, the sixth about (\d+) "
+        r"minutes and each later one (\d+) minutes",
+        guide,
+    )
     assert m, "the guide's retry waits"
-    assert abs(waits(5) / 60 - int(m.group(1))) <= 0.5 and abs(
-        job_backoff(6) / 60 - int(m.group(2))) <= 0.5, m.groups()
+    assert (
+        abs(waits(5) / 60 - int(m.group(1))) <= 0.5
+        and abs(job_backoff(6) / 60 - int(m.group(2))) <= 0.5
+    ), m.groups()
     assert all(job_backoff(i) == int(m.group(3)) * 60 for i in range(7, 30)), m.groups()
     # The statements found: the guide's, the manifests' and the launcher's (none dropped).
     assert list(rules.values()) == [4, 2, 2, 2], rules
     base = K.mpijob(K.rendered("base"))["spec"]["runPolicy"]["backoffLimit"]
     assert f"with `backoffLimit: {base}`" in guide
     smoke = K.mpijob(K.rendered("overlays/smoke"))["spec"]["runPolicy"]["backoffLimit"]
-    assert f"so {smoke} retries end in about half a minute" in texts[
-        "deploy/kubernetes/overlays/smoke/task.yaml"]
+    assert (
+        f"so {smoke} retries end in about half a minute"
+        in texts["deploy/kubernetes/overlays/smoke/task.yaml"]
+    )

@@ -26,6 +26,7 @@ The launch_cluster.sh command is the MPI guide's (docs/guides/clusters/mpi.md), 
 hosts, interface, task and flags; the guide's other commands are run with DRY_RUN or a recording
 horovodrun, and its horovodrun lines parsed by horovodrun's own parser.
 """
+
 import os
 import re
 import shlex
@@ -98,17 +99,20 @@ class Cluster(Hosts):
 
 
 # The guide's overview, its launch_cluster.sh block and its horovodrun block.
-OVERVIEW = block("guides/clusters/mpi.md",
-                 "# one host, the configured number of workers").commands()
+OVERVIEW = block(
+    "guides/clusters/mpi.md", "# one host, the configured number of workers"
+).commands()
 LAUNCH_CLUSTER_BLOCK = block("guides/clusters/mpi.md", "# hosts: one line per host")
 LAUNCH_CLUSTER = LAUNCH_CLUSTER_BLOCK.commands()
-HOROVODRUN_LINES = block("guides/clusters/mpi.md",
-                         "horovodrun -np 8 -H node1:4,node2:4 ").commands()
+HOROVODRUN_LINES = block(
+    "guides/clusters/mpi.md", "horovodrun -np 8 -H node1:4,node2:4 "
+).commands()
 
 
 def horovodrun_args(argv):
     """What horovodrun's own parser makes of its arguments ARGV (it exits on a bad one)."""
     from horovod.runner import launch
+
     saved, sys.argv = sys.argv, ["horovodrun", *argv]
     try:
         return launch.parse_args()
@@ -142,12 +146,29 @@ def test_the_mpi_guides_commands(tmp_path):
         p = run(["bash", "-c", line], env, timeout=60, cwd=tmp_path)
         assert p.returncode == 0, p.stderr
         return shlex.split(p.stdout)
+
     dry = LAUNCH_CLUSTER[1]
     assert dry.startswith("DRY_RUN=1 ") and dry.endswith(" hosts mnist"), dry
     words = printed(dry)
-    assert words[:17] == ["mpirun", "-np", "2", "--hostfile", "hosts", "--bind-to", "none",
-                          "--map-by", "slot", "-x", "NCCL_DEBUG=WARN", "--mca", "pml", "ob1",
-                          "--mca", "btl", "^openib"], words
+    assert words[:17] == [
+        "mpirun",
+        "-np",
+        "2",
+        "--hostfile",
+        "hosts",
+        "--bind-to",
+        "none",
+        "--map-by",
+        "slot",
+        "-x",
+        "NCCL_DEBUG=WARN",
+        "--mca",
+        "pml",
+        "ob1",
+        "--mca",
+        "btl",
+        "^openib",
+    ], words
     assert words[-4:] == [sys.executable, "-m", "hvdtrain", "mnist"], words
     assert {"PATH", "PYTHONPATH"} <= {words[i + 1] for i, w in enumerate(words) if w == "-x"}
     assert "btl_tcp_if_include" not in words
@@ -156,8 +177,12 @@ def test_the_mpi_guides_commands(tmp_path):
     iface_line = cluster.replace("/shared/mnist", str(data))
     iface = re.match(r"IFACE=(\w+) ", iface_line).group(1)
     words = printed("DRY_RUN=1 " + iface_line)
-    for setting in (["--mca", "btl_tcp_if_include", iface], ["--mca", "oob_tcp_if_include", iface],
-                    ["-x", f"NCCL_SOCKET_IFNAME={iface}"], ["-x", f"HOROVOD_GLOO_IFACE={iface}"]):
+    for setting in (
+        ["--mca", "btl_tcp_if_include", iface],
+        ["--mca", "oob_tcp_if_include", iface],
+        ["-x", f"NCCL_SOCKET_IFNAME={iface}"],
+        ["-x", f"HOROVOD_GLOO_IFACE={iface}"],
+    ):
         assert " ".join(setting) in " ".join(words), (setting, words)
     assert words[-6:] == [sys.executable, "-m", "hvdtrain", "mnist", "--data-dir", str(data)]
 
@@ -165,22 +190,29 @@ def test_the_mpi_guides_commands(tmp_path):
     fake.mkdir()
     (fake / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (fake / "horovodrun").write_text(
-        f'#!/bin/sh\nprintf "%s\\n" "$@" >{tmp_path}/horovodrun.args\n')
+        f'#!/bin/sh\nprintf "%s\\n" "$@" >{tmp_path}/horovodrun.args\n'
+    )
     for f in ("python", "horovodrun"):
         (fake / f).chmod(0o755)
     assert local.startswith("scripts/launch_local.sh "), local
-    p = run(["bash", "-c", local], dict(env, PYTHON=str(fake / "python")), timeout=60,
-            cwd=tmp_path)
+    p = run(["bash", "-c", local], dict(env, PYTHON=str(fake / "python")), timeout=60, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "horovodrun.args").read_text().split() == [
-        "-np", "2", str(fake / "python"), "-m", "hvdtrain", *shlex.split(local)[1:]]
+        "-np",
+        "2",
+        str(fake / "python"),
+        "-m",
+        "hvdtrain",
+        *shlex.split(local)[1:],
+    ]
 
     for line in HOROVODRUN_LINES:
         words = shlex.split(line)
         args = horovodrun_args(words[1:])
         assert args.num_proc == slots(args.hosts) and args.nics == {iface}, line
         assert args.command[:2] == ["python", "-m"] and os.path.exists(
-            os.path.join(ROOT, *args.command[2].split(".")) + ".py"), line
+            os.path.join(ROOT, *args.command[2].split(".")) + ".py"
+        ), line
     plain, gloo = map(shlex.split, HOROVODRUN_LINES)
     assert horovodrun_args(gloo[1:]).use_gloo and [w for w in gloo if w != "--gloo"] == plain
 
@@ -210,7 +242,7 @@ def readme_run(references):
     line = block("README.md", "horovodrun -np 2 python -m hvdtrain.mnist").commands()[0]
     p, cwd = references.printed(line)
     assert p.returncode == 0, p.stderr[-3000:]
-    run_dir, = default_run_dirs(cwd, "mnist")
+    (run_dir,) = default_run_dirs(cwd, "mnist")
     return result(run_dir)
 
 
@@ -220,8 +252,11 @@ def for_two_hosts(line):
     changes."""
     words = as_printed(line)
     assert "-np" in words, line
-    for flag, printed, here in (("-np", "8", "2"), ("-H", "node1:4,node2:4", "hostA:1,hostB:1"),
-                                ("--network-interface", "eth0", IFACE)):
+    for flag, printed, here in (
+        ("-np", "8", "2"),
+        ("-H", "node1:4,node2:4", "hostA:1,hostB:1"),
+        ("--network-interface", "eth0", IFACE),
+    ):
         if flag in words:
             assert words[words.index(flag) + 1] == printed, (flag, line)
             words[words.index(flag) + 1] = here
@@ -232,7 +267,7 @@ def check_readme_run(p, cwd, readme_run, cluster, rx_before):
     """A README cluster command's two-host run ended as the one-host run did."""
     assert p.returncode == 0, p.stdout + p.stderr
     assert "watchdog unreachable" not in p.stderr and "hvdtrain: warning" not in p.stderr, p.stderr
-    run_dir, = default_run_dirs(cwd, "mnist")
+    (run_dir,) = default_run_dirs(cwd, "mnist")
     r = result(run_dir)
     assert (r["world_size"], r["global_step"], r["ranks_identical"]) == (2, 200, True)
     # The same weights, bit for bit: two ranks' sums are the same in any order.
@@ -282,28 +317,43 @@ def test_launch_cluster_script_across_two_hosts(cluster, reference, tmp_path):
     # checkout, this test's hostfile, task and flags.
     variable, script, hosts, *_ = shlex.split(LAUNCH_CLUSTER[0])
     assert (variable.split("=")[0], script, hosts) == (
-        "IFACE", "scripts/launch_cluster.sh", "hosts")
-    env = rank_env.logging(dict(mpi_env(cluster, tmp_path), IFACE=IFACE, PYTHON=sys.executable),
-                           tmp_path)
+        "IFACE",
+        "scripts/launch_cluster.sh",
+        "hosts",
+    )
+    env = rank_env.logging(
+        dict(mpi_env(cluster, tmp_path), IFACE=IFACE, PYTHON=sys.executable), tmp_path
+    )
     rx = cluster.rx_bytes("hostB")
-    cmd = ["bash", os.path.join(ROOT, script), str(hostfile), "linear",
-           "--run-dir", str(tmp_path / "r"), *ARGS]
+    cmd = [
+        "bash",
+        os.path.join(ROOT, script),
+        str(hostfile),
+        "linear",
+        "--run-dir",
+        str(tmp_path / "r"),
+        *ARGS,
+    ]
     p = run(cluster.on("hostA", cmd), env)
     check_two_host_run(p, tmp_path / "r", reference, cluster, rx)
     rank_env.assert_launcher_set_it(tmp_path, 2)
 
 
 @pytest.mark.parametrize("controller", ["mpi", "gloo"])
-def test_the_readmes_horovodrun_across_two_hosts_over_ssh(cluster, readme_run, tmp_path,
-                                                           controller):
+def test_the_readmes_horovodrun_across_two_hosts_over_ssh(
+    cluster, readme_run, tmp_path, controller
+):
     """``horovodrun -np 8 -H node1:4,node2:4 --network-interface eth0 python -m
     hvdtrain.mnist``, for two hosts: as the README prints it (MPI underneath), and as the MPI
     guide prints it with ``--gloo``."""
     if cluster.sshd_log is None:
         cluster.start_sshd("hostB")
     # MPI: the README's line; Gloo: the MPI guide's Gloo line (the README's with --gloo).
-    line = (block("README.md", "mpirun -np 8 --hostfile hosts").commands()[1]
-            if controller == "mpi" else HOROVODRUN_LINES[1])
+    line = (
+        block("README.md", "mpirun -np 8 --hostfile hosts").commands()[1]
+        if controller == "mpi"
+        else HOROVODRUN_LINES[1]
+    )
     words = for_two_hosts(line)
     assert words[0] == "horovodrun" and ("--gloo" in words) == (controller == "gloo")
     env = rank_env.logging(clean_env(tmp_path / "home"), tmp_path)

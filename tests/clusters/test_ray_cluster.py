@@ -7,6 +7,7 @@ and each task answers with its host's own name and address. Then a worker node i
 (SIGKILL to all its processes): the GCS marks it dead; it comes back (`ray start` again) and
 the cluster has three live nodes again.
 """
+
 import json
 import os
 import re
@@ -14,9 +15,20 @@ import sys
 
 import pytest
 
-from conftest import (LINEAR, as_printed, checkout_like, clean_env, finish,
-                      launch_example, lose_after_first_checkpoint, rank_pids, result, run,
-                      start, wait_for)
+from conftest import (
+    LINEAR,
+    as_printed,
+    checkout_like,
+    clean_env,
+    finish,
+    launch_example,
+    lose_after_first_checkpoint,
+    rank_pids,
+    result,
+    run,
+    start,
+    wait_for,
+)
 from docs_pages import block
 from ray_cluster import NODES, RayCluster
 
@@ -64,8 +76,9 @@ def test_three_nodes_one_task_each_then_a_node_lost_and_back(ray_cluster):
 
     ray_cluster.remove_node("raynode2")
     # Lost: the GCS marks it dead (its health checks fail), the two others stay alive.
-    ray_cluster.wait_nodes({ip: "DEAD" if name == "raynode2" else "ALIVE"
-                            for name, ip in NODES.items()}, 30)
+    ray_cluster.wait_nodes(
+        {ip: "DEAD" if name == "raynode2" else "ALIVE" for name, ip in NODES.items()}, 30
+    )
     ray_cluster.add_node("raynode2")
     # Back: a new node on the same address (its old registration stays dead, the newest one
     # counts), and work placed on it again.
@@ -75,8 +88,17 @@ def test_three_nodes_one_task_each_then_a_node_lost_and_back(ray_cluster):
 
 # --- hvdtrain.ray on the cluster ----------------------------------------------------------
 
-MNIST = ["--batch-size", "50", "--epochs", "1", "--learning-rate", "0.5", "--no-download",
-         "--verbose", "0"]
+MNIST = [
+    "--batch-size",
+    "50",
+    "--epochs",
+    "1",
+    "--learning-rate",
+    "0.5",
+    "--no-download",
+    "--verbose",
+    "0",
+]
 FIT = ["--model", "dense", "--epochs", "1", "--batch-size", "64"]
 
 
@@ -91,14 +113,19 @@ def placed(err):
     return {int(p.split()[1]): p.split()[-1] for p in line.split(": ", 2)[2].split(", ")}
 
 
-def test_a_task_and_a_fit_script_end_with_horovodruns_weights(ray_cluster, tmp_path,
-                                                              references):
+def test_a_task_and_a_fit_script_end_with_horovodruns_weights(ray_cluster, tmp_path, references):
     """The built-in MNIST task and the hk.fit example, each on 2 workers that Ray places on
     two of the three hosts, end with the weights of the same job under horovodrun -np 2 on
     one machine (its digest in result.json)."""
     ref = references.run("gloo", 2, "mnist", *MNIST)
-    p = run(hvdtrain_ray(ray_cluster, "--num-workers", 2, "mnist", *MNIST, "--run-dir",
-                         tmp_path / "mnist"), ray_cluster.env, timeout=240, cwd=tmp_path)
+    p = run(
+        hvdtrain_ray(
+            ray_cluster, "--num-workers", 2, "mnist", *MNIST, "--run-dir", tmp_path / "mnist"
+        ),
+        ray_cluster.env,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     hosts = placed(p.stderr)
     assert len(set(hosts.values())) == 2 and set(hosts.values()) <= set(NODES), hosts
@@ -108,12 +135,19 @@ def test_a_task_and_a_fit_script_end_with_horovodruns_weights(ray_cluster, tmp_p
     assert r["test_accuracy"] == ref["test_accuracy"]
 
     # The page's fit-script command, as printed (in a directory like the checkout).
-    line, = block("guides/clusters/ray.md", "python -m hvdtrain.ray --num-workers 2 examples/").commands()
+    (line,) = block(
+        "guides/clusters/ray.md", "python -m hvdtrain.ray --num-workers 2 examples/"
+    ).commands()
     args = as_printed(line)[5:]  # examples/keras_fit_mnist.py and its flags
     assert args[0] == "examples/keras_fit_mnist.py"
     ref_dir = tmp_path / "fit_ref"
-    q = run(launch_example(2, "keras_fit_mnist.py", *args[1:args.index("--run-dir")],
-                           "--run-dir", ref_dir), clean_env(tmp_path / "home"), timeout=240)
+    q = run(
+        launch_example(
+            2, "keras_fit_mnist.py", *args[1 : args.index("--run-dir")], "--run-dir", ref_dir
+        ),
+        clean_env(tmp_path / "home"),
+        timeout=240,
+    )
     assert q.returncode == 0, q.stderr[-3000:]
     cwd = checkout_like(tmp_path / "checkout")
     p = run(ray_cluster.driver_cmd(as_printed(line)), ray_cluster.env, timeout=240, cwd=cwd)
@@ -133,32 +167,42 @@ def test_the_pages_cluster_and_mnist_commands_as_printed(ray_cluster, tmp_path):
     for line, node in ((head, "rayhead"), (others[0], "raynode1")):
         words = as_printed(line.replace("HEAD", NODES["rayhead"]))
         cmd = [os.path.basename(ray_cluster.commands[node][0]), *ray_cluster.commands[node][1:]]
-        assert all(w in cmd for w in words) and cmd[cmd.index("--address" if node != "rayhead"
-                                                               else "--port") + 1] == words[-1]
+        assert (
+            all(w in cmd for w in words)
+            and cmd[cmd.index("--address" if node != "rayhead" else "--port") + 1] == words[-1]
+        )
     cwd = checkout_like(tmp_path / "checkout")
-    line, = block("guides/clusters/ray.md", "python -m hvdtrain.ray --num-workers 2 mnist").commands()
+    (line,) = block(
+        "guides/clusters/ray.md", "python -m hvdtrain.ray --num-workers 2 mnist"
+    ).commands()
     p = run(ray_cluster.driver_cmd(as_printed(line)), ray_cluster.env, timeout=240, cwd=cwd)
     assert p.returncode == 0, p.stderr[-3000:]
     shown = block("guides/clusters/ray.md", "hvdtrain.ray: 2 workers:").text.splitlines()
-    said = [l for l in (p.stderr + "\n" + p.stdout).splitlines() if l.startswith(("hvdtrain.ray:",
-                                                                            "hvdtrain: mnist"))]
-    assert re.fullmatch(shown[0].replace("node1", r"(\w+)").replace("node2", r"(\w+)"),
-                        said[0]), said
+    said = [
+        l
+        for l in (p.stderr + "\n" + p.stdout).splitlines()
+        if l.startswith(("hvdtrain.ray:", "hvdtrain: mnist"))
+    ]
+    assert re.fullmatch(shown[0].replace("node1", r"(\w+)").replace("node2", r"(\w+)"), said[0]), (
+        said
+    )
     assert said[1].startswith(shown[1].rstrip(".").rstrip(", ")), said
     r = result(cwd / "runs" / "ray")
     assert (r["world_size"], r["epochs"]) == (2, 1) and 0.5 < r["test_accuracy"] <= 1.0
 
     code = block("guides/clusters/ray.md", "import hvdtrain.ray").text
-    p = run(ray_cluster.driver_cmd([sys.executable, "-c", code]), ray_cluster.env,
-            timeout=240, cwd=cwd)
+    p = run(
+        ray_cluster.driver_cmd([sys.executable, "-c", code]), ray_cluster.env, timeout=240, cwd=cwd
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     py = result(cwd / "runs" / "ray-py")
     assert p.stdout.strip().splitlines()[-1] == str(py["test_accuracy"])
     assert py["weights_sha256"] == r["weights_sha256"]
 
 
-def test_a_lost_node_restarts_the_job_on_the_others_to_the_same_weights(ray_cluster, tmp_path,
-                                                                        references):
+def test_a_lost_node_restarts_the_job_on_the_others_to_the_same_weights(
+    ray_cluster, tmp_path, references
+):
     """Mid-run, the node of a worker rank is lost (every process of that host SIGKILLed):
     the driver says so, Ray places the job again on the hosts left, and it resumes from its
     newest checkpoint to the weights of the uninterrupted job. The node then returns."""
@@ -167,14 +211,24 @@ def test_a_lost_node_restarts_the_job_on_the_others_to_the_same_weights(ray_clus
     lost = []
 
     def lose_node(ranks):  # a worker node holding a rank
-        lost.append(next(n for n in NODES if n != "rayhead"
-                         and set(ranks.values()) & set(ray_cluster.pids(n))))
+        lost.append(
+            next(
+                n
+                for n in NODES
+                if n != "rayhead" and set(ranks.values()) & set(ray_cluster.pids(n))
+            )
+        )
         ray_cluster.remove_node(lost[0])
 
     rc, out, err = lose_after_first_checkpoint(
         hvdtrain_ray(ray_cluster, "--num-workers", 2, "linear", *LINEAR, "--run-dir", run_dir),
-        ray_cluster.env, run_dir, lose_node, 240, cwd=tmp_path)
-    lost, = lost
+        ray_cluster.env,
+        run_dir,
+        lose_node,
+        240,
+        cwd=tmp_path,
+    )
+    (lost,) = lost
     try:
         assert rc == 0, err[-3000:]
         assert "the job starts again from its newest checkpoint (restart 1 of 3)" in err, err
@@ -196,11 +250,27 @@ def test_elastic_a_lost_node_leaves_the_others_going_and_it_joins_again(ray_clus
     epochs = 60
     # The survivors notice a lost host at their next collective's time-out, Gloo's: 10 s
     # here instead of 30 (the driver hands its HOROVOD_ variables to the ranks).
-    cmd = hvdtrain_ray(ray_cluster, "--min-workers", 1, "--max-workers", 3, "linear",
-                       "--batch-size", 1, "--epochs", epochs, "--learning-rate", "0.0005",
-                       "--commit-every", 20, "--run-dir", run_dir)
-    cmd.insert(cmd.index(f"RAY_ADDRESS={ray_cluster.address}") + 1,
-               "HOROVOD_GLOO_TIMEOUT_SECONDS=10")
+    cmd = hvdtrain_ray(
+        ray_cluster,
+        "--min-workers",
+        1,
+        "--max-workers",
+        3,
+        "linear",
+        "--batch-size",
+        1,
+        "--epochs",
+        epochs,
+        "--learning-rate",
+        "0.0005",
+        "--commit-every",
+        20,
+        "--run-dir",
+        run_dir,
+    )
+    cmd.insert(
+        cmd.index(f"RAY_ADDRESS={ray_cluster.address}") + 1, "HOROVOD_GLOO_TIMEOUT_SECONDS=10"
+    )
     proc = start(cmd, ray_cluster.env, cwd=tmp_path)
 
     def sizes():
@@ -212,8 +282,9 @@ def test_elastic_a_lost_node_leaves_the_others_going_and_it_joins_again(ray_clus
     try:
         assert wait_for(lambda: sizes()[-1:] == [3], 120), ("never three ranks", sizes())
         ranks = rank_pids(str(run_dir))
-        lost = next(n for n in NODES if n != "rayhead"
-                    and set(ranks.values()) & set(ray_cluster.pids(n)))
+        lost = next(
+            n for n in NODES if n != "rayhead" and set(ranks.values()) & set(ray_cluster.pids(n))
+        )
         ray_cluster.remove_node(lost)
         assert wait_for(lambda: sizes()[-1:] == [2], 120), ("never two ranks", sizes())
         ray_cluster.add_node(lost)

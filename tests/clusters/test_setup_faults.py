@@ -12,6 +12,7 @@ reached through a .pth file (links into its site-packages), so that setup.sh's c
 Horovod passes without a compile; the checkout is setup.sh, its patches, and a pyproject.toml
 that asks for lockprobe. The build cache's entries are copies of the entry this venv's Horovod was
 installed from (found by its wheel's RECORD), owned by root: to the user, a teammate's."""
+
 import glob
 import hashlib
 import os
@@ -20,14 +21,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import sysconfig
 import zipfile
 
 import pytest
+from test_setup_sh import SYSTEM_PYTHON, as_user, free_uid, lockprobe_index, write_project
 
 from conftest import ROOT, run, running, wait_for
-from test_setup_sh import SYSTEM_PYTHON, as_user, free_uid, lockprobe_index, write_project
 
 SETUP = os.path.join(ROOT, "scripts", "setup.sh")
 SITE = sysconfig.get_paths()["purelib"]
@@ -40,9 +40,11 @@ def lockprobe_wheel(path):
     files = {f"lockprobe/m{i:04d}.py": f"# {i}\n" + "x = 1\n" * 340 for i in range(FILES)}
     files["lockprobe/__init__.py"] = "VERSION = '1.0'\n"
     files["lockprobe-1.0.dist-info/METADATA"] = (
-        "Metadata-Version: 2.1\nName: lockprobe\nVersion: 1.0\nRequires-Python: >=3\n")
+        "Metadata-Version: 2.1\nName: lockprobe\nVersion: 1.0\nRequires-Python: >=3\n"
+    )
     files["lockprobe-1.0.dist-info/WHEEL"] = (
-        "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
     record = "".join(f"{n},,\n" for n in files) + "lockprobe-1.0.dist-info/RECORD,,\n"
     files["lockprobe-1.0.dist-info/RECORD"] = record
     with zipfile.ZipFile(path, "w") as z:
@@ -64,15 +66,19 @@ def user():
     if os.geteuid() != 0:
         pytest.skip("needs root to become another uid (CI and containers run as root)")
     import tempfile
+
     uid = free_uid(42000)
     d = tempfile.mkdtemp(prefix="hvdtrain-setup-faults-")
     os.chown(d, uid, uid)
     stack = os.path.join(d, "stack")
     os.mkdir(stack)
     for name in os.listdir(SITE):
-        if not re.match(r"(hvdtrain|__editable__|_hvdtrain|.*\.pth$|pip\b|pip-|setuptools|"
-                        r"_distutils_hack|distutils-precedence|pkg_resources|lockprobe)",
-                        name, re.I):
+        if not re.match(
+            r"(hvdtrain|__editable__|_hvdtrain|.*\.pth$|pip\b|pip-|setuptools|"
+            r"_distutils_hack|distutils-precedence|pkg_resources|lockprobe)",
+            name,
+            re.I,
+        ):
             os.symlink(os.path.join(SITE, name), os.path.join(stack, name))
     try:
         yield uid, d
@@ -88,8 +94,9 @@ def new_checkout(user, name):
     checkout = os.path.join(base, "checkout")
     os.makedirs(os.path.join(checkout, "scripts"))
     shutil.copy(SETUP, os.path.join(checkout, "scripts"))
-    shutil.copytree(os.path.join(ROOT, "scripts", "patches"),
-                    os.path.join(checkout, "scripts", "patches"))
+    shutil.copytree(
+        os.path.join(ROOT, "scripts", "patches"), os.path.join(checkout, "scripts", "patches")
+    )
     write_project(checkout, ["lockprobe"])
     with open(os.path.join(checkout, "constraints.txt"), "w") as f:
         f.write("lockprobe==1.0\n")
@@ -106,12 +113,22 @@ def new_checkout(user, name):
 def user_env(user, checkout, index, **extra):
     uid, d = user
     base = os.path.dirname(checkout)
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.path.join(base, "home"),
-            "LANG": "C.UTF-8", "TMPDIR": base, "HVDTRAIN_SKIP_APT": "1",
-            "HVDTRAIN_VENV": os.path.join(base, "venv"), "HVDTRAIN_BUILD_CACHE": "0",
-            "PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": index, "PIP_RETRIES": "0",
-            "PIP_NO_BUILD_ISOLATION": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-            "TF_CPP_MIN_LOG_LEVEL": "3", **extra}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": os.path.join(base, "home"),
+        "LANG": "C.UTF-8",
+        "TMPDIR": base,
+        "HVDTRAIN_SKIP_APT": "1",
+        "HVDTRAIN_VENV": os.path.join(base, "venv"),
+        "HVDTRAIN_BUILD_CACHE": "0",
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_INDEX_URL": index,
+        "PIP_RETRIES": "0",
+        "PIP_NO_BUILD_ISOLATION": "0",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        **extra,
+    }
 
 
 def make_venv(user, venv, env):
@@ -126,9 +143,18 @@ def make_venv(user, venv, env):
 
 def add_stack(user, venv, env):
     uid, d = user
-    site = run(as_user(uid, [f"{venv}/bin/python", "-c",
-                             "import sysconfig; print(sysconfig.get_paths()['purelib'])"]),
-               env, timeout=60).stdout.strip()
+    site = run(
+        as_user(
+            uid,
+            [
+                f"{venv}/bin/python",
+                "-c",
+                "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+            ],
+        ),
+        env,
+        timeout=60,
+    ).stdout.strip()
     with open(os.path.join(site, "stack.pth"), "w") as f:
         f.write(f"{d}/stack\n{ROOT}\n")
     os.chown(os.path.join(site, "stack.pth"), uid, uid)
@@ -137,8 +163,11 @@ def add_stack(user, venv, env):
 
 def set_up(user, checkout, env, *args, timeout=300):
     uid, _ = user
-    p = run(as_user(uid, ["bash", os.path.join(checkout, "scripts", "setup.sh"), *args]), env,
-            timeout=timeout)
+    p = run(
+        as_user(uid, ["bash", os.path.join(checkout, "scripts", "setup.sh"), *args]),
+        env,
+        timeout=timeout,
+    )
     out = p.stdout + p.stderr
     assert "Traceback" not in out and "ResolutionImpossible" not in out, out
     return p.returncode, out
@@ -146,24 +175,33 @@ def set_up(user, checkout, env, *args, timeout=300):
 
 def start(user, checkout, env, *args):
     uid, _ = user
-    return subprocess.Popen(as_user(uid, ["bash", os.path.join(checkout, "scripts", "setup.sh"),
-                                          *args]),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        as_user(uid, ["bash", os.path.join(checkout, "scripts", "setup.sh"), *args]),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def whole(site):
     """lockprobe is installed whole: every module of its wheel, and what pip writes last."""
     pkg = os.path.join(site, "lockprobe")
-    return (os.path.exists(os.path.join(site, "lockprobe-1.0.dist-info", "INSTALLER"))
-            and len(glob.glob(os.path.join(pkg, '*.py'))) == FILES + 1
-            and all(os.path.getsize(os.path.join(pkg, f"m{i:04d}.py")) == len(f"# {i}\n") + 6 * 340
-                    for i in range(FILES)))
+    return (
+        os.path.exists(os.path.join(site, "lockprobe-1.0.dist-info", "INSTALLER"))
+        and len(glob.glob(os.path.join(pkg, "*.py"))) == FILES + 1
+        and all(
+            os.path.getsize(os.path.join(pkg, f"m{i:04d}.py")) == len(f"# {i}\n") + 6 * 340
+            for i in range(FILES)
+        )
+    )
 
 
 def ready(out):
-    return re.search(r"^\[setup\] ready: tensorflow 2\.21\.0 horovod 0\.28\.1\+hvdtrain\.\d+$",
-                     out, re.M)
+    return re.search(
+        r"^\[setup\] ready: tensorflow 2\.21\.0 horovod 0\.28\.1\+hvdtrain\.\d+$", out, re.M
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
@@ -178,9 +216,17 @@ def test_an_install_interrupted_midway_is_finished_by_the_next_run(user, index, 
     info = os.path.join(site, "lockprobe-1.0.dist-info")
     proc = start(user, checkout, env)
     try:
-        midway = wait_for(lambda: proc.poll() is not None or (
-            os.path.exists(os.path.join(info, "METADATA"))
-            and not os.path.exists(os.path.join(info, "INSTALLER"))), 120, 0.001)
+        midway = wait_for(
+            lambda: (
+                proc.poll() is not None
+                or (
+                    os.path.exists(os.path.join(info, "METADATA"))
+                    and not os.path.exists(os.path.join(info, "INSTALLER"))
+                )
+            ),
+            120,
+            0.001,
+        )
         os.killpg(proc.pid, sig)
     finally:
         out = proc.communicate(timeout=60)[0]
@@ -192,8 +238,10 @@ def test_an_install_interrupted_midway_is_finished_by_the_next_run(user, index, 
     assert not os.path.exists(os.path.join(info, "INSTALLER")), out
     status, out = set_up(user, checkout, env)
     assert status == 0, out
-    assert ("[setup] an interrupted install left lockprobe-1.0.dist-info unfinished: "
-            "installing it again") in out.splitlines(), out
+    assert (
+        "[setup] an interrupted install left lockprobe-1.0.dist-info unfinished: "
+        "installing it again"
+    ) in out.splitlines(), out
     assert whole(site) and ready(out), out
     assert not os.path.exists(os.path.join(venv, ".hvdtrain-installing"))
     # The run after that only verifies.
@@ -213,8 +261,9 @@ def test_a_venv_left_without_pip_is_mended(user, index, case):
     if case == "killed in ensurepip":
         proc = start(user, checkout, env)
         try:
-            inside = wait_for(lambda: glob.glob(f"{venv}/lib/python3*/site-packages/pip/*"),
-                              120, 0.002)
+            inside = wait_for(
+                lambda: glob.glob(f"{venv}/lib/python3*/site-packages/pip/*"), 120, 0.002
+            )
             os.killpg(proc.pid, signal.SIGKILL)
         finally:
             out = proc.communicate(timeout=60)[0]
@@ -233,7 +282,8 @@ def test_a_venv_left_without_pip_is_mended(user, index, case):
     assert said in lines, out
     assert [l for l in lines if l.startswith("[setup] error:")] == [
         "[setup] error: pip install -c constraints.txt failed: No matching distribution "
-        f"found for wheel (pip's output: {venv}/.hvdtrain-pip.log)"], out
+        f"found for wheel (pip's output: {venv}/.hvdtrain-pip.log)"
+    ], out
     assert run([f"{venv}/bin/python", "-m", "pip", "--version"], env).returncode == 0
     assert not os.path.exists(os.path.join(venv, ".hvdtrain-venv-incomplete"))
     if case == "made without pip":
@@ -253,7 +303,8 @@ def test_a_directory_of_other_files_is_not_made_a_venv(user, index):
     assert status == 1, out
     assert out.splitlines() == [
         f"[setup] error: {venv} holds files but no virtual environment (no bin/python): "
-        "set HVDTRAIN_VENV to a new or empty directory"], out
+        "set HVDTRAIN_VENV to a new or empty directory"
+    ], out
     assert os.listdir(venv) == ["thesis.tex"]
 
 
@@ -274,8 +325,10 @@ def test_two_set_ups_of_one_venv_run_one_after_the_other(user, index):
             if proc.returncode is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert first.returncode == 0 and second.returncode == 0, outs
-    assert f"[setup] another set-up of {venv} is running: waiting for it to end" in \
-        outs[1].splitlines(), outs
+    assert (
+        f"[setup] another set-up of {venv} is running: waiting for it to end"
+        in outs[1].splitlines()
+    ), outs
     assert "installing the locked Python stack" in outs[0], outs
     assert "installing the locked Python stack" not in outs[1], outs
     assert all(ready(o) for o in outs) and whole(site), outs
@@ -286,17 +339,21 @@ def installed_entry():
     """The build cache's entry this venv's Horovod was installed from: the one whose wheel
     holds the installed build record (the op library's sha256, TensorFlow's version)."""
     from importlib import metadata
+
     dist = metadata.distribution("horovod")
     record = dist.locate_file("horovod/hvdtrain_built.json").read_bytes()
     cache = os.environ.get("HVDTRAIN_BUILD_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvdtrain")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvdtrain"
+    )
     for entry in sorted(glob.glob(os.path.join(cache, "horovod-0.28.1-*"))):
         for whl in glob.glob(os.path.join(entry, "horovod-*.whl")):
             with zipfile.ZipFile(whl) as z:
                 if z.read("horovod/hvdtrain_built.json") == record:
                     return entry
-    pytest.fail(f"no entry of the build cache {cache} holds this venv's horovod "
-                f"{dist.version}: run scripts/setup.sh")
+    pytest.fail(
+        f"no entry of the build cache {cache} holds this venv's horovod "
+        f"{dist.version}: run scripts/setup.sh"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -326,8 +383,11 @@ def team_cache(user, name, entry):
 
 
 def listing(d):
-    return sorted((os.path.relpath(os.path.join(t, f), d), os.path.getsize(os.path.join(t, f)))
-                  for t, _, fs in os.walk(d) for f in fs)
+    return sorted(
+        (os.path.relpath(os.path.join(t, f), d), os.path.getsize(os.path.join(t, f)))
+        for t, _, fs in os.walk(d)
+        for f in fs
+    )
 
 
 def sha256(path):
@@ -336,7 +396,8 @@ def sha256(path):
 
 
 def test_a_read_only_team_cache_is_used_and_wheels_replace_only_their_own_files(
-        user, cache_checkout):
+    user, cache_checkout
+):
     """A teammate's cache this user cannot write, holding this build: its wheel is used and
     nothing is written there. The build folder a killed set-up of this host left is swept. --wheels DIR where DIR holds other builds' wheels and a file of
     the user's: only the files of the same names are replaced, each said, the others stay, and
@@ -348,10 +409,13 @@ def test_a_read_only_team_cache_is_used_and_wheels_replace_only_their_own_files(
     wheels = os.path.join(d, "wheels")
     os.mkdir(wheels)
     whl = os.path.basename(glob.glob(os.path.join(entry, "horovod-*.whl"))[0])
-    others = {"horovod-0.28.1+hvdtrain.1-cp312-cp312-linux_x86_64.whl": b"a cp312 build",
-              "horovod-0.28.1+hvdtrain.1.gpu-cp311-cp311-linux_x86_64.whl": b"the GPU build",
-              "hvdtrain-0.0.1-py3-none-any.whl": b"an older hvdtrain", "notes.txt": b"mine",
-              whl: b"an older copy of this build"}
+    others = {
+        "horovod-0.28.1+hvdtrain.1-cp312-cp312-linux_x86_64.whl": b"a cp312 build",
+        "horovod-0.28.1+hvdtrain.1.gpu-cp311-cp311-linux_x86_64.whl": b"the GPU build",
+        "hvdtrain-0.0.1-py3-none-any.whl": b"an older hvdtrain",
+        "notes.txt": b"mine",
+        whl: b"an older copy of this build",
+    }
     for name, data in others.items():
         with open(os.path.join(wheels, name), "wb") as f:
             f.write(data)
@@ -362,9 +426,11 @@ def test_a_read_only_team_cache_is_used_and_wheels_replace_only_their_own_files(
     builds = os.path.join(env["HOME"], ".cache", "hvdtrain", ".builds")
     host = socket.gethostname()
     dead = next(pid for pid in range(4194000, 4194300) if not running(pid))
-    folders = {f"hvdtrain-build-{host}-{dead}-Ab12Cd": False,
-               f"hvdtrain-build-{host}-{os.getpid()}-Ef34Gh": True,
-               f"hvdtrain-build-elsewhere-{dead}-Ij56Kl": True}
+    folders = {
+        f"hvdtrain-build-{host}-{dead}-Ab12Cd": False,
+        f"hvdtrain-build-{host}-{os.getpid()}-Ef34Gh": True,
+        f"hvdtrain-build-elsewhere-{dead}-Ij56Kl": True,
+    }
     for name in folders:
         os.makedirs(os.path.join(builds, name, "horovod-0.28.1"))
     for top, dirs, _ in os.walk(os.path.join(env["HOME"], ".cache")):
@@ -382,15 +448,19 @@ def test_a_read_only_team_cache_is_used_and_wheels_replace_only_their_own_files(
     assert f"[setup] replacing {wheels}/{whl}" in lines, out
     mine = [n for n in os.listdir(wheels) if n.startswith("hvdtrain-0-")]
     assert len(mine) == 1, os.listdir(wheels)
-    assert (f"[setup] elsewhere: pip install -c {wheels}/constraints.txt {wheels}/{whl} "
-            f"{wheels}/{mine[0]} (or --no-deps into an env with TensorFlow 2.21.0)") in lines, out
+    assert (
+        f"[setup] elsewhere: pip install -c {wheels}/constraints.txt {wheels}/{whl} "
+        f"{wheels}/{mine[0]} (or --no-deps into an env with TensorFlow 2.21.0)"
+    ) in lines, out
     assert not [l for l in lines if "compiling" in l], out
 
 
-@pytest.mark.parametrize("fault", ["bytes changed", "truncated", "group-writable",
-                                   "no SHA256SUMS", "a third user's"])
-def test_a_bad_entry_of_a_teammates_cache_is_one_line_and_not_installed(user, cache_checkout,
-                                                                         fault):
+@pytest.mark.parametrize(
+    "fault", ["bytes changed", "truncated", "group-writable", "no SHA256SUMS", "a third user's"]
+)
+def test_a_bad_entry_of_a_teammates_cache_is_one_line_and_not_installed(
+    user, cache_checkout, fault
+):
     """An entry of another user's cache whose wheel changed (a flipped byte, a truncation: its
     sha256 is not the one recorded beside it), that others than its owner can write (a cache
     shared by group write: anyone could plant code every import runs), that has no recorded
@@ -430,7 +500,8 @@ def test_a_bad_entry_of_a_teammates_cache_is_one_line_and_not_installed(user, ca
     assert [l for l in out.splitlines() if l.startswith("[setup] error")] == [
         f"[setup] error: the build cache's {entry} {why}: not installed; its owner (uid {owner}) "
         f"removes it (rm -rf {entry}), or set HVDTRAIN_BUILD_CACHE=0 to build without the "
-        "cache"], out
+        "cache"
+    ], out
     assert not glob.glob(os.path.join(wheels, "horovod-*.whl"))
 
 
@@ -441,6 +512,7 @@ def bare_venv(user, venv, env):
     assert run(as_user(uid, [SYSTEM_PYTHON, "-m", "venv", venv]), env, timeout=120).returncode == 0
     site = glob.glob(os.path.join(venv, "lib", "python3*", "site-packages"))[0]
     import importlib.metadata
+
     for name in ("wheel", "packaging"):
         dist = importlib.metadata.distribution(name)
         for path in (os.path.dirname(dist.locate_file(f"{name}/__init__.py")), str(dist._path)):
@@ -460,7 +532,8 @@ def test_a_failed_compile_is_one_line_and_leaves_no_build_folder(user, index):
     assert [l for l in out.splitlines() if not l.startswith("[setup] ") or "error" in l] == [
         "[setup] error: compiling horovod failed: ERROR: Could not find a version that "
         "satisfies the requirement horovod==0.28.1 (from versions: none) (the whole output: "
-        f"{log})"], out
+        f"{log})"
+    ], out
     assert "horovod==0.28.1" in open(log).read()
     base = os.path.dirname(checkout)  # TMPDIR: the build folder's place without a cache
     assert not glob.glob(os.path.join(base, "hvdtrain-build-*")), os.listdir(base)
@@ -481,7 +554,8 @@ def test_a_path_with_whitespace_is_refused_before_the_compile(user, index):
         "[setup] error: Horovod's build cannot compile in a path with whitespace: "
         f"{os.path.dirname(os.path.dirname(checkout))}/with space/checkout (move it, or set "
         "HVDTRAIN_VENV / HVDTRAIN_BUILD_CACHE / TMPDIR elsewhere; a cached build installs on "
-        "any path)"], out
+        "any path)"
+    ], out
     assert not [l for l in lines if "compiling" in l], out
 
 
@@ -518,11 +592,13 @@ def test_a_changed_horovod_file_is_installed_again_from_the_checked_cache(user, 
         f.write(bytes([byte[0] ^ 0x01]))
     status, out = set_up(user, checkout, dict(env, HVDTRAIN_BUILD_CACHE=cache))
     assert status == 0 and ready(out), out
-    assert (f"[setup] installing horovod 0.28.1+hvdtrain.1 from the build cache ({entry}: built "
-            "from the same sdist, patches, Python, TensorFlow, MPI and settings)") in \
-        out.splitlines(), out
+    assert (
+        f"[setup] installing horovod 0.28.1+hvdtrain.1 from the build cache ({entry}: built "
+        "from the same sdist, patches, Python, TensorFlow, MPI and settings)"
+    ) in out.splitlines(), out
     (installed,) = glob.glob(os.path.join(site, "horovod", "tensorflow", "mpi_lib*.so"))
     with zipfile.ZipFile(glob.glob(os.path.join(entry, "horovod-*.whl"))[0]) as z:
-        assert hashlib.sha256(z.read(os.path.relpath(installed, site))).hexdigest() == \
-            sha256(installed)
+        assert hashlib.sha256(z.read(os.path.relpath(installed, site))).hexdigest() == sha256(
+            installed
+        )
     assert not [l for l in out.splitlines() if "compiling" in l], out

@@ -10,6 +10,7 @@ the same weights. Preemption: `scancel --signal=TERM` ends the job with status 7
 time; submitting the same command again resumes, as does `scontrol requeue`, to the
 uninterrupted run's weights.
 """
+
 import os
 import re
 import shlex
@@ -18,13 +19,13 @@ import time
 
 import numpy as np
 import pytest
+from test_cluster_scripts import job_variables, submissions
 
 import rank_env
 from conftest import HOROVODRUN, ROOT, clean_env, launch, result, run
 from docs_pages import block
 from hvdtrain.engine import checkpoint_file as C
 from slurm_cluster import IFACE, SlurmCluster
-from test_cluster_scripts import job_variables, submissions
 
 # The first test's bound also covers the module's fixtures: daemons started (the hosts, their
 # sshd or SLURM's), and the reference runs. Twice pyproject.toml's (pytest's timeout).
@@ -35,12 +36,41 @@ EXAMPLES = os.path.join(ROOT, "examples")
 # Two epochs of one full-batch step: not converged, so equal weights mean equal trajectories.
 LINEAR = ["--epochs", "2", "--learning-rate", "0.1"]
 # 1,000 small steps (about 10 s under SLURM here), a checkpoint every 50: room to stop it often.
-LONG = ["--batch-size", "5", "--epochs", "10", "--learning-rate", "0.0005",
-        "--checkpoint-every", "50", "--verbose", "0"]
-MNIST = ["--batch-size", "50", "--epochs", "1", "--learning-rate", "0.5", "--no-download",
-         "--verbose", "0"]
-CONV = ["--train-examples", "256", "--filters", "4", "--epochs", "1", "--batch-size", "32",
-        "--verbose", "0"]
+LONG = [
+    "--batch-size",
+    "5",
+    "--epochs",
+    "10",
+    "--learning-rate",
+    "0.0005",
+    "--checkpoint-every",
+    "50",
+    "--verbose",
+    "0",
+]
+MNIST = [
+    "--batch-size",
+    "50",
+    "--epochs",
+    "1",
+    "--learning-rate",
+    "0.5",
+    "--no-download",
+    "--verbose",
+    "0",
+]
+CONV = [
+    "--train-examples",
+    "256",
+    "--filters",
+    "4",
+    "--epochs",
+    "1",
+    "--batch-size",
+    "32",
+    "--verbose",
+    "0",
+]
 
 
 # The guide's submissions, [(sbatch's flags, slurm_job.sh's arguments)], in its order: MNIST;
@@ -72,8 +102,13 @@ def guide_test_only_sample():
     for command, printed in zip(lines[::2], lines[1::2]):
         assert command.startswith("$ sbatch "), command
         status = re.fullmatch(r"(.*?)\s+\(exit (\d+)\)", printed)
-        out.append((shlex.split(command[2:]), status.group(1) if status else printed,
-                    int(status.group(2)) if status else 0))
+        out.append(
+            (
+                shlex.split(command[2:]),
+                status.group(1) if status else printed,
+                int(status.group(2)) if status else 0,
+            )
+        )
     return out
 
 
@@ -98,6 +133,7 @@ def reference(tmp_path_factory, references):
     tests compare against the same two; "long"'s checkpoints are the fault tests' every 100
     steps: where a run saves does not change its weights)."""
     from conftest import LINEAR as FAULTS_LINEAR
+
     base = tmp_path_factory.mktemp("reference")
     env = clean_env(base / "home", PYTHONPATH=os.pathsep.join([ROOT, EXAMPLES]))
     out = {}
@@ -105,9 +141,22 @@ def reference(tmp_path_factory, references):
         out[name] = references.run("gloo", 2, "linear", *args)
         out[name]["dir"] = references.run_dir("gloo", 2, "linear", *args)
     for name, cmd in (
-            ("mnist", launch("mpirun", 2, "mnist", *MNIST)),
-            ("conv", [HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvdtrain",
-                      "conv_task:ConvTask", *CONV])):
+        ("mnist", launch("mpirun", 2, "mnist", *MNIST)),
+        (
+            "conv",
+            [
+                HOROVODRUN,
+                "-np",
+                "2",
+                "--gloo",
+                sys.executable,
+                "-m",
+                "hvdtrain",
+                "conv_task:ConvTask",
+                *CONV,
+            ],
+        ),
+    ):
         p = run([*cmd, "--run-dir", str(base / name)], env)
         assert p.returncode == 0, p.stderr
         out[name] = result(base / name)
@@ -117,9 +166,15 @@ def reference(tmp_path_factory, references):
 
 def job_env(tmp_path, **extra):
     # sbatch passes the submitting environment to the job (--export=ALL, its default).
-    return clean_env(tmp_path / "home", HVDTRAIN_ROOT=ROOT, PYTHON=sys.executable,
-                     PYTHONPATH=os.pathsep.join([ROOT, EXAMPLES]), OMPI_ALLOW_RUN_AS_ROOT=1,
-                     OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1, **extra)
+    return clean_env(
+        tmp_path / "home",
+        HVDTRAIN_ROOT=ROOT,
+        PYTHON=sys.executable,
+        PYTHONPATH=os.pathsep.join([ROOT, EXAMPLES]),
+        OMPI_ALLOW_RUN_AS_ROOT=1,
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1,
+        **extra,
+    )
 
 
 def submit(slurm, tmp_path, env, *args, sbatch=()):
@@ -197,8 +252,9 @@ def test_linear_on_two_nodes(slurm, reference, tmp_path, launcher):
     assert info["NodeList"] == "nodeA,nodeB"
     assert slurm.rx_bytes("nodeB") - rx > 10_000  # the ranks talked over the veth
     banner = [l for l in out.splitlines() if l.startswith("slurm_job.sh:")]
-    assert banner == [BANNER.replace("/home/me/hvdtrain", str(tmp_path)).replace(
-        "), srun; ", f"), {launcher}; ")], out
+    assert banner == [
+        BANNER.replace("/home/me/hvdtrain", str(tmp_path)).replace("), srun; ", f"), {launcher}; ")
+    ], out
     assert "could not find environment variable" not in out, out  # no -x for unset names
     rank_env.assert_launcher_set_it(tmp_path, 2)
 
@@ -219,8 +275,16 @@ def test_user_task_with_mpirun_and_its_own_run_dir(slurm, reference, tmp_path):
     env = job_env(tmp_path, LAUNCHER="mpirun", IFACE=IFACE)
     flags, (spec, *args) = guide_submission(4)
     assert ":" in spec and args[0] == "--run-dir" and len(args) == 2, (spec, args)
-    job = submit(slurm, tmp_path, env, "conv_task:ConvTask", "--run-dir", str(tmp_path / "mine"),
-                 *CONV, sbatch=flags)
+    job = submit(
+        slurm,
+        tmp_path,
+        env,
+        "conv_task:ConvTask",
+        "--run-dir",
+        str(tmp_path / "mine"),
+        *CONV,
+        sbatch=flags,
+    )
     info, out = finished(slurm, job, tmp_path)
     assert info["ExitCode"] == "0:0", out
     r = result(tmp_path / "mine")
@@ -254,8 +318,11 @@ def test_scancel_term_gives_75_each_time_and_resubmitting_resumes(slurm, referen
     by then has left hvdtrain's handler, and the job ends 143 (1 of 6 plain stops here)."""
     env, run_dir = job_env(tmp_path), tmp_path / "runs" / "hvdtrain-linear"
     step = 0
-    for how, statuses in ((), ("75:0", "143:0")), (("--batch",), ("75:0",)), \
-                         (("--batch",), ("75:0",)):
+    for how, statuses in (
+        ((), ("75:0", "143:0")),
+        (("--batch",), ("75:0",)),
+        (("--batch",), ("75:0",)),
+    ):
         job = submit(slurm, tmp_path, env, "linear", *LONG)
         step = stop(slurm, job, tmp_path, run_dir, step, how, statuses)
         if how:
@@ -317,8 +384,9 @@ def test_a_rank_that_dies_before_hvd_init_ends_the_job(slurm, tmp_path, launcher
     (tmp_path / "dies_task.py").write_text(DIES_AT_IMPORT)
     env = job_env(tmp_path, LAUNCHER=launcher, IFACE=IFACE)
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
-    job = submit(slurm, tmp_path, env, "dies_task:LinearTask", *LINEAR,
-                 sbatch=("--export=ALL,SLURM_WAIT=5",))
+    job = submit(
+        slurm, tmp_path, env, "dies_task:LinearTask", *LINEAR, sbatch=("--export=ALL,SLURM_WAIT=5",)
+    )
     info, out = finished(slurm, job, tmp_path, timeout=90)  # fails the test on a hang
     assert info["JobState"] == "FAILED", out
     if launcher == "srun":

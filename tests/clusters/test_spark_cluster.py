@@ -18,6 +18,7 @@ Master gives the application a new executor on the same Worker at once.
 The module takes about 2.5 minutes on 2 cores: the cluster's start (10 to 15 s), a driver's
 JVM and two ranks importing TensorFlow for each run.
 """
+
 import json
 import os
 import re
@@ -26,8 +27,7 @@ import time
 
 import pytest
 
-from conftest import (LINEAR, as_printed, checkout_like, lose_after_first_checkpoint,
-                      result, run)
+from conftest import LINEAR, as_printed, checkout_like, lose_after_first_checkpoint, result, run
 from docs_pages import block
 from spark_cluster import NODES, SparkCluster
 
@@ -61,6 +61,7 @@ if __name__ == "__main__":  # horovod.spark.run starts processes of its own
     spark.stop()
 """
 
+
 @pytest.fixture(scope="module")
 def spark_cluster(tmp_path_factory):
     cluster = SparkCluster(tmp_path_factory.mktemp("sparkcluster"))
@@ -76,15 +77,15 @@ def driver(cluster, tmp_path, *args):
     return cluster.driver_cmd([sys.executable, str(script), cluster.master, *map(str, args)])
 
 
-def test_horovod_spark_run_puts_one_rank_on_each_host_with_gloo_and_mpi(spark_cluster,
-                                                                       tmp_path):
-    p = run(driver(spark_cluster, tmp_path, "gloo", "mpi"), spark_cluster.env, timeout=300,
-            cwd=tmp_path)
+def test_horovod_spark_run_puts_one_rank_on_each_host_with_gloo_and_mpi(spark_cluster, tmp_path):
+    p = run(
+        driver(spark_cluster, tmp_path, "gloo", "mpi"), spark_cluster.env, timeout=300, cwd=tmp_path
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     runs = {}
     for line in p.stdout.splitlines():
         if line.startswith("ANSWERS "):
-            runs.update(json.loads(line[len("ANSWERS "):]))
+            runs.update(json.loads(line[len("ANSWERS ") :]))
     assert set(runs) == {"gloo", "mpi"}, p.stdout[-3000:]
     for answers in runs.values():
         assert sorted(a[0] for a in answers) == [0, 1], runs
@@ -114,52 +115,69 @@ def test_a_lost_worker_leaves_the_master_at_once_and_registers_again(spark_clust
     spark_cluster.wait_workers(1, 20)
     dropped = time.monotonic() - lost_at
     assert [w["host"] for w in spark_cluster.workers() if w["state"] == "ALIVE"] == [
-        NODES["sparknode1"]]
+        NODES["sparknode1"]
+    ]
     spark_cluster.add_node("sparknode2")
     spark_cluster.wait_workers(2, 60)
     print({"dropped_after_s": round(dropped, 1)})
-    p = run(spark_cluster.driver_cmd([sys.executable, "-c", HOSTS]), spark_cluster.env,
-            timeout=180)
+    p = run(spark_cluster.driver_cmd([sys.executable, "-c", HOSTS]), spark_cluster.env, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.strip().splitlines()[-1]) == ["sparknode1", "sparknode2"]
 
 
 # --- hvdtrain.spark on the cluster --------------------------------------------------------
 
+
 def placed(text):
     """{rank: host} from the driver's "hvdtrain.spark: N ranks: rank 0 on H, ..." line."""
-    line = next(l for l in text.splitlines() if l.startswith("hvdtrain.spark: ") and
-                " ranks: " in l)
+    line = next(
+        l for l in text.splitlines() if l.startswith("hvdtrain.spark: ") and " ranks: " in l
+    )
     return {int(r): h for r, h in re.findall(r"rank (\d+) on (\S+?)(?:,|$)", line)}
 
 
 def test_the_pages_commands_train_mnist_to_horovodruns_weights_one_rank_per_host(
-        spark_cluster, tmp_path, references):
+    spark_cluster, tmp_path, references
+):
     """The page's spark-class lines are the cluster's daemons (its own flags added); its MNIST
     command, run as printed on the head, places one rank on each worker, shows the lines the
     page shows and ends with the weights of the same job under horovodrun -np 2."""
-    lines = block("guides/clusters/spark.md", "spark-class org.apache.spark.deploy.master").commands()
+    lines = block(
+        "guides/clusters/spark.md", "spark-class org.apache.spark.deploy.master"
+    ).commands()
     assert len(lines) == 2
     for line, node in zip(lines, ("sparkhead", "sparknode1")):
         words = as_printed(line.replace("HEAD", NODES["sparkhead"]))
-        cmd = [os.path.basename(spark_cluster.commands[node][0]),
-               *spark_cluster.commands[node][1:]]
+        cmd = [os.path.basename(spark_cluster.commands[node][0]), *spark_cluster.commands[node][1:]]
         assert all(w in cmd for w in words), (words, cmd)
     ref = references.run("gloo", 2, "mnist", "--epochs", "1")
     cwd = checkout_like(tmp_path / "checkout")
-    line, = block("guides/clusters/spark.md", "python -m hvdtrain.spark --master spark://HEAD").commands()
-    p = run(spark_cluster.driver_cmd(as_printed(line.replace("HEAD", NODES["sparkhead"]))),
-            spark_cluster.env, timeout=300, cwd=cwd)
+    (line,) = block(
+        "guides/clusters/spark.md", "python -m hvdtrain.spark --master spark://HEAD"
+    ).commands()
+    p = run(
+        spark_cluster.driver_cmd(as_printed(line.replace("HEAD", NODES["sparkhead"]))),
+        spark_cluster.env,
+        timeout=300,
+        cwd=cwd,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     hosts = placed(p.stderr)
     assert sorted(hosts) == [0, 1] and sorted(hosts.values()) == ["sparknode1", "sparknode2"]
     shown = block("guides/clusters/spark.md", "hvdtrain.spark: 2 ranks:").text.splitlines()
-    said = [l for l in (p.stderr + "\n" + p.stdout).splitlines()
-            if l.startswith(("hvdtrain.spark:", "[0]<stdout>:hvdtrain: mnist"))]
-    assert re.fullmatch(shown[0].replace("node1", r"(\w+)").replace("node2", r"(\w+)"),
-                        said[0]), said
+    said = [
+        l
+        for l in (p.stderr + "\n" + p.stdout).splitlines()
+        if l.startswith(("hvdtrain.spark:", "[0]<stdout>:hvdtrain: mnist"))
+    ]
+    assert re.fullmatch(shown[0].replace("node1", r"(\w+)").replace("node2", r"(\w+)"), said[0]), (
+        said
+    )
     assert len(said) > 1 and said[1].startswith(shown[1].rstrip(".").rstrip(", ")), (
-        said, p.stdout[-3000:], p.stderr[-3000:])
+        said,
+        p.stdout[-3000:],
+        p.stderr[-3000:],
+    )
     r = result(cwd / "runs" / "spark")
     assert (r["world_size"], r["epochs"], r["ranks_identical"]) == (2, 1, True)
     assert r["weights_sha256"] == ref["weights_sha256"]
@@ -167,7 +185,8 @@ def test_the_pages_commands_train_mnist_to_horovodruns_weights_one_rank_per_host
 
 
 def test_an_executor_killed_mid_epoch_restarts_the_job_to_the_uninterrupted_weights(
-        spark_cluster, tmp_path, references):
+    spark_cluster, tmp_path, references
+):
     """The linear task on the two workers; rank 1's executor (its JVM, the Python workers and
     the rank under them) SIGKILLed after the first checkpoint, mid-epoch: the driver says so
     in one line, Spark gives the application a new executor on that worker, and the job,
@@ -175,21 +194,33 @@ def test_an_executor_killed_mid_epoch_restarts_the_job_to_the_uninterrupted_weig
     horovodrun, uninterrupted."""
     ref = references.run("gloo", 2, "linear", *LINEAR)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hvdtrain.spark", "--num-proc", "2", "linear", *LINEAR,
-           "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hvdtrain.spark",
+        "--num-proc",
+        "2",
+        "linear",
+        *LINEAR,
+        "--run-dir",
+        str(run_dir),
+    ]
 
     def lose_executor(pids):  # rank 1's host's
         host = next(h for h in ("sparknode1", "sparknode2") if pids[1] in spark_cluster.pids(h))
         killed = spark_cluster.kill_executor(host)
         assert pids[1] in killed, (pids, killed)
 
-    rc, out, err = lose_after_first_checkpoint(spark_cluster.driver_cmd(cmd), spark_cluster.env,
-                                               run_dir, lose_executor, 300, first=180)
+    rc, out, err = lose_after_first_checkpoint(
+        spark_cluster.driver_cmd(cmd), spark_cluster.env, run_dir, lose_executor, 300, first=180
+    )
     assert rc == 0, err[-3000:]
     said = [l for l in err.splitlines() if l.startswith("hvdtrain.spark: ") and "restart" in l]
-    assert said == ["hvdtrain.spark: rank 1's process ended before its rank did (its Spark "
-                    "task, executor or machine lost): the job starts again from its newest "
-                    "checkpoint (restart 1 of 3)"], err[-3000:]
+    assert said == [
+        "hvdtrain.spark: rank 1's process ended before its rank did (its Spark "
+        "task, executor or machine lost): the job starts again from its newest "
+        "checkpoint (restart 1 of 3)"
+    ], err[-3000:]
     assert "resumed from" in out + err, err[-3000:]
     again = placed(err.split(said[0])[1])
     assert sorted(again.values()) == ["sparknode1", "sparknode2"], err[-3000:]
@@ -235,11 +266,16 @@ if __name__ == "__main__":
 
 
 def test_horovods_keras_estimator_fits_on_the_two_workers_and_predicts_every_row(
-        spark_cluster, tmp_path):
+    spark_cluster, tmp_path
+):
     script = tmp_path / "estimator.py"
     script.write_text(ESTIMATOR)
-    p = run(spark_cluster.driver_cmd([sys.executable, str(script), str(tmp_path / "store")]),
-            spark_cluster.env, timeout=300, cwd=tmp_path)
+    p = run(
+        spark_cluster.driver_cmd([sys.executable, str(script), str(tmp_path / "store")]),
+        spark_cluster.env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
     assert got["ids"] == list(range(200)) and got["nulls"] == 0, got

@@ -16,6 +16,7 @@ checkout: the getting-started page's 2-rank MNIST job trains to the README's acc
 Horovod's API probe (a plain Horovod script) passes under Keras 3, and the doctor (activated
 as the README says) lists every patch; after one patched file is changed, it names that patch.
 """
+
 import glob
 import json
 import os
@@ -27,11 +28,11 @@ import sys
 import sysconfig
 
 import pytest
+from test_setup_faults import installed_entry
+from test_setup_sh import as_user, user_tempdir
 
 from conftest import ROOT, run
 from docs_pages import block
-from test_setup_faults import installed_entry
-from test_setup_sh import as_user, user_tempdir
 from hvdtrain.doctor import PATCHES
 
 pytestmark = pytest.mark.timeout(900)  # the first test includes the fixture, a build if uncached
@@ -53,8 +54,11 @@ IMAGE = block("guides/install.md", "COPY hvdtrain-wheels/ /tmp/wheels/").text.sp
 
 def guide_line(line, wheels, venv):
     """A line of the install guide with this test's paths for its wheel directory and venv."""
-    for printed, here in (("~/hvdtrain-wheels", wheels), ("DIR", wheels),
-                          ("/shared/envs/hvdtrain", venv)):
+    for printed, here in (
+        ("~/hvdtrain-wheels", wheels),
+        ("DIR", wheels),
+        ("/shared/envs/hvdtrain", venv),
+    ):
         line = line.replace(printed, here)
     return line
 
@@ -83,32 +87,43 @@ def test_the_install_blocks_are_one_set_up():
     module, load, *modules = shlex.split(CLUSTER[0])
     setup_sh = open(os.path.join(ROOT, "scripts", "setup.sh")).read()
     assert (module, load, modules) == ("module", "load", ["gcc", "cmake", "openmpi"]), CLUSTER[0]
-    for looks_for in ("command -v c++ || command -v g++", "command -v cmake",
-                      "command -v mpicxx", "command -v mpirun"):
+    for looks_for in (
+        "command -v c++ || command -v g++",
+        "command -v cmake",
+        "command -v mpicxx",
+        "command -v mpirun",
+    ):
         assert looks_for in setup_sh, looks_for
-    assert re.search(r"module load .*# the site's names: mpicxx and mpirun on PATH",
-                     block("guides/install.md", "module load gcc cmake openmpi").text)
+    assert re.search(
+        r"module load .*# the site's names: mpicxx and mpirun on PATH",
+        block("guides/install.md", "module load gcc cmake openmpi").text,
+    )
     copy, run_line = IMAGE
     (source, target) = re.fullmatch(r"COPY (\S+)/ (\S+)/", copy).groups()
     assert source == os.path.basename(words[-1]), (source, words)
     pip = guide_line(CLUSTER[3], target, "VENV")
     assert pip.startswith("VENV/bin/pip install "), CLUSTER[3]
-    assert run_line == f"RUN {pip[len('VENV/bin/'):]} && rm -rf {target}", run_line
+    assert run_line == f"RUN {pip[len('VENV/bin/') :]} && rm -rf {target}", run_line
 
 
-@pytest.mark.skipif(subprocess.run(["dpkg-query", "-W", "dataset-fashion-mnist"],
-                                   capture_output=True).returncode != 0,
-                    reason="dataset-fashion-mnist not installed (not in every distribution)")
+@pytest.mark.skipif(
+    subprocess.run(["dpkg-query", "-W", "dataset-fashion-mnist"], capture_output=True).returncode
+    != 0,
+    reason="dataset-fashion-mnist not installed (not in every distribution)",
+)
 def test_the_optional_dataset_package_is_where_hvdtrain_reads():
     """The root block's optional `apt-get install dataset-fashion-mnist`: the package holds
     the IDX files hvdtrain reads for --dataset fashion_mnist, where it reads them."""
     from hvdtrain.inputs.loaders import FASHION_SYSTEM_DIR, IDX_FILES
+
     apt, install, package = shlex.split(ROOT_INSTALL[3])
     assert (apt, install) == ("apt-get", "install")
-    files = subprocess.run(["dpkg", "-L", package], capture_output=True, text=True,
-                           timeout=30).stdout.split()
-    assert {os.path.join(FASHION_SYSTEM_DIR, f) for split in IDX_FILES.values()
-            for f in split} <= set(files)
+    files = subprocess.run(
+        ["dpkg", "-L", package], capture_output=True, text=True, timeout=30
+    ).stdout.split()
+    assert {
+        os.path.join(FASHION_SYSTEM_DIR, f) for split in IDX_FILES.values() for f in split
+    } <= set(files)
 
 
 def user_python():
@@ -146,18 +161,26 @@ def installed():
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0x01]))
-        env = dict(os.environ, HVDTRAIN_VENV=sys.prefix, HVDTRAIN_SKIP_APT="1",
-                   HVDTRAIN_BUILD_CACHE=cache, **dict(a.split("=", 1) for a in assignments))
+        env = dict(
+            os.environ,
+            HVDTRAIN_VENV=sys.prefix,
+            HVDTRAIN_SKIP_APT="1",
+            HVDTRAIN_BUILD_CACHE=cache,
+            **dict(a.split("=", 1) for a in assignments),
+        )
         p = run(["bash", os.path.join(ROOT, script), flag, directory], env, timeout=900)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         lines = p.stdout.splitlines()
-        assert (f"[setup] the build cache's {entry} does not match its SHA256SUMS (changed or "
-                "damaged): removed, not installed") in lines, p.stdout
+        assert (
+            f"[setup] the build cache's {entry} does not match its SHA256SUMS (changed or "
+            "damaged): removed, not installed"
+        ) in lines, p.stdout
         assert not os.path.exists(entry) and "compiling horovod" not in p.stdout, p.stdout
         assert f"[setup] the horovod wheel from the build cache: {good}" in lines, p.stdout
         names = sorted(os.path.basename(w) for w in glob.glob(os.path.join(wheels, "*.whl")))
         assert len(names) == 2 and re.fullmatch(
-            r"horovod-0\.28\.1\+hvdtrain\.\d+-cp\d+-cp\d+-linux_\w+\.whl", names[0]), names
+            r"horovod-0\.28\.1\+hvdtrain\.\d+-cp\d+-cp\d+-linux_\w+\.whl", names[0]
+        ), names
         assert names[1].startswith("hvdtrain-") and names[1].endswith("-py3-none-any.whl")
         assert os.path.exists(os.path.join(wheels, "constraints.txt"))
 
@@ -170,32 +193,58 @@ def installed():
         home = os.path.join(d, "home")
         os.mkdir(home)
         os.chown(home, uid, uid)
-        user_env = {"HOME": home, "USER": "hvdtrain-test", "LANG": "C.UTF-8", "TMPDIR": d,
-                    "PATH": f"{venv}/bin:/usr/local/bin:/usr/bin:/bin",
-                    "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONUNBUFFERED": "1"}
+        user_env = {
+            "HOME": home,
+            "USER": "hvdtrain-test",
+            "LANG": "C.UTF-8",
+            "TMPDIR": d,
+            "PATH": f"{venv}/bin:/usr/local/bin:/usr/bin:/bin",
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "PYTHONUNBUFFERED": "1",
+        }
         # The guide's `python3.X -m venv /shared/envs/hvdtrain` (this Python's minor version).
         python, *make = shlex.split(guide_line(CLUSTER[2], wheels, venv))
         assert re.fullmatch(r"python3\.\d+", python) and make == ["-m", "venv", venv], CLUSTER[2]
         p = run(as_user(uid, [user_python(), *make]), user_env, timeout=120, cwd=d)
         assert p.returncode == 0, p.stderr
-        user_site = run(as_user(uid, [f"{venv}/bin/python", "-c",
-                                      "import sysconfig; print(sysconfig.get_paths()['purelib'])"]),
-                        user_env, timeout=60, cwd=d).stdout.strip()
+        user_site = run(
+            as_user(
+                uid,
+                [
+                    f"{venv}/bin/python",
+                    "-c",
+                    "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                ],
+            ),
+            user_env,
+            timeout=60,
+            cwd=d,
+        ).stdout.strip()
         with open(os.path.join(user_site, "hvdtrain-stack.pth"), "w") as f:
             f.write(stack + "\n")
         # An environment that holds TensorFlow: the guide's `pip install --no-deps DIR/*.whl`,
         # with its pip (the venv's bin first on PATH), "Horovod and hvdtrain, nothing else".
         before = dists(user_site)
-        p = run(as_user(uid, ["bash", "-c", guide_line(EXISTING[0], wheels, venv)]), user_env,
-                timeout=300, cwd=d)
+        p = run(
+            as_user(uid, ["bash", "-c", guide_line(EXISTING[0], wheels, venv)]),
+            user_env,
+            timeout=300,
+            cwd=d,
+        )
         assert p.returncode == 0, p.stdout + p.stderr
         assert sorted(n.split("-")[0] for n in dists(user_site) - before) == [
-            "horovod", "hvdtrain"] and before <= dists(user_site)
+            "horovod",
+            "hvdtrain",
+        ] and before <= dists(user_site)
         # The cluster block's `pip install -c DIR/constraints.txt DIR/*.whl` (the image
         # snippet's too): with --no-index, it must find the locked stack and the wheels there,
         # and install nothing.
-        p = run(as_user(uid, ["bash", "-c", guide_line(CLUSTER[3], wheels, venv) + " --no-index"]),
-                user_env, timeout=300, cwd=d)
+        p = run(
+            as_user(uid, ["bash", "-c", guide_line(CLUSTER[3], wheels, venv) + " --no-index"]),
+            user_env,
+            timeout=300,
+            cwd=d,
+        )
         assert p.returncode == 0 and "Successfully installed" not in p.stdout, p.stdout + p.stderr
         yield uid, d, user_env, venv, user_site
     finally:
@@ -209,9 +258,17 @@ def user_run(installed, cmd, timeout=240):
 
 def test_horovod_and_hvdtrain_come_from_the_wheels(installed):
     uid, d, env, venv, site = installed
-    p = user_run(installed, ["python", "-c", "import horovod, hvdtrain; from importlib.metadata "
-                             "import version; print(horovod.__file__, hvdtrain.__file__, "
-                             "version('horovod'))"], timeout=60)
+    p = user_run(
+        installed,
+        [
+            "python",
+            "-c",
+            "import horovod, hvdtrain; from importlib.metadata "
+            "import version; print(horovod.__file__, hvdtrain.__file__, "
+            "version('horovod'))",
+        ],
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     hvd_file, hvdtrain_file, version = p.stdout.split()
     assert hvd_file.startswith(site) and hvdtrain_file.startswith(site)
@@ -225,12 +282,14 @@ def test_horovodrun_takes_the_build_record_from_the_wheel(installed):
     importing TensorFlow, while it names the installed op library; a record naming another
     library is not believed (the extension is asked, as without the record)."""
     uid, d, env, venv, site = installed
-    ask = ("import sys; from horovod.runner import launch\n"
-           "asked = []\n"
-           "def check(verbose): asked.append(1); return 'asked'\n"
-           "print(launch._recorded_build(check, 'mpi', False), "
-           "launch._recorded_build(check, 'gloo', False), len(asked), "
-           "'tensorflow' in sys.modules)")
+    ask = (
+        "import sys; from horovod.runner import launch\n"
+        "asked = []\n"
+        "def check(verbose): asked.append(1); return 'asked'\n"
+        "print(launch._recorded_build(check, 'mpi', False), "
+        "launch._recorded_build(check, 'gloo', False), len(asked), "
+        "'tensorflow' in sys.modules)"
+    )
     p = user_run(installed, ["python", "-c", ask], timeout=60)
     assert (p.returncode, p.stdout.split()) == (0, ["True", "True", "0", "False"]), p.stderr
     path = os.path.join(site, "horovod", "hvdtrain_built.json")
@@ -256,8 +315,12 @@ def test_the_getting_started_mnist_job_trains_to_the_readme_accuracy(installed):
     accuracy = re.search(r"^Test accuracy: (0\.\d{4})$", readme, re.M).group(1)
     job = GETTING_STARTED[0].partition(" && ")[2]
     assert job.startswith("PATH=$PWD/.venv/bin:$PATH ") and venv == os.path.join(d, ".venv")
-    p = run(as_user(uid, ["bash", "-c", job]), dict(env, PATH="/usr/local/bin:/usr/bin:/bin"),
-            timeout=240, cwd=d)
+    p = run(
+        as_user(uid, ["bash", "-c", job]),
+        dict(env, PATH="/usr/local/bin:/usr/bin:/bin"),
+        timeout=240,
+        cwd=d,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"Test accuracy: {accuracy}" in p.stdout, p.stdout[-2000:]
     (run_dir,) = glob.glob(os.path.join(d, "runs", "mnist-*"))
@@ -280,8 +343,12 @@ def test_the_horovod_api_probe_passes_under_keras_3(installed):
     probes = {k: v for k, v in r.items() if isinstance(v, dict)}
     assert len(probes) >= 15
     assert {k: v["error"] for k, v in probes.items() if "traceback" in v} == {}
-    errs = {f"{k}.{f}": x for k, v in probes.items() for f, x in v.items()
-            if f.startswith("err") and isinstance(x, float)}
+    errs = {
+        f"{k}.{f}": x
+        for k, v in probes.items()
+        for f, x in v.items()
+        if f.startswith("err") and isinstance(x, float)
+    }
     assert len(errs) >= 10 and max(errs.values()) < EXACT, errs
 
 
@@ -290,8 +357,12 @@ def test_the_doctor_lists_every_patch_and_names_a_changed_one(installed):
     good, every patch listed. One patched file changed: the cluster block's doctor (the venv's
     python) names its patch, and only that one."""
     uid, d, env, venv, site = installed
-    p = run(as_user(uid, ["bash", "-c", "\n".join(README[1:])]),
-            dict(env, PATH="/usr/local/bin:/usr/bin:/bin"), timeout=120, cwd=d)
+    p = run(
+        as_user(uid, ["bash", "-c", "\n".join(README[1:])]),
+        dict(env, PATH="/usr/local/bin:/usr/bin:/bin"),
+        timeout=120,
+        cwd=d,
+    )
     out = p.stdout.splitlines()
     assert p.returncode == 0 and out[-1] == "all good", p.stdout + p.stderr
     (horovod,) = [l for l in out if l.split()[:1] == ["horovod"]]
@@ -303,9 +374,11 @@ def test_the_doctor_lists_every_patch_and_names_a_changed_one(installed):
     p = user_run(installed, shlex.split(guide_line(CLUSTER[4], "", venv)), timeout=120)
     assert p.returncode == 1, p.stdout
     problems = [l for l in p.stdout.splitlines() if l.startswith("problem:")]
-    assert problems == ["problem: horovod's files of patch "
-                        "python/horovod-0.28.1-keras3-sync-batch-norm.patch changed since the "
-                        "build: horovod/tensorflow/sync_batch_norm.py"], p.stdout
+    assert problems == [
+        "problem: horovod's files of patch "
+        "python/horovod-0.28.1-keras3-sync-batch-norm.patch changed since the "
+        "build: horovod/tensorflow/sync_batch_norm.py"
+    ], p.stdout
 
 
 def test_another_tensorflow_is_named_by_the_doctor_horovodrun_and_hvdtrain(installed):
@@ -322,24 +395,49 @@ def test_another_tensorflow_is_named_by_the_doctor_horovodrun_and_hvdtrain(insta
     with open(os.path.join(info, "RECORD"), "w") as f:
         f.write("")
     env = dict(env, PYTHONPATH=other)
-    what = ("horovod 0.28.1+hvdtrain.1 was built against TensorFlow 2.21.0, but this environment "
-            "has TensorFlow 2.20.0")
-    fix = ("pip install tensorflow==2.21.0 (the version the wheel needs), or pip uninstall -y "
-           "horovod && scripts/setup.sh (a build against 2.20.0)")
+    what = (
+        "horovod 0.28.1+hvdtrain.1 was built against TensorFlow 2.21.0, but this environment "
+        "has TensorFlow 2.20.0"
+    )
+    fix = (
+        "pip install tensorflow==2.21.0 (the version the wheel needs), or pip uninstall -y "
+        "horovod && scripts/setup.sh (a build against 2.20.0)"
+    )
     p = run(as_user(uid, ["python", "-m", "hvdtrain.doctor"]), env, timeout=120, cwd=d)
     assert p.returncode == 1, p.stdout + p.stderr
     problems = [l for l in p.stdout.splitlines() if l.startswith(("problem:", "fix:"))]
     assert problems == [f"problem: {what}", f"fix: {fix}"], p.stdout
-    p = run(as_user(uid, ["horovodrun", "-np", "2", "python", "-c", "pass"]), env, timeout=120,
-            cwd=d)
+    p = run(
+        as_user(uid, ["horovodrun", "-np", "2", "python", "-c", "pass"]), env, timeout=120, cwd=d
+    )
     # As the install guide prints it.
     said = block("guides/install.md", "horovodrun: error: horovod ").text.strip()
     assert said == f"horovodrun: error: {what}: {fix}"
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == said, p.stdout + p.stderr
-    p = run(as_user(uid, ["mpirun", "-np", "2", "-x", "PYTHONPATH", "python", "-m",
-                          "hvdtrain.linear", "--epochs", "1"]), env, timeout=180, cwd=d)
+    p = run(
+        as_user(
+            uid,
+            [
+                "mpirun",
+                "-np",
+                "2",
+                "-x",
+                "PYTHONPATH",
+                "python",
+                "-m",
+                "hvdtrain.linear",
+                "--epochs",
+                "1",
+            ],
+        ),
+        env,
+        timeout=180,
+        cwd=d,
+    )
     assert p.returncode != 0, p.stdout + p.stderr
-    assert (f"python -m hvdtrain.linear: error: horovod cannot be imported ({what}: {fix}), "
-            "but a launcher started 2 processes: refusing to train 2 independent copies"
-            in p.stderr.splitlines()), p.stderr
+    assert (
+        f"python -m hvdtrain.linear: error: horovod cannot be imported ({what}: {fix}), "
+        "but a launcher started 2 processes: refusing to train 2 independent copies"
+        in p.stderr.splitlines()
+    ), p.stderr
     assert "undefined symbol" not in p.stderr and "Traceback" not in p.stderr, p.stderr

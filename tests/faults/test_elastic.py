@@ -1,5 +1,6 @@
 """Elastic training on one machine: a worker killed mid-run, a worker added mid-run; the
 Task path's --elastic, and Horovod's own elastic Keras fit (tests/elastic_keras_script.py)."""
+
 import json
 import os
 import re
@@ -9,8 +10,19 @@ import sys
 
 import pytest
 
-from conftest import (HOROVODRUN, ROOT, as_printed, checkout_like, finish, module_cmd, rank_pids,
-                      result, run, start, wait_for)
+from conftest import (
+    HOROVODRUN,
+    ROOT,
+    as_printed,
+    checkout_like,
+    finish,
+    module_cmd,
+    rank_pids,
+    result,
+    run,
+    start,
+    wait_for,
+)
 from docs_pages import block
 
 EPOCHS, COMMIT = 30, 20
@@ -26,11 +38,35 @@ JOIN_EPOCHS = 100
 
 def elastic_cmd(np, run_dir, epochs=EPOCHS):
     # --network-interface lo: without it the driver waits for a second NIC forever.
-    return [HOROVODRUN, "-np", str(np), "--min-np", "1", "--max-np", "2",
-            "--host-discovery-script", os.path.join(ROOT, "scripts", "discover_hosts.sh"),
-            "--network-interface", "lo", sys.executable, "-m", "hvdtrain.linear", "--elastic",
-            "--run-dir", str(run_dir), "--batch-size", "5", "--epochs", str(epochs),
-            "--learning-rate", "0.0005", "--commit-every", str(COMMIT), "--verbose", "2"]
+    return [
+        HOROVODRUN,
+        "-np",
+        str(np),
+        "--min-np",
+        "1",
+        "--max-np",
+        "2",
+        "--host-discovery-script",
+        os.path.join(ROOT, "scripts", "discover_hosts.sh"),
+        "--network-interface",
+        "lo",
+        sys.executable,
+        "-m",
+        "hvdtrain.linear",
+        "--elastic",
+        "--run-dir",
+        str(run_dir),
+        "--batch-size",
+        "5",
+        "--epochs",
+        str(epochs),
+        "--learning-rate",
+        "0.0005",
+        "--commit-every",
+        str(COMMIT),
+        "--verbose",
+        "2",
+    ]
 
 
 def run_with(cmd, env, action):
@@ -53,12 +89,13 @@ def test_killed_worker_survivor_finishes_from_last_commit(env, tmp_path):
     hosts.write_text("localhost:1\n127.0.0.1:1\n")  # two names: a failure blacklists one
     env = dict(env, HVDTRAIN_HOSTS_FILE=str(hosts))
     run_dir = tmp_path / "run"
+
     def kill_one():
-        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(run_dir))),
-                        90)
+        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(run_dir))), 90)
         # Two epochs logged: the commit at the end of the first is certainly made.
-        assert pids and wait_for(lambda: (run_dir / "metrics.jsonl").exists() and
-                                 len(epochs_logged(run_dir)) >= 2, 90)
+        assert pids and wait_for(
+            lambda: (run_dir / "metrics.jsonl").exists() and len(epochs_logged(run_dir)) >= 2, 90
+        )
         os.kill(pids[1], signal.SIGKILL)
 
     rc, out, err = run_with(elastic_cmd(2, run_dir), env, kill_one)
@@ -99,7 +136,7 @@ def test_the_faults_guides_elastic_command_as_printed(env, tmp_path):
     """The Preemption and faults guide's elastic command, run as printed in a checkout: with
     no hosts file, scripts/discover_hosts.sh names this machine twice and the two workers
     train every epoch together."""
-    line, = block("guides/faults.md", "horovodrun -np 2 --min-np 1 --max-np 2").commands()
+    (line,) = block("guides/faults.md", "horovodrun -np 2 --min-np 1 --max-np 2").commands()
     assert "HVDTRAIN_HOSTS_FILE" not in env
     cwd = checkout_like(tmp_path / "checkout")
     p = run(as_printed(line), env, timeout=180, cwd=str(cwd))
@@ -110,7 +147,8 @@ def test_the_faults_guides_elastic_command_as_printed(env, tmp_path):
     assert r["global_step"] == 10 * 4000 // 200 and 0.5 < r["test_accuracy"] <= 1.0
     assert json.load(open(run_dir / "config.json"))["elastic"] is True
     assert [(e["epoch"], e["world_size"]) for e in epochs_logged(run_dir)] == [
-        (epoch, 2) for epoch in range(1, 11)]
+        (epoch, 2) for epoch in range(1, 11)
+    ]
     assert "Horovod over gloo" in p.stdout and "resumed" not in p.stderr
 
 
@@ -130,18 +168,32 @@ def test_horovod_elastic_keras_fit_survives_a_kill_and_takes_a_worker_back(env, 
     hosts.write_text("localhost:1\n127.0.0.1:1\n")  # a failure blacklists its host's name
     log = tmp_path / "log.jsonl"
     script = os.path.join(ROOT, "tests", "elastic_keras_script.py")
-    cmd = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2",
-           "--host-discovery-script", os.path.join(ROOT, "scripts", "discover_hosts.sh"),
-           "--network-interface", "lo", sys.executable, script, str(log),
-           str(tmp_path / "killed")]
+    cmd = [
+        HOROVODRUN,
+        "-np",
+        "2",
+        "--min-np",
+        "1",
+        "--max-np",
+        "2",
+        "--host-discovery-script",
+        os.path.join(ROOT, "scripts", "discover_hosts.sh"),
+        "--network-interface",
+        "lo",
+        sys.executable,
+        script,
+        str(log),
+        str(tmp_path / "killed"),
+    ]
 
     def lines():
         return [json.loads(l) for l in open(log)] if log.exists() else []
 
     def add_one():
         # Once the survivor is alone (its reset at size 1), a third name for this machine.
-        assert wait_for(lambda: any(e["event"] == "reset" and e["size"] == 1
-                                    for e in lines()), 180), "no reset to one worker"
+        assert wait_for(
+            lambda: any(e["event"] == "reset" and e["size"] == 1 for e in lines()), 180
+        ), "no reset to one worker"
         hosts.write_text(f"localhost:1\n127.0.0.1:1\n{socket.gethostname()}:1\n")
 
     rc, out, err = run_with(cmd, dict(env, HVDTRAIN_HOSTS_FILE=str(hosts)), add_one)
@@ -150,8 +202,13 @@ def test_horovod_elastic_keras_fit_survives_a_kill_and_takes_a_worker_back(env, 
     by_pid = {}
     for e in events:
         by_pid.setdefault(e["pid"], []).append(e)
-    killed = [p for p, es in by_pid.items() if es[0]["start_rank"] == 1 and es[0]["size"] == 2
-              and not any(e["event"] == "end" for e in es)]
+    killed = [
+        p
+        for p, es in by_pid.items()
+        if es[0]["start_rank"] == 1
+        and es[0]["size"] == 2
+        and not any(e["event"] == "end" for e in es)
+    ]
     assert len(killed) == 1, "the worker on 127.0.0.1 did not die once"
     survivor = next(p for p, es in by_pid.items() if es[0]["start_rank"] == 0)
     s = by_pid[survivor]

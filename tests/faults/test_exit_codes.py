@@ -6,6 +6,7 @@ Pure Python and bash, about 10 s in all: the lock is taken in this process (floc
 between two open files of one process too), the launcher runs against a stand-in for
 scripts/launch_cluster.sh (no mpirun, no worker to reach).
 """
+
 import errno
 import fcntl
 import os
@@ -27,20 +28,36 @@ pytestmark = pytest.mark.quick
 
 
 def test_each_status_is_its_own():
-    assert (errors.EXIT_FAILED, errors.EXIT_USAGE, errors.EXIT_PEER_LOST,
-            errors.EXIT_RUN_DIR_HELD, errors.EXIT_STORAGE, errors.EXIT_PREEMPTED) == (
-        1, 2, 69, 73, 74, 75)
+    assert (
+        errors.EXIT_FAILED,
+        errors.EXIT_USAGE,
+        errors.EXIT_PEER_LOST,
+        errors.EXIT_RUN_DIR_HELD,
+        errors.EXIT_STORAGE,
+        errors.EXIT_PREEMPTED,
+    ) == (1, 2, 69, 73, 74, 75)
     assert set(errors.RETRIED) == {69, 73, 74, 75}
     from hvdtrain.engine import watchdog
+
     assert watchdog.EXIT_PEER_LOST == 69  # what a rank exits with when a peer is lost
 
 
-@pytest.mark.parametrize("number, status", [
-    (errno.EIO, 74), (errno.ESTALE, 74), (errno.ETIMEDOUT, 74),  # the storage failed
-    (errno.ENOSPC, 1), (errno.EROFS, 1), (errno.EACCES, 1), (errno.ENOTDIR, 1)])  # the user's
+@pytest.mark.parametrize(
+    "number, status",
+    [
+        (errno.EIO, 74),
+        (errno.ESTALE, 74),
+        (errno.ETIMEDOUT, 74),  # the storage failed
+        (errno.ENOSPC, 1),
+        (errno.EROFS, 1),
+        (errno.EACCES, 1),
+        (errno.ENOTDIR, 1),
+    ],
+)  # the user's
 def test_a_storage_error_is_retried_only_when_the_storage_failed(number, status):
-    e = cannot_write("/runs/x/checkpoints/ckpt-000000200.hvdt",
-                     OSError(number, os.strerror(number)))
+    e = cannot_write(
+        "/runs/x/checkpoints/ckpt-000000200.hvdt", OSError(number, os.strerror(number))
+    )
     assert e.status == status
     assert StorageError(str(e)).status == status  # as rank 0 tells the other ranks
 
@@ -104,14 +121,16 @@ def test_lock_wait_setting(monkeypatch):
 
 def test_note_exit_writes_the_users_statuses_only(tmp_path, monkeypatch):
     from hvdtrain.cli import note_exit
+
     path = tmp_path / "exit"
     monkeypatch.setenv("HVDTRAIN_EXIT_FILE", str(path))
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
     for status in (69, 73, 74, 75, 2, 1):
         note_exit(status)
     note_exit(1, "run directory busy")  # RunDirBusy's: not the user's under the launcher
-    assert path.read_text() == ("rank 3 status 2\nrank 3 status 1\n"
-                                "rank 3 status 1 (run directory busy)\n")
+    assert path.read_text() == (
+        "rank 3 status 2\nrank 3 status 1\nrank 3 status 1 (run directory busy)\n"
+    )
 
 
 # --- scripts/k8s_launcher.sh's verdicts ---------------------------------------------------------
@@ -136,23 +155,43 @@ def launcher(tmp_path):
 
     def run(status, says="", job="2f1c-uid"):
         # PYTHON: the image's interpreter, which the launcher asks for the run directory.
-        env = dict(os.environ, OMPI_MCA_orte_default_hostfile=str(hostfile),
-                   FAKE_STATUS=str(status), FAKE_SAYS=says, FAKE_LOG=str(tmp_path / "log"),
-                   HVDTRAIN_LAUNCHER_JOB=job, PYTHON=sys.executable, PYTHONPATH=ROOT)
-        p = subprocess.run([str(scripts / "k8s_launcher.sh"), "linear", "--run-dir",
-                            str(run_dir)], env=env, capture_output=True, text=True, timeout=30)
+        env = dict(
+            os.environ,
+            OMPI_MCA_orte_default_hostfile=str(hostfile),
+            FAKE_STATUS=str(status),
+            FAKE_SAYS=says,
+            FAKE_LOG=str(tmp_path / "log"),
+            HVDTRAIN_LAUNCHER_JOB=job,
+            PYTHON=sys.executable,
+            PYTHONPATH=ROOT,
+        )
+        p = subprocess.run(
+            [str(scripts / "k8s_launcher.sh"), "linear", "--run-dir", str(run_dir)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         log = tmp_path / "log"
         launches = len(log.read_text().splitlines()) if log.exists() else 0
         return p.returncode, p.stderr, launches, (run_dir / "k8s-launcher-failed").exists()
+
     return run
 
 
-@pytest.mark.parametrize("status, says", [
-    (1, ""),     # mpirun's own 1: a node lost, no rank said it was the user's
-    (69, ""), (73, ""), (74, ""), (75, ""), (255, ""),
-    (1, "69"),   # a rank's line for another status does not make mpirun's 1 the user's
-    (1, "1 (run directory busy)"),  # an earlier launcher's rank in the same pod holds it
-])
+@pytest.mark.parametrize(
+    "status, says",
+    [
+        (1, ""),  # mpirun's own 1: a node lost, no rank said it was the user's
+        (69, ""),
+        (73, ""),
+        (74, ""),
+        (75, ""),
+        (255, ""),
+        (1, "69"),  # a rank's line for another status does not make mpirun's 1 the user's
+        (1, "1 (run directory busy)"),  # an earlier launcher's rank in the same pod holds it
+    ],
+)
 def test_the_launcher_leaves_the_infrastructures_statuses_to_the_retries(launcher, status, says):
     for attempt in (1, 2):  # each retry runs mpirun again
         rc, err, launches, marked = launcher(status, says)

@@ -1,5 +1,6 @@
 """Fault tolerance, for real: SIGKILL and resume, SIGTERM, corrupt checkpoints, dead and
 frozen peers under Gloo and MPI. Each test bounds its processes and kills what it started."""
+
 import json
 import os
 import signal
@@ -8,13 +9,37 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (LINEAR, LINEAR_EPOCHS, Lazy, checkpoints, finish,
-                      kill_after_first_checkpoint, launch, module_cmd, rank_pids, result, run,
-                      running, start, wait_for)
+from conftest import (
+    LINEAR,
+    LINEAR_EPOCHS,
+    Lazy,
+    checkpoints,
+    finish,
+    kill_after_first_checkpoint,
+    launch,
+    module_cmd,
+    rank_pids,
+    result,
+    run,
+    running,
+    start,
+    wait_for,
+)
 from hvdtrain.engine import checkpoint_file as C
 
-MNIST = ["--batch-size", "20", "--epochs", "5", "--learning-rate", "0.5", "--no-download",
-         "--checkpoint-every", "50", "--verbose", "0"]
+MNIST = [
+    "--batch-size",
+    "20",
+    "--epochs",
+    "5",
+    "--learning-rate",
+    "0.5",
+    "--no-download",
+    "--checkpoint-every",
+    "50",
+    "--verbose",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +70,23 @@ def test_mnist_sigkill_then_resume_is_exact(reference, env, tmp_path):
 # restored across a SIGTERM to one rank, is test_examples.py's conv resume under Keras 2
 # (bit-identical weights).
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])
-def test_sigterm_to_one_rank_stops_all_at_a_step_and_resumes_exactly(launcher, reference, env,
-                                                                      tmp_path):
+def test_sigterm_to_one_rank_stops_all_at_a_step_and_resumes_exactly(
+    launcher, reference, env, tmp_path
+):
     cmd = launch(launcher, 2, "linear", "--run-dir", str(tmp_path), *LINEAR)
     proc = start(cmd, env)
     try:
-        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(tmp_path))),
-                        60)
+        pids = wait_for(
+            lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(tmp_path))), 60
+        )
         assert pids and wait_for(lambda: checkpoints(tmp_path), 60)
         sent = time.monotonic()
         os.kill(pids[1], signal.SIGTERM)
         rc, out, err = finish(proc, 30)
         assert rc is not None, "the job did not end within 30 s of SIGTERM"
-        assert wait_for(lambda: not any(running(p) for p in pids.values()),
-                        30 - (time.monotonic() - sent))
+        assert wait_for(
+            lambda: not any(running(p) for p in pids.values()), 30 - (time.monotonic() - sent)
+        )
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -86,8 +114,9 @@ def test_sigint_is_a_preemption_like_sigterm(to, reference, env, tmp_path):
     cmd = launch("mpirun", 2, "linear", "--run-dir", str(tmp_path), *args)
     proc = start(cmd, env)
     try:
-        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(tmp_path))),
-                        60)
+        pids = wait_for(
+            lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(tmp_path))), 60
+        )
         assert pids and wait_for(lambda: checkpoints(tmp_path), 60)
         os.kill(pids[0] if to == "rank 0" else proc.pid, signal.SIGINT)
         rc, out, err = finish(proc, 60)
@@ -119,8 +148,9 @@ def test_truncated_latest_checkpoint_falls_back_then_all_corrupt_fails(env, tmp_
     newest, previous = found[0][1], found[1][1]
     with open(newest, "r+b") as f:
         f.truncate(os.path.getsize(newest) // 2)
-    again = run(module_cmd("linear", "--run-dir", str(tmp_path), "--epochs", "3",
-                           *args[:2], *args[4:]), env)
+    again = run(
+        module_cmd("linear", "--run-dir", str(tmp_path), "--epochs", "3", *args[:2], *args[4:]), env
+    )
     assert again.returncode == 0, again.stderr
     warning = [l for l in again.stderr.splitlines() if "warning:" in l and "truncated:" in l]
     assert len(warning) == 1 and os.path.basename(previous) in warning[0], again.stderr
@@ -131,8 +161,9 @@ def test_truncated_latest_checkpoint_falls_back_then_all_corrupt_fails(env, tmp_
         raw = bytearray(open(path, "rb").read())
         raw[-10] ^= 0xFF
         open(path, "wb").write(bytes(raw))
-    bad = run(module_cmd("linear", "--run-dir", str(tmp_path), "--epochs", "4",
-                         *args[:2], *args[4:]), env)
+    bad = run(
+        module_cmd("linear", "--run-dir", str(tmp_path), "--epochs", "4", *args[:2], *args[4:]), env
+    )
     assert bad.returncode == 1
     errors = [l for l in bad.stderr.splitlines() if "error:" in l]
     assert len(errors) == 1 and "no valid checkpoint" in errors[0], bad.stderr
@@ -151,14 +182,24 @@ def test_resume_refuses_other_settings_and_honours_flags(env, tmp_path):
 
 
 def test_resume_compares_the_tasks_own_settings_but_not_per_rank_ones(env, tmp_path):
-    args = ["--run-dir", str(tmp_path), "--epochs", "1", "--verbose", "0", "--model", "mlp",
-            "--no-download"]
+    args = [
+        "--run-dir",
+        str(tmp_path),
+        "--epochs",
+        "1",
+        "--verbose",
+        "0",
+        "--model",
+        "mlp",
+        "--no-download",
+    ]
     assert run(module_cmd("mnist", *args, "--hidden-units", "8"), env).returncode == 0
     p = run(module_cmd("mnist", *args, "--hidden-units", "16"), env)
     assert p.returncode == 1 and "--hidden-units 8 -> 16" in p.stderr, p.stderr
     # --download is per rank and does not define the run: the same run continues.
-    p = run(module_cmd("mnist", *args[:-1], "--hidden-units", "8", "--epochs", "2",
-                       "--download"), env)
+    p = run(
+        module_cmd("mnist", *args[:-1], "--hidden-units", "8", "--epochs", "2", "--download"), env
+    )
     assert p.returncode == 0 and "resumed from" in p.stderr, p.stderr
 
 
@@ -181,13 +222,27 @@ def test_resume_with_another_world_size(env, tmp_path):
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_dead_or_frozen_rank_ends_the_job_naming_it(launcher, how, env, tmp_path):
     timeout = 8
-    cmd = launch(launcher, 2, "linear", "--run-dir", str(tmp_path), "--batch-size", "5",
-                 "--epochs", "200", "--peer-timeout", str(timeout), "--verbose", "0")
+    cmd = launch(
+        launcher,
+        2,
+        "linear",
+        "--run-dir",
+        str(tmp_path),
+        "--batch-size",
+        "5",
+        "--epochs",
+        "200",
+        "--peer-timeout",
+        str(timeout),
+        "--verbose",
+        "0",
+    )
     proc = start(cmd, env)
     pids = {}
     try:
-        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(tmp_path))),
-                        60)
+        pids = wait_for(
+            lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(str(tmp_path))), 60
+        )
         assert pids and wait_for(lambda: checkpoints(tmp_path), 60)
         sent = time.monotonic()
         os.kill(pids[1], getattr(signal, how))
@@ -218,8 +273,10 @@ def test_checkpoint_file_checks(tmp_path):
     meta = {"global_step": 5, "epoch": 0}
     path = C.save(str(tmp_path), arrays, ["w", "b"], meta, keep=2)
     got, back = C.read(path)
-    assert got["global_step"] == 5 and got["variables"] == [["w", [2, 3], "float32"],
-                                                           ["b", [1], "float64"]]
+    assert got["global_step"] == 5 and got["variables"] == [
+        ["w", [2, 3], "float32"],
+        ["b", [1], "float64"],
+    ]
     np.testing.assert_array_equal(back[0], arrays[0])
     for step in (6, 7):
         C.save(str(tmp_path), arrays, ["w", "b"], dict(meta, global_step=step), keep=2)
@@ -240,9 +297,13 @@ def test_every_byte_of_a_checkpoint_is_covered(tmp_path, where):
     older = C.save(str(tmp_path), arrays, ["w", "b"], meta, keep=3)
     newest = C.save(str(tmp_path), arrays, ["w", "b"], dict(meta, global_step=6), keep=3)
     raw = bytearray(open(newest, "rb").read())
-    at = {"epoch": raw.index(b'"epoch": 1') + len(b'"epoch": '),
-          "global_step": raw.index(b'"global_step": 6') + len(b'"global_step": '),
-          "payload": len(raw) - 100, "trailer": len(raw) - 1, "version": 8}[where]
+    at = {
+        "epoch": raw.index(b'"epoch": 1') + len(b'"epoch": '),
+        "global_step": raw.index(b'"global_step": 6') + len(b'"global_step": '),
+        "payload": len(raw) - 100,
+        "trailer": len(raw) - 1,
+        "version": 8,
+    }[where]
     raw[at] ^= 0x01  # "1" -> "0", "6" -> "7": still valid JSON, a silently wrong position
     open(newest, "wb").write(bytes(raw))
     with pytest.raises(C.CheckpointError, match="checksum mismatch|format version"):
@@ -259,6 +320,7 @@ def _forge(directory, step, meta, members):
     import io
     import struct
     import zipfile
+
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
         for name, raw in members.items():
@@ -276,36 +338,54 @@ def _npy(array=None, header=None, data=b""):
     """The bytes of one .npy member: ``array`` saved, or a ``header`` (shape, dtype) with
     ``data`` after it."""
     import io
+
     f = io.BytesIO()
     if array is not None:
         np.save(f, array, allow_pickle=True)
         return f.getvalue()
     np.lib.format.write_array_header_1_0(
-        f, {"descr": np.lib.format.dtype_to_descr(np.dtype(header[1])),
-            "fortran_order": False, "shape": header[0]})
+        f,
+        {
+            "descr": np.lib.format.dtype_to_descr(np.dtype(header[1])),
+            "fortran_order": False,
+            "shape": header[0],
+        },
+    )
     return f.getvalue() + data
 
 
 W = np.arange(6, dtype=np.float32).reshape(2, 3)
 FORGED = {  # name: (what the line says, the newest checkpoint's metadata and members)
-    "4 TB array header": ("bytes of data for 4398046511104", {
-        "global_step": 9, "variables": [["w", [2 ** 40], "float32"]]},
-        {"arr_0.npy": _npy(header=((2 ** 40,), "float32"), data=b"\0" * 16)}),
-    "truncated array": ("8 bytes of data for 24", {
-        "global_step": 9, "variables": [["w", [2, 3], "float32"]]},
-        {"arr_0.npy": _npy(W)[:-16]}),
-    "missing array": ("payload lacks 1 of the 2 arrays (arr_1.npy", {
-        "global_step": 9, "variables": [["w", [2, 3], "float32"], ["b", [1], "float32"]]},
-        {"arr_0.npy": _npy(W)}),
-    "object array": ("dtype object is not a number type", {
-        "global_step": 9, "variables": [["w", [2], "object"]]},
-        {"arr_0.npy": _npy(np.array([{"a": 1}, None], dtype=object))}),
-    "array other than its metadata": ("array float64[2, 3] where the metadata says float32[2, 3]", {
-        "global_step": 9, "variables": [["w", [2, 3], "float32"]]},
-        {"arr_0.npy": _npy(W.astype(np.float64))}),
-    "negative step": ("global_step -5: not a count", {
-        "global_step": -5, "variables": [["w", [2, 3], "float32"]]},
-        {"arr_0.npy": _npy(W)}),
+    "4 TB array header": (
+        "bytes of data for 4398046511104",
+        {"global_step": 9, "variables": [["w", [2**40], "float32"]]},
+        {"arr_0.npy": _npy(header=((2**40,), "float32"), data=b"\0" * 16)},
+    ),
+    "truncated array": (
+        "8 bytes of data for 24",
+        {"global_step": 9, "variables": [["w", [2, 3], "float32"]]},
+        {"arr_0.npy": _npy(W)[:-16]},
+    ),
+    "missing array": (
+        "payload lacks 1 of the 2 arrays (arr_1.npy",
+        {"global_step": 9, "variables": [["w", [2, 3], "float32"], ["b", [1], "float32"]]},
+        {"arr_0.npy": _npy(W)},
+    ),
+    "object array": (
+        "dtype object is not a number type",
+        {"global_step": 9, "variables": [["w", [2], "object"]]},
+        {"arr_0.npy": _npy(np.array([{"a": 1}, None], dtype=object))},
+    ),
+    "array other than its metadata": (
+        "array float64[2, 3] where the metadata says float32[2, 3]",
+        {"global_step": 9, "variables": [["w", [2, 3], "float32"]]},
+        {"arr_0.npy": _npy(W.astype(np.float64))},
+    ),
+    "negative step": (
+        "global_step -5: not a count",
+        {"global_step": -5, "variables": [["w", [2, 3], "float32"]]},
+        {"arr_0.npy": _npy(W)},
+    ),
 }
 
 
@@ -331,8 +411,9 @@ def test_a_forged_newest_checkpoint_resumes_from_the_valid_one_and_leftovers_go(
     killed save's temporary file; the rerun warns once, resumes from the checkpoint before,
     ends as a run that was never interrupted would, and removes the temporary file."""
     args = ["--batch-size", "10", "--checkpoint-every", "20", "--verbose", "2"]
-    first = run(module_cmd("linear", "--run-dir", str(tmp_path / "run"), "--epochs", "2",
-                           *args), env)
+    first = run(
+        module_cmd("linear", "--run-dir", str(tmp_path / "run"), "--epochs", "2", *args), env
+    )
     assert first.returncode == 0, first.stderr
     directory = tmp_path / "run" / "checkpoints"
     assert [s for s, _ in checkpoints(tmp_path / "run")] == [200, 180, 160]
@@ -341,14 +422,14 @@ def test_a_forged_newest_checkpoint_resumes_from_the_valid_one_and_leftovers_go(
     _forge(directory, 210, {**saved, **meta, "global_step": 210}, members)
     leftover = directory / ".ckpt-000000220.hvdt.k1ll3d.tmp"  # a save killed before its rename
     leftover.write_bytes(b"\0" * 1000)
-    again = run(module_cmd("linear", "--run-dir", str(tmp_path / "run"), "--epochs", "3",
-                           *args), env)
+    again = run(
+        module_cmd("linear", "--run-dir", str(tmp_path / "run"), "--epochs", "3", *args), env
+    )
     assert again.returncode == 0, again.stderr
     warning = [l for l in again.stderr.splitlines() if "warning:" in l and says in l]
     assert len(warning) == 1 and "ckpt-000000200.hvdt instead" in warning[0], again.stderr
     assert "Traceback" not in again.stderr and not leftover.exists()
-    ref = run(module_cmd("linear", "--run-dir", str(tmp_path / "ref"), "--epochs", "3", *args),
-              env)
+    ref = run(module_cmd("linear", "--run-dir", str(tmp_path / "ref"), "--epochs", "3", *args), env)
     assert ref.returncode == 0, ref.stderr
     r, uninterrupted = result(tmp_path / "run"), result(tmp_path / "ref")
     assert r["global_step"] == uninterrupted["global_step"] == 300

@@ -1,6 +1,7 @@
 """No silent wrong answer, no traceback, nothing lost: bad run directories, a busy or
 finished run directory, divergence, a failing step, bad data through the command line; in
 one process and under horovodrun -np 2. The watchdog's own hardening: test_watchdog.py."""
+
 import json
 import os
 import re
@@ -13,8 +14,18 @@ import pytest
 
 from conftest import HOROVODRUN, finish, launch, module_cmd, rank_pids, run, start, wait_for
 
-LONG = ["--batch-size", "5", "--epochs", "40", "--learning-rate", "0.0005", "--verbose", "2",
-        "--checkpoint-every", "50"]
+LONG = [
+    "--batch-size",
+    "5",
+    "--epochs",
+    "40",
+    "--learning-rate",
+    "0.0005",
+    "--verbose",
+    "2",
+    "--checkpoint-every",
+    "50",
+]
 
 
 def ranks_output(stderr):
@@ -39,8 +50,11 @@ def test_unusable_run_dir_is_one_line_before_anything(kind, np_, env, tmp_path):
     blocker = tmp_path / "taken"
     blocker.write_text("not a directory\n")
     run_dir = blocker if kind == "file" else blocker / "run"
-    cmd = (module_cmd("mnist", "--run-dir", str(run_dir), "--no-download") if np_ == 1 else
-           launch("gloo", 2, "mnist", "--run-dir", str(run_dir), "--no-download"))
+    cmd = (
+        module_cmd("mnist", "--run-dir", str(run_dir), "--no-download")
+        if np_ == 1
+        else launch("gloo", 2, "mnist", "--run-dir", str(run_dir), "--no-download")
+    )
     started = time.monotonic()
     p = run(cmd, env, timeout=120)
     assert p.returncode == (2 if np_ == 1 else 1), p.stderr  # horovodrun: 1 for any failure
@@ -59,15 +73,15 @@ def test_a_finished_run_is_never_overwritten(np_, env, tmp_path):
     for name in os.listdir(tmp_path / "checkpoints"):
         os.unlink(tmp_path / "checkpoints" / name)
     before = (tmp_path / "result.json").read_bytes()
-    again = run(module_cmd("linear", *args) if np_ == 1 else launch("gloo", 2, "linear", *args),
-                env)
+    again = run(
+        module_cmd("linear", *args) if np_ == 1 else launch("gloo", 2, "linear", *args), env
+    )
     assert again.returncode == (2 if np_ == 1 else 1)
     one_error_line(again, "holds a finished run (result.json)", "choose a new one")
     assert (tmp_path / "result.json").read_bytes() == before
 
 
-def test_a_second_run_on_a_busy_run_dir_is_refused_and_a_killed_one_leaves_no_lock(env,
-                                                                                 tmp_path):
+def test_a_second_run_on_a_busy_run_dir_is_refused_and_a_killed_one_leaves_no_lock(env, tmp_path):
     run_dir = tmp_path / "run"
     first = start(launch("gloo", 2, "linear", "--run-dir", str(run_dir), *LONG), env)
     try:
@@ -86,8 +100,12 @@ def test_a_second_run_on_a_busy_run_dir_is_refused_and_a_killed_one_leaves_no_lo
         os.kill(pid, signal.SIGKILL)
     assert wait_for(lambda: not rank_pids(str(run_dir)), 30)
     assert (run_dir / ".lock").exists()  # the file stays, the lock died with its holder
-    again = run(module_cmd("linear", "--run-dir", str(run_dir), *LONG[:-4], "--epochs", "1",
-                           "--verbose", "0"), env)
+    again = run(
+        module_cmd(
+            "linear", "--run-dir", str(run_dir), *LONG[:-4], "--epochs", "1", "--verbose", "0"
+        ),
+        env,
+    )
     assert again.returncode == 0, again.stderr  # not blocked by the killed run
 
 
@@ -95,16 +113,26 @@ def test_a_second_run_on_a_busy_run_dir_is_refused_and_a_killed_one_leaves_no_lo
 def test_divergence_stops_with_exit_1_keeping_the_last_good_checkpoint(np_, env, tmp_path):
     # Full-batch GD at learning rate 50 on the linear task: the loss grows by orders of
     # magnitude per step and overflows float32 within a few dozen steps.
-    args = ["--run-dir", str(tmp_path), "--learning-rate", "50", "--epochs", "500",
-            "--checkpoint-every", "5", "--verbose", "2"]
+    args = [
+        "--run-dir",
+        str(tmp_path),
+        "--learning-rate",
+        "50",
+        "--epochs",
+        "500",
+        "--checkpoint-every",
+        "5",
+        "--verbose",
+        "2",
+    ]
     p = run(module_cmd("linear", *args) if np_ == 1 else launch("gloo", 2, "linear", *args), env)
     assert p.returncode == 1, p.stderr
-    line = one_error_line(p, "the loss became NaN or infinite at step ",
-                          "--no-stop-on-divergence")
+    line = one_error_line(p, "the loss became NaN or infinite at step ", "--no-stop-on-divergence")
     step = int(line.split("at step ")[1].split(":")[0])
     assert 1 < step < 500
     assert not (tmp_path / "result.json").exists()
     from hvdtrain.engine import checkpoint_file as C
+
     newest = C.list_checkpoints(str(tmp_path / "checkpoints"))[0]
     assert newest[0] < step and f"step {newest[0]}" in line
     meta, arrays = C.read(newest[1])
@@ -114,8 +142,17 @@ def test_divergence_stops_with_exit_1_keeping_the_last_good_checkpoint(np_, env,
 
 
 def test_training_on_after_divergence_writes_valid_json(env, tmp_path):
-    args = ["--run-dir", str(tmp_path), "--learning-rate", "50", "--epochs", "100",
-            "--no-stop-on-divergence", "--verbose", "0"]
+    args = [
+        "--run-dir",
+        str(tmp_path),
+        "--learning-rate",
+        "50",
+        "--epochs",
+        "100",
+        "--no-stop-on-divergence",
+        "--verbose",
+        "0",
+    ]
     p = run(module_cmd("linear", *args), env)
     assert p.returncode == 0, p.stderr
     text = (tmp_path / "result.json").read_text()
@@ -153,7 +190,9 @@ class BadLabels(hvdtrain.Task):
 '''
 
 
-BAD_MAP = BAD_LABELS + '''
+BAD_MAP = (
+    BAD_LABELS
+    + '''
 
 CALLS = [0]
 
@@ -177,6 +216,7 @@ class BadMap(BadLabels):
             lambda a, b: tf.py_function(flaky, [a, b], [tf.float32, tf.int32]))
         return Data(ds.map(lambda a, b: (tf.ensure_shape(a, [4]), tf.ensure_shape(b, []))), None)
 '''
+)
 
 FIT_BAD = """
 import sys
@@ -230,19 +270,36 @@ def the_cause_once(p, cause):
 def test_a_failing_step_is_one_line_naming_the_rank(np_, env, tmp_path):
     (tmp_path / "bad_labels.py").write_text(BAD_LABELS)
     env = dict(env, PYTHONPATH=f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}")
-    args = ["-m", "hvdtrain", "run", "bad_labels:BadLabels", "--run-dir", str(tmp_path / "r"),
-            "--verbose", "0"]
-    cmd = [sys.executable, *args] if np_ == 1 else [HOROVODRUN, "-np", "2", "--gloo",
-                                                    sys.executable, *args]
+    args = [
+        "-m",
+        "hvdtrain",
+        "run",
+        "bad_labels:BadLabels",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--verbose",
+        "0",
+    ]
+    cmd = (
+        [sys.executable, *args]
+        if np_ == 1
+        else [HOROVODRUN, "-np", "2", "--gloo", sys.executable, *args]
+    )
     p = run(cmd, env, timeout=120)
     assert p.returncode == 1, p.stderr
-    step, rank = the_cause_once(p, "Received a label value of 10 which is outside the valid "
-                                   "range of [0, 10).")
+    step, rank = the_cause_once(
+        p, "Received a label value of 10 which is outside the valid range of [0, 10)."
+    )
     # The step and rank whose batch holds example 40 (the label 10): hvdtrain's data order.
     from hvdtrain.base.config import Config
     from hvdtrain.inputs.arrays import epoch_plan
-    holds = [(k + 1, r) for r in range(np_)
-             for k, rows in enumerate(epoch_plan(64, 8, r, np_, Config().seed, 0)) if 40 in rows]
+
+    holds = [
+        (k + 1, r)
+        for r in range(np_)
+        for k, rows in enumerate(epoch_plan(64, 8, r, np_, Config().seed, 0))
+        if 40 in rows
+    ]
     assert holds == [(step, rank)]
     assert not (tmp_path / "r" / "result.json").exists()
 
@@ -254,20 +311,33 @@ def test_one_ranks_failing_step_names_its_cause_once_on_both_paths(path, case, e
     (tmp_path / "bad_map.py").write_text(BAD_MAP)
     (tmp_path / "fit_bad.py").write_text(FIT_BAD)
     env = dict(env, PYTHONPATH=f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}")
-    cmd = ([sys.executable, "-m", "hvdtrain", "run", "bad_map:BadMap", "--verbose", "0",
-            "--run-dir"] if path == "task" else [sys.executable, tmp_path / "fit_bad.py", case])
-    p = run([HOROVODRUN, "-np", "2", "--gloo", *map(str, cmd), str(tmp_path / "r")], env,
-            timeout=120)
+    cmd = (
+        [sys.executable, "-m", "hvdtrain", "run", "bad_map:BadMap", "--verbose", "0", "--run-dir"]
+        if path == "task"
+        else [sys.executable, tmp_path / "fit_bad.py", case]
+    )
+    p = run(
+        [HOROVODRUN, "-np", "2", "--gloo", *map(str, cmd), str(tmp_path / "r")], env, timeout=120
+    )
     assert p.returncode == 1, p.stderr[-3000:]
     if case == "map":
         step, rank = the_cause_once(p, "ValueError: record ")
-        assert re.search(r"failed on rank 1: ValueError: record \d+ is unreadable \(in the "
-                         r"function given to tf.data's map\)$", p.stderr, re.M), p.stderr[-3000:]
+        assert re.search(
+            r"failed on rank 1: ValueError: record \d+ is unreadable \(in the "
+            r"function given to tf.data's map\)$",
+            p.stderr,
+            re.M,
+        ), p.stderr[-3000:]
     else:
         step, rank = the_cause_once(p, "Received a label value of 10 which is outside")
         from hvdtrain.inputs.arrays import epoch_plan  # hk.dataset's order: example 40's step, rank
-        assert [(k + 1, r) for r in range(2) for k, rows in
-                enumerate(epoch_plan(64, 8, r, 2, 0, 0)) if 40 in rows] == [(step, rank)]
+
+        assert [
+            (k + 1, r)
+            for r in range(2)
+            for k, rows in enumerate(epoch_plan(64, 8, r, 2, 0, 0))
+            if 40 in rows
+        ] == [(step, rank)]
     assert rank == 1 and 1 <= step <= 12  # 3 epochs of 4 steps
     assert not (tmp_path / "r" / "result.json").exists()
 
@@ -275,9 +345,13 @@ def test_one_ranks_failing_step_names_its_cause_once_on_both_paths(path, case, e
 @pytest.mark.parametrize("np_", [1, 2])
 def test_float_images_in_an_npz_are_refused_not_trained(np_, env, tmp_path):
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "mnist.npz", x_train=rng.random((100, 28, 28)),
-             y_train=rng.integers(0, 10, 100), x_test=rng.random((20, 28, 28)),
-             y_test=rng.integers(0, 10, 20))
+    np.savez(
+        tmp_path / "mnist.npz",
+        x_train=rng.random((100, 28, 28)),
+        y_train=rng.integers(0, 10, 100),
+        x_test=rng.random((20, 28, 28)),
+        y_test=rng.integers(0, 10, 20),
+    )
     args = ["--data-dir", str(tmp_path), "--run-dir", str(tmp_path / "r"), "--epochs", "1"]
     p = run(module_cmd("mnist", *args) if np_ == 1 else launch("gloo", 2, "mnist", *args), env)
     assert p.returncode == 1

@@ -1,4 +1,5 @@
 """Ranks that disagree stop before step 0 with one error naming both values; no hang."""
+
 import sys
 import time
 
@@ -18,18 +19,36 @@ def mpmd(env_args_per_rank, task):
     return cmd
 
 
-@pytest.mark.parametrize("task, a, b, expect", [
-    ("linear", ["--batch-size", "10"], ["--batch-size", "20"],
-     ["setting.batch_size differs (rank 0: 10; rank 1: 20)",
-      "steps_per_epoch differs (rank 0: 50; rank 1: 25)"]),
-    ("mnist", ["--model", "mlp", "--hidden-units", "32"], ["--model", "mlp", "--hidden-units", "64"],
-     ["model variable 0 differs (rank 0: sequential/dense/kernel [784, 32] float32; "
-      "rank 1: sequential/dense/kernel [784, 64] float32)",
-      "setting.hidden_units differs (rank 0: 32; rank 1: 64)"]),
-])
+@pytest.mark.parametrize(
+    "task, a, b, expect",
+    [
+        (
+            "linear",
+            ["--batch-size", "10"],
+            ["--batch-size", "20"],
+            [
+                "setting.batch_size differs (rank 0: 10; rank 1: 20)",
+                "steps_per_epoch differs (rank 0: 50; rank 1: 25)",
+            ],
+        ),
+        (
+            "mnist",
+            ["--model", "mlp", "--hidden-units", "32"],
+            ["--model", "mlp", "--hidden-units", "64"],
+            [
+                "model variable 0 differs (rank 0: sequential/dense/kernel [784, 32] float32; "
+                "rank 1: sequential/dense/kernel [784, 64] float32)",
+                "setting.hidden_units differs (rank 0: 32; rank 1: 64)",
+            ],
+        ),
+    ],
+)
 def test_disagreeing_ranks_stop_before_step_0(task, a, b, expect, env, tmp_path):
-    common = ["--run-dir", str(tmp_path / "run"), "--no-download"] if task == "mnist" else \
-        ["--run-dir", str(tmp_path / "run")]
+    common = (
+        ["--run-dir", str(tmp_path / "run"), "--no-download"]
+        if task == "mnist"
+        else ["--run-dir", str(tmp_path / "run")]
+    )
     started = time.monotonic()
     p = run(mpmd([a + common, b + common], task), env, timeout=120)
     assert p.returncode != 0
@@ -46,7 +65,10 @@ def test_check_names_every_rank_group():
     mine = {"setting.seed": 1, "version.tensorflow": "2.18.1"}
     preflight.check(FakeWorld([dict(mine), dict(mine)]), mine)  # all agree: no error
     with pytest.raises(preflight.PreflightError) as e:
-        preflight.check(FakeWorld([dict(mine), dict(mine, **{"version.tensorflow": "2.17.1"})]),
-                        mine)
-    assert str(e.value) == ("ranks disagree before step 0: version.tensorflow differs "
-                            "(ranks 0,1: 2.18.1; rank 2: 2.17.1)")
+        preflight.check(
+            FakeWorld([dict(mine), dict(mine, **{"version.tensorflow": "2.17.1"})]), mine
+        )
+    assert str(e.value) == (
+        "ranks disagree before step 0: version.tensorflow differs "
+        "(ranks 0,1: 2.18.1; rank 2: 2.17.1)"
+    )

@@ -2,25 +2,63 @@
 checkpoint exists, at an epoch's end and in mid-epoch, then rerun the same command; the run
 ends with the uninterrupted run's weights (weights_sha256), on the Task path and on hk.fit;
 on the Task path each epoch is logged once (test_faults' linear SIGKILL test, merged here)."""
+
 import json
 import os
 
 import pytest
 
-from conftest import (Lazy, checkpoints, clean_env, keras_flavour, kill_after_first_checkpoint,
-                      launch, launch_example, result, run)
+from conftest import (
+    Lazy,
+    checkpoints,
+    clean_env,
+    keras_flavour,
+    kill_after_first_checkpoint,
+    launch,
+    launch_example,
+    result,
+    run,
+)
 from hvdtrain.engine import checkpoint_file as C
 
 # Task path: the linear task, 2 ranks, 100 steps an epoch. Fit path: the Keras example's
 # dense model, 2 ranks, 4,000 examples in batches of 16: 125 steps an epoch.
 PATHS = {
     "task": lambda run_dir, every: launch(
-        "gloo", 2, "linear", "--run-dir", run_dir, "--batch-size", "5", "--epochs", "3",
-        "--learning-rate", "0.0005", "--verbose", "0", "--checkpoint-every", str(every)),
+        "gloo",
+        2,
+        "linear",
+        "--run-dir",
+        run_dir,
+        "--batch-size",
+        "5",
+        "--epochs",
+        "3",
+        "--learning-rate",
+        "0.0005",
+        "--verbose",
+        "0",
+        "--checkpoint-every",
+        str(every),
+    ),
     "fit": lambda run_dir, every: launch_example(
-        2, "keras_fit_mnist.py", "--model", "dense", "--run-dir", run_dir, "--epochs", "3",
-        "--batch-size", "16", "--optimizer", "sgd", "--lr", "0.05", "--checkpoint-every",
-        str(every)),
+        2,
+        "keras_fit_mnist.py",
+        "--model",
+        "dense",
+        "--run-dir",
+        run_dir,
+        "--epochs",
+        "3",
+        "--batch-size",
+        "16",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--checkpoint-every",
+        str(every),
+    ),
 }
 # When the first checkpoint is written: at the end of epoch 1 (checkpoints at epoch ends
 # only), or inside epoch 1 (every 30 steps).
@@ -37,6 +75,7 @@ def uninterrupted(tmp_path_factory):
         p = run(PATHS[path](str(base / path), 0), env, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         return result(base / path)
+
     return Lazy(make)
 
 
@@ -45,13 +84,18 @@ def uninterrupted(tmp_path_factory):
 # test_models (steps_per_execution 3, SIGTERM) and test_accumulate (SIGTERM inside an
 # accumulation), the Task path's in test_examples (the conv task, SIGTERM); where a Task-path
 # checkpoint falls is hvdtrain's, not Keras'.
-@pytest.mark.parametrize("path, where", [
-    pytest.param("fit", "epoch_end", marks=pytest.mark.keras2),
-    ("fit", "mid_epoch"),
-    ("task", "epoch_end"),
-    ("task", "mid_epoch")])
-def test_sigkill_then_rerun_ends_with_the_uninterrupted_weights(path, where, uninterrupted, env,
-                                                                tmp_path):
+@pytest.mark.parametrize(
+    "path, where",
+    [
+        pytest.param("fit", "epoch_end", marks=pytest.mark.keras2),
+        ("fit", "mid_epoch"),
+        ("task", "epoch_end"),
+        ("task", "mid_epoch"),
+    ],
+)
+def test_sigkill_then_rerun_ends_with_the_uninterrupted_weights(
+    path, where, uninterrupted, env, tmp_path
+):
     run_dir = str(tmp_path / "run")
     cmd = PATHS[path](run_dir, WHERE[where])
     killed_at = kill_after_first_checkpoint(cmd, env, run_dir, timeout=180)

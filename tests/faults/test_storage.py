@@ -6,6 +6,7 @@ file left; the rerun resumes and ends as an uninterrupted run.
 The tmpfs lives in a private mount namespace (``unshare -m``, as root: CI's and the
 containers' user) held by one process; the tests run their commands in it (``nsenter``), and
 everything goes when that process is killed: nothing on the machine is mounted or changed."""
+
 import json
 import os
 import re
@@ -16,13 +17,34 @@ import textwrap
 
 import pytest
 
-from conftest import (HOROVODRUN, ROOT, checkpoints, finish, launch, launch_example, result,
-                      run, script_cmd, start, wait_for)
+from conftest import (
+    HOROVODRUN,
+    ROOT,
+    checkpoints,
+    finish,
+    launch,
+    launch_example,
+    result,
+    run,
+    script_cmd,
+    start,
+    wait_for,
+)
 from hvdtrain.engine import checkpoint_file as C
 
 # test_faults.py's uninterrupted two-process linear run: the session's shared reference.
-LINEAR = ["--batch-size", "5", "--epochs", "10", "--learning-rate", "0.0005",
-          "--checkpoint-every", "100", "--verbose", "0"]
+LINEAR = [
+    "--batch-size",
+    "5",
+    "--epochs",
+    "10",
+    "--learning-rate",
+    "0.0005",
+    "--checkpoint-every",
+    "100",
+    "--verbose",
+    "0",
+]
 NO_SPACE = "[Errno 28] No space left on device"
 
 
@@ -32,11 +54,17 @@ class Tmpfs:
     def __init__(self, path, size):
         self.path = str(path)
         os.makedirs(self.path, exist_ok=True)
-        script = (f"mount --make-rprivate / && mount -t tmpfs -o size={size} none {self.path}"
-                  " && echo ready && exec sleep 900")
-        self.holder = subprocess.Popen(["unshare", "-m", "sh", "-c", script],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True, start_new_session=True)
+        script = (
+            f"mount --make-rprivate / && mount -t tmpfs -o size={size} none {self.path}"
+            " && echo ready && exec sleep 900"
+        )
+        self.holder = subprocess.Popen(
+            ["unshare", "-m", "sh", "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         if self.holder.stdout.readline().strip() != "ready":
             self.holder.kill()
             pytest.skip(f"no private tmpfs here: {self.holder.communicate()[1].strip()}")
@@ -49,8 +77,9 @@ class Tmpfs:
         return f"/proc/{self.holder.pid}/root{os.path.abspath(path)}"
 
     def fill(self):
-        subprocess.run(self.inside(["sh", "-c", f"cat /dev/zero > {self.path}/fill"]),
-                       capture_output=True)
+        subprocess.run(
+            self.inside(["sh", "-c", f"cat /dev/zero > {self.path}/fill"]), capture_output=True
+        )
 
     def free(self):
         subprocess.run(self.inside(["rm", "-f", f"{self.path}/fill"]), check=True)
@@ -58,8 +87,12 @@ class Tmpfs:
     def read_only(self, path):
         """``path`` read-only from now on: a read-only bind mount over it (the files the run
         holds open keep their own mount, as they would on a file system remounted under it)."""
-        subprocess.run(self.inside(["sh", "-c", f"mount --bind {path} {path} && "
-                                                f"mount -o remount,bind,ro {path}"]), check=True)
+        subprocess.run(
+            self.inside(
+                ["sh", "-c", f"mount --bind {path} {path} && mount -o remount,bind,ro {path}"]
+            ),
+            check=True,
+        )
 
     def writable(self, path):
         subprocess.run(self.inside(["umount", path]), check=True)
@@ -83,8 +116,20 @@ def lines_with(text, p_or_err):
 
 # The fit path: the Keras example's dense model, 2 ranks, 3 epochs of 125 steps, a checkpoint
 # every 30 steps.
-FIT = ["--model", "dense", "--epochs", "3", "--batch-size", "16", "--optimizer", "sgd",
-       "--lr", "0.05", "--checkpoint-every", "30"]
+FIT = [
+    "--model",
+    "dense",
+    "--epochs",
+    "3",
+    "--batch-size",
+    "16",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.05",
+    "--checkpoint-every",
+    "30",
+]
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +138,11 @@ def fit_whole(tmp_path_factory):
     from conftest import clean_env
 
     base = tmp_path_factory.mktemp("fit_whole")
-    p = run(launch_example(2, "keras_fit_mnist.py", "--run-dir", base / "whole", *FIT),
-            clean_env(base / "home"), timeout=180)
+    p = run(
+        launch_example(2, "keras_fit_mnist.py", "--run-dir", base / "whole", *FIT),
+        clean_env(base / "home"),
+        timeout=180,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return result(base / "whole")
 
@@ -105,9 +153,9 @@ READ_ONLY = "[Errno 30] Read-only file system"
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["full", "read-only"])
 @pytest.mark.parametrize("path", ["task", "fit"])
-def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, kind, tmpfs,
-                                                                       references, fit_whole,
-                                                                       env):
+def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(
+    path, kind, tmpfs, references, fit_whole, env
+):
     """The disk fills, or the run directory turns read-only, after the first checkpoint, on
     both paths: one line (rank 0's, naming the file it could not write), exit 1, the
     checkpoints before it whole, no temporary file; with room again (writable again) the
@@ -134,15 +182,23 @@ def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_exactly(path, kin
     why = NO_SPACE if kind == "full" else READ_ONLY
     said = lines_with(why, out + err)
     assert len(said) == 1 and "Traceback" not in "\n".join(
-        l for l in err.splitlines() if "<stderr>" in l), err[-3000:]
+        l for l in err.splitlines() if "<stderr>" in l
+    ), err[-3000:]
     # rank 0's line: the file it could not write (a checkpoint, metrics.jsonl or TensorBoard's)
-    assert re.search(rf"error: cannot write {re.escape(run_dir)}/\S+: "
-                     rf"{re.escape(why)}$", said[0]), said
+    assert re.search(
+        rf"error: cannot write {re.escape(run_dir)}/\S+: "
+        rf"{re.escape(why)}$",
+        said[0],
+    ), said
     seen = tmpfs.seen(run_dir)
     kept = checkpoints(seen)
     assert kept and C.read(kept[0][1])  # the checkpoints before it are whole
-    leftovers = [n for d in (seen, f"{seen}/checkpoints") for n in os.listdir(d)
-                 if n.startswith(".") and n != ".lock"]
+    leftovers = [
+        n
+        for d in (seen, f"{seen}/checkpoints")
+        for n in os.listdir(d)
+        if n.startswith(".") and n != ".lock"
+    ]
     assert not leftovers
     assert not os.path.exists(f"{seen}/result.json")
     if kind == "full":
@@ -211,8 +267,9 @@ FIT_FULL_AT_END = textwrap.dedent("""
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", ["task", "fit"])
-def test_a_full_disk_at_model_keras_is_one_line_and_the_rerun_writes_it(path, tmpfs, references,
-                                                                        fit_whole, env, tmp_path):
+def test_a_full_disk_at_model_keras_is_one_line_and_the_rerun_writes_it(
+    path, tmpfs, references, fit_whole, env, tmp_path
+):
     """2 ranks, both paths: the disk full after the last epoch's checkpoint, at model.keras:
     rank 0's one line naming it, exit 1, the last checkpoint whole, no temporary file, no
     result.json; with room again the same command trains nothing and writes the model and the
@@ -226,13 +283,30 @@ def test_a_full_disk_at_model_keras_is_one_line_and_the_rerun_writes_it(path, tm
     run_dir = f"{tmpfs.path}/run"
     if path == "task":
         ref = references.run("gloo", 2, "linear", *LINEAR)
-        cmd = [HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvdtrain", "run",
-               "fullatend:FullAtEnd", "--run-dir", run_dir, *LINEAR]
+        cmd = [
+            HOROVODRUN,
+            "-np",
+            "2",
+            "--gloo",
+            sys.executable,
+            "-m",
+            "hvdtrain",
+            "run",
+            "fullatend:FullAtEnd",
+            "--run-dir",
+            run_dir,
+            *LINEAR,
+        ]
     else:
         ref = fit_whole
-        cmd = script_cmd(2, code / "fit_full_at_end.py",
-                         os.path.join(ROOT, "examples", "keras_fit_mnist.py"),
-                         "--run-dir", run_dir, *FIT)
+        cmd = script_cmd(
+            2,
+            code / "fit_full_at_end.py",
+            os.path.join(ROOT, "examples", "keras_fit_mnist.py"),
+            "--run-dir",
+            run_dir,
+            *FIT,
+        )
     open(tmpfs.seen(flag), "w").close()
     p = run(tmpfs.inside(cmd), env, timeout=180)
     assert p.returncode == 1, p.stderr[-3000:]
@@ -243,8 +317,12 @@ def test_a_full_disk_at_model_keras_is_one_line_and_the_rerun_writes_it(path, tm
     seen = tmpfs.seen(run_dir)
     kept = checkpoints(seen)
     assert kept[0][0] == ref["global_step"] and C.read(kept[0][1])  # the last, whole
-    leftovers = [n for d in (seen, f"{seen}/checkpoints") for n in os.listdir(d)
-                 if n.startswith(".") and n != ".lock"]
+    leftovers = [
+        n
+        for d in (seen, f"{seen}/checkpoints")
+        for n in os.listdir(d)
+        if n.startswith(".") and n != ".lock"
+    ]
     assert not leftovers
     assert not os.path.exists(f"{seen}/result.json") and not os.path.exists(f"{seen}/model.keras")
     tmpfs.free()
@@ -322,12 +400,14 @@ SITES = textwrap.dedent("""
 
 
 @pytest.mark.timeout(120)
-def test_every_save_site_says_the_file_and_the_reason_and_keeps_what_was_there(tmpfs, env,
-                                                                              tmp_path):
+def test_every_save_site_says_the_file_and_the_reason_and_keeps_what_was_there(
+    tmpfs, env, tmp_path
+):
     (tmp_path / "sites.py").write_text(SITES)
     run_dir = f"{tmpfs.path}/run"
-    p = run(tmpfs.inside([sys.executable, tmp_path / "sites.py", tmpfs.path, run_dir]), env,
-            timeout=90)
+    p = run(
+        tmpfs.inside([sys.executable, tmp_path / "sites.py", tmpfs.path, run_dir]), env, timeout=90
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     said = json.loads(p.stdout.split("SAID ", 1)[1])
     ro = "[Errno 30] Read-only file system"
@@ -341,10 +421,17 @@ def test_every_save_site_says_the_file_and_the_reason_and_keeps_what_was_there(t
         "read-only metrics": f"cannot write {run_dir}/metrics.jsonl: {ro}",
         "read-only model": f"cannot write {run_dir}/model.keras: {ro}",
         "read-only result": f"cannot write {run_dir}/result.json: {ro}",
-        "file checkpoint": (f"cannot write {run_dir}/checkpoints/ckpt-000000003.hvdt: "
-                            "[Errno 20] Not a directory"),
+        "file checkpoint": (
+            f"cannot write {run_dir}/checkpoints/ckpt-000000003.hvdt: [Errno 20] Not a directory"
+        ),
         # no temporary file left, the first checkpoint and metrics line kept whole
-        "files": [".lock", "checkpoints", "config.json", "metrics.jsonl", "tensorboard",
-                  "ckpt-000000001.hvdt"],
+        "files": [
+            ".lock",
+            "checkpoints",
+            "config.json",
+            "metrics.jsonl",
+            "tensorboard",
+            "ckpt-000000001.hvdt",
+        ],
         "metrics": [1],
     }, said

@@ -1,6 +1,7 @@
 """The peer watchdog under hostile conditions: a foreign process that knows its port, a flood
 of connections and a line without end, a port already in use (one line, nothing written),
 on 2 ranks through the Task path and hk.fit."""
+
 import json
 import os
 import re
@@ -11,14 +12,25 @@ import pytest
 from conftest import finish, launch, rank_pids, run, start, wait_for
 
 # A linear run long enough to act on while it trains (2 ranks, 40 epochs of small steps).
-LONG = ["--batch-size", "5", "--epochs", "40", "--learning-rate", "0.0005", "--verbose", "2",
-        "--checkpoint-every", "50"]
+LONG = [
+    "--batch-size",
+    "5",
+    "--epochs",
+    "40",
+    "--learning-rate",
+    "0.0005",
+    "--verbose",
+    "2",
+    "--checkpoint-every",
+    "50",
+]
 
 
 def listening_address(port):
     """The local address a TCP socket listens on at ``port`` (from /proc/net/tcp)."""
     import socket as S
     import struct
+
     for line in open("/proc/net/tcp").read().splitlines()[1:]:
         local, state = line.split()[1], line.split()[3]
         address, p = local.split(":")
@@ -30,12 +42,15 @@ def listening_address(port):
 def test_the_watchdog_ignores_a_foreign_process_that_knows_its_port(env, tmp_path):
     """Anyone on the machine can connect to the port; only the job's ranks are heard."""
     import socket as S
+
     with S.socket() as probe:  # a free port, given to the watchdog so that the test knows it
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     run_dir = tmp_path / "run"
-    proc = start(launch("gloo", 2, "linear", "--run-dir", str(run_dir), *LONG[:-2]),
-                 dict(env, HVDTRAIN_WATCHDOG_PORT=str(port)))
+    proc = start(
+        launch("gloo", 2, "linear", "--run-dir", str(run_dir), *LONG[:-2]),
+        dict(env, HVDTRAIN_WATCHDOG_PORT=str(port)),
+    )
     held = []
     try:
         assert wait_for(lambda: (run_dir / "config.json").exists(), 120), "job did not start"
@@ -68,8 +83,10 @@ def test_the_watchdog_ignores_a_foreign_process_that_knows_its_port(env, tmp_pat
     # at the end (at most one line a minute); the silent one among them if its handshake's
     # 10 s ran out before the job's end
     refusals = [l for l in err.splitlines() if "watchdog: refused" in l]
-    assert ("hvdtrain: warning: watchdog: refused a connection from 127.0.0.1: not a rank of "
-            "this job (the next such line in 60 s at the earliest)") in refusals[0], refusals
+    assert (
+        "hvdtrain: warning: watchdog: refused a connection from 127.0.0.1: not a rank of "
+        "this job (the next such line in 60 s at the earliest)"
+    ) in refusals[0], refusals
     counted = [int(m) for l in refusals for m in re.findall(r"refused (\d+) connections", l)]
     assert len(refusals) <= 2 and 1 + sum(counted) in (len(forged), len(forged) + 1), refusals
     assert "forged" not in err, err[-3000:]
@@ -115,18 +132,19 @@ def test_the_watchdog_holds_against_a_flood_and_a_line_without_end(env, tmp_path
     normal result, and a few lines say what happened."""
     import socket as S
     import threading
+
     with S.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     run_dir = tmp_path / "run"
     # Long enough for the attack (a few seconds) on a slow machine: 2.5 times LONG's epochs.
-    args = [*LONG[:LONG.index("--epochs") + 1], "100", *LONG[LONG.index("--epochs") + 2:-2]]
+    args = [*LONG[: LONG.index("--epochs") + 1], "100", *LONG[LONG.index("--epochs") + 2 : -2]]
     env = dict(env, HVDTRAIN_WATCHDOG_PORT=str(port))
     # The same job in quiet, nobody at its port, for a fifth of the epochs: its memory is
     # level after the first (a longer run could only hold more, which makes the bound
     # below stricter, not looser).
     quiet_dir = tmp_path / "quiet"
-    short = [*args[:args.index("--epochs") + 1], "20", *args[args.index("--epochs") + 2:]]
+    short = [*args[: args.index("--epochs") + 1], "20", *args[args.index("--epochs") + 2 :]]
     proc = start(launch("gloo", 2, "linear", "--run-dir", str(quiet_dir), *short), env)
     peak = PeakMemory(quiet_dir)
     rc, _, err = finish(proc, 240)
@@ -136,8 +154,9 @@ def test_the_watchdog_holds_against_a_flood_and_a_line_without_end(env, tmp_path
     peak = PeakMemory(run_dir)
     try:
         assert wait_for(lambda: (run_dir / "config.json").exists(), 120), "job did not start"
-        pids = wait_for(lambda: rank_pids(str(run_dir)) if len(rank_pids(str(run_dir))) == 2
-                        else None, 30)
+        pids = wait_for(
+            lambda: rank_pids(str(run_dir)) if len(rank_pids(str(run_dir))) == 2 else None, 30
+        )
         before = _rss_mb(pids[0])
         sent = [0]
 
@@ -212,7 +231,9 @@ except hk.Error as e:
 @pytest.mark.parametrize("path", ["task", "fit"])
 def test_a_watchdog_port_in_use_is_one_line_and_nothing_written(path, env, tmp_path):
     import socket as S
+
     from usercode import env_with, two_ranks, write
+
     holder = S.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
@@ -220,18 +241,24 @@ def test_a_watchdog_port_in_use_is_one_line_and_nothing_written(path, env, tmp_p
     run_dir = tmp_path / "run"
     try:
         if path == "task":
-            p = run(launch("gloo", 2, "linear", "--run-dir", str(run_dir), "--epochs", "1"),
-                    dict(env, HVDTRAIN_WATCHDOG_PORT=str(port)))
+            p = run(
+                launch("gloo", 2, "linear", "--run-dir", str(run_dir), "--epochs", "1"),
+                dict(env, HVDTRAIN_WATCHDOG_PORT=str(port)),
+            )
         else:
             code = write(tmp_path, {"fit_one": FIT_ONE_EPOCH})
-            p = run(two_ranks(code / "fit_one.py", run_dir),
-                    env_with(code, tmp_path, HVDTRAIN_WATCHDOG_PORT=str(port)))
+            p = run(
+                two_ranks(code / "fit_one.py", run_dir),
+                env_with(code, tmp_path, HVDTRAIN_WATCHDOG_PORT=str(port)),
+            )
     finally:
         holder.close()
     lines = [l for l in (p.stdout + p.stderr).splitlines() if "HVDTRAIN_WATCHDOG_PORT" in l]
     assert p.returncode == 1, p.stderr[-3000:]  # horovodrun's status for a failed rank
     assert "exit with status code 2" in p.stdout + p.stderr  # the ranks': a bad setting
     assert len(lines) == 1, lines  # said once, by rank 0
-    assert (f"HVDTRAIN_WATCHDOG_PORT={port}: rank 0 cannot listen on 127.0.0.1:{port} "
-            "(Address already in use): another process holds it") in lines[0]
+    assert (
+        f"HVDTRAIN_WATCHDOG_PORT={port}: rank 0 cannot listen on 127.0.0.1:{port} "
+        "(Address already in use): another process holds it"
+    ) in lines[0]
     assert not run_dir.exists() or not any(run_dir.iterdir())

@@ -6,6 +6,7 @@ batch of N * b (SGD, mean loss) on 1 process and on 2 ranks under horovodrun; ch
 SIGTERM stops fall on update boundaries (the accumulators empty), and a resume ends with the
 uninterrupted run's weights. Bad values are one line.
 """
+
 import json
 import os
 import signal
@@ -14,8 +15,20 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import (HOROVODRUN, KERAS2, checkpoints, clean_env, finish, launch, module_cmd,
-                      rank_pids, result, run, start, wait_for)
+from conftest import (
+    HOROVODRUN,
+    KERAS2,
+    checkpoints,
+    clean_env,
+    finish,
+    launch,
+    module_cmd,
+    rank_pids,
+    result,
+    run,
+    start,
+    wait_for,
+)
 from hvdtrain.engine import checkpoint_file as C
 
 # The linear task far from converged (lr 5e-4), so equal weights mean equal trajectories.
@@ -25,8 +38,11 @@ LINEAR = ["--epochs", "4", "--learning-rate", "0.0005", "--verbose", "0"]
 def _linear(env, tmp_path, np_, name, *args):
     run_dir = tmp_path / name
     cmd = [*LINEAR, "--run-dir", str(run_dir), *args]
-    p = run(module_cmd("linear", *cmd) if np_ == 1 else launch("gloo", np_, "linear", *cmd), env,
-            timeout=300)
+    p = run(
+        module_cmd("linear", *cmd) if np_ == 1 else launch("gloo", np_, "linear", *cmd),
+        env,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return result(run_dir)
 
@@ -57,9 +73,24 @@ def test_task_path_sigterm_and_checkpoints_on_updates_and_exact_resume(env, tmp_
     updates: each checkpoint's data position is a whole number of updates; rank 1's SIGTERM
     stops both ranks after an update with a checkpoint there; the rerun ends with the
     uninterrupted run's weights."""
-    args = ["--batch-size", "5", "--accumulate-steps", "4", "--checkpoint-every", "10",
-            "--keep-checkpoints", "1000", "--epochs", "20", "--learning-rate", "0.0005",
-            "--steps-per-execution", "1", "--verbose", "0"]
+    args = [
+        "--batch-size",
+        "5",
+        "--accumulate-steps",
+        "4",
+        "--checkpoint-every",
+        "10",
+        "--keep-checkpoints",
+        "1000",
+        "--epochs",
+        "20",
+        "--learning-rate",
+        "0.0005",
+        "--steps-per-execution",
+        "1",
+        "--verbose",
+        "0",
+    ]
     whole = tmp_path / "whole"
     p = run(launch("gloo", 2, "linear", "--run-dir", str(whole), *args), env, timeout=400)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -143,6 +174,7 @@ def fit_script(tmp_path):
 
 def _fit(script, tmp_path, np_, name, batch, passes, spe=1, every=0, *mode, ok=True):
     import sys
+
     run_dir = str(tmp_path / name)
     cmd = [sys.executable, str(script), run_dir, *map(str, (batch, passes, spe, every)), *mode]
     if np_ > 1:
@@ -172,7 +204,7 @@ def test_fit_path_micro_batches_give_the_weights_of_one_batch(np_, fit_script, t
     assert a["global_step"] == b["global_step"] == 2 * 960 // (32 * np_)
     assert a["global_batch_size"] == b["global_batch_size"] == 32 * np_
     assert b["ranks_identical"] is True
-    for x, y, in zip(saved_weights(one), saved_weights(acc)):
+    for x, y in zip(saved_weights(one), saved_weights(acc)):
         np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
     with open(os.path.join(acc, "config.json")) as f:
         assert json.load(f)["accumulate_steps"] == 4
@@ -196,7 +228,13 @@ def test_fit_path_sigterm_and_checkpoints_on_updates_and_exact_resume(fit_script
     whole, _ = _fit(fit_script, tmp_path, 2, "whole", 8, 4, 5, 2)
     assert result(whole)["global_step"] == 30
     assert sorted(s for s, _ in C.list_checkpoints(os.path.join(whole, "checkpoints"))) == [
-        5, 10, 15, 20, 25, 30]
+        5,
+        10,
+        15,
+        20,
+        25,
+        30,
+    ]
     for step, path in C.list_checkpoints(os.path.join(whole, "checkpoints")):
         meta, _ = C.read(path)
         assert meta["offset"] % (8 * 2 * 4) == 0  # whole updates
@@ -217,24 +255,43 @@ def test_task_path_bad_accumulate_steps_is_one_line(value, env):
     p = run(module_cmd("linear", "--accumulate-steps", value, "--epochs", "1"), env)
     assert p.returncode == 2
     lines = [l for l in p.stderr.splitlines() if l.strip()]
-    assert lines == [f"python -m hvdtrain.linear: error: --accumulate-steps={value}: must be "
-                     "at least 1 (1: no accumulation)"], p.stderr
+    assert lines == [
+        f"python -m hvdtrain.linear: error: --accumulate-steps={value}: must be "
+        "at least 1 (1: no accumulation)"
+    ], p.stderr
 
 
 def test_task_path_too_many_micro_batches_is_one_line(env, tmp_path):
-    p = run(module_cmd("linear", "--batch-size", "100", "--accumulate-steps", "20",
-                       "--epochs", "1", "--run-dir", str(tmp_path / "r")), env)
+    p = run(
+        module_cmd(
+            "linear",
+            "--batch-size",
+            "100",
+            "--accumulate-steps",
+            "20",
+            "--epochs",
+            "1",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ),
+        env,
+    )
     assert p.returncode == 2, p.stderr
     errors = [l for l in p.stderr.splitlines() if "error" in l]
     assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
-    assert ("--accumulate-steps=20: 20 micro-batches of 100 x 1 workers need more than the "
-            "1000 training examples") in errors[0]
+    assert (
+        "--accumulate-steps=20: 20 micro-batches of 100 x 1 workers need more than the "
+        "1000 training examples"
+    ) in errors[0]
 
 
-@pytest.mark.parametrize("batch, passes, why", [
-    (8, 7, "hk.fit(backward_passes_per_step=7): must divide the 120 steps of an epoch"),
-    (8, 0, "--backward-passes-per-step=0: must be an integer, at least 1"),
-])
+@pytest.mark.parametrize(
+    "batch, passes, why",
+    [
+        (8, 7, "hk.fit(backward_passes_per_step=7): must divide the 120 steps of an epoch"),
+        (8, 0, "--backward-passes-per-step=0: must be an integer, at least 1"),
+    ],
+)
 def test_fit_path_bad_backward_passes_is_one_line(batch, passes, why, fit_script, tmp_path):
     _, p = _fit(fit_script, tmp_path, 1, "bad", batch, passes, ok=False)
     assert p.returncode != 0
@@ -249,21 +306,44 @@ def test_task_path_one_negotiation_round_per_update(env, tmp_path):
     from hvdtrain.bench.cases import read_timeline, summarize_timeline
 
     timeline = tmp_path / "timeline.json"
-    p = run(launch("mpi", 2, "mnist", "--epochs", "2", "--batch-size", "25",
-                   "--accumulate-steps", "4", "--checkpoint-every", "0", "--verbose", "0",
-                   "--run-dir", str(tmp_path / "r")),
-            dict(env, HOROVOD_TIMELINE=str(timeline)), timeout=300)
+    p = run(
+        launch(
+            "mpi",
+            2,
+            "mnist",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "25",
+            "--accumulate-steps",
+            "4",
+            "--checkpoint-every",
+            "0",
+            "--verbose",
+            "0",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ),
+        dict(env, HOROVOD_TIMELINE=str(timeline)),
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     r = result(tmp_path / "r")
     steps = r["global_step"]
     assert steps == 2 * 4000 // (100 * 2) and r["global_batch_size"] == 200
     events = read_timeline(str(timeline))
-    tensors = {e["pid"]: e["args"]["name"] for e in events
-               if e.get("name") == "process_name" and "name" in e.get("args", {})}
+    tensors = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("name") == "process_name" and "name" in e.get("args", {})
+    }
     grouped = sorted(t for t in tensors.values() if "GroupedAllreduce" in t)
     assert [t[-4:] for t in grouped] == ["1of3", "2of3", "3of3"], tensors
-    negotiated = [tensors[e["pid"]] for e in events
-                  if e.get("ph") == "B" and e.get("name") == "NEGOTIATE_ALLREDUCE"]
+    negotiated = [
+        tensors[e["pid"]]
+        for e in events
+        if e.get("ph") == "B" and e.get("name") == "NEGOTIATE_ALLREDUCE"
+    ]
     assert all(negotiated.count(t) == steps for t in grouped)  # per update, not micro-batch
     # Between the first step and the last, 4 host rounds per epoch: the metric sums, the
     # epoch record's and the checkpoint's write checks, the ranks' agreement before it
@@ -289,10 +369,13 @@ def test_task_path_streamed_micro_batches_train_like_in_memory(tmp_path):
     def train(task, name, **more):
         config = hvdtrain.Config(run_dir=str(tmp_path / name), **args, **more)
         return hvdtrain.train(task, config, world), hvdtrain.compat.keras().models.load_model(
-            tmp_path / name / "model.keras", compile=False).get_weights()
+            tmp_path / name / "model.keras", compile=False
+        ).get_weights()
 
-    (a, wa), (b, _) = (train(Xor(), "mem", batch_size=4, accumulate_steps=4),
-                        train(OnDisk(str(tmp_path)), "disk", batch_size=4, accumulate_steps=4))
+    (a, wa), (b, _) = (
+        train(Xor(), "mem", batch_size=4, accumulate_steps=4),
+        train(OnDisk(str(tmp_path)), "disk", batch_size=4, accumulate_steps=4),
+    )
     assert a["weights_sha256"] == b["weights_sha256"]
     assert a["global_step"] == b["global_step"] == 5 * 256 // 16
     one, w1 = train(Xor(), "one", batch_size=16)
@@ -309,21 +392,39 @@ def test_fit_path_one_gradient_round_per_update(fit_script, tmp_path):
     optimizer.StopFlags) is negotiated 30 times, once per update, not per micro-batch (a
     Horovod timeline of the real run)."""
     import sys
+
     from hvdtrain.bench.cases import read_timeline
 
     timeline = tmp_path / "timeline.json"
-    cmd = [HOROVODRUN, "-np", "2", "--mpi", sys.executable, str(fit_script),
-           str(tmp_path / "r"), "8", "4", "1", "0"]
+    cmd = [
+        HOROVODRUN,
+        "-np",
+        "2",
+        "--mpi",
+        sys.executable,
+        str(fit_script),
+        str(tmp_path / "r"),
+        "8",
+        "4",
+        "1",
+        "0",
+    ]
     p = run(cmd, clean_env(tmp_path / "home", HOROVOD_TIMELINE=str(timeline)), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert result(tmp_path / "r")["global_step"] == 30
     events = read_timeline(str(timeline))
-    tensors = {e["pid"]: e["args"]["name"] for e in events
-               if e.get("name") == "process_name" and "name" in e.get("args", {})}
+    tensors = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("name") == "process_name" and "name" in e.get("args", {})
+    }
     grouped = sorted(t for t in tensors.values() if "GroupedAllreduce" in t)
     assert [t[-4:] for t in grouped] == [f"{i}of5" for i in range(1, 6)], tensors
-    negotiated = [tensors[e["pid"]] for e in events
-                  if e.get("ph") == "B" and e.get("name") == "NEGOTIATE_ALLREDUCE"]
+    negotiated = [
+        tensors[e["pid"]]
+        for e in events
+        if e.get("ph") == "B" and e.get("name") == "NEGOTIATE_ALLREDUCE"
+    ]
     assert [negotiated.count(t) for t in grouped] == [30] * 5
 
 

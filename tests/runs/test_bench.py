@@ -2,6 +2,7 @@
 
 No assertion is on a timing: the machine may be busy; only shapes and formulas are checked.
 """
+
 import json
 import os
 import shlex
@@ -12,30 +13,43 @@ import pytest
 from conftest import ROOT, clean_env, run
 from docs_pages import block
 from hvdtrain import bench
-from hvdtrain.distributed import horovod_setup
 from hvdtrain.bench import cases, fit_cases, report
+from hvdtrain.distributed import horovod_setup
 
 
 @pytest.mark.quick
 def test_bus_bandwidth_is_nccl_tests_definition():
     assert bench.algbw(1e9, 0.5) == 2e9
-    assert bench.busbw(1e9, 0.5, 2) == pytest.approx(2e9)          # 2(n-1)/n = 1
-    assert bench.busbw(1e9, 1.0, 4) == pytest.approx(1.5e9)        # 2*3/4
+    assert bench.busbw(1e9, 0.5, 2) == pytest.approx(2e9)  # 2(n-1)/n = 1
+    assert bench.busbw(1e9, 1.0, 4) == pytest.approx(1.5e9)  # 2*3/4
     assert bench.busbw(1e9, 1.0, 1) == 0.0
 
 
 @pytest.mark.quick
 def test_table_and_acceptance():
     text = report.table(["a", "b"], [(1, 2.5), ("x", None), (3, 12345.6)])
-    assert text.splitlines() == ["| a | b |", "| --- | --- |", "| 1 | 2.5 |", "| x | - |",
-                                 "| 3 | 12,346 |"]
+    assert text.splitlines() == [
+        "| a | b |",
+        "| --- | --- |",
+        "| 1 | 2.5 |",
+        "| x | - |",
+        "| 3 | 12,346 |",
+    ]
     s = {"a": 100.0, "b": 99.0, "b1": 70.0, "c": 114.0, "d": 80.0}
-    results = {"machine": "m", "throughput": {"epochs": 3, "repeats": 1, "variants": cases.VARIANTS,
-               "rows": [{"model": "mlp-1024", "global_batch": 64, "samples_per_sec": s,
-                         "step_ms": {}}]}}
+    results = {
+        "machine": "m",
+        "throughput": {
+            "epochs": 3,
+            "repeats": 1,
+            "variants": cases.VARIANTS,
+            "rows": [
+                {"model": "mlp-1024", "global_batch": 64, "samples_per_sec": s, "step_ms": {}}
+            ],
+        },
+    }
     checks = {c[0]: c for c in report.acceptance(results)}
     assert checks["(b)/(a) throughput"][2:] == (0.99, 0.97, True)
-    assert checks["(c)/(d) throughput"][4] is True                 # 1.425
+    assert checks["(c)/(d) throughput"][4] is True  # 1.425
     assert checks["(c) / 2x(b, 1 thread): scaling efficiency"][4] is False  # 114 / 140
     assert "| mlp-1024 | 64 |" in report.markdown(results, "cmd")
 
@@ -43,22 +57,30 @@ def test_table_and_acceptance():
 @pytest.mark.quick
 def test_timeline_summary(tmp_path):
     path = tmp_path / "t.json"
-    path.write_text('[{"ph": "B", "name": "NEGOTIATE", "ts": 0, "pid": 1},'
-                    '{"ph": "E", "ts": 1500, "pid": 1},'
-                    '{"ph": "B", "name": "ALLREDUCE", "ts": 2000, "pid": 1},'
-                    '{"ph": "E", "ts": 2500, "pid": 1},')  # unterminated, as Horovod leaves it
+    path.write_text(
+        '[{"ph": "B", "name": "NEGOTIATE", "ts": 0, "pid": 1},'
+        '{"ph": "E", "ts": 1500, "pid": 1},'
+        '{"ph": "B", "name": "ALLREDUCE", "ts": 2000, "pid": 1},'
+        '{"ph": "E", "ts": 2500, "pid": 1},'
+    )  # unterminated, as Horovod leaves it
     summary = cases.summarize_timeline(str(path))
     assert summary["seconds"] == {"NEGOTIATE": 0.0015, "ALLREDUCE": 0.0005}
 
 
 @pytest.mark.quick
 def test_timeline_rounds_count_a_group_once(tmp_path):
-    events = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
-              for p, n in ((1, "while/HorovodGroupedAllreduce_g_1of2"),
-                           (2, "while/HorovodGroupedAllreduce_g_2of2"), (3, "HorovodAllreduce"))]
+    events = [
+        {"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
+        for p, n in (
+            (1, "while/HorovodGroupedAllreduce_g_1of2"),
+            (2, "while/HorovodGroupedAllreduce_g_2of2"),
+            (3, "HorovodAllreduce"),
+        )
+    ]
     for step in range(5):  # five steps of a two-tensor group, one lone allreduce
-        events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 10 * step, "pid": p}
-                   for p in (1, 2)]
+        events += [
+            {"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 10 * step, "pid": p} for p in (1, 2)
+        ]
         if step == 2:  # an epoch's metric sums between steps: a training round
             events.append({"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 25, "pid": 3})
     events.append({"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 99, "pid": 3})  # the end's
@@ -66,21 +88,46 @@ def test_timeline_rounds_count_a_group_once(tmp_path):
     path.write_text(json.dumps(events))
     summary = cases.summarize_timeline(str(path))
     assert (summary["allreduce_rounds"], summary["training_rounds"]) == (7, 6)
-    results = {"machine": "m", "timeline": {"model": "softmax", "global_batch": 8, "steps": 5,
-               "epochs": 1, "allreduce_rounds": 7, "training_rounds": 6, "seconds": {},
-               "counts": {}}}
+    results = {
+        "machine": "m",
+        "timeline": {
+            "model": "softmax",
+            "global_batch": 8,
+            "steps": 5,
+            "epochs": 1,
+            "allreduce_rounds": 7,
+            "training_rounds": 6,
+            "seconds": {},
+            "counts": {},
+        },
+    }
     (check,) = report.acceptance(results)
     assert check[2:] == (1.2, 1.05, False)
 
 
 @pytest.mark.quick
 def test_steps_per_call_report():
-    steps = {"global_batch": 256, "epochs": 3, "repeats": 1, "values": [1, 16, 0],
-             "rows": [{"model": "softmax", "variant": "c",
-                       "samples_per_sec": {"1": 100.0, "16": 250.0, "0": 300.0}}]}
-    text = report.markdown({"machine": "m", "steps": steps,
-                            "core_speed": {"matmul_gflops": 50.0, "python_mops": 30.0,
-                                           "copy_gbps": 10.0}}, "cmd")
+    steps = {
+        "global_batch": 256,
+        "epochs": 3,
+        "repeats": 1,
+        "values": [1, 16, 0],
+        "rows": [
+            {
+                "model": "softmax",
+                "variant": "c",
+                "samples_per_sec": {"1": 100.0, "16": 250.0, "0": 300.0},
+            }
+        ],
+    }
+    text = report.markdown(
+        {
+            "machine": "m",
+            "steps": steps,
+            "core_speed": {"matmul_gflops": 50.0, "python_mops": 30.0, "copy_gbps": 10.0},
+        },
+        "cmd",
+    )
     assert "| model | processes | 1 | 16 | auto | auto/1 |" in text
     assert "| softmax | 2 | 100 | 250 | 300 | 3 |" in text
     assert "matmul 50.0 GFLOP/s" in text
@@ -91,19 +138,25 @@ def test_horovod_defaults_respect_the_user(monkeypatch):
     monkeypatch.setattr(horovod_setup, "usable_cores", lambda: 2)
     environ = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "2"}
     assert horovod_setup._horovod_defaults(environ) == {
-        "HOROVOD_CYCLE_TIME": "0.1", "OMPI_MCA_mpi_yield_when_idle": "1",
-        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "600"}
+        "HOROVOD_CYCLE_TIME": "0.1",
+        "OMPI_MCA_mpi_yield_when_idle": "1",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "600",
+    }
     # One rank: Horovod's own 1 ms cycle (a 0.1 ms one only steals the compute threads' time).
     assert "HOROVOD_CYCLE_TIME" not in horovod_setup._horovod_defaults({})
     assert horovod_setup._horovod_defaults({"HOROVOD_ELASTIC": "1"})["HOROVOD_CYCLE_TIME"] == "0.1"
-    user = {"HOROVOD_CYCLE_TIME": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
-            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}
+    user = {
+        "HOROVOD_CYCLE_TIME": "5",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0",
+    }
     assert horovod_setup._horovod_defaults(user) == {} and user["HOROVOD_CYCLE_TIME"] == "5"
 
 
 def bench_plan(command):
     """The bench's reading of a printed ``python -m hvdtrain.bench ...`` command line."""
     from hvdtrain.bench.__main__ import plan
+
     words = shlex.split(command)
     assert words[:3] == ["python", "-m", "hvdtrain.bench"], command
     return plan(words[3:])
@@ -115,18 +168,25 @@ def test_the_performance_pages_commands_run_the_cases_they_say():
     line: the cases, the level and the output directory the page says (running them takes
     from minutes to an hour; the --smoke runs below run each case)."""
     from hvdtrain.bench.__main__ import CASES, QUICK_CASES
-    everything, quick, one = block("performance/reproduce.md",
-                                   "python -m hvdtrain.bench --out bench-out").commands()
+
+    everything, quick, one = block(
+        "performance/reproduce.md", "python -m hvdtrain.bench --out bench-out"
+    ).commands()
     assert (bench_plan(everything).chosen, bench_plan(everything).level) == (list(CASES), "full")
     assert (bench_plan(quick).chosen, bench_plan(quick).level) == (list(QUICK_CASES), "quick")
     assert bench_plan(one).chosen == ["keras_speed"] and bench_plan(one).level == "full"
-    pages = {"index.md": list(CASES), "suite.md": list(CASES),
-             "input-pipelines.md": ["pipeline"],
-             "keras-paths.md": ["keras_speed"]}
-    held = [block("performance/index.md", "python -m hvdtrain.bench --out bench-out"),
-            block("performance/suite.md", "python -m hvdtrain.bench --out bench-out"),
-            block("performance/input-pipelines.md", "python -m hvdtrain.bench --cases pipeline"),
-            block("performance/keras-paths.md", "python -m hvdtrain.bench --cases keras_speed")]
+    pages = {
+        "index.md": list(CASES),
+        "suite.md": list(CASES),
+        "input-pipelines.md": ["pipeline"],
+        "keras-paths.md": ["keras_speed"],
+    }
+    held = [
+        block("performance/index.md", "python -m hvdtrain.bench --out bench-out"),
+        block("performance/suite.md", "python -m hvdtrain.bench --out bench-out"),
+        block("performance/input-pipelines.md", "python -m hvdtrain.bench --cases pipeline"),
+        block("performance/keras-paths.md", "python -m hvdtrain.bench --cases keras_speed"),
+    ]
     for page_block in held:
         (command,) = page_block.commands()
         args = bench_plan(command)
@@ -143,10 +203,23 @@ def smoke(tmp_path_factory):
     sparse): the bench's own start and machine figures once for the four tests below."""
     tmp = tmp_path_factory.mktemp("smoke")
     out = tmp / "out"
-    proc = run([sys.executable, "-m", "hvdtrain.bench", "--smoke", "--cases",
-                "allreduce,keras_speed,pipeline,sparse", "--sizes", "4096,65536", "--out",
-                str(out)],
-               clean_env(tmp / "home"), timeout=900, cwd=ROOT)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "hvdtrain.bench",
+            "--smoke",
+            "--cases",
+            "allreduce,keras_speed,pipeline,sparse",
+            "--sizes",
+            "4096,65536",
+            "--out",
+            str(out),
+        ],
+        clean_env(tmp / "home"),
+        timeout=900,
+        cwd=ROOT,
+    )
     return proc, out
 
 
@@ -167,11 +240,16 @@ def test_tiny_allreduce_case_through_the_real_launchers(smoke):
 @pytest.mark.quick
 def test_fit_case_report():
     """The fit case's section: every variant's samples/s and the ratios, side by side."""
-    fit = {"ranks": 2, "batch_per_rank": 64, "hidden_units": 256, "repeats": 1, "epochs": 3,
-           "samples_per_sec": {"hk_k3": 900.0, "hk_k2": 1100.0, "hvd_k2": 1000.0,
-                               "hvd_k3": 800.0},
-           "ratios": {"hk_k3/hvd_k3": 1.125, "hk_k3/hvd_k2": 0.9, "hk_k2/hvd_k2": 1.1},
-           "variants": {k: v[0] for k, v in fit_cases.FIT_VARIANTS.items()}}
+    fit = {
+        "ranks": 2,
+        "batch_per_rank": 64,
+        "hidden_units": 256,
+        "repeats": 1,
+        "epochs": 3,
+        "samples_per_sec": {"hk_k3": 900.0, "hk_k2": 1100.0, "hvd_k2": 1000.0, "hvd_k3": 800.0},
+        "ratios": {"hk_k3/hvd_k3": 1.125, "hk_k3/hvd_k2": 0.9, "hk_k2/hvd_k2": 1.1},
+        "variants": {k: v[0] for k, v in fit_cases.FIT_VARIANTS.items()},
+    }
     text = report.markdown({"machine": "m", "fit": dict(fit, counts=fit_cases.FIT_COUNTS)}, "cmd")
     assert fit_cases.FIT_COUNTS in text and "inside the timed epoch" in text
     assert "| hvdtrain.keras fit, Keras 3 | 900 |" in text
@@ -182,13 +260,30 @@ def test_fit_case_report():
 
 def _tta(walls):
     """A tta result: the four variants' process walls (b, c, d, k), 8 s of training each."""
-    rows = {v: {"label": label, "does": does, "seconds": 5.0, "epochs": 3, "wall": w,
-                "train_seconds": 8.0, "accuracy": {}}
-            for (v, (label, does)), w in zip(cases.TTA_VARIANTS.items(), walls)}
-    return {"target": 0.8, "global_batch": 512, "model": "softmax", "lr": 0.5,
-            "max_epochs": 4, "rows": rows,
-            "wall_ratios": {"c/d": rows["c"]["wall"] / rows["d"]["wall"],
-                            "b/k": rows["b"]["wall"] / rows["k"]["wall"]}}
+    rows = {
+        v: {
+            "label": label,
+            "does": does,
+            "seconds": 5.0,
+            "epochs": 3,
+            "wall": w,
+            "train_seconds": 8.0,
+            "accuracy": {},
+        }
+        for (v, (label, does)), w in zip(cases.TTA_VARIANTS.items(), walls)
+    }
+    return {
+        "target": 0.8,
+        "global_batch": 512,
+        "model": "softmax",
+        "lr": 0.5,
+        "max_epochs": 4,
+        "rows": rows,
+        "wall_ratios": {
+            "c/d": rows["c"]["wall"] / rows["d"]["wall"],
+            "b/k": rows["b"]["wall"] / rows["k"]["wall"],
+        },
+    }
 
 
 @pytest.mark.quick
@@ -198,9 +293,16 @@ def test_tta_process_wall_rows_and_table():
     where = "softmax, 4 epochs and the test set"
     checks = {c[0]: c for c in report.acceptance({"tta": _tta([12.0, 16.0, 20.0, 12.0])})}
     assert checks["process wall: hvdtrain 2 processes / MWMS 2 workers"][1:] == (
-        where, 0.8, 0.8, True)
+        where,
+        0.8,
+        0.8,
+        True,
+    )
     assert checks["process wall: hvdtrain 1 process / plain Keras 1 process"][2:] == (
-        1.0, 1.0, True)
+        1.0,
+        1.0,
+        True,
+    )
     worse = {c[0]: c[4] for c in report.acceptance({"tta": _tta([12.1, 16.1, 20.0, 12.0])})}
     assert not worse["process wall: hvdtrain 2 processes / MWMS 2 workers"]
     assert not worse["process wall: hvdtrain 1 process / plain Keras 1 process"]
@@ -217,20 +319,41 @@ def test_tta_process_wall_rows_and_table():
 
 
 def _keras_speed(hk_k2=90.0, task=300.0, nosync=100.0, share=0.01, pair=None):
-    s = {"hk_k2_spe1": hk_k2, "hvd_k2_spe1": 100.0, "hvd_arrays_k2_spe1": 80.0,
-         "hk_k3_spe1": 70.0, "task_k3": task, "keras_k3": 200.0,
-         "bn_sync": 100.0, "bn_nosync": nosync}
-    ratios = {"fit_k2_spe1": s["hk_k2_spe1"] / max(s["hvd_k2_spe1"], s["hvd_arrays_k2_spe1"]),
-              "fit_k3_spe1": s["hk_k3_spe1"] / max(s["hvd_k2_spe1"], s["hvd_arrays_k2_spe1"]),
-              "task1_k3": s["task_k3"] / s["keras_k3"],
-              "bn_sync_cost": s["bn_nosync"] / s["bn_sync"] - 1, "bn_sync_share": share}
+    s = {
+        "hk_k2_spe1": hk_k2,
+        "hvd_k2_spe1": 100.0,
+        "hvd_arrays_k2_spe1": 80.0,
+        "hk_k3_spe1": 70.0,
+        "task_k3": task,
+        "keras_k3": 200.0,
+        "bn_sync": 100.0,
+        "bn_nosync": nosync,
+    }
+    ratios = {
+        "fit_k2_spe1": s["hk_k2_spe1"] / max(s["hvd_k2_spe1"], s["hvd_arrays_k2_spe1"]),
+        "fit_k3_spe1": s["hk_k3_spe1"] / max(s["hvd_k2_spe1"], s["hvd_arrays_k2_spe1"]),
+        "task1_k3": s["task_k3"] / s["keras_k3"],
+        "bn_sync_cost": s["bn_nosync"] / s["bn_sync"] - 1,
+        "bn_sync_share": share,
+    }
     paired = {}
     if pair is not None:  # the paired launches' epoch ratios (results before them had none)
         paired = {"pair_k3_spe1": pair}
         ratios["pair_k3_spe1"] = sorted(pair)[len(pair) // 2]  # odd counts: the median
-    return {"global_batch": 256, "ranks": 2, "epochs": 5, "repeats": 2, "spes": [1],
-            "kerases": ["k3"], "bn_units": 1024, "bn_every": 100, "samples_per_sec": s,
-            "ratios": ratios, "pair_epochs": 30, "paired": paired}
+    return {
+        "global_batch": 256,
+        "ranks": 2,
+        "epochs": 5,
+        "repeats": 2,
+        "spes": [1],
+        "kerases": ["k3"],
+        "bn_units": 1024,
+        "bn_every": 100,
+        "samples_per_sec": s,
+        "ratios": ratios,
+        "pair_epochs": 30,
+        "paired": paired,
+    }
 
 
 @pytest.mark.quick
@@ -238,11 +361,15 @@ def test_keras_speed_acceptance_rows_and_tables():
     """Issue 17's three targets, each with its threshold and direction, at their edges."""
     results = {"machine": "m", "keras_speed": _keras_speed(nosync=106.0)}
     checks = {(c[0], c[1]): c for c in report.acceptance(results)}
-    fit = checks["fit path, 2 processes: hk.fit / Horovod's Keras fit (tf_keras)",
-                 "softmax, batch 256, tf_keras, steps_per_execution 1"]
+    fit = checks[
+        "fit path, 2 processes: hk.fit / Horovod's Keras fit (tf_keras)",
+        "softmax, batch 256, tf_keras, steps_per_execution 1",
+    ]
     assert fit[2:] == (0.9, 1.0, False)  # 90 against Horovod's faster input (100, not 80)
-    task = checks["Task path, 1 process / one-process Keras fit, steps_per_execution 64",
-                  "softmax, batch 256, Keras 3"]
+    task = checks[
+        "Task path, 1 process / one-process Keras fit, steps_per_execution 64",
+        "softmax, batch 256, Keras 3",
+    ]
     assert task[2:] == (1.5, 1.0, True)
     share, bn = [c for k, c in checks.items() if k[0].startswith("BN sync")]
     assert share[2:] == (0.01, 0.05, True)
@@ -251,8 +378,12 @@ def test_keras_speed_acceptance_rows_and_tables():
     assert "| 2 processes, steps_per_execution 1 | 90 | 70 | 100 | 80 | 0.9 | 0.7 |" in text
     assert "| Keras 3 | 300 | 200 | 1.5 |" in text
     assert "<= 0.05 | **no** |" in text
-    edge = [c[4] for c in report.acceptance(
-        {"keras_speed": _keras_speed(hk_k2=100.0, task=200.0, nosync=104.9, share=0.05)})]
+    edge = [
+        c[4]
+        for c in report.acceptance(
+            {"keras_speed": _keras_speed(hk_k2=100.0, task=200.0, nosync=104.9, share=0.05)}
+        )
+    ]
     assert edge == [True, True, True, True]  # exactly 1.0 holds, 5 % holds; 4.9 % holds
     assert not report.acceptance({"keras_speed": _keras_speed(nosync=105.1)})[-1][4]
 
@@ -265,8 +396,9 @@ def test_keras_speed_paired_fits_row_and_table():
     row = "fit path, 2 processes, epochs paired in the same processes: hk.fit / Horovod's Keras fit"
     where = "softmax, batch 256, Keras 3, steps_per_execution 1"
     for pair, median, holds, line in (
-            ([0.9, 1.2, 1.0], 1.0, True, "| 3 | 0.9 | 1 | 1.2 |"),
-            ([1.3, 0.99, 0.8], 0.99, False, "| 3 | 0.8 | 0.99 | 1.3 |")):
+        ([0.9, 1.2, 1.0], 1.0, True, "| 3 | 0.9 | 1 | 1.2 |"),
+        ([1.3, 0.99, 0.8], 0.99, False, "| 3 | 0.8 | 0.99 | 1.3 |"),
+    ):
         results = {"machine": "m", "keras_speed": _keras_speed(pair=pair)}
         checks = {(c[0], c[1]): c for c in report.acceptance(results)}
         assert checks[row, where][2:] == (median, 1.0, holds)
@@ -288,8 +420,16 @@ def test_keras_speed_case_through_the_real_launchers(smoke):
     assert results["level"] == "smoke"
     ks = results["keras_speed"]
     assert set(ks["samples_per_sec"]) == {
-        "hk_k2_spe8", "hvd_k2_spe8", "hvd_arrays_k2_spe8", "hk_k3_spe8", "pair_k3_spe8",
-        "task_k3", "keras_k3", "bn_sync", "bn_nosync"}
+        "hk_k2_spe8",
+        "hvd_k2_spe8",
+        "hvd_arrays_k2_spe8",
+        "hk_k3_spe8",
+        "pair_k3_spe8",
+        "task_k3",
+        "keras_k3",
+        "bn_sync",
+        "bn_nosync",
+    }
     # the paired launch: 3 epochs of each fit, so 2 pairs after the first, their median
     pairs = ks["paired"]["pair_k3_spe8"]
     assert len(pairs) == 2 and all(v > 0 for v in pairs)
@@ -298,19 +438,32 @@ def test_keras_speed_case_through_the_real_launchers(smoke):
     s = ks["samples_per_sec"]
     assert ks["ratios"]["task1_k3"] == pytest.approx(s["task_k3"] / s["keras_k3"])
     text = (out / "results.md").read_text()
-    for target in ("hk.fit / Horovod's Keras fit", "epochs paired in the same processes",
-                   "Task path, 1 process", "BN sync"):
+    for target in (
+        "hk.fit / Horovod's Keras fit",
+        "epochs paired in the same processes",
+        "Task path, 1 process",
+        "BN sync",
+    ):
         assert target in text
     assert 0 < ks["ratios"]["bn_sync_share"] < 1  # the sync ran and was timed
 
 
 def _pipeline(tfrecord=90.0, hk_mwms=130.0):
     s = {"hk_arrays": 100.0, "hk_tfrecord": tfrecord, "mwms_tfrecord": tfrecord * 100 / hk_mwms}
-    return {"batch_per_rank": 64, "ranks": 2, "epochs": 3, "repeats": 1, "files": 8,
-            "hidden_units": 256, "samples_per_sec": s,
-            "ratios": {"tfrecord/arrays": s["hk_tfrecord"] / s["hk_arrays"],
-                       "hk/mwms": s["hk_tfrecord"] / s["mwms_tfrecord"]},
-            "variants": dict(fit_cases.PIPELINE_VARIANTS)}
+    return {
+        "batch_per_rank": 64,
+        "ranks": 2,
+        "epochs": 3,
+        "repeats": 1,
+        "files": 8,
+        "hidden_units": 256,
+        "samples_per_sec": s,
+        "ratios": {
+            "tfrecord/arrays": s["hk_tfrecord"] / s["hk_arrays"],
+            "hk/mwms": s["hk_tfrecord"] / s["mwms_tfrecord"],
+        },
+        "variants": dict(fit_cases.PIPELINE_VARIANTS),
+    }
 
 
 @pytest.mark.quick
@@ -346,6 +499,7 @@ def test_pipeline_case_through_the_real_launchers(smoke):
     assert [p.name for p in shards] == [f"train-{i:02d}-of-08.tfrecord" for i in range(8)]
     # every one of the sample's 4,000 training digits went into the files, once
     import tensorflow as tf
+
     assert sum(1 for p in shards for _ in tf.data.TFRecordDataset(str(p))) == 4000
     text = (out / "results.md").read_text()
     assert "TFRecord files through tf.data / arrays in memory" in text
@@ -366,22 +520,32 @@ def test_sparse_case_through_the_real_launchers(smoke):
     assert dense["samples_per_sec"] > 0, sp
     assert sp["ratios"]["bytes dense/gathered"] > 50, sp
     assert "An Embedding's sparse gradient, 2 processes" in (out / "results.md").read_text()
+
+
 def _timeline_events(steps, tensors, ready_gap_us, reduce_us):
     """A Horovod timeline of ``steps`` steps of ``tensors`` gradients each (one pid per
     tensor): tensor i ready ``ready_gap_us`` after tensor i-1, each reduced for ``reduce_us``
     from its readiness, its output 1,000 x (i + 1) float32; plus one broadcast at the start
     (a pid negotiated once)."""
-    events = [{"ph": "B", "name": "NEGOTIATE_BROADCAST", "ts": 0, "pid": 99},
-              {"ph": "E", "ts": 5, "pid": 99}]
+    events = [
+        {"ph": "B", "name": "NEGOTIATE_BROADCAST", "ts": 0, "pid": 99},
+        {"ph": "E", "ts": 5, "pid": 99},
+    ]
     for step in range(steps):
         base = 10_000 * (step + 1)
         for t in range(tensors):
             ready = base + t * ready_gap_us
-            events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": ready - 50, "pid": t},
-                       {"ph": "E", "ts": ready, "pid": t},
-                       {"ph": "B", "name": "ALLREDUCE", "ts": ready, "pid": t},
-                       {"ph": "E", "ts": ready + reduce_us, "pid": t,
-                        "args": {"dtype": "FLOAT32", "shape": f"[{1000 * (t + 1)}]"}}]
+            events += [
+                {"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": ready - 50, "pid": t},
+                {"ph": "E", "ts": ready, "pid": t},
+                {"ph": "B", "name": "ALLREDUCE", "ts": ready, "pid": t},
+                {
+                    "ph": "E",
+                    "ts": ready + reduce_us,
+                    "pid": t,
+                    "args": {"dtype": "FLOAT32", "shape": f"[{1000 * (t + 1)}]"},
+                },
+            ]
     return events
 
 
@@ -391,11 +555,14 @@ def test_step_split_from_a_timeline(tmp_path):
     reduction's end (here the last tensor's 400 us); the earlier tensors' reductions overlap
     the later ones' readiness and count only in 'communication' (first start to last end)."""
     from hvdtrain.bench import model_cases
+
     path = tmp_path / "t.json"
     events = _timeline_events(steps=6, tensors=3, ready_gap_us=1000, reduce_us=400)
     for i in range(9):  # a run's own allreduce (metric sums, agreement), more often than steps
-        events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 90_000 + i, "pid": 50},
-                   {"ph": "E", "ts": 90_001 + i, "pid": 50}]
+        events += [
+            {"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 90_000 + i, "pid": 50},
+            {"ph": "E", "ts": 90_001 + i, "pid": 50},
+        ]
     # a 7th step whose reductions the timeline lost the ends of (it stops with the process)
     last = _timeline_events(steps=7, tensors=3, ready_gap_us=1000, reduce_us=400)[-12:]
     events += [e for e in last if not (e["ph"] == "E" and e["ts"] % 1000 == 400)]
@@ -412,25 +579,50 @@ def test_step_split_from_a_timeline(tmp_path):
 @pytest.mark.quick
 def test_models_section_reports_median_spread_and_efficiency():
     from hvdtrain.bench import model_cases
+
     runs = {v: [100.0, 120.0, 90.0] for v in model_cases.VARIANTS}
     runs["one"] = [60.0, 50.0, 55.0]
     median = {v: sorted(r)[1] for v, r in runs.items()}
-    row = {"model": "mlp", "batch_per_rank": 32, "ranks": 2, "parameters": 37_801_994,
-           "gradient_bytes": 151_207_976, "samples_per_sec": median,
-           "spread": {v: (min(r), max(r)) for v, r in runs.items()}, "all_runs": runs,
-           "efficiency": {v: median[v] / (2 * median["one"]) for v in median if v != "one"},
-           "step_split": {"task": {"step": 0.64, "compute": 0.58, "not_hidden": 0.04,
-                                   "rest": 0.02, "communication": 0.05, "tensors": 9,
-                                   "steps": 12}}}
-    row["paired"] = model_cases.paired(dict(runs, hvd_fit_best=[90.0, 150.0, 45.0]),
-                                       [("task", "hvd_fit_best")])
+    row = {
+        "model": "mlp",
+        "batch_per_rank": 32,
+        "ranks": 2,
+        "parameters": 37_801_994,
+        "gradient_bytes": 151_207_976,
+        "samples_per_sec": median,
+        "spread": {v: (min(r), max(r)) for v, r in runs.items()},
+        "all_runs": runs,
+        "efficiency": {v: median[v] / (2 * median["one"]) for v in median if v != "one"},
+        "step_split": {
+            "task": {
+                "step": 0.64,
+                "compute": 0.58,
+                "not_hidden": 0.04,
+                "rest": 0.02,
+                "communication": 0.05,
+                "tensors": 9,
+                "steps": 12,
+            }
+        },
+    }
+    row["paired"] = model_cases.paired(
+        dict(runs, hvd_fit_best=[90.0, 150.0, 45.0]), [("task", "hvd_fit_best")]
+    )
     assert row["paired"] == {"task/hvd_fit_best": (100 / 90, 0.8, 2.0)}  # per round, paired
-    models = {"size": "full", "steps": 6, "epochs": 3, "repeats": 3,
-              "variants": dict(model_cases.VARIANTS), "rows": [row]}
+    models = {
+        "size": "full",
+        "steps": 6,
+        "epochs": 3,
+        "repeats": 3,
+        "variants": dict(model_cases.VARIANTS),
+        "rows": [row],
+    }
     text = report.markdown({"machine": "m", "models": models}, "cmd")
     assert "| mlp | task/hvd_fit_best | 1.11 | 0.8 | 2 |" in text
-    assert ("| models, 2 processes, paired by round: task/hvd_fit_best | mlp, batch 32 per rank "
-            "| 1.11 | >= 1 | yes |") in text
+    assert (
+        "| models, 2 processes, paired by round: task/hvd_fit_best | mlp, batch 32 per rank "
+        "| 1.11 | >= 1 | yes |"
+    ) in text
     assert "median of 3 round-robin launches (least-most)" in text
     assert "| mlp | 32 | 151.2 | 55.0 (50.0-60.0) | 100.0 (90.0-120.0) |" in text
     assert "| mlp | 0.909 | 0.909 |" in text  # 100 / (2 x 55)
@@ -442,6 +634,7 @@ def test_models_case_and_projection_on_the_command_line(capsys):
     """--cases models with --models picks the models case's models; a bad one exits 2;
     ``project`` goes to the projection, which launches nothing."""
     from hvdtrain.bench.__main__ import MODELS, main, settings
+
     args = bench_plan("python -m hvdtrain.bench --cases models --models mlp,bert")
     assert (args.chosen, args.models) == (["models"], ["mlp", "bert"])
     assert bench_plan("python -m hvdtrain.bench --cases models").models == list(MODELS)
@@ -465,26 +658,45 @@ def test_the_models_pages_commands_and_projection_tables():
     from docs_pages import docs_text
     from hvdtrain.bench import projection
     from hvdtrain.bench.__main__ import MODELS
-    full, quick, mlp = (bench_plan(c) for c in block(
-        "performance/models.md", "python -m hvdtrain.bench --cases models").commands())
-    assert (full.chosen, full.level, full.models) == (["models", "models_np1"], "full",
-                                                      list(MODELS))
-    assert (quick.chosen, quick.level, quick.models) == (["models", "models_np1"], "quick",
-                                                         list(MODELS))
+
+    full, quick, mlp = (
+        bench_plan(c)
+        for c in block(
+            "performance/models.md", "python -m hvdtrain.bench --cases models"
+        ).commands()
+    )
+    assert (full.chosen, full.level, full.models) == (
+        ["models", "models_np1"],
+        "full",
+        list(MODELS),
+    )
+    assert (quick.chosen, quick.level, quick.models) == (
+        ["models", "models_np1"],
+        "quick",
+        list(MODELS),
+    )
     assert (mlp.chosen, mlp.level, mlp.models) == (["models"], "quick", ["mlp"])
-    every, one, yours, measured = (projection.plan(shlex.split(c)[4:]) for c in block(
-        "performance/models.md", "python -m hvdtrain.bench project").commands())
+    every, one, yours, measured = (
+        projection.plan(shlex.split(c)[4:])
+        for c in block("performance/models.md", "python -m hvdtrain.bench project").commands()
+    )
     assert len(every.models) == 3 and len(every.fabrics) == 5 and every.overlap == 0.5
     assert one.models == [projection.MODELS["resnet50"]] and one.overlap == 0
     assert (yours.models[0].compute, yours.models[0].gradient_bytes, yours.models[0].batch) == (
-        0.12, 100e6, 64)
+        0.12,
+        100e6,
+        64,
+    )
     assert measured.results == "bench-out/results.json"
     printed = projection.markdown(every.models, every.fabrics, every.overlap).splitlines()
     page = docs_text("performance/models.md")
-    section = page[page.index("## Projected scaling"):].splitlines()
+    section = page[page.index("## Projected scaling") :].splitlines()
     constants = section.index("| constant | value | kind |")
-    rows = [line for i, line in enumerate(section) if line.startswith("| ")
-            and not (constants <= i < section.index("", constants))]
+    rows = [
+        line
+        for i, line in enumerate(section)
+        if line.startswith("| ") and not (constants <= i < section.index("", constants))
+    ]
     assert len(rows) >= 30
     for line in rows:
         assert line in printed, line
@@ -500,11 +712,26 @@ def test_models_case_through_the_real_launchers(tmp_path):
     one-process comparison (models_np1: a plain Keras fit, the Task path, hk.fit, alone,
     under Keras 3 and tf_keras). Outside the smoke fixture: its 15 launches took 75 s here."""
     out = tmp_path / "out"
-    proc = run([sys.executable, "-m", "hvdtrain.bench", "--smoke", "--cases", "models,models_np1",
-                "--models", "mlp", "--out", str(out)], clean_env(tmp_path / "home"),
-               timeout=900, cwd=ROOT)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "hvdtrain.bench",
+            "--smoke",
+            "--cases",
+            "models,models_np1",
+            "--models",
+            "mlp",
+            "--out",
+            str(out),
+        ],
+        clean_env(tmp_path / "home"),
+        timeout=900,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     from hvdtrain.bench import model_cases
+
     (row,) = json.loads((out / "results.json").read_text())["models"]["rows"]
     assert row["model"] == "mlp" and row["ranks"] == 2
     # 64 -> 128 -> 128 -> 10, float32: the trainable variables' bytes
@@ -512,19 +739,23 @@ def test_models_case_through_the_real_launchers(tmp_path):
     assert set(row["samples_per_sec"]) == set(model_cases.VARIANTS)
     assert all(v > 0 for v in row["samples_per_sec"].values())
     assert row["efficiency"]["task"] == pytest.approx(
-        row["samples_per_sec"]["task"] / (2 * row["samples_per_sec"]["one"]))
+        row["samples_per_sec"]["task"] / (2 * row["samples_per_sec"]["one"])
+    )
     for variant in model_cases.TIMELINE_VARIANTS:  # each step's reductions seen and split
         split = row["step_split"][variant]
         assert split["tensors"] >= 6 and split["steps"] >= 3, split
         assert split["not_hidden"] >= 0 and split["communication"] > 0, split
-        assert split["rest"] == pytest.approx(split["step"] - split["compute"]
-                                              - split["not_hidden"])
+        assert split["rest"] == pytest.approx(
+            split["step"] - split["compute"] - split["not_hidden"]
+        )
     # each round's hvdtrain path against each Horovod reference, paired (1 round: least = most)
-    assert set(row["paired"]) == {f"{a}/{b}" for a in ("task", "hk_fit")
-                                  for b in model_cases.HOROVOD_REFERENCES}
+    assert set(row["paired"]) == {
+        f"{a}/{b}" for a in ("task", "hk_fit") for b in model_cases.HOROVOD_REFERENCES
+    }
     best = max(row["samples_per_sec"]["hvd_fit"], row["samples_per_sec"]["hvd_fit_tuned"])
     assert row["paired"]["task/hvd_fit_best"] == pytest.approx(
-        [row["samples_per_sec"]["task"] / best] * 3)
+        [row["samples_per_sec"]["task"] / best] * 3
+    )
     alone = json.loads((out / "results.json").read_text())["models_np1"]
     assert [(r["keras"], r["model"]) for r in alone["rows"]] == [("k3", "mlp"), ("k2", "mlp")]
     for r, keras in zip(alone["rows"], ("keras 3.", "tf_keras 2.")):
@@ -532,7 +763,8 @@ def test_models_case_through_the_real_launchers(tmp_path):
         assert set(r["samples_per_sec"]) == set(model_cases.ALONE)
         assert all(v > 0 for v in r["samples_per_sec"].values())
         assert r["paired"]["task/fit"][0] == pytest.approx(
-            r["samples_per_sec"]["task"] / r["samples_per_sec"]["fit"])
+            r["samples_per_sec"]["task"] / r["samples_per_sec"]["fit"]
+        )
     text = (out / "results.md").read_text()
     assert "### Models users train" in text and "one process, no launcher" in text
     assert "| models, 1 process, paired by round: hk_fit/fit | mlp, batch 8, tf_keras" in text

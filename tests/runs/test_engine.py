@@ -1,5 +1,6 @@
 """One run engine under both paths: the Task path and hk.fit leave the same run directory;
 the learning rate reaches a task once, scaled; --elastic without Horovod is one line."""
+
 import json
 import os
 import textwrap
@@ -97,9 +98,18 @@ def test_task_and_fit_write_the_same_run_directory(code, tmp_path):
     def listing(d):
         return sorted(n for n in os.listdir(d) if not n.startswith("."))
 
-    assert listing(task_dir) == listing(fit_dir) == [
-        "checkpoints", "config.json", "metrics.jsonl", "model.keras", "result.json",
-        "tensorboard"]
+    assert (
+        listing(task_dir)
+        == listing(fit_dir)
+        == [
+            "checkpoints",
+            "config.json",
+            "metrics.jsonl",
+            "model.keras",
+            "result.json",
+            "tensorboard",
+        ]
+    )
     assert keys(f"{task_dir}/config.json") == keys(f"{fit_dir}/config.json")
     task_result, fit_result = result(task_dir), result(fit_dir)
     assert set(task_result) - {"seen_learning_rate"} == set(fit_result)
@@ -119,13 +129,21 @@ def test_task_and_fit_write_the_same_run_directory(code, tmp_path):
     # (every 5 steps and each epoch end; the newest 3 kept).
     task_ckpts, fit_ckpts = (C.list_checkpoints(f"{d}/checkpoints") for d in (task_dir, fit_dir))
     assert [s for s, _ in task_ckpts] == [s for s, _ in fit_ckpts] == [32, 30, 25]
-    (task_meta, task_arrays), (fit_meta, fit_arrays) = C.read(task_ckpts[1][1]), C.read(
-        fit_ckpts[1][1])
+    (task_meta, task_arrays), (fit_meta, fit_arrays) = (
+        C.read(task_ckpts[1][1]),
+        C.read(fit_ckpts[1][1]),
+    )
     assert set(task_meta) == set(fit_meta)
-    assert (task_meta["epoch"], task_meta["offset"]) == (fit_meta["epoch"], fit_meta["offset"]) \
+    assert (
+        (task_meta["epoch"], task_meta["offset"])
+        == (fit_meta["epoch"], fit_meta["offset"])
         == (1, 14 * 16)
-    assert [v[0] for v in task_meta["variables"]][-1] == [v[0] for v in fit_meta["variables"]][
-        -1] == "metric_sums"
+    )
+    assert (
+        [v[0] for v in task_meta["variables"]][-1]
+        == [v[0] for v in fit_meta["variables"]][-1]
+        == "metric_sums"
+    )
     assert [a.shape for a in task_arrays[:-1]] == [a.shape for a in fit_arrays[:-1]]
 
 
@@ -134,14 +152,30 @@ def test_a_task_gets_the_scaled_learning_rate_once(code, tmp_path):
     the scaled rate; config.json keeps the flag's value."""
     env = env_with(code, tmp_path)
     run_dir = str(tmp_path / "r")
-    p = run([HOROVODRUN, "-np", "2", "--gloo", "python", "-m", "hvdtrain", "run",
-             "small_task:Small", "--scale-lr", "--learning-rate", "0.05", "--run-dir", run_dir],
-            env, timeout=240)
+    p = run(
+        [
+            HOROVODRUN,
+            "-np",
+            "2",
+            "--gloo",
+            "python",
+            "-m",
+            "hvdtrain",
+            "run",
+            "small_task:Small",
+            "--scale-lr",
+            "--learning-rate",
+            "0.05",
+            "--run-dir",
+            run_dir,
+        ],
+        env,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     r = result(run_dir)
     assert r["world_size"] == 2 and r["learning_rate"] == pytest.approx(0.1)
-    assert r["seen_learning_rate"] == {"argument": pytest.approx(0.1),
-                                       "config": pytest.approx(0.1)}
+    assert r["seen_learning_rate"] == {"argument": pytest.approx(0.1), "config": pytest.approx(0.1)}
     with open(f"{run_dir}/config.json") as f:
         config = json.load(f)
     assert config["learning_rate"] == 0.05 and config["scale_lr"] is True
@@ -158,12 +192,11 @@ def test_elastic_without_horovod_is_one_line(no_horovod, tmp_path):
 
 @pytest.mark.quick
 def test_run_elastic_of_a_world_without_horovod_is_a_launch_error():
-    from hvdtrain.distributed import World
     from hvdtrain.base.errors import LaunchError
+    from hvdtrain.distributed import World
 
     with pytest.raises(LaunchError, match="--elastic needs Horovod"):
         World().run_elastic([], lambda state: None, epoch=0)
-
 
 
 @pytest.mark.quick

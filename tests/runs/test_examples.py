@@ -1,13 +1,25 @@
 """The examples a user copies, run exactly as they are: examples/conv_task.py (the Task path)
 and the README's own-model example, alone and under horovodrun -np 2."""
+
 import os
 import signal
 
 import numpy as np
 import pytest
 
-from conftest import (ROOT, as_printed, default_run_dirs, finish, keras_flavour, rank_pids,
-                      result, run, script_cmd, start, wait_for)
+from conftest import (
+    ROOT,
+    as_printed,
+    default_run_dirs,
+    finish,
+    keras_flavour,
+    rank_pids,
+    result,
+    run,
+    script_cmd,
+    start,
+    wait_for,
+)
 from docs_pages import block
 
 CONV = os.path.join(ROOT, "examples", "conv_task.py")
@@ -25,8 +37,11 @@ def two(script, *args):
 def weights(run_dir):
     """The saved model's weights, loaded the way a user would (no hvdtrain)."""
     from hvdtrain.compat import keras
-    return [np.asarray(w) for w in
-            keras().models.load_model(os.path.join(run_dir, "model.keras")).get_weights()]
+
+    return [
+        np.asarray(w)
+        for w in keras().models.load_model(os.path.join(run_dir, "model.keras")).get_weights()
+    ]
 
 
 def assert_same_weights(a, b, atol):
@@ -77,8 +92,9 @@ def test_conv_task_resume_after_sigterm_equals_the_uninterrupted_run(env, tmp_pa
     proc = start(cmd, env)
     ckpts = run_dir / "checkpoints"
     assert wait_for(lambda: ckpts.exists() and os.listdir(ckpts), 120), "no checkpoint"
-    pids = wait_for(lambda: rank_pids(str(run_dir)) if len(rank_pids(str(run_dir))) == 2
-                    else None, 30)
+    pids = wait_for(
+        lambda: rank_pids(str(run_dir)) if len(rank_pids(str(run_dir))) == 2 else None, 30
+    )
     os.kill(pids[1], signal.SIGTERM)
     rc, out, err = finish(proc, 120)
     assert not (run_dir / "result.json").exists(), "finished before the SIGTERM"

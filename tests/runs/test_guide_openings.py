@@ -7,6 +7,7 @@ epoch; bfloat16 learns the weights to 1e-3 where float32 gets 1e-6, the ranks id
 task whose loss takes the model's output as it is: the pre-flight check must give it float32,
 as the step does); the faults page's, stopped by Ctrl-C after two epochs, exits 75 with the
 page's one line, and run again ends with the weights of a run never stopped."""
+
 import json
 import os
 import re
@@ -17,12 +18,15 @@ import pytest
 from conftest import as_printed, clean_env, finish, result, run, start, wait_for
 from docs_pages import block
 
-RESUME = block("guides/checkpoints.md",
-               "horovodrun -np 2 python -m hvdtrain.linear --batch-size 10 --epochs 2").commands()
-(BF16,) = block("guides/mixed-precision.md",
-                "horovodrun -np 2 python -m hvdtrain.linear --mixed-precision").commands()
-(STOP,) = block("guides/faults.md",
-                "horovodrun -np 2 python -m hvdtrain.linear --batch-size 1").commands()
+RESUME = block(
+    "guides/checkpoints.md", "horovodrun -np 2 python -m hvdtrain.linear --batch-size 10 --epochs 2"
+).commands()
+(BF16,) = block(
+    "guides/mixed-precision.md", "horovodrun -np 2 python -m hvdtrain.linear --mixed-precision"
+).commands()
+(STOP,) = block(
+    "guides/faults.md", "horovodrun -np 2 python -m hvdtrain.linear --batch-size 1"
+).commands()
 STOPPED = block("guides/faults.md", "python -m hvdtrain.linear: stopped by SIGTERM").text.strip()
 # The float32 run: the mixed-precision command at the default precision, 4 epochs, which is
 # also the uninterrupted run of the checkpoints page's second command.
@@ -41,8 +45,12 @@ def runs(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("openings")
     env = clean_env(cwd / "home")
     out = {}
-    for name, line in (("first", RESUME[0]), ("continued", RESUME[1]), ("bf16", BF16),
-                       ("whole", FLOAT32)):
+    for name, line in (
+        ("first", RESUME[0]),
+        ("continued", RESUME[1]),
+        ("bf16", BF16),
+        ("whole", FLOAT32),
+    ):
         p = run(as_printed(line), env, timeout=180, cwd=str(cwd))
         assert p.returncode == 0, (line, p.stderr[-3000:])
         out[name] = p
@@ -63,16 +71,21 @@ def test_the_checkpoints_pages_commands_continue_one_run(runs):
     epochs = [m["epoch"] for m in read(cwd / "runs" / "lin", "metrics.jsonl")]
     assert epochs == [1, 2, 3, 4]
     # the second command trained only epochs 3 and 4 (the linear task's "Epoch: 3  Step: 150")
-    said = [l.split("Epoch: ", 1)[1].split()[:3] for l in runs["continued"].stdout.splitlines()
-            if "Epoch: " in l]
+    said = [
+        l.split("Epoch: ", 1)[1].split()[:3]
+        for l in runs["continued"].stdout.splitlines()
+        if "Epoch: " in l
+    ]
     assert said == [["3", "Step:", "150"], ["4", "Step:", "200"]], said
 
 
 def test_the_mixed_precision_pages_command(runs):
     cwd = runs["cwd"]
     bf16, f32 = result(cwd / "runs" / "bf16"), result(cwd / "runs" / "whole")
-    settings = read(cwd / "runs" / "bf16", "config.json"), read(cwd / "runs" / "whole",
-                                                                 "config.json")
+    settings = (
+        read(cwd / "runs" / "bf16", "config.json"),
+        read(cwd / "runs" / "whole", "config.json"),
+    )
     assert [c["mixed_precision"] for c in settings] == ["bfloat16", "none"]
     assert bf16["ranks_identical"] is True and bf16["global_step"] == f32["global_step"] == 200
     truth = [0.1, 0.2, 0.3, 0.4]
@@ -105,8 +118,7 @@ def stopped(tmp_path_factory):
     first = dict(rc=rc, err=err, finished=(run_dir / "result.json").exists())
     again = run(as_printed(STOP), env, timeout=180, cwd=str(cwd))
     assert again.returncode == 0, again.stderr[-3000:]
-    whole = run(as_printed(STOP.replace("runs/stop", "runs/whole")), env, timeout=180,
-                cwd=str(cwd))
+    whole = run(as_printed(STOP.replace("runs/stop", "runs/whole")), env, timeout=180, cwd=str(cwd))
     assert whole.returncode == 0, whole.stderr[-3000:]
     return dict(first=first, cwd=cwd, run_dir=run_dir, again=again)
 
@@ -116,8 +128,11 @@ def test_ctrl_c_on_the_faults_pages_command_and_the_same_command_again(stopped):
     # horovodrun dies of the Ctrl-C itself (130 in a shell); the ranks' 75 is not its status
     assert first["rc"] == -signal.SIGINT and not first["finished"], first["err"][-3000:]
     said = [l for l in first["err"].splitlines() if "stopped by SIGTERM at step" in l]
-    pattern = re.escape(STOPPED).replace("3000", r"(\d+)").replace(
-        re.escape("/home/me/runs/stop"), re.escape(str(stopped["run_dir"])))
+    pattern = (
+        re.escape(STOPPED)
+        .replace("3000", r"(\d+)")
+        .replace(re.escape("/home/me/runs/stop"), re.escape(str(stopped["run_dir"])))
+    )
     steps = [int(m.group(1)) for l in said for m in [re.search(pattern + "$", l)] if m]
     assert len(steps) == 1, said  # one line, rank 0's
     assert 2 * 500 <= steps[0] < 100 * 500  # after epoch 2 (500 steps an epoch), before the end

@@ -9,6 +9,7 @@ asserts on its part. Then Horovod's two TF2 example
 scripts, in examples/, run with ``horovodrun -np 2``. The whole module runs in both passes of
 scripts/test.sh (``keras2``), and scripts/test_gpu_build.sh runs it on the GPU build's venv.
 """
+
 import json
 import os
 import re
@@ -16,8 +17,16 @@ import sys
 
 import pytest
 
-from conftest import (HOROVODRUN, KERAS2, ROOT, as_printed, checkout_like, clean_env,
-                      launch_example, run)
+from conftest import (
+    HOROVODRUN,
+    KERAS2,
+    ROOT,
+    as_printed,
+    checkout_like,
+    clean_env,
+    launch_example,
+    run,
+)
 from docs_pages import block
 
 pytestmark = [pytest.mark.keras2, pytest.mark.timeout(300)]
@@ -29,8 +38,7 @@ EXACT = 1e-6  # float32 arithmetic done in another order than Horovod's
 def probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe")
     env = clean_env(out / "home")
-    p = run([HOROVODRUN, "-np", "2", "--mpi", sys.executable, PROBE, str(out)], env,
-            timeout=240)
+    p = run([HOROVODRUN, "-np", "2", "--mpi", sys.executable, PROBE, str(out)], env, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(out / "probe.json") as f:
         return json.load(f)
@@ -183,10 +191,12 @@ def test_what_keras3_cannot_do_is_one_line(probe):
     assert r["adasum"] == "ValueError: op == Adasum is not supported yet with Keras"
     if not KERAS2:
         assert r["load_model_legacy_opts"].startswith(
-            "ValueError: load_model(legacy_opts=True): Keras 3 has no legacy optimizers")
+            "ValueError: load_model(legacy_opts=True): Keras 3 has no legacy optimizers"
+        )
         assert r["accumulation_twice"] == (
             "ValueError: backward_passes_per_step=2, but the SGD optimizer accumulates "
-            "gradient_accumulation_steps=3 already: set one of them")
+            "gradient_accumulation_steps=3 already: set one of them"
+        )
     for line in r.values():
         assert line is not None and "\n" not in line
 
@@ -198,8 +208,9 @@ def test_loss_scaling_reduces_before_the_check(probe):
     assert r["compile_kept"] == "LossScaleOptimizer" and r["steps"] == 4
     # rank 1's gradient alone is not finite: both ranks skip the step, the scale halves
     assert r["skipped_moved"] == 0.0 and r["scale_halved"] == 0.5 and r["ranks_equal"] == 0.0
-    assert r["refused"].startswith("DistributedOptimizer under a mixed_float16 policy: wrap the "
-                                   "loss-scale optimizer")
+    assert r["refused"].startswith(
+        "DistributedOptimizer under a mixed_float16 policy: wrap the loss-scale optimizer"
+    )
 
 
 def test_process_sets_static_and_dynamic(probe):
@@ -249,15 +260,22 @@ def printed(script):
     """The arguments of ``horovodrun -np 2 python examples/SCRIPT ...`` as its docstring
     prints it."""
     pattern = rf"^\s*horovodrun -np 2 python examples/{re.escape(script)}(.*)$"
-    return re.search(pattern, open(os.path.join(ROOT, "examples", script)).read(),
-                     re.M).group(1).split()
+    return (
+        re.search(pattern, open(os.path.join(ROOT, "examples", script)).read(), re.M)
+        .group(1)
+        .split()
+    )
 
 
 def test_gradient_tape_example(tmp_path):
     """examples/horovod_tf2_mnist.py, Horovod's GradientTape example, as printed, 2 ranks."""
     env = clean_env(tmp_path / "home")
-    p = run(launch_example(2, "horovod_tf2_mnist.py", *printed("horovod_tf2_mnist.py")), env,
-            timeout=240, cwd=tmp_path)
+    p = run(
+        launch_example(2, "horovod_tf2_mnist.py", *printed("horovod_tf2_mnist.py")),
+        env,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     losses = [float(v) for v in re.findall(r"Step #\d+\tLoss: ([0-9.]+)", p.stdout)]
     assert len(losses) == 2  # steps 0 and 10 of 12 per rank, printed by rank 0 only
@@ -269,8 +287,9 @@ def test_keras_fit_example_with_callbacks(tmp_path):
     """examples/horovod_keras_mnist.py as the Horovod scripts guide prints it, run as printed
     (its docstring prints the same): DistributedOptimizer and Horovod's callbacks in fit."""
     env = clean_env(tmp_path / "home")
-    line, = block("guides/horovod-scripts.md",
-                  "horovodrun -np 2 python examples/horovod_keras_mnist.py").commands()
+    (line,) = block(
+        "guides/horovod-scripts.md", "horovodrun -np 2 python examples/horovod_keras_mnist.py"
+    ).commands()
     words = as_printed(line)
     assert words[:5] == ["horovodrun", "-np", "2", "python", "examples/horovod_keras_mnist.py"]
     assert words[5:] == printed("horovod_keras_mnist.py")
@@ -295,18 +314,20 @@ def test_a_jit_compiled_keras_step_trains_without_xla(probe):
     assert len(r["said"]) == 1, r["said"]
     assert "Horovod's ops have no XLA kernels" in r["said"][0]
     # The Horovod scripts guide prints the line as it is.
-    assert block("guides/horovod-scripts.md", "horovod: jit_compile turned off").text == \
-        r["said"][0] + "\n"
+    assert (
+        block("guides/horovod-scripts.md", "horovod: jit_compile turned off").text
+        == r["said"][0] + "\n"
+    )
 
 
 def test_a_collective_in_a_users_xla_function_is_refused_in_one_line(probe):
     r = ok(probe, "jit_compiled_user_function")
-    for function, op in [("reduce_step", "horovod_allreduce"),
-                         ("tape_step", "horovod_allreduce")]:
+    for function, op in [("reduce_step", "horovod_allreduce"), ("tape_step", "horovod_allreduce")]:
         error = r["errors"][function]
         assert error is not None, f"{function} ran under XLA"
         assert error["type"] == "ValueError"
         assert error["message"] == (
             f"{op} in {function}, a function compiled with XLA (jit_compile=True): Horovod's "
-            f"ops have no XLA kernels; compile {function} with jit_compile=False")
+            f"ops have no XLA kernels; compile {function} with jit_compile=False"
+        )
     assert r["plain_sum"] == [3.0, 3.0]

@@ -4,6 +4,7 @@ its large mallocs then get transparent huge pages; a user's own hugetlb value, a
 HVDTRAIN_HUGETLB=0, are left alone. (Each launch script's own tests show that the ranks it
 starts have the tunable from it: test_quiet, test_scripts, test_multihost, test_slurm,
 test_k8s.)"""
+
 import json
 import re
 import sys
@@ -40,14 +41,19 @@ def ranks(tmp_path, **extra):
     {pid: GLIBC_TUNABLES of each start}), all on this host."""
     (tmp_path / "hvdtrain_rank.py").write_text(RANK)
     env = rank_env.logging(clean_env(tmp_path / "home", **extra), tmp_path)
-    p = run([HOROVODRUN, "-np", "2", sys.executable, str(tmp_path / "hvdtrain_rank.py")],
-            env, timeout=120)
+    p = run(
+        [HOROVODRUN, "-np", "2", sys.executable, str(tmp_path / "hvdtrain_rank.py")],
+        env,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     # (mpirun tags each write: the line's newline may come tagged on its own)
     reports = [json.loads(m) for m in re.findall(r'<stdout>:(\{"rank".*?\})', p.stdout)]
     assert len(reports) == 2, p.stdout + p.stderr[-3000:]
-    return ({r["rank"]: r for r in reports},
-            {pid: v for (_, pid), v in rank_env.starts(tmp_path).items()})
+    return (
+        {r["rank"]: r for r in reports},
+        {pid: v for (_, pid), v in rank_env.starts(tmp_path).items()},
+    )
 
 
 @pytest.mark.quick
@@ -67,8 +73,10 @@ def test_each_rank_starts_again_with_huge_pages(tmp_path):
 def test_a_users_own_value_and_the_off_switch_are_kept(tmp_path):
     """GLIBC_TUNABLES=glibc.malloc.hugetlb=0 (the user's): no re-exec, the value kept, no huge
     pages; HVDTRAIN_HUGETLB=0: no re-exec, nothing set."""
-    for extra, want in (({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "glibc.malloc.hugetlb=0"),
-                        ({"HVDTRAIN_HUGETLB": "0"}, None)):
+    for extra, want in (
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "glibc.malloc.hugetlb=0"),
+        ({"HVDTRAIN_HUGETLB": "0"}, None),
+    ):
         d = tmp_path / next(iter(extra))
         d.mkdir()
         reports, starts = ranks(d, **extra)

@@ -2,6 +2,7 @@
 printed on two processes; the printed first line and result.json say the per-process batch,
 the global batch and the scaled learning rate the page states; the warm-up Task trains and
 its schedule starts at one process's rate and reaches the scaled one after two epochs."""
+
 import importlib.util
 import json
 
@@ -11,7 +12,9 @@ from conftest import as_printed, clean_env, run
 from docs_pages import block
 
 PAGE = "guides/hyperparameters.md"
-(LINEAR,) = block("guides/hyperparameters.md", "horovodrun -np 2 python -m hvdtrain.linear").commands()
+(LINEAR,) = block(
+    "guides/hyperparameters.md", "horovodrun -np 2 python -m hvdtrain.linear"
+).commands()
 FIRST_LINE = block("guides/hyperparameters.md", "hvdtrain: linear on 2 processes").text.strip()
 WARMUP = block("guides/hyperparameters.md", "import hvdtrain\n")
 (WARMUP_RUN,) = block("guides/hyperparameters.md", "horovodrun -np 2 python warmup.py").commands()
@@ -32,8 +35,11 @@ def result(path):
 def test_the_global_batch_and_the_scaled_learning_rate(folder):
     p = run(as_printed(LINEAR), clean_env(folder / "home"), timeout=180, cwd=str(folder))
     assert p.returncode == 0, p.stderr[-3000:]
-    first = [l.split(":", 1)[1] if l.startswith("[") else l
-             for l in p.stdout.splitlines() if "hvdtrain: linear on" in l]
+    first = [
+        l.split(":", 1)[1] if l.startswith("[") else l
+        for l in p.stdout.splitlines()
+        if "hvdtrain: linear on" in l
+    ]
     # The page shows the run directory as it is printed, absolute: under /home/me.
     assert [l.replace(str(folder), "/home/me") for l in first] == [FIRST_LINE], first
     r = result(folder / "runs" / "hp")
@@ -61,6 +67,7 @@ def test_the_warm_up_schedule_is_the_pages(folder, monkeypatch):
 
     class Two:
         rank, size = 0, 2
+
     monkeypatch.setattr(hvdtrain, "world", lambda: Two())
     opt = module.Warmup().build_optimizer(Config(epochs=6, batch_size=64), 0.01)
     rates = {}

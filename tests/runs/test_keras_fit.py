@@ -2,6 +2,7 @@
 
 Small dense model, bundled MNIST sample, few epochs: each test bounds its processes' time.
 """
+
 import json
 import math
 import os
@@ -10,8 +11,19 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import (ROOT, as_printed, checkout_like, finish, launch_example, rank_pids, result,
-                      run, script_cmd, start, wait_for)
+from conftest import (
+    ROOT,
+    as_printed,
+    checkout_like,
+    finish,
+    launch_example,
+    rank_pids,
+    result,
+    run,
+    script_cmd,
+    start,
+    wait_for,
+)
 from docs_pages import block, docs_text
 from hvdtrain.engine import checkpoint_file as C
 
@@ -53,8 +65,21 @@ def test_example_two_ranks_and_one_identical_weights_and_run_dir(env, tmp_path):
             assert source.count("jit_compile=False") == 1
             script = tmp_path / "keras_fit_mnist_xla.py"
             script.write_text(source.replace("jit_compile=False", "jit_compile=True"))
-            proc = run(script_cmd(2, str(script), *DENSE, "--run-dir", run_dir, "--epochs",
-                                  epochs, "--batch-size", batch), env, 150)
+            proc = run(
+                script_cmd(
+                    2,
+                    str(script),
+                    *DENSE,
+                    "--run-dir",
+                    run_dir,
+                    "--epochs",
+                    epochs,
+                    "--batch-size",
+                    batch,
+                ),
+                env,
+                150,
+            )
         else:  # its defaults: a batch of 128, run dir runs/keras_fit_mnist
             cwd = checkout_like(tmp_path / "np1")
             proc = run(as_printed(one), env, 150, cwd=str(cwd))
@@ -81,7 +106,9 @@ def test_the_readme_two_process_fit_command_as_printed(env, tmp_path):
     """The README's (and the Keras fit guide's) first fit command, as printed: the example's
     conv net, 5 epochs on two ranks, the run directory it names."""
     two = block("README.md", "horovodrun -np 2 python examples/keras_fit_mnist.py").commands()[0]
-    assert two == "horovodrun -np 2 python examples/keras_fit_mnist.py --epochs 5 --run-dir runs/fit"
+    assert (
+        two == "horovodrun -np 2 python examples/keras_fit_mnist.py --epochs 5 --run-dir runs/fit"
+    )
     cwd = checkout_like(tmp_path)
     proc = run(as_printed(two), env, 240, cwd=str(cwd))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -94,7 +121,13 @@ def test_the_readme_two_process_fit_command_as_printed(env, tmp_path):
     assert records[-1]["loss"] < records[0]["loss"] and records[-1]["val_accuracy"] > 0.9
     assert proc.stdout.count("Epoch 5/5") == 1, proc.stdout  # rank 0 alone
     assert sorted(n for n in os.listdir(run_dir) if not n.startswith(".")) == [  # .lock
-        "checkpoints", "config.json", "metrics.jsonl", "model.keras", "result.json", "tensorboard"]
+        "checkpoints",
+        "config.json",
+        "metrics.jsonl",
+        "model.keras",
+        "result.json",
+        "tensorboard",
+    ]
     model, _ = weights(run_dir)
     assert any("conv" in layer.name for layer in model.layers)
 
@@ -124,14 +157,23 @@ def test_sigint_to_one_rank_then_resume_equals_uninterrupted(env, tmp_path):
     """(c) SIGINT (Ctrl-C) to rank 1, a preemption as SIGTERM is (the same handler; SIGTERM
     on the fit path: test_examples, test_pipeline): exit 75 at a shared step, rank 0's
     checkpoint; the rerun ends with the uninterrupted run's weights and metrics."""
-    args = ("--epochs", 6, "--batch-size", 16, "--optimizer", "sgd", "--lr", 0.05,
-            "--checkpoint-every", 20)
+    args = (
+        "--epochs",
+        6,
+        "--batch-size",
+        16,
+        "--optimizer",
+        "sgd",
+        "--lr",
+        0.05,
+        "--checkpoint-every",
+        20,
+    )
     whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
     fit(env, 2, whole, *args, timeout=240)
     proc = start(launch_example(2, EXAMPLE, *DENSE, "--run-dir", cut, *args), env)
     try:
-        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(
-            rank_pids(cut)), 120)
+        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(cut)), 120)
         assert pids and wait_for(lambda: C.list_checkpoints(cut + "/checkpoints"), 120)
         os.kill(pids[1], signal.SIGINT)
     finally:
@@ -160,9 +202,9 @@ def test_sigint_to_one_rank_then_resume_equals_uninterrupted(env, tmp_path):
 def test_epoch_metrics_are_global_not_rank_zeros(env, tmp_path):
     """(d) With a learning rate of 0 the weights never move, so the epoch's training and
     validation metrics can be recomputed exactly: over both ranks' examples, not rank 0's."""
+    from hvdtrain.distributed import World
     from hvdtrain.inputs.arrays import epoch_plan, test_shard
     from hvdtrain.inputs.loaders import load_mnist_format
-    from hvdtrain.distributed import World
 
     run_dir = str(tmp_path / "run")
     fit(env, 2, run_dir, "--epochs", 1, "--batch-size", 100, "--optimizer", "sgd", "--lr", 0)
@@ -171,8 +213,9 @@ def test_epoch_metrics_are_global_not_rank_zeros(env, tmp_path):
     model, _ = weights(run_dir)
 
     def scores(x, y):
-        p = np.asarray(model.predict((x[..., None] / 255.0).astype("float32"), verbose=0),
-                       dtype=np.float64)
+        p = np.asarray(
+            model.predict((x[..., None] / 255.0).astype("float32"), verbose=0), dtype=np.float64
+        )
         return np.mean(p.argmax(-1) == y), np.mean(-np.log(p[np.arange(len(y)), y]))
 
     plans = [epoch_plan(len(data.x_train), 100, r, 2, 0, 0).ravel() for r in (0, 1)]
@@ -193,6 +236,7 @@ def test_epoch_metrics_are_global_not_rank_zeros(env, tmp_path):
 def code_lines(path):
     """An example's code: no module docstring, comments or blank lines."""
     import ast
+
     src = open(path).read()
     body = src.split('"""', 2)[2] if ast.get_docstring(ast.parse(src)) else src
     return [l for l in body.splitlines() if l.strip() and not l.strip().startswith("#")]
@@ -201,17 +245,27 @@ def code_lines(path):
 def test_the_port_changes_few_lines_of_the_plain_script(env, tmp_path):
     """The plain single-process Keras script runs, and the fit guide's diff size is true."""
     import difflib
+
     from conftest import ROOT
 
-    p = run(launch_example(1, "keras_mnist_plain.py", *DENSE, "--epochs", 1, "--run-dir",
-                           str(tmp_path)), env, timeout=120)
+    p = run(
+        launch_example(
+            1, "keras_mnist_plain.py", *DENSE, "--epochs", 1, "--run-dir", str(tmp_path)
+        ),
+        env,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert (tmp_path / "model.keras").exists()
-    plain, ported = (code_lines(os.path.join(ROOT, "examples", n))
-                     for n in ("keras_mnist_plain.py", EXAMPLE))
-    diff = [l for l in difflib.unified_diff(plain, ported, lineterm="", n=0)
-            if l[:1] in "+-" and l[:3] not in ("+++", "---")]
+    plain, ported = (
+        code_lines(os.path.join(ROOT, "examples", n)) for n in ("keras_mnist_plain.py", EXAMPLE)
+    )
+    diff = [
+        l
+        for l in difflib.unified_diff(plain, ported, lineterm="", n=0)
+        if l[:1] in "+-" and l[:3] not in ("+++", "---")
+    ]
     removed, added = sum(l[0] == "-" for l in diff), sum(l[0] == "+" for l in diff)
     readme = docs_text("guides/keras-fit.md")
-    claim = (f"{removed} of its {len(plain)} code lines replaced by {added}")
+    claim = f"{removed} of its {len(plain)} code lines replaced by {added}"
     assert claim in readme, claim

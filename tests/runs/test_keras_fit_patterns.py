@@ -20,6 +20,7 @@ one-process references run in this interpreter. Scenarios:
 - ``drifting``: a train_step that moves a weight by hand on each rank: stopped at the first
   checkpoint, naming the ranks.
 """
+
 import json
 import os
 import sys
@@ -36,11 +37,25 @@ from conftest import KERAS2, result, run
 pytestmark = pytest.mark.keras2
 
 # The scenarios' script, launched as the user's own code (a copy named patterns.py).
-SCENARIOS = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "keras_patterns.py")).read()
-NAMES = ("dicts", "vocab_per_rank", "vocab_adapt", "norm_per_rank", "task_norm_per_rank",
-         "two_phase", "early", "grown", "lr_changed", "gan", "gan_plain_d", "embed_adam",
-         "task_embed_adam", "drifting")
+SCENARIOS = open(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "keras_patterns.py")
+).read()
+NAMES = (
+    "dicts",
+    "vocab_per_rank",
+    "vocab_adapt",
+    "norm_per_rank",
+    "task_norm_per_rank",
+    "two_phase",
+    "early",
+    "grown",
+    "lr_changed",
+    "gan",
+    "gan_plain_d",
+    "embed_adam",
+    "task_embed_adam",
+    "drifting",
+)
 AGAIN = ("two_phase", "early", "grown", "lr_changed")  # run again, as the same command
 
 
@@ -56,8 +71,11 @@ def two(code):
     folder, base = code
     out = base / "two"
     out.mkdir()
-    p = run(usercode.two_ranks(folder / "patterns.py", out, *NAMES),
-            usercode.env_with(folder, base), timeout=240)
+    p = run(
+        usercode.two_ranks(folder / "patterns.py", out, *NAMES),
+        usercode.env_with(folder, base),
+        timeout=240,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     outcomes = {}
     for name in NAMES:
@@ -71,13 +89,19 @@ def again(code, two):
     (outcomes, result.json's bytes before it, the launch)."""
     folder, base = code
     _, out, _ = two
-    before = {name: {str(f): f.read_bytes() for f in out.glob(f"{name}/**/result.json")}
-              for name in AGAIN}
-    p = run(usercode.two_ranks(folder / "patterns.py", out, "again", *AGAIN),
-            usercode.env_with(folder, base), timeout=180)
+    before = {
+        name: {str(f): f.read_bytes() for f in out.glob(f"{name}/**/result.json")} for name in AGAIN
+    }
+    p = run(
+        usercode.two_ranks(folder / "patterns.py", out, "again", *AGAIN),
+        usercode.env_with(folder, base),
+        timeout=180,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
-    outcomes = {name: [json.load(open(out / f"{name}.again.rank{r}.json")) for r in (0, 1)]
-                for name in AGAIN}
+    outcomes = {
+        name: [json.load(open(out / f"{name}.again.rank{r}.json")) for r in (0, 1)]
+        for name in AGAIN
+    }
     return outcomes, before, p
 
 
@@ -88,6 +112,7 @@ def scenarios(code):
     sys.path.insert(0, str(folder))
     try:
         import patterns
+
         patterns.hk.init()
         yield patterns
     finally:
@@ -173,15 +198,18 @@ def test_a_failed_collectives_line_keeps_horovods_reason():
         Mismatched BROADCAST tensor shapes: One rank sent a tensor of shape [10, 4], but \
 another rank sent a tensor of shape [11, 4].
         \t [[{{node HorovodBroadcast_Variable_0}}]] [Op:__inference_group_8]""")
-    assert first_line(message) == ("Mismatched BROADCAST tensor shapes: One rank sent a tensor "
-                                   "of shape [10, 4], but another rank sent a tensor of shape "
-                                   "[11, 4].")
+    assert first_line(message) == (
+        "Mismatched BROADCAST tensor shapes: One rank sent a tensor "
+        "of shape [10, 4], but another rank sent a tensor of shape "
+        "[11, 4]."
+    )
 
     class FailedPreconditionError(Exception):
         pass
 
     assert error_line(FailedPreconditionError(message)).startswith(
-        "FailedPreconditionError: Mismatched BROADCAST tensor shapes:")
+        "FailedPreconditionError: Mismatched BROADCAST tensor shapes:"
+    )
     assert first_line("File not found: x\nmore") == "File not found: x"  # no header: as before
     # A tf.data map's py_function that raised (captured from one): the exception, not the
     # "<stack traces unavailable>" placeholder, tf.data's iterator path or the trace.
@@ -202,8 +230,9 @@ record 151 is unreadable
 
         \t [[{{node EagerPyFunc}}]]
         \t [[IteratorGetNext]] [Op:__inference_run_1234]""")
-    assert first_line(raised) == ("ValueError: record 151 is unreadable (in the function given "
-                                  "to tf.data's map)")
+    assert first_line(raised) == (
+        "ValueError: record 151 is unreadable (in the function given to tf.data's map)"
+    )
 
 
 def test_two_phases_of_transfer_learning_each_train_in_their_own_run_dir(two, again):
@@ -235,11 +264,14 @@ def test_a_rerun_of_a_finished_early_stopped_run_does_not_train(two, again):
     outcomes, out, p = two
     first = outcomes["early"][0]["result"]
     assert first["epochs"] == [0, 1] and first["step"] == 16  # stopped after 2 of 4 epochs
-    res, records = result(out / "early"), [json.loads(line) for line in
-                                            open(out / "early" / "metrics.jsonl")]
+    res, records = (
+        result(out / "early"),
+        [json.loads(line) for line in open(out / "early" / "metrics.jsonl")],
+    )
     assert res["restored_best_epoch"] == 1 and len(records) == 2
     assert res["final_val_loss"] == records[0]["val_loss"] != records[1]["val_loss"]
     import hashlib  # model.keras holds the restored weights, the ones the script ends with
+
     saved = hashlib.sha256(b"".join(w.tobytes() for w in weights(out / "early"))).hexdigest()
     assert saved == first["digest"] == outcomes["early"][1]["result"]["digest"]
     assert p.stdout.count("Epoch 2: early stopping") == 1, p.stdout[-3000:]
@@ -259,8 +291,9 @@ def test_more_epochs_train_on_and_changed_settings_are_named_as_written(two, aga
     assert result(out / "grown")["global_step"] == 16
     for o in outcomes["lr_changed"]:
         assert o["status"] == 1 and o["type"] == "RankError", o  # rank 0 found it
-        assert "was made with other settings (the optimizer's learning_rate 0.1 -> 0.01)" \
-            in o["error"], o
+        assert (
+            "was made with other settings (the optimizer's learning_rate 0.1 -> 0.01)" in o["error"]
+        ), o
         assert o["error"].endswith("or choose a new run_dir")
 
 
@@ -271,8 +304,9 @@ def test_the_same_task_command_again_trains_nothing(scenarios, tmp_path, capfd):
     from hvdtrain.tasks.linear import LinearTask
 
     def train(epochs):
-        config = hvdtrain.preset("linear", run_dir=str(tmp_path), verbose=0, num_workers=1,
-                                 epochs=epochs)
+        config = hvdtrain.preset(
+            "linear", run_dir=str(tmp_path), verbose=0, num_workers=1, epochs=epochs
+        )
         return hvdtrain.train(LinearTask(), config, hvdtrain.world())
 
     first = train(2)
@@ -280,8 +314,10 @@ def test_the_same_task_command_again_trains_nothing(scenarios, tmp_path, capfd):
     capfd.readouterr()
     assert train(2) == json.loads(before) == json.loads(json.dumps(first))
     assert (tmp_path / "result.json").read_bytes() == before
-    assert f"{tmp_path} holds a finished run (2 epochs, step 2): nothing to train" in \
-        capfd.readouterr().err
+    assert (
+        f"{tmp_path} holds a finished run (2 epochs, step 2): nothing to train"
+        in capfd.readouterr().err
+    )
     assert train(3)["global_step"] == 3  # the full batch: one step an epoch
 
 
@@ -312,16 +348,18 @@ def test_a_gan_with_an_undistributed_optimizer_is_refused_naming_it(two):
     outcomes, out, _ = two
     for o in outcomes["gan_plain_d"]:
         assert o.get("status") == 1, o
-        assert o["error"] == ("hk.fit: the model's d_optimizer (Adam) is not distributed: the 2 "
-                              "ranks would train 2 independent models; compile with "
-                              "hk.DistributedOptimizer(optimizer)")
+        assert o["error"] == (
+            "hk.fit: the model's d_optimizer (Adam) is not distributed: the 2 "
+            "ranks would train 2 independent models; compile with "
+            "hk.DistributedOptimizer(optimizer)"
+        )
     assert not (out / "gan_plain_d").exists()
 
 
 @pytest.mark.quick
 def test_nested_inputs_are_counted_and_named_leaf_by_leaf():
-    from hvdtrain.inputs import nest
     from hvdtrain.base.errors import DataError
+    from hvdtrain.inputs import nest
 
     x = {"a": np.zeros((6, 2)), "b": [np.zeros((6, 1)), np.zeros((6, 3))]}
     assert nest.examples("hk.dataset", [("x", x), ("y", np.zeros(6))]) == 6
@@ -329,17 +367,20 @@ def test_nested_inputs_are_counted_and_named_leaf_by_leaf():
     picked = nest.take(x, np.array([4, 1]))
     assert picked["b"][1].shape == (2, 3) and isinstance(picked["b"], list)
     assert nest.arrays([[0, 1], [1, 0]]).shape == (2, 2)  # a list of numbers is one array
-    with pytest.raises(DataError, match=r"hk.dataset: x\['a'\] has 6 examples but "
-                                        r"y\['cls'\] has 5"):
+    with pytest.raises(
+        DataError,
+        match=r"hk.dataset: x\['a'\] has 6 examples but "
+        r"y\['cls'\] has 5",
+    ):
         nest.examples("hk.dataset", [("x", {"a": np.zeros(6)}), ("y", {"cls": np.zeros(5)})])
 
 
 def test_ranks_identical_compares_the_state_outside_the_weights():
     """The same weights with another Normalization mean on rank 1 (a layer adapted again in
     training, say): not identical, and rank 1 named."""
+    from conftest import FakeWorld
     from hvdtrain.compat import keras
     from hvdtrain.engine.agreement import ranks_differ_line, weights_agreement
-    from conftest import FakeWorld
 
     k = keras()
     norm = k.layers.Normalization()
@@ -352,13 +393,20 @@ def test_ranks_identical_compares_the_state_outside_the_weights():
 
     same = weights_agreement(Peer(lambda mine: mine), model)
     assert same["ranks_identical"] is True
-    other = weights_agreement(Peer(lambda mine: (mine[0], {**mine[1], "layer 'normalization' "
-                                                           "mean": "[1, 2] float32, sha256 x"})),
-                              model)
+    other = weights_agreement(
+        Peer(
+            lambda mine: (
+                mine[0],
+                {**mine[1], "layer 'normalization' mean": "[1, 2] float32, sha256 x"},
+            )
+        ),
+        model,
+    )
     assert other["ranks_identical"] is False and other["weights_sha256"] == same["weights_sha256"]
     assert (same["differ"], other["differ"]) == ([], [1])
     assert ranks_differ_line([1], 8, fit=True).startswith(
-        "the model of rank(s) [1] differs from rank 0's at step 8 (weights or layers' state)")
+        "the model of rank(s) [1] differs from rank 0's at step 8 (weights or layers' state)"
+    )
 
 
 def test_adam_and_an_embedding_train_like_one_process_on_both_paths(two, scenarios, tmp_path):
@@ -374,8 +422,9 @@ def test_adam_and_an_embedding_train_like_one_process_on_both_paths(two, scenari
         one_dir = str(tmp_path / name)
         getattr(scenarios, name)(one_dir, batch_size=32)
         assert result(one_dir)["global_batch_size"] == res["global_batch_size"] == 32
-        apart = max(float(np.abs(a - b).max())
-                    for a, b in zip(weights(out / name), weights(one_dir)))
+        apart = max(
+            float(np.abs(a - b).max()) for a, b in zip(weights(out / name), weights(one_dir))
+        )
         assert apart < 1e-5, (name, apart)
 
 
@@ -386,9 +435,11 @@ def test_a_train_step_that_updates_a_weight_by_hand_stops_before_its_first_check
     outcomes, out, _ = two
     for o in outcomes["drifting"]:
         assert (o.get("type"), o.get("status")) == ("RanksDiffer", 1), o
-        assert o["error"].startswith("the model of rank(s) [1] differs from rank 0's at "
-                                     "step 8 (weights or layers' state): something changed "
-                                     "it outside the distributed optimizer"), o["error"]
+        assert o["error"].startswith(
+            "the model of rank(s) [1] differs from rank 0's at "
+            "step 8 (weights or layers' state): something changed "
+            "it outside the distributed optimizer"
+        ), o["error"]
         assert o["error"].endswith("training stopped (no checkpoint was saved before it)")
         assert "\n" not in o["error"]
     assert not (out / "drifting" / "result.json").exists()

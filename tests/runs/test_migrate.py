@@ -6,10 +6,10 @@ The MultiWorkerMirroredStrategy script runs as the page's two TF_CONFIG workers 
 machine under Keras 2 (TF_USE_LEGACY_KERAS=1, as the page's block exports), and once more
 as two workers under Keras 3, where its fit fails with the ValueError the page's warning
 quotes. One launch per command, shared by the module's tests."""
+
 import json
 import os
 import re
-import subprocess
 
 import pytest
 
@@ -18,17 +18,33 @@ from docs_pages import block
 
 PAGE = "guides/migrate.md"
 SCRIPTS = {  # file name on the page: the block that holds it
-    "train_horovod.py": block("guides/migrate.md", "import numpy as np\nimport tensorflow as tf\n\nimport horovod.tensorflow.keras as hvd"),
-    "train_fit.py": block("guides/migrate.md", "import sys\n\nimport hvdtrain.keras as hk  # before TensorFlow: it keeps TensorFlow's start-up lines out\nimport keras\nimport numpy as np\n\nhk.init()  # Horovod;"),
-    "tape_horovod.py": block("guides/migrate.md", "import numpy as np\nimport tensorflow as tf\n\nimport horovod.tensorflow as hvd"),
+    "train_horovod.py": block(
+        "guides/migrate.md",
+        "import numpy as np\nimport tensorflow as tf\n\nimport horovod.tensorflow.keras as hvd",
+    ),
+    "train_fit.py": block(
+        "guides/migrate.md",
+        "import sys\n\nimport hvdtrain.keras as hk  # before TensorFlow: it keeps TensorFlow's start-up lines out\nimport keras\nimport numpy as np\n\nhk.init()  # Horovod;",
+    ),
+    "tape_horovod.py": block(
+        "guides/migrate.md",
+        "import numpy as np\nimport tensorflow as tf\n\nimport horovod.tensorflow as hvd",
+    ),
     "blobs.py": block("guides/migrate.md", "import hvdtrain\n"),
-    "train_mwms.py": block("guides/migrate.md", "import numpy as np\nimport tensorflow as tf\n\n# TF_CONFIG"),
-    "train_fit_global.py": block("guides/migrate.md", "import sys\n\nimport hvdtrain.keras as hk  # before TensorFlow: it keeps TensorFlow's start-up lines out\nimport keras\nimport numpy as np\n\nhk.init()  # no TF_CONFIG"),
+    "train_mwms.py": block(
+        "guides/migrate.md", "import numpy as np\nimport tensorflow as tf\n\n# TF_CONFIG"
+    ),
+    "train_fit_global.py": block(
+        "guides/migrate.md",
+        "import sys\n\nimport hvdtrain.keras as hk  # before TensorFlow: it keeps TensorFlow's start-up lines out\nimport keras\nimport numpy as np\n\nhk.init()  # no TF_CONFIG",
+    ),
 }
 FIT_COMMANDS = block("guides/migrate.md", "horovodrun -np 2 python train_horovod.py").commands()
 TAPE_COMMANDS = block("guides/migrate.md", "horovodrun -np 2 python tape_horovod.py").commands()
 MWMS = block("guides/migrate.md", "export TF_USE_LEGACY_KERAS=1")
-GLOBAL_COMMANDS = block("guides/migrate.md", "horovodrun -np 2 python train_fit_global.py").commands()
+GLOBAL_COMMANDS = block(
+    "guides/migrate.md", "horovodrun -np 2 python train_fit_global.py"
+).commands()
 ACCURACY = 0.95  # the page: "a test accuracy above 0.95 on two processes"
 
 
@@ -62,11 +78,20 @@ def result(folder, run_dir):
 def test_the_page_runs_each_script_as_it_saves_it():
     commands = FIT_COMMANDS + TAPE_COMMANDS + GLOBAL_COMMANDS
     assert [c.split()[-1] if "--run-dir" not in c else c.split()[4] for c in commands] == [
-        "train_horovod.py", "train_fit.py", "tape_horovod.py", "blobs.py",
-        "train_fit_global.py"]
+        "train_horovod.py",
+        "train_fit.py",
+        "tape_horovod.py",
+        "blobs.py",
+        "train_fit_global.py",
+    ]
     assert all(c.startswith("horovodrun -np 2 python ") for c in commands)
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), "docs", PAGE)).read()
+    text = open(
+        os.path.join(
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            "docs",
+            PAGE,
+        )
+    ).read()
     for name in SCRIPTS:
         assert f"`{name}`" in text, name
 
@@ -86,17 +111,22 @@ def test_horovod_keras_script_and_its_hk_fit_port(launched, folder):
 
 def test_the_line_by_line_table_names_the_scripts_lines():
     """Each row's Horovod code is in the Horovod script, its hvdtrain code in the port."""
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), "docs", PAGE)).read()
-    table = text[text.index("| Horovod's line | with hvdtrain |"):]
-    table = table[:table.index("\n\n")]
+    text = open(
+        os.path.join(
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            "docs",
+            PAGE,
+        )
+    ).read()
+    table = text[text.index("| Horovod's line | with hvdtrain |") :]
+    table = table[: table.index("\n\n")]
     rows = [r for r in table.splitlines()[2:]]
     assert len(rows) == 9
     before, after = SCRIPTS["train_horovod.py"].text, SCRIPTS["train_fit.py"].text
     for row in rows:
         left, right = row.split(" | ")[:2]
         for code in re.findall(r"`([^`]+)`", left):
-            assert code.rstrip(".)") .replace("(...)", "(") in before, code
+            assert code.rstrip(".)").replace("(...)", "(") in before, code
         first = re.findall(r"`([^`]+)`", right)
         if not right.strip().startswith("goes"):
             assert first and first[0] in after, row
@@ -139,13 +169,23 @@ def test_mwms_script_under_keras_3_fails_as_the_warning_says(folder):
     env.pop("TF_USE_LEGACY_KERAS", None)
     p = run(own_network("\n".join(lines + ["wait"])), env, timeout=240, cwd=str(folder))
     assert "test accuracy" not in p.stdout  # (bash's `wait` ends 0 whatever the workers did)
-    assert ("ValueError: Attempt to convert a value (PerReplica:{" in p.stderr
-            and "with an unsupported type (<class 'tensorflow.python.distribute.values."
-                "PerReplica'>) to a Tensor." in p.stderr), p.stderr[-3000:]
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), "docs", PAGE)).read()
-    assert "`ValueError: Attempt to convert a value (PerReplica:{...}) with an unsupported type" \
+    assert (
+        "ValueError: Attempt to convert a value (PerReplica:{" in p.stderr
+        and "with an unsupported type (<class 'tensorflow.python.distribute.values."
+        "PerReplica'>) to a Tensor."
+        in p.stderr
+    ), p.stderr[-3000:]
+    text = open(
+        os.path.join(
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            "docs",
+            PAGE,
+        )
+    ).read()
+    assert (
+        "`ValueError: Attempt to convert a value (PerReplica:{...}) with an unsupported type"
         in text
+    )
 
 
 def test_mwms_port_keeps_the_global_batch(launched, folder):

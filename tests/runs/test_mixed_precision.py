@@ -5,6 +5,7 @@ rank (the weights stay identical) and still counts as a step.
 
 A small MLP on synthetic data; each test bounds its processes' time.
 """
+
 import json
 import os
 import textwrap
@@ -18,7 +19,7 @@ from conftest import KERAS2, Lazy, result, run
 EPOCHS, STEPS = 3, 16  # 512 examples, 16 per rank: 16 steps an epoch
 # Each epoch's mean training loss against the float32 run's, at most (see the tests).
 BF16_TOLERANCE, F16_TOLERANCE = 0.01, 0.002
-HUGE_SCALE = 2.0 ** 40  # scaled gradients overflow float16 (max 65504) until it halves enough
+HUGE_SCALE = 2.0**40  # scaled gradients overflow float16 (max 65504) until it halves enough
 
 COMMON = textwrap.dedent("""
     import numpy as np
@@ -42,7 +43,8 @@ COMMON = textwrap.dedent("""
             opt = keras().mixed_precision.LossScaleOptimizer(opt, initial_scale=initial_scale)
         return opt
 """)
-TASK = textwrap.dedent("""
+TASK = textwrap.dedent(
+    """
     import dataclasses
     import hvdtrain
     from hvdtrain.compat import keras
@@ -73,12 +75,15 @@ TASK = textwrap.dedent("""
 
         def metrics(self):
             return {"accuracy": lambda y, p: keras().metrics.sparse_categorical_accuracy(y, p)}
-""" % EPOCHS)
+"""
+    % EPOCHS
+)
 # argv: run_dir policy [initial_scale order]. Without an initial scale the script compiles
 # hk.DistributedOptimizer(SGD) and lets compile add the loss scaler (outside it); with one,
 # order "inside": hk.DistributedOptimizer(LossScaleOptimizer(SGD, initial_scale)),
 # "outside": LossScaleOptimizer(hk.DistributedOptimizer(SGD), initial_scale).
-FIT = textwrap.dedent("""
+FIT = textwrap.dedent(
+    """
     import sys
     import hvdtrain.keras as hk
     from hvdtrain.compat import keras
@@ -103,13 +108,16 @@ FIT = textwrap.dedent("""
                verbose=2)
     except hk.Error as e:
         sys.exit(hk.report_error(e))
-""" % EPOCHS)
+"""
+    % EPOCHS
+)
 
 
 @pytest.fixture(scope="module")
 def code(tmp_path_factory):
-    return usercode.write(tmp_path_factory.mktemp("mp"),
-                          {"common": COMMON, "mp_task": TASK, "mp_fit": FIT})
+    return usercode.write(
+        tmp_path_factory.mktemp("mp"), {"common": COMMON, "mp_task": TASK, "mp_fit": FIT}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +131,19 @@ def overflowing(code, tmp_path_factory):
     def launch(path):
         timeline = base / f"{path}.json"
         if path == "task":
-            return task(code, base, "task", "--mixed-precision", "float16", "--initial-scale",
-                        str(HUGE_SCALE), HOROVOD_TIMELINE=timeline), timeline
-        return fit(code, base, "fit", "mixed_float16", HUGE_SCALE, "outside",
-                   HOROVOD_TIMELINE=timeline), timeline
+            return task(
+                code,
+                base,
+                "task",
+                "--mixed-precision",
+                "float16",
+                "--initial-scale",
+                str(HUGE_SCALE),
+                HOROVOD_TIMELINE=timeline,
+            ), timeline
+        return fit(
+            code, base, "fit", "mixed_float16", HUGE_SCALE, "outside", HOROVOD_TIMELINE=timeline
+        ), timeline
 
     return Lazy(launch)
 
@@ -140,8 +157,9 @@ def two_ranks(code, tmp_path, *cmd, ok=True, **env):
 
 def task(code, tmp_path, name, *flags, **env):
     run_dir = str(tmp_path / name)
-    two_ranks(code, tmp_path, "-m", "hvdtrain", "run", "mp_task:MP", "--run-dir", run_dir,
-              *flags, **env)
+    two_ranks(
+        code, tmp_path, "-m", "hvdtrain", "run", "mp_task:MP", "--run-dir", run_dir, *flags, **env
+    )
     return run_dir
 
 
@@ -185,7 +203,7 @@ def test_task_bfloat16_and_float16_train_like_float32_ranks_identical(code, tmp_
     assert "loss_scale" not in res and res["weights_sha256"] != base["weights_sha256"]
     assert res["test_accuracy"] == pytest.approx(base["test_accuracy"], abs=0.03)
     res, _ = check_like_float32(f16, ref, F16_TOLERANCE)
-    assert res["loss_scale"] == 2.0 ** 15  # Keras' initial scale: no overflow, no growth yet
+    assert res["loss_scale"] == 2.0**15  # Keras' initial scale: no overflow, no growth yet
     assert config(bf16)["mixed_precision"] == "bfloat16"
     assert config(f16)["mixed_precision"] == "float16"
 
@@ -216,8 +234,7 @@ def test_task_float16_overflow_skipped_on_every_rank(code, tmp_path, overflowing
 
 
 @pytest.mark.keras2
-def test_fit_bfloat16_and_float16_policies_train_like_float32_ranks_identical(code,
-                                                                             tmp_path):
+def test_fit_bfloat16_and_float16_policies_train_like_float32_ranks_identical(code, tmp_path):
     """The script sets Keras' policy; for float16 compile wraps hk.DistributedOptimizer in
     a LossScaleOptimizer, which hk.fit turns around (Keras 3) or keeps (Keras 2)."""
     ref = fit(code, tmp_path, "float32", "float32")
@@ -226,9 +243,10 @@ def test_fit_bfloat16_and_float16_policies_train_like_float32_ranks_identical(co
     res, base = check_like_float32(bf16, ref, BF16_TOLERANCE)
     assert "loss_scale" not in res
     assert losses(bf16, "val_accuracy")[-1] == pytest.approx(
-        losses(ref, "val_accuracy")[-1], abs=0.03)
+        losses(ref, "val_accuracy")[-1], abs=0.03
+    )
     res, _ = check_like_float32(f16, ref, F16_TOLERANCE)
-    assert res["loss_scale"] == 2.0 ** 15
+    assert res["loss_scale"] == 2.0**15
     assert config(bf16)["mixed_precision"] == "bfloat16"
     assert config(f16)["mixed_precision"] == "float16"
 
@@ -240,8 +258,11 @@ def test_fit_float16_overflow_skipped_on_every_rank(code, tmp_path, order, overf
     reduced gradients (Keras 3: hk.fit turns "outside" around; Keras 2: Horovod's wrapper
     reduces inside the scaler's compute_gradients, and hk.DistributedOptimizer puts itself
     there)."""
-    run_dir = (overflowing["fit"][0] if order == "outside" else
-               fit(code, tmp_path, "huge", "mixed_float16", HUGE_SCALE, order))
+    run_dir = (
+        overflowing["fit"][0]
+        if order == "outside"
+        else fit(code, tmp_path, "huge", "mixed_float16", HUGE_SCALE, order)
+    )
     res = result(run_dir)
     assert res["ranks_identical"] is True and res["global_step"] == EPOCHS * STEPS
     skipped = 40 - np.log2(res["loss_scale"])
@@ -253,24 +274,44 @@ def test_fit_float16_overflow_skipped_on_every_rank(code, tmp_path, order, overf
 @pytest.mark.keras2
 def test_a_bad_precision_is_one_line(code, tmp_path):
     env = usercode.env_with(code, tmp_path)
-    p = run([*map(str, ["python", "-m", "hvdtrain", "run", "mp_task:MP",
-                        "--mixed-precision", "float8", "--run-dir", tmp_path / "bad"])], env)
+    p = run(
+        [
+            *map(
+                str,
+                [
+                    "python",
+                    "-m",
+                    "hvdtrain",
+                    "run",
+                    "mp_task:MP",
+                    "--mixed-precision",
+                    "float8",
+                    "--run-dir",
+                    tmp_path / "bad",
+                ],
+            )
+        ],
+        env,
+    )
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
         "python -m hvdtrain run mp_task:MP: error: argument --mixed-precision: invalid "
-        "choice: 'float8' (choose from 'none', 'float16', 'bfloat16')"], p.stderr
+        "choice: 'float8' (choose from 'none', 'float16', 'bfloat16')"
+    ], p.stderr
     assert not os.path.exists(tmp_path / "bad")
     # In code: hvdtrain.train's Config, and hk.fit, where the script's policy decides.
     from hvdtrain import Config
     from hvdtrain.base.errors import ConfigError
     from hvdtrain.fit.script import fit_config
+
     with pytest.raises(ConfigError) as e:
         Config(mixed_precision="fp16").validate()
     assert str(e.value) == "--mixed-precision=fp16: choose one of none, float16, bfloat16"
     with pytest.raises(ConfigError) as e:
         fit_config(None, None, 1, None, mixed_precision="bfloat16")
-    assert str(e.value).startswith("--mixed-precision=bfloat16: not an hk.fit setting: set "
-                                   "Keras' policy in the script")
+    assert str(e.value).startswith(
+        "--mixed-precision=bfloat16: not an hk.fit setting: set Keras' policy in the script"
+    )
 
 
 @pytest.mark.keras2
@@ -288,10 +329,16 @@ def test_float16_one_negotiation_round_per_step_both_paths(overflowing):
     def per_step(timeline):
         """(names negotiated once per step, negotiations of the others)."""
         events = read_timeline(str(timeline))
-        names = {e["pid"]: e["args"]["name"] for e in events
-                 if e.get("name") == "process_name" and "name" in e.get("args", {})}
-        counts = collections.Counter(names[e["pid"]] for e in events if e.get("ph") == "B"
-                                     and e.get("name") == "NEGOTIATE_ALLREDUCE")
+        names = {
+            e["pid"]: e["args"]["name"]
+            for e in events
+            if e.get("name") == "process_name" and "name" in e.get("args", {})
+        }
+        counts = collections.Counter(
+            names[e["pid"]]
+            for e in events
+            if e.get("ph") == "B" and e.get("name") == "NEGOTIATE_ALLREDUCE"
+        )
         each = sorted(n for n, c in counts.items() if c == steps)
         return each, sum(c for n, c in counts.items() if n not in each)
 
@@ -319,8 +366,8 @@ def test_float16_one_negotiation_round_per_step_both_paths(overflowing):
 def test_float16_loss_scaling_with_backward_passes_is_refused_in_one_line():
     """Loss scaling and hk.DistributedOptimizer's accumulation together are not offered: one
     ConfigError naming backward_passes_per_step (bfloat16 needs no scaler and accumulates)."""
-    from hvdtrain.compat import keras
     from hvdtrain.base.errors import ConfigError
+    from hvdtrain.compat import keras
     from hvdtrain.distributed.optimizer import DistributedOptimizer
 
     k = keras()

@@ -3,6 +3,7 @@ statistics averaged over the ranks (ranks identical, the saved model is the one 
 
 A small BN classifier on synthetic data; each test bounds its processes' time.
 """
+
 import json
 import os
 import textwrap
@@ -104,10 +105,13 @@ def metrics(run_dir):
 def saved_model_accuracy(code, run_dir):
     """model.keras loaded in this one process, scored on the whole test set."""
     import sys
+
     sys.path.insert(0, str(code))
     try:
         import common
+
         from hvdtrain.compat import keras
+
         _, _, x_test, y_test = common.data()
     finally:
         sys.path.remove(str(code))
@@ -122,11 +126,13 @@ def moving_stats(model):
 
 
 @pytest.mark.keras2
-def test_batchnorm_task_two_ranks_identical_and_the_saved_model_is_the_one_scored(code,
-                                                                                  tmp_path):
+def test_batchnorm_task_two_ranks_identical_and_the_saved_model_is_the_one_scored(code, tmp_path):
     run_dir = str(tmp_path / "task")
-    p = run(two_ranks(["-m", "hvdtrain", "run", "bn_task:BN", "--run-dir", run_dir]),
-            env_with(code, tmp_path), timeout=180)
+    p = run(
+        two_ranks(["-m", "hvdtrain", "run", "bn_task:BN", "--run-dir", run_dir]),
+        env_with(code, tmp_path),
+        timeout=180,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     res = result(run_dir)
     assert res["ranks_identical"] is True and "differ from rank 0" not in p.stderr
@@ -139,8 +145,7 @@ def test_batchnorm_task_two_ranks_identical_and_the_saved_model_is_the_one_score
 
 
 @pytest.mark.keras2
-def test_batchnorm_fit_two_ranks_identical_and_the_saved_model_is_the_one_scored(code,
-                                                                                 tmp_path):
+def test_batchnorm_fit_two_ranks_identical_and_the_saved_model_is_the_one_scored(code, tmp_path):
     run_dir = str(tmp_path / "fit")
     p = run(two_ranks([code / "bn_fit.py", run_dir]), env_with(code, tmp_path), timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -155,8 +160,7 @@ def test_batchnorm_fit_two_ranks_identical_and_the_saved_model_is_the_one_scored
 
 
 def fit_two_ranks(code, tmp_path, run_dir, *args, ok=True):
-    p = run(two_ranks([code / "bn_fit.py", run_dir, *args]), env_with(code, tmp_path),
-            timeout=180)
+    p = run(two_ranks([code / "bn_fit.py", run_dir, *args]), env_with(code, tmp_path), timeout=180)
     if ok:
         assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -164,6 +168,7 @@ def fit_two_ranks(code, tmp_path, run_dir, *args, ok=True):
 
 def saved_weights(run_dir):
     from hvdtrain.compat import keras
+
     model = keras().models.load_model(os.path.join(run_dir, "model.keras"), compile=False)
     return [np.asarray(w) for w in model.get_weights()]
 
@@ -202,7 +207,10 @@ def test_fit_steps_per_execution_3_sigterm_checkpoints_and_exact_resume(code, tm
     fit_two_ranks(code, tmp_path, whole, 3, 5)
     # Epoch 2's calls end at steps 19, 22, 25, 28, 31, 32: past 20, at 25, past 30, the end.
     assert [s for s, _ in C.list_checkpoints(os.path.join(whole, "checkpoints"))] == [
-        32, 31, 25]  # the newest 3 kept
+        32,
+        31,
+        25,
+    ]  # the newest 3 kept
     p = fit_two_ranks(code, tmp_path, cut, 3, 5, "term", ok=False)
     assert p.returncode == 1 and "Exit code: 75" in p.stderr, p.stderr[-3000:]
     assert "stopped by SIGTERM at step 12" in p.stderr, p.stderr[-3000:]
@@ -229,7 +237,8 @@ def test_fit_steps_per_execution_3_sigterm_checkpoints_and_exact_resume(code, tm
 
 @pytest.mark.keras2
 def test_fit_file_callbacks_on_rank_0_only_and_lr_plateau_early_stopping_see_global_metrics(
-        code, tmp_path):
+    code, tmp_path
+):
     """CSVLogger, TensorBoard, ModelCheckpoint run on rank 0 alone; ReduceLROnPlateau and
     EarlyStopping (and any callback after hvdtrain's) see the metrics over every rank, so
     every rank lowers the rate and stops at the same epoch (one alone would hang the others)."""
@@ -257,6 +266,7 @@ def test_fit_backup_and_restore_is_refused_in_one_line(code, tmp_path):
     p = fit_two_ranks(code, tmp_path, str(tmp_path / "b"), 1, 8, "backup", ok=False)
     assert p.returncode != 0 and "Exit code: 2" in p.stderr  # horovodrun names rank 0's
     lines = [l for l in p.stderr.splitlines() if "BackupAndRestore" in l]
-    assert lines and "not for hk.fit: hk.fit checkpoints and resumes by itself" in lines[0], \
+    assert lines and "not for hk.fit: hk.fit checkpoints and resumes by itself" in lines[0], (
         p.stderr[-2000:]
+    )
     assert len(lines) == 1  # said once (rank 0), no traceback from the ranks

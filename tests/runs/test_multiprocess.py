@@ -1,4 +1,5 @@
 """Two processes through the real launchers: horovodrun (Gloo, MPI) and plain mpirun."""
+
 import json
 import os
 import re
@@ -6,17 +7,17 @@ import re
 import numpy as np
 import pytest
 
-from conftest import (as_printed, checkout_like, default_run_dirs, keras_flavour, launch, result,
-                      run)
+from conftest import as_printed, checkout_like, default_run_dirs, keras_flavour, launch, result, run
 from docs_pages import block
 
 SEED = [0.1, 0.2, 0.3]
 
 
 # Under Keras 2 through one launcher: the launcher is not what Keras 2 changes.
-@pytest.mark.parametrize("launcher", [pytest.param("gloo", marks=[pytest.mark.keras2,
-                                                                  pytest.mark.quick]),
-                                      "mpi", "mpirun"])
+@pytest.mark.parametrize(
+    "launcher",
+    [pytest.param("gloo", marks=[pytest.mark.keras2, pytest.mark.quick]), "mpi", "mpirun"],
+)
 def test_linear_two_workers_learn_the_seed_weights(launcher, env, tmp_path):
     p = run(launch(launcher, 2, "linear", "--run-dir", str(tmp_path)), env)
     assert p.returncode == 0, p.stderr
@@ -51,8 +52,19 @@ def test_parity_one_process_and_two(epochs, lr, references):
 
 
 def test_mnist_two_workers_on_the_bundled_sample(env, tmp_path):
-    p = run(launch("gloo", 2, "mnist", "--run-dir", str(tmp_path), "--learning-rate", "0.5",
-                   "--no-download"), env)
+    p = run(
+        launch(
+            "gloo",
+            2,
+            "mnist",
+            "--run-dir",
+            str(tmp_path),
+            "--learning-rate",
+            "0.5",
+            "--no-download",
+        ),
+        env,
+    )
     assert p.returncode == 0, p.stderr
     r = result(tmp_path)
     assert (r["world_size"], r["dataset"], r["test_examples"]) == (2, "mnist_sample", 1000)
@@ -65,8 +77,10 @@ def test_mnist_two_workers_on_the_bundled_sample(env, tmp_path):
 
 # What rank 0 prints, as horovodrun tags it with MPI underneath (its default).
 RANK0 = "[1,0]<stdout>:"
-EPOCH = re.compile(r"Epoch (\d+)/(\d+)  step (\d+)  loss ([\d.]+)  accuracy ([\d.]+)  "
-                   r"([\d,]+) samples/s")
+EPOCH = re.compile(
+    r"Epoch (\d+)/(\d+)  step (\d+)  loss ([\d.]+)  accuracy ([\d.]+)  "
+    r"([\d,]+) samples/s"
+)
 
 
 def sample_differences(sample, stdout, cwd):
@@ -78,16 +92,16 @@ def sample_differences(sample, stdout, cwd):
     lines = stdout.splitlines()
     if not all(l.startswith(RANK0) for l in lines):  # from rank 0 only
         return [f"not rank 0's: {[l for l in lines if not l.startswith(RANK0)]}"]
-    got, want = [l[len(RANK0):] for l in lines], sample.splitlines()
+    got, want = [l[len(RANK0) :] for l in lines], sample.splitlines()
     cut = want.index("...")
-    head, tail = want[:cut], want[cut + 1:]
+    head, tail = want[:cut], want[cut + 1 :]
     if len(got) < len(head) + len(tail):
         return [f"{len(got)} lines printed:\n" + "\n".join(got)]
-    between = got[len(head):len(got) - len(tail)]
+    between = got[len(head) : len(got) - len(tail)]
     out = [f"between: {l!r}" for l in between if not EPOCH.fullmatch(l)]
-    for w, g in zip(head + tail, got[:len(head)] + got[len(got) - len(tail):]):
+    for w, g in zip(head + tail, got[: len(head)] + got[len(got) - len(tail) :]):
         if w.endswith(" ..."):
-            w, g = w[:-len(" ...")], g[:len(w) - len(" ...")]
+            w, g = w[: -len(" ...")], g[: len(w) - len(" ...")]
         if EPOCH.fullmatch(w) and EPOCH.fullmatch(g):
             a, b = EPOCH.fullmatch(w).groups(), EPOCH.fullmatch(g).groups()
             if a[:3] + a[4:5] != b[:3] + b[4:5] or abs(float(a[3]) - float(b[3])) > 1e-4:
@@ -96,9 +110,11 @@ def sample_differences(sample, stdout, cwd):
         path = re.search(r"; run dir (\S+)$", w)
         if path:  # an absolute path, as printed, to runs/mnist-<time> where the run ran
             mine = re.escape(os.path.join(str(cwd), "runs", "")) + r"mnist-\d{8}-\d{6}"
-            if not (re.fullmatch(r"/.+/runs/mnist-\d{8}-\d{6}", path.group(1))
-                    and g.startswith(w[:path.start(1)])
-                    and re.fullmatch(mine, g[path.start(1):])):
+            if not (
+                re.fullmatch(r"/.+/runs/mnist-\d{8}-\d{6}", path.group(1))
+                and g.startswith(w[: path.start(1)])
+                and re.fullmatch(mine, g[path.start(1) :])
+            ):
                 out.append(f"{w!r} printed as {g!r}")
             continue
         if w != g:
@@ -115,7 +131,7 @@ def test_the_readme_run_commands_as_printed(references, env, tmp_path):
     assert (two, one) == ("horovodrun -np 2 python -m hvdtrain.mnist", "python -m hvdtrain.mnist")
     p, cwd = references.printed(two)
     assert p.returncode == 0, p.stderr[-3000:]
-    run_dir, = default_run_dirs(cwd, "mnist")
+    (run_dir,) = default_run_dirs(cwd, "mnist")
     r = result(run_dir)
     assert (r["world_size"], r["dataset"], r["global_step"]) == (2, "mnist_sample", 10 * 20)
     assert r["ranks_identical"] is True and 0.5 < r["test_accuracy"] <= 1.0
@@ -125,19 +141,36 @@ def test_the_readme_run_commands_as_printed(references, env, tmp_path):
     assert not wrong, "\n".join(wrong)
     q = run(as_printed(one), env, cwd=checkout_like(tmp_path / "one"))
     assert q.returncode == 0, q.stderr[-3000:]
-    run_dir, = default_run_dirs(tmp_path / "one", "mnist")
+    (run_dir,) = default_run_dirs(tmp_path / "one", "mnist")
     r = result(run_dir)
     assert (r["world_size"], r["dataset"], r["global_step"]) == (1, "mnist_sample", 10 * 40)
     assert 0.5 < r["test_accuracy"] <= 1.0 and "mnist on 1 process," in q.stdout
 
 
 def test_fashion_mnist_full_dataset(env, tmp_path):
-    p = run(launch("gloo", 2, "mnist", "--dataset", "fashion_mnist", "--epochs", "1",
-                   "--learning-rate", "0.1", "--run-dir", str(tmp_path)), env)
+    p = run(
+        launch(
+            "gloo",
+            2,
+            "mnist",
+            "--dataset",
+            "fashion_mnist",
+            "--epochs",
+            "1",
+            "--learning-rate",
+            "0.1",
+            "--run-dir",
+            str(tmp_path),
+        ),
+        env,
+    )
     assert p.returncode == 0, p.stderr
     r = result(tmp_path)
-    assert (r["train_examples"], r["test_examples"], r["dataset"]) == (60000, 10000,
-                                                                        "fashion_mnist")
+    assert (r["train_examples"], r["test_examples"], r["dataset"]) == (
+        60000,
+        10000,
+        "fashion_mnist",
+    )
     assert r["global_step"] == 300 and r["test_accuracy"] > 0.7
 
 
@@ -146,8 +179,11 @@ def test_corrupt_data_stops_every_rank_with_one_line(env, tmp_path):
 
     make_idx_dir(tmp_path)
     corrupt(tmp_path / "train-images-idx3-ubyte.gz", "truncate")
-    p = run(launch("gloo", 2, "mnist", "--data-dir", str(tmp_path), "--run-dir",
-                   str(tmp_path / "run")), env, timeout=120)
+    p = run(
+        launch("gloo", 2, "mnist", "--data-dir", str(tmp_path), "--run-dir", str(tmp_path / "run")),
+        env,
+        timeout=120,
+    )
     assert p.returncode != 0
     errors = [l for l in p.stderr.splitlines() if "error:" in l]
     assert len(errors) == 1, p.stderr
@@ -157,8 +193,12 @@ def test_corrupt_data_stops_every_rank_with_one_line(env, tmp_path):
 
 
 def test_worker_count_mismatch_warns_once(env, tmp_path):
-    p = run(launch("gloo", 2, "linear", "--num-workers", "4", "--run-dir", str(tmp_path),
-                   "--epochs", "1"), env)
+    p = run(
+        launch(
+            "gloo", 2, "linear", "--num-workers", "4", "--run-dir", str(tmp_path), "--epochs", "1"
+        ),
+        env,
+    )
     assert p.returncode == 0, p.stderr
     warnings = [l for l in p.stderr.splitlines() if "--num-workers is 4" in l]
     assert len(warnings) == 1 and "world size 2" in warnings[0]

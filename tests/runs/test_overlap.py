@@ -9,6 +9,7 @@ gradients in one grouped allreduce that cannot be: its reduction begins after it
 negotiation. Under Keras 3 the buckets are hvdtrain's (HVDTRAIN_BUCKET_BYTES); under Keras 2
 the fit path is Horovod's own wrapper, one allreduce per gradient, and the same holds.
 """
+
 import collections
 import os
 import re
@@ -34,8 +35,11 @@ def units_per_path(path, steps) -> list:
     path's. Tensors negotiated other than ``steps`` times (the host's collectives) are left
     out."""
     events = read_timeline(path)
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M"
-             and e.get("name") == "process_name" and "name" in e.get("args", {})}
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name" and "name" in e.get("args", {})
+    }
     times = collections.defaultdict(lambda: collections.defaultdict(list))
     open_ = collections.defaultdict(list)  # each tensor's open activities (E has no name)
     for e in events:
@@ -50,14 +54,17 @@ def units_per_path(path, steps) -> list:
     for name, by in times.items():
         if len(by) == 3 and all(len(t) == steps for t in by.values()):
             tensors[re.sub(r"_\d+of\d+$", "", name)].append(by)
-    units = {unit: {"enqueued": [min(t) for t in zip(*(b["NEGOTIATE_ALLREDUCE"] for b in bys))],
-                    "ready": [max(t) for t in zip(*(b["ready"] for b in bys))],
-                    "reduced": [min(t) for t in zip(*(b["ALLREDUCE"] for b in bys))]}
-             for unit, bys in tensors.items()}
+    units = {
+        unit: {
+            "enqueued": [min(t) for t in zip(*(b["NEGOTIATE_ALLREDUCE"] for b in bys))],
+            "ready": [max(t) for t in zip(*(b["ready"] for b in bys))],
+            "reduced": [min(t) for t in zip(*(b["ALLREDUCE"] for b in bys))],
+        }
+        for unit, bys in tensors.items()
+    }
     paths = []
     for unit in sorted(units, key=lambda u: units[u]["enqueued"][0]):
-        if paths and units[unit]["enqueued"][0] <= max(units[u]["enqueued"][-1]
-                                                       for u in paths[-1]):
+        if paths and units[unit]["enqueued"][0] <= max(units[u]["enqueued"][-1] for u in paths[-1]):
             paths[-1][unit] = units[unit]
         else:
             paths.append({unit: units[unit]})
@@ -67,17 +74,25 @@ def units_per_path(path, steps) -> list:
 def overlapped_steps(units, steps) -> list:
     """The steps in which a unit's reduction began before the last unit was ready on every
     rank, i.e. while a rank's backward pass was still producing gradients."""
-    return [s for s in range(steps) if min(u["reduced"][s] for u in units.values())
-            + MARGIN_US < max(u["ready"][s] for u in units.values())]
+    return [
+        s
+        for s in range(steps)
+        if min(u["reduced"][s] for u in units.values()) + MARGIN_US
+        < max(u["ready"][s] for u in units.values())
+    ]
 
 
 @pytest.mark.keras2
 def test_first_bucket_is_reduced_while_the_backward_pass_runs(tmp_path):
     timeline = tmp_path / "timeline.json"
-    env = clean_env(tmp_path / "home", HOROVOD_TIMELINE=timeline,
-                    HVDTRAIN_BUCKET_BYTES=BUCKET_BYTES)
-    p = run(script_cmd(2, os.path.join(TESTS, "overlap_script.py"), tmp_path / "r",
-                       "--steps", STEPS), env, timeout=120)
+    env = clean_env(
+        tmp_path / "home", HOROVOD_TIMELINE=timeline, HVDTRAIN_BUCKET_BYTES=BUCKET_BYTES
+    )
+    p = run(
+        script_cmd(2, os.path.join(TESTS, "overlap_script.py"), tmp_path / "r", "--steps", STEPS),
+        env,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     task, fit = units_per_path(str(timeline), STEPS)
     # 6 buckets, cut from the first gradient on (the step's flags ride in the last); Keras 2's

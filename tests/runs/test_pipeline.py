@@ -1,6 +1,7 @@
 """Your own data: a tf.data pipeline over TFRecord shards handed to hk.fit unchanged
 (examples/keras_fit_tfrecord.py): sharded by file or by element, equal steps on uneven
 files, exact resume after SIGTERM and SIGKILL, and one line for each kind of bad input."""
+
 import os
 import signal
 import sys
@@ -8,8 +9,19 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (ROOT, checkpoints, finish, kill_when, launch_example, rank_pids,
-                      result, run, script_cmd, start, wait_for)
+from conftest import (
+    ROOT,
+    checkpoints,
+    finish,
+    kill_when,
+    launch_example,
+    rank_pids,
+    result,
+    run,
+    script_cmd,
+    start,
+    wait_for,
+)
 from docs_pages import block
 
 EXAMPLE = "keras_fit_tfrecord.py"
@@ -20,6 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 def records(tmp_path_factory):
     """The example's files: the 4,000 training digits in 7 TFRecord files, a test file."""
     import keras_fit_tfrecord as ex
+
     from hvdtrain.distributed import World
 
     data_dir = str(tmp_path_factory.mktemp("tfrecords"))
@@ -42,8 +55,11 @@ def planned(sizes, batch, ranks=2):
 
 
 def fit(env, run_dir, data_dir, *args, np_=2, timeout=240):
-    proc = run(launch_example(np_, EXAMPLE, "--data-dir", data_dir, "--run-dir", run_dir,
-                              *args), env, timeout)
+    proc = run(
+        launch_example(np_, EXAMPLE, "--data-dir", data_dir, "--run-dir", run_dir, *args),
+        env,
+        timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -52,9 +68,9 @@ def fit(env, run_dir, data_dir, *args, np_=2, timeout=240):
 def test_sharding_by_file_and_by_element_covers_every_example_once(records):
     """In one process, the two ranks' shards as TensorFlow's rewrite makes them: disjoint,
     together every example; by file for 7 files, by element for one file."""
+    import keras_fit_tfrecord as ex
     import tensorflow as tf
 
-    import keras_fit_tfrecord as ex
     from hvdtrain.inputs import sharding
 
     class Rank:
@@ -123,14 +139,15 @@ def test_input_bound_run_says_so_once(env, tmp_path, records):
     run_dir = str(tmp_path / "run")
     proc = run(script_cmd(2, script, "slow", records, run_dir), env, 180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    record, = records_of(run_dir)
+    (record,) = records_of(run_dir)
     assert record["input_wait"] > 0.5, record
     said = [l for l in proc.stderr.splitlines() if "input-bound: epoch 1's steps waited" in l]
     assert len(said) == 1, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("case, steps, sharding", [("steps", 2 * 5, "file"),
-                                                   ("by_hand", 2 * 32, "user")])
+@pytest.mark.parametrize(
+    "case, steps, sharding", [("steps", 2 * 5, "file"), ("by_hand", 2 * 32, "user")]
+)
 def test_steps_per_epoch_and_sharding_by_hand(env, tmp_path, records, case, steps, sharding):
     """steps_per_epoch for a dataset that repeats forever; sharded=True is not sharded again
     (each rank's 2,000 of the examples by hand: 32 batches of 64, the last of 16)."""
@@ -151,7 +168,9 @@ def sigterm_rank1(cmd, env, run_dir):
     try:
         pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(run_dir)), 120)
         ckpts = os.path.join(run_dir, "checkpoints")
-        assert pids and wait_for(lambda: os.path.isdir(ckpts) and os.listdir(ckpts), 240), "no checkpoint"
+        assert pids and wait_for(lambda: os.path.isdir(ckpts) and os.listdir(ckpts), 240), (
+            "no checkpoint"
+        )
         os.kill(pids[1], signal.SIGTERM)
     finally:
         rc, out, err = finish(proc, 120)
@@ -163,8 +182,9 @@ def sigterm_rank1(cmd, env, run_dir):
 # same under either Keras. Under Keras 2 the fit path's exact resume is
 # test_resume_edges' (both kinds of checkpoint), test_models' (steps_per_execution 3)
 # and test_accumulate's (Horovod's aggregation).
-def test_sigterm_and_sigkill_mid_epoch_resume_gives_the_uninterrupted_weights(env, tmp_path,
-                                                                             records):
+def test_sigterm_and_sigkill_mid_epoch_resume_gives_the_uninterrupted_weights(
+    env, tmp_path, records
+):
     """Stopped mid-epoch by SIGTERM to rank 1; rerun, and that run SIGKILLed (all of it) once
     it has saved a later mid-epoch checkpoint; rerun: the same weights_sha256 as the
     uninterrupted run, so each resume restored the seeded shuffle's epoch order and position
@@ -184,8 +204,7 @@ def test_sigterm_and_sigkill_mid_epoch_resume_gives_the_uninterrupted_weights(en
     assert C.read(checkpoints(cut)[0][1])[0]["offset"] > 0  # mid-epoch
 
     def mid_epoch_after_stop():
-        return [(s, p) for s, p in checkpoints(cut)
-                if s > stopped and C.read(p)[0]["offset"] > 0]
+        return [(s, p) for s, p in checkpoints(cut) if s > stopped and C.read(p)[0]["offset"] > 0]
 
     # The rerun resumes from the SIGTERM's checkpoint.
     kill_when(cmd, env, cut, mid_epoch_after_stop, 150, "the rerun saved no mid-epoch checkpoint")
@@ -240,8 +259,9 @@ def test_the_guides_fit_snippets_run_as_printed(env, tmp_path, records):
     fit_lines = block("guides/keras-fit.md", "import hvdtrain.keras as hk\n").text
     data_lines = block("guides/data.md", "files = tf.data.Dataset.from_tensor_slices(").text
     script = tmp_path / "snippets.py"
-    script.write_text(SNIPPETS.format(examples=os.path.join(ROOT, "examples"), fit=fit_lines,
-                                      data=data_lines))
+    script.write_text(
+        SNIPPETS.format(examples=os.path.join(ROOT, "examples"), fit=fit_lines, data=data_lines)
+    )
     os.symlink(records, tmp_path / "data")
     proc = run(script_cmd(2, script), env, 240, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -294,15 +314,17 @@ except hk.Error as e:
 """
 
 
-@pytest.mark.parametrize("case, status, line", [
-    ("corrupt", 1, "train-03-of-07.tfrecord: truncated record"),
-    ("nothing", 1, "none-*.tfrecord: matches no file"),
-    ("empty", 1, "the training dataset: rank 1's shard is empty"),
-    ("shape", 1, "the model on the training dataset's first batch raised ValueError"),
-    ("infinite", 2, "hk.fit(steps_per_epoch=None): the training dataset repeats forever"),
-])
-def test_bad_input_is_one_line_on_every_rank_no_hang(env, tmp_path, records, case, status,
-                                                     line):
+@pytest.mark.parametrize(
+    "case, status, line",
+    [
+        ("corrupt", 1, "train-03-of-07.tfrecord: truncated record"),
+        ("nothing", 1, "none-*.tfrecord: matches no file"),
+        ("empty", 1, "the training dataset: rank 1's shard is empty"),
+        ("shape", 1, "the model on the training dataset's first batch raised ValueError"),
+        ("infinite", 2, "hk.fit(steps_per_epoch=None): the training dataset repeats forever"),
+    ],
+)
+def test_bad_input_is_one_line_on_every_rank_no_hang(env, tmp_path, records, case, status, line):
     import shutil
 
     data_dir = str(tmp_path / "data")
@@ -311,7 +333,7 @@ def test_bad_input_is_one_line_on_every_rank_no_hang(env, tmp_path, records, cas
         # reads a cut inside the 12-byte header before it as the end of the file)
         path = os.path.join(data_dir, "train-03-of-07.tfrecord")
         raw = open(path, "rb").read()
-        open(path, "wb").write(raw[:len(raw) // 2 + 300])
+        open(path, "wb").write(raw[: len(raw) // 2 + 300])
     script = tmp_path / "bad.py"
     script.write_text(BAD.format(examples=os.path.join(ROOT, "examples")))
     proc = run(script_cmd(2, script, case, data_dir, str(tmp_path / "run")), env, 150)
@@ -373,14 +395,27 @@ def test_task_path_pipeline_trains_evaluates_once_and_resumes_exactly(env, tmp_p
     SIGTERM'd run resumes to the uninterrupted run's weights_sha256."""
     from conftest import HOROVODRUN
 
-    (tmp_path / "records_task.py").write_text(TASK.format(examples=os.path.join(ROOT,
-                                                                                "examples")))
+    (tmp_path / "records_task.py").write_text(TASK.format(examples=os.path.join(ROOT, "examples")))
     env = dict(env, RECORDS=records, PYTHONPATH=f"{tmp_path}:{env['PYTHONPATH']}")
 
     def cmd(run_dir):
-        return [HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvdtrain", "run",
-                "records_task:Records", "--run-dir", str(run_dir), "--checkpoint-every", "7",
-                "--verbose", "0"]
+        return [
+            HOROVODRUN,
+            "-np",
+            "2",
+            "--gloo",
+            sys.executable,
+            "-m",
+            "hvdtrain",
+            "run",
+            "records_task:Records",
+            "--run-dir",
+            str(run_dir),
+            "--checkpoint-every",
+            "7",
+            "--verbose",
+            "0",
+        ]
 
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     p = run(cmd(whole), env, 240, cwd=str(tmp_path))
@@ -388,8 +423,11 @@ def test_task_path_pipeline_trains_evaluates_once_and_resumes_exactly(env, tmp_p
     reference = result(whole)
     steps, trained, total = planned(file_sizes(records), 32)
     assert reference["global_step"] == 2 * steps and reference["ranks_identical"] is True
-    assert reference["train_examples"] == trained and reference["examples_left_out"] == total \
-        - trained and reference["sharding"] == "file"
+    assert (
+        reference["train_examples"] == trained
+        and reference["examples_left_out"] == total - trained
+        and reference["sharding"] == "file"
+    )
     assert reference["test_examples"] == 1000 and reference["test_accuracy"] > 0.7, reference
     sigterm_rank1(cmd(cut), dict(env), str(cut))
     again = run(cmd(cut), env, 240, cwd=str(tmp_path))
@@ -401,11 +439,24 @@ def test_task_path_pipeline_trains_evaluates_once_and_resumes_exactly(env, tmp_p
 def test_task_pipeline_with_accumulate_steps_is_one_line(env, tmp_path, records):
     """--accumulate-steps with a Task's pipeline is not offered: refused in one line naming
     the flag, before anything is written (one process)."""
-    (tmp_path / "records_task.py").write_text(TASK.format(examples=os.path.join(ROOT,
-                                                                                "examples")))
+    (tmp_path / "records_task.py").write_text(TASK.format(examples=os.path.join(ROOT, "examples")))
     env = dict(env, RECORDS=records, PYTHONPATH=f"{tmp_path}:{env['PYTHONPATH']}")
-    p = run([sys.executable, "-m", "hvdtrain", "run", "records_task:Records", "--run-dir",
-             str(tmp_path / "r"), "--accumulate-steps", "2"], env, 180, cwd=str(tmp_path))
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "hvdtrain",
+            "run",
+            "records_task:Records",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--accumulate-steps",
+            "2",
+        ],
+        env,
+        180,
+        cwd=str(tmp_path),
+    )
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     lines = [l for l in p.stderr.splitlines() if "accumulate" in l]
@@ -418,12 +469,12 @@ def test_fit_pipeline_backward_passes_not_dividing_the_epoch_is_one_line():
     arrays get (it named len(train.x), which a pipeline does not have: a traceback)."""
     import tensorflow as tf
 
-    from hvdtrain.inputs import pipeline
+    from hvdtrain.base.errors import ConfigError
     from hvdtrain.compat import keras
     from hvdtrain.distributed import World
-    from hvdtrain.base.errors import ConfigError
-    from hvdtrain.fit.script import fit_config
     from hvdtrain.distributed.optimizer import DistributedOptimizer
+    from hvdtrain.fit.script import fit_config
+    from hvdtrain.inputs import pipeline
 
     k, world = keras(), World()
     x, y = np.zeros((12, 4), np.float32), np.zeros(12, np.int64)
@@ -431,6 +482,9 @@ def test_fit_pipeline_backward_passes_not_dividing_the_epoch_is_one_line():
     model = k.Sequential([k.Input((4,)), k.layers.Dense(2)])
     opt = DistributedOptimizer(k.optimizers.SGD(0.1), world=world, backward_passes_per_step=2)
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
-    with pytest.raises(ConfigError, match=r"backward.passes.per.step=2: must divide the 3 "
-                                          r"steps of an epoch \(12 examples"):
+    with pytest.raises(
+        ConfigError,
+        match=r"backward.passes.per.step=2: must divide the 3 "
+        r"steps of an epoch \(12 examples",
+    ):
         fit_config(model, train, 1, world)

@@ -2,6 +2,7 @@
 job: the ranks' agreement before step 0, the look at the files before each epoch and
 checkpoint, a shard that runs short mid-epoch; in one process (the agreement's logic on
 lists as the ranks' allgather gives them; a 2-rank view where every rank sees the same)."""
+
 import os
 import sys
 
@@ -48,8 +49,11 @@ def parse(record):
 def examples(files):
     import tensorflow as tf
 
-    return tf.data.Dataset.from_tensor_slices([str(f) for f in files]).interleave(
-        tf.data.TFRecordDataset, cycle_length=2).map(parse)
+    return (
+        tf.data.Dataset.from_tensor_slices([str(f) for f in files])
+        .interleave(tf.data.TFRecordDataset, cycle_length=2)
+        .map(parse)
+    )
 
 
 @pytest.mark.quick
@@ -62,18 +66,24 @@ def test_agreement_lines_name_the_rank_and_what_differs():
     assert sources.files_differ("the training dataset", [a, a[:2]]) == (
         "the training dataset: the ranks read different files: rank 1 lacks /d/part-2 (3 "
         "files on rank 0, 2 on rank 1); every rank must list the same files (or shard them "
-        "by hand: sharded=True)")
-    assert "rank 1 lists them in another order (file 0: /d/part-1 where rank 0 has " \
-           "/d/part-0)" in sources.files_differ("x", [a, [a[1], a[0], a[2]]])
+        "by hand: sharded=True)"
+    )
+    assert (
+        "rank 1 lists them in another order (file 0: /d/part-1 where rank 0 has "
+        "/d/part-0)" in sources.files_differ("x", [a, [a[1], a[0], a[2]]])
+    )
     assert "/d/part-1 is 90 bytes on rank 0, 45 on rank 1" in sources.files_differ(
-        "x", [a, [a[0], ("/d/part-1", 45), a[2]]])
+        "x", [a, [a[0], ("/d/part-1", 45), a[2]]]
+    )
     assert sources.order_differs("x", ["ab", "ab", "ab"]) is None
     assert sources.order_differs("x", ["ab", "ab", "cd"]).startswith(
-        "x: rank 2 reads its batches in another order than rank 0")
+        "x: rank 2 reads its batches in another order than rank 0"
+    )
     assert sources.batch_sizes_differ("x", [32, 32], "user") is None
     assert sources.batch_sizes_differ("x", [32, 16], "user") == (
         "x: rank 1's batches hold 16 examples, rank 0's 32: every rank's batches must be the "
-        "per-rank batch size (batch every rank's shard alike)")
+        "per-rank batch size (batch every rank's shard alike)"
+    )
     # The run-defining description: names (not the directory) and sizes.
     moved = [("/e/part-0", 100), ("/e/part-1", 90), ("/e/part-2", 80)]
     assert sources.describe_files(a) == sources.describe_files(moved)
@@ -94,8 +104,9 @@ def test_by_batch_order_digest_catches_a_shuffle_seeded_by_rank(records):
     def sharded(seed, batch=None):
         ds = examples(sorted(records.glob("part-*")))
         ds = ds.shuffle(160, seed=seed)
-        return sharding.sharded_sizes(ds if batch else ds.batch(16), Twin(), False, "x",
-                                       batch=batch)
+        return sharding.sharded_sizes(
+            ds if batch else ds.batch(16), Twin(), False, "x", batch=batch
+        )
 
     ds0, sizes, policy, digest = sharded(0)
     assert (policy, sizes) == ("file", [16] * 5) and digest is None  # by file: no digest
@@ -129,8 +140,12 @@ def test_enumerate_over_files_is_sharded_by_batch(records):
 
     ids = []
     for rank in (Twin(), Rank1()):
-        ds = examples(sorted(records.glob("part-*"))).enumerate().map(
-            lambda k, xy: (xy[0], xy[1])).batch(10)
+        ds = (
+            examples(sorted(records.glob("part-*")))
+            .enumerate()
+            .map(lambda k, xy: (xy[0], xy[1]))
+            .batch(10)
+        )
         train = pipeline.Batches(ds, rank)
         assert train.policy == "data" and train.steps == 8
         ids.append(np.concatenate([y.numpy() for _, y in train.ds]))
@@ -145,9 +160,9 @@ def test_input_changed_under_the_run_is_one_line(records, tmp_path):
 
     import tensorflow as tf
 
-    from hvdtrain.inputs import pipeline, sources
-    from hvdtrain.distributed import World
     from hvdtrain.base.errors import DataError, InputError
+    from hvdtrain.distributed import World
+    from hvdtrain.inputs import pipeline, sources
 
     data = tmp_path / "data"
     shutil.copytree(records, data)
@@ -161,7 +176,7 @@ def test_input_changed_under_the_run_is_one_line(records, tmp_path):
         next(stream)
     size = os.path.getsize(files[3])
     raw = open(files[3], "rb").read()
-    open(files[3], "wb").write(raw[:size // 2 - (size // 2) % (size // 40)])  # whole records
+    open(files[3], "wb").write(raw[: size // 2 - (size // 2) % (size // 40)])  # whole records
     with pytest.raises(InputError) as e:
         train.check_unchanged("before epoch 2")
     assert str(e.value).startswith(f"{files[3]}: cut short under the running job ({size:,} -> ")
@@ -170,12 +185,15 @@ def test_input_changed_under_the_run_is_one_line(records, tmp_path):
         for _ in range(10):
             next(stream)  # epoch 2: 9 batches, then the end instead of epoch 3's first
     line = str(train.failure(short.value, 1))
-    assert line.startswith(f"{files[3]}: cut short under the running job") and \
-        "in epoch 2 (rank 0): training stopped" in line
+    assert (
+        line.startswith(f"{files[3]}: cut short under the running job")
+        and "in epoch 2 (rank 0): training stopped" in line
+    )
     train.snapshot = sources.stat_files(train.snapshot)  # as if it had been so from the start
     assert str(train.failure(short.value, 1)).startswith(
         "the training dataset: rank 0's shard ended after 9 of its 10 batches in epoch 2 "
-        "(rank 0): its input changed under the running job")
+        "(rank 0): its input changed under the running job"
+    )
     os.remove(files[1])
     assert train.changed() == f"{files[1]}: deleted under the running job"
     with pytest.raises(DataError, match="deleted under the running job before epoch 3"):
@@ -262,17 +280,19 @@ def ranks_lines(stderr, text):
     return [l for l in stderr.splitlines() if "<stderr>:" in l and text in l]
 
 
-
 def said_once_that_rank_1s_file_was_cut(p, path, size):
     """Rank 1's file at PATH, SIZE bytes, cut to a quarter (at a record boundary, 838 bytes a
     record) in epoch 2: one line naming it, said once by rank 0 (the watchdog took it there),
     no traceback on any rank."""
-    line = (f"{path}: cut short under the running job ({size:,} -> {size // 4 - size // 4 % 838:,}"
-            " bytes) in epoch 2 (rank 1): training stopped, nothing saved after it")
+    line = (
+        f"{path}: cut short under the running job ({size:,} -> {size // 4 - size // 4 % 838:,}"
+        " bytes) in epoch 2 (rank 1): training stopped, nothing saved after it"
+    )
     said = ranks_lines(p.stderr, line)
     assert [l.split("]")[0] for l in said] == ["[0"], p.stderr[-3000:]
     assert said[0].startswith(f"[0]<stderr>:hvdtrain: error: rank 1 failed: {line}"), said
     assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
+
 
 @pytest.fixture(scope="module")
 def fit_runs(tmp_path_factory):
@@ -281,6 +301,7 @@ def fit_runs(tmp_path_factory):
     import shutil
 
     import keras_fit_tfrecord as ex
+
     from conftest import NO_DAC, clean_env, result, run, script_cmd
     from hvdtrain.distributed import World
 
@@ -301,8 +322,9 @@ def fit_runs(tmp_path_factory):
     runs = str(base / "runs")
     p = launch("reference", data_dir, runs, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
-    return dict(base=base, data=data_dir, launch=launch, runs=runs, proc=p,
-                result=result(runs + "/whole"))
+    return dict(
+        base=base, data=data_dir, launch=launch, runs=runs, proc=p, result=result(runs + "/whole")
+    )
 
 
 def refused_once_each(p, runs, lines):
@@ -314,7 +336,7 @@ def refused_once_each(p, runs, lines):
     assert sorted(os.listdir(runs)) == ["added", "whole"]  # the refused wrote nothing
     for sub, line in lines.items():
         assert len(ranks_lines(p.stderr, line)) == 1, (sub, p.stderr[-3000:])
-    added, = ranks_lines(p.stderr, lines["added"])
+    (added,) = ranks_lines(p.stderr, lines["added"])
     assert " -> 8 files, " in added and "examples per epoch" not in added, added
     assert "Traceback" not in p.stderr
 
@@ -327,15 +349,19 @@ def test_ranks_that_disagree_on_the_input_are_refused_before_step_0(fit_runs):
     (exit 0): file 05 by nobody and 06 twice; some examples twice, others never; steps of
     48 examples said to be 64; the 8 files taken for the finished run's 7."""
     p, data, runs = fit_runs["proc"], fit_runs["data"], fit_runs["runs"]
-    refused_once_each(p, runs, {
-        "fewer_files": "the training dataset: the ranks read different files: rank 1 lacks "
-                       f"{data}/train-05-of-07.tfrecord (7 files on rank 0, 6 on rank 1)",
-        "seed_by_rank": "the training dataset: rank 1 reads its batches in another order "
-                        "than rank 0 (sharded by batch",
-        "batch_by_rank": "the training dataset: rank 1's batches hold 16 examples, rank 0's "
-                         "32: every rank's batches must be the per-rank batch size",
-        "added": "was made with other settings (the training files 7 files, ",
-    })
+    refused_once_each(
+        p,
+        runs,
+        {
+            "fewer_files": "the training dataset: the ranks read different files: rank 1 lacks "
+            f"{data}/train-05-of-07.tfrecord (7 files on rank 0, 6 on rank 1)",
+            "seed_by_rank": "the training dataset: rank 1 reads its batches in another order "
+            "than rank 0 (sharded by batch",
+            "batch_by_rank": "the training dataset: rank 1's batches hold 16 examples, rank 0's "
+            "32: every rank's batches must be the per-rank batch size",
+            "added": "was made with other settings (the training files 7 files, ",
+        },
+    )
     with open(os.path.join(runs, "added", "metrics.jsonl")) as f:
         assert len(f.readlines()) == 2  # the copied run's, untouched
 
@@ -345,8 +371,7 @@ def cut_run(fit_runs, scenario):
     (data, run_dir, the file, its size before, the launch), which must have failed."""
     import shutil
 
-    data, run_dir = (str(fit_runs["base"] / f"{scenario}-data"),
-                     str(fit_runs["base"] / scenario))
+    data, run_dir = (str(fit_runs["base"] / f"{scenario}-data"), str(fit_runs["base"] / scenario))
     shutil.copytree(fit_runs["data"], data)
     path = os.path.join(data, "train-03-of-07.tfrecord")
     size = os.path.getsize(path)
@@ -367,9 +392,11 @@ def test_file_changed_between_epochs_stops_every_rank_then_resumes_exactly(chang
     from conftest import checkpoints, result
 
     data, run_dir, path, size, p = cut_run(fit_runs, change)
-    what = {"cut": f"cut short under the running job ({size:,} -> {size // 2:,} bytes)",
-            "delete": "deleted under the running job",
-            "unreadable": "unreadable (Permission denied) under the running job"}[change]
+    what = {
+        "cut": f"cut short under the running job ({size:,} -> {size // 2:,} bytes)",
+        "delete": "deleted under the running job",
+        "unreadable": "unreadable (Permission denied) under the running job",
+    }[change]
     line = f"{path}: {what} before epoch 2: training stopped, nothing saved after it"
     assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
     assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
@@ -494,25 +521,39 @@ for sub, cls, records in (("fewer_files", FewerFiles, data), ("seed_by_rank", Se
 def task_runs(fit_runs):
     """records_task.py (test_pipeline's Records task and the cases above) and one launch of
     TASK_RUNS on the fit script's files."""
-    from conftest import HOROVODRUN, clean_env, result, run
     from test_pipeline import TASK
+
+    from conftest import HOROVODRUN, clean_env, result, run
 
     base = fit_runs["base"] / "task"
     base.mkdir()
     (base / "records_task.py").write_text(
-        TASK.format(examples=os.path.join(ROOT, "examples")) + TASKS)
+        TASK.format(examples=os.path.join(ROOT, "examples")) + TASKS
+    )
     (base / "task_runs.py").write_text(TASK_RUNS)
     env = clean_env(base / "home")
     env["PYTHONPATH"] = f"{base}:{env['PYTHONPATH']}"
     runs = str(base / "runs")
-    p = run([HOROVODRUN, "-np", "2", "--gloo", sys.executable, str(base / "task_runs.py"),
-             fit_runs["data"], runs], env, 240, cwd=str(base))
+    p = run(
+        [
+            HOROVODRUN,
+            "-np",
+            "2",
+            "--gloo",
+            sys.executable,
+            str(base / "task_runs.py"),
+            fit_runs["data"],
+            runs,
+        ],
+        env,
+        240,
+        cwd=str(base),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return dict(base=base, env=env, proc=p, runs=runs, result=result(os.path.join(runs, "whole")))
 
 
-def test_task_path_ranks_that_disagree_on_the_input_are_refused_before_step_0(task_runs,
-                                                                              fit_runs):
+def test_task_path_ranks_that_disagree_on_the_input_are_refused_before_step_0(task_runs, fit_runs):
     """The Task path's refusals (its launch, after the uninterrupted run): rank 1 lacks file
     05; a shuffle seeded by rank before hvdtrain shards by batch; a resume (the whole run's
     checkpoints, its result.json removed) on a file added. Each one line said once, exit 1,
@@ -520,14 +561,18 @@ def test_task_path_ranks_that_disagree_on_the_input_are_refused_before_step_0(ta
     batches the task's examples. A finished run's result stands, as for the same command
     again: the Task path reads its input after that check.)"""
     p, data, runs = task_runs["proc"], fit_runs["data"], task_runs["runs"]
-    refused_once_each(p, runs, {
-        # the Task's x_train: the name its Data gives the training dataset
-        "fewer_files": "x_train: the ranks read different files: rank 1 lacks "
-                       f"{data}/train-05-of-07.tfrecord (7 files on rank 0, 6 on rank 1)",
-        "seed_by_rank": "x_train: rank 1 reads its batches in another order than rank 0 "
-                        "(sharded by batch",
-        "added": "was made with other settings (the training files 7 files, ",
-    })
+    refused_once_each(
+        p,
+        runs,
+        {
+            # the Task's x_train: the name its Data gives the training dataset
+            "fewer_files": "x_train: the ranks read different files: rank 1 lacks "
+            f"{data}/train-05-of-07.tfrecord (7 files on rank 0, 6 on rank 1)",
+            "seed_by_rank": "x_train: rank 1 reads its batches in another order than rank 0 "
+            "(sharded by batch",
+            "added": "was made with other settings (the training files 7 files, ",
+        },
+    )
     assert task_runs["result"]["global_step"] > 0 and task_runs["result"]["ranks_identical"]
 
 
@@ -537,10 +582,29 @@ def task_launch(task_runs, tmp_path, task, run_dir, **env):
     from conftest import HOROVODRUN, NO_DAC, run
 
     prefix = NO_DAC if env.get("CHANGE") == "unreadable" else []
-    return run([*prefix, HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvdtrain",
-                "run", f"records_task:{task}", "--run-dir", str(run_dir), "--verbose", "0",
-                "--checkpoint-every", "0"], dict(task_runs["env"], **env), 180,
-               cwd=str(tmp_path))
+    return run(
+        [
+            *prefix,
+            HOROVODRUN,
+            "-np",
+            "2",
+            "--gloo",
+            sys.executable,
+            "-m",
+            "hvdtrain",
+            "run",
+            f"records_task:{task}",
+            "--run-dir",
+            str(run_dir),
+            "--verbose",
+            "0",
+            "--checkpoint-every",
+            "0",
+        ],
+        dict(task_runs["env"], **env),
+        180,
+        cwd=str(tmp_path),
+    )
 
 
 @pytest.mark.parametrize("change", ["deleted", "cut", "unreadable"])
@@ -558,12 +622,15 @@ def test_task_path_file_changed_between_epochs_is_one_line(change, fit_runs, tas
     gone = os.path.join(data, "train-02-of-07.tfrecord")
     size = os.path.getsize(gone)
     run_dir = tmp_path / "run"
-    p = task_launch(task_runs, tmp_path, "Deleting", run_dir, RECORDS=data, GONE=gone,
-                    CHANGE=change)
+    p = task_launch(
+        task_runs, tmp_path, "Deleting", run_dir, RECORDS=data, GONE=gone, CHANGE=change
+    )
     assert p.returncode == 1 and "Exit code: 1" in p.stderr, p.stderr[-3000:]
-    what = {"deleted": "deleted under the running job",
-            "cut": f"cut short under the running job ({size:,} -> {size // 2:,} bytes)",
-            "unreadable": "unreadable (Permission denied) under the running job"}[change]
+    what = {
+        "deleted": "deleted under the running job",
+        "cut": f"cut short under the running job ({size:,} -> {size // 2:,} bytes)",
+        "unreadable": "unreadable (Permission denied) under the running job",
+    }[change]
     line = f"{gone}: {what} before epoch 2: training stopped, nothing saved after it"
     assert len(ranks_lines(p.stderr, line)) == 1, p.stderr[-3000:]
     assert "Traceback" not in "".join(ranks_lines(p.stderr, "")), p.stderr[-3000:]
@@ -577,8 +644,9 @@ def test_task_path_file_changed_between_epochs_is_one_line(change, fit_runs, tas
     assert result(run_dir)["weights_sha256"] == whole["weights_sha256"]  # nothing lost
 
 
-def test_task_path_file_cut_inside_an_epoch_stops_every_rank_with_one_line(fit_runs, task_runs,
-                                                                            tmp_path):
+def test_task_path_file_cut_inside_an_epoch_stops_every_rank_with_one_line(
+    fit_runs, task_runs, tmp_path
+):
     """The Task path: rank 1's file cut to a quarter at the first example read in epoch 2,
     after the look before it (the task's map, every rank; checkpoints at epoch ends only):
     rank 1's shard runs short inside the epoch and rank 1 stops naming the file, instead of
@@ -618,19 +686,29 @@ def test_resume_on_another_input_names_it_on_the_task_path(tmp_path):
     """The Task path's record holds the pipeline's files and examples per epoch at its top
     level (engine.Run.input): a checkpoint made on other files is refused naming both, as
     the task's flags are named (hk.fit's launch above: the same comparison)."""
-    from hvdtrain.engine import checkpoint_file
     from hvdtrain.base.config import Config
-    from hvdtrain.distributed import World
-    from hvdtrain.engine.checkpoints import Checkpoints
     from hvdtrain.base.errors import CheckpointError
+    from hvdtrain.distributed import World
+    from hvdtrain.engine import checkpoint_file
+    from hvdtrain.engine.checkpoints import Checkpoints
 
     def record(files, examples):
-        return {"task": "records", "seed": 0, "settings": {},
-                "train_files": files, "train_examples": examples}
+        return {
+            "task": "records",
+            "seed": 0,
+            "settings": {},
+            "train_files": files,
+            "train_examples": examples,
+        }
 
     saved = record("7 files, 3,352,000 bytes, sha256 201788394cca", 3624)
-    checkpoint_file.save(str(tmp_path), [np.zeros(2)], ["w"], {
-        "epoch": 1, "offset": 0, "global_step": 57, "run": saved}, keep=2)
+    checkpoint_file.save(
+        str(tmp_path),
+        [np.zeros(2)],
+        ["w"],
+        {"epoch": 1, "offset": 0, "global_step": 57, "run": saved},
+        keep=2,
+    )
     found = Checkpoints(World(), Config(), str(tmp_path), print)
     assert found.find(saved)[0]["global_step"] == 57  # the same input: resumed
     with pytest.raises(CheckpointError) as e:
@@ -639,4 +717,5 @@ def test_resume_on_another_input_names_it_on_the_task_path(tmp_path):
         f"{tmp_path}/ckpt-000000057.hvdt was made with other settings (the training files "
         "7 files, 3,352,000 bytes, sha256 201788394cca -> 8 files, 3,687,200 bytes, sha256 "
         "0a1b2c3d4e5f; the training examples per epoch 3624 -> 4024): resume with the same "
-        "settings, or choose a new --run-dir")
+        "settings, or choose a new --run-dir"
+    )

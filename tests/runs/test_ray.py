@@ -12,6 +12,7 @@ scripts/test.sh's Keras 2 pass (TF_USE_LEGACY_KERAS=1) the workers train on tf_k
 At the end every process the cluster started is killed (by its session: never `ray stop`,
 which would end any Ray on the machine).
 """
+
 import os
 import shutil
 import signal
@@ -25,14 +26,27 @@ import numpy as np
 import pytest
 import ray  # the test extra has it (the "ray" extra's pin)
 
+from conftest import (
+    LINEAR,
+    ROOT,
+    TESTS,
+    TIME_SCALE,
+    checkpoints,
+    clean_env,
+    finish,
+    free_port,
+    keras_flavour,
+    lose_after_first_checkpoint,
+    rank_pids,
+    result,
+    run,
+    start,
+    wait_for,
+)
 from docs_pages import block
-from conftest import (LINEAR, ROOT, TESTS, TIME_SCALE, checkpoints, clean_env, finish,
-                      free_port, keras_flavour, lose_after_first_checkpoint, rank_pids, result,
-                      run, start, wait_for)
 
 pytestmark = [pytest.mark.keras2, pytest.mark.timeout(240)]
 EXACT = 1e-6  # float32 arithmetic done in another order than Horovod's
-
 
 
 def session_pids(sid):
@@ -56,11 +70,15 @@ def cluster(tmp_path_factory):
     session; this process is its driver. Yields the address."""
     base = tmp_path_factory.mktemp("ray")
     port = free_port()
-    env = clean_env(base / "home", PYTHONPATH=os.pathsep.join([ROOT, TESTS]),
-                    RAY_USAGE_STATS_ENABLED="0", TF_CPP_MIN_LOG_LEVEL="3",
-                    # Ray's single-machine mode: its node address stays 127.0.0.1 (otherwise
-                    # Ray trades a loopback --node-ip-address for the machine's own address).
-                    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env = clean_env(
+        base / "home",
+        PYTHONPATH=os.pathsep.join([ROOT, TESTS]),
+        RAY_USAGE_STATS_ENABLED="0",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        # Ray's single-machine mode: its node address stays 127.0.0.1 (otherwise
+        # Ray trades a loopback --node-ip-address for the machine's own address).
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+    )
     # Ray's socket paths (TEMP/session_<date>_<pid>/sockets/plasma_store) must fit AF_UNIX's
     # 107 bytes: under the module's tmp dir when it is short enough (pytest's own, outside
     # xdist), else a short directory of /tmp, removed at the end.
@@ -69,17 +87,40 @@ def cluster(tmp_path_factory):
     if short:
         temp = tempfile.mkdtemp(prefix="ray-")
     log = open(base / "ray_start.log", "w")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
-           "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
-           "--num-gpus", "0", "--include-dashboard=false", "--disable-usage-stats",
-           "--ray-client-server-port", str(free_port()),
-           "--object-store-memory", str(200 << 20), "--temp-dir", temp]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num-cpus",
+        "2",
+        "--num-gpus",
+        "0",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        "--ray-client-server-port",
+        str(free_port()),
+        "--object-store-memory",
+        str(200 << 20),
+        "--temp-dir",
+        temp,
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     address = f"127.0.0.1:{port}"
     try:
-        started = wait_for(lambda: proc.poll() is not None or
-                           "Ray runtime started" in open(base / "ray_start.log").read(), 120)
+        started = wait_for(
+            lambda: (
+                proc.poll() is not None
+                or "Ray runtime started" in open(base / "ray_start.log").read()
+            ),
+            120,
+        )
         assert started and proc.poll() is None, open(base / "ray_start.log").read()[-3000:]
         # This driver in the same single-machine mode (Ray reads the variable when imported,
         # as this module imports it: its constant is set for the module's time).
@@ -129,8 +170,10 @@ def train_on_ray(fn, timeout=180):
 
 def one_process(kind, timeout=120):
     import ray_train
-    return ray.get(ray.remote(num_cpus=1)(ray_train.reference).remote(kind),
-                   timeout=timeout * TIME_SCALE)
+
+    return ray.get(
+        ray.remote(num_cpus=1)(ray_train.reference).remote(kind), timeout=timeout * TIME_SCALE
+    )
 
 
 def weights(answer):
@@ -149,31 +192,38 @@ def check(kind, answers, ref):
 
 def test_gradient_tape_on_two_ray_workers(cluster):
     import ray_train
+
     answers = train_on_ray(ray_train.gradient_tape)
     check("gradient_tape", answers, one_process("gradient_tape"))
 
 
 def test_keras_fit_on_two_ray_workers(cluster):
     import ray_train
+
     answers = train_on_ray(ray_train.keras_fit)
     check("keras_fit", answers, one_process("keras_fit"))
 
 
 # --- hvdtrain.ray: hvdtrain's own front, on the same cluster ------------------------------
 
+
 def driver_env(tmp_path):
     """A driver's environment for this module's cluster (on loopback: Ray's single-machine
     mode, read when Ray is imported)."""
-    return clean_env(tmp_path / "home", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-                     PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
+    return clean_env(
+        tmp_path / "home",
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        PYTHONPATH=os.pathsep.join([ROOT, TESTS]),
+    )
 
 
 def ray_cmd(address, *args):
     return [sys.executable, "-m", "hvdtrain.ray", "--address", address, *map(str, args)]
 
 
-def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(cluster, tmp_path,
-                                                                             references):
+def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(
+    cluster, tmp_path, references
+):
     """The linear task through ``python -m hvdtrain.ray`` on 2 workers; rank 1's process
     SIGKILLed after the first checkpoint: the driver says so in one line, starts the job
     again, and it resumes to the weights of the same job under horovodrun, uninterrupted."""
@@ -181,10 +231,16 @@ def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(clus
     run_dir = tmp_path / "run"
     rc, out, err = lose_after_first_checkpoint(
         ray_cmd(cluster, "--num-workers", 2, "linear", *LINEAR, "--run-dir", run_dir),
-        driver_env(tmp_path), run_dir, lambda pids: os.kill(pids[1], signal.SIGKILL), 180)
+        driver_env(tmp_path),
+        run_dir,
+        lambda pids: os.kill(pids[1], signal.SIGKILL),
+        180,
+    )
     assert rc == 0, err[-3000:]
     # The line the Ray page shows, with this host's name.
-    shown, = block("guides/clusters/ray.md", "hvdtrain.ray: rank 1 on node2 was killed").text.splitlines()
+    (shown,) = block(
+        "guides/clusters/ray.md", "hvdtrain.ray: rank 1 on node2 was killed"
+    ).text.splitlines()
     lines = [l for l in err.splitlines() if l.startswith("hvdtrain.ray: rank 1 on ")]
     assert lines == [shown.replace("node2", socket.gethostname())], err[-3000:]
     assert "resumed from" in err, err[-3000:]
@@ -193,8 +249,9 @@ def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(clus
     assert r["weights_sha256"] == ref["weights_sha256"], err[-3000:]
 
 
-def test_sigterm_to_the_driver_saves_and_75_then_the_same_command_resumes(cluster, tmp_path,
-                                                                          references):
+def test_sigterm_to_the_driver_saves_and_75_then_the_same_command_resumes(
+    cluster, tmp_path, references
+):
     ref = references.run("gloo", 2, "linear", *LINEAR)
     run_dir = tmp_path / "run"
     cmd = ray_cmd(cluster, "--num-workers", 2, "linear", *LINEAR, "--run-dir", run_dir)
@@ -223,17 +280,17 @@ def test_the_python_call_returns_rank_0s_value_and_a_tasks_result(cluster, tmp_p
     a function on 3 ranks returns rank 0's value, computed with the world hvdtrain made
     there; a Task instance returns its result.json; a function that raises on one rank is a
     RayJobError with status 1, after that rank's traceback."""
-    import ray_train
-
     import hvdtrain.ray
+    import ray_train
     from hvdtrain.tasks.linear import LinearTask
 
     value = hvdtrain.ray.run(ray_train.world_sum, args=[2.0], num_workers=2)
     assert (value["rank"], value["size"], value["sum"]) == (0, 2, 2.0 * (1 + 2))
     assert value["pid"] != os.getpid()
     run_dir = tmp_path / "run"
-    res = hvdtrain.ray.run(LinearTask(), argv=["--epochs", "2", "--run-dir", str(run_dir)],
-                           num_workers=2)
+    res = hvdtrain.ray.run(
+        LinearTask(), argv=["--epochs", "2", "--run-dir", str(run_dir)], num_workers=2
+    )
     assert res == result(run_dir) and res["world_size"] == 2 and res["epochs"] == 2
     with pytest.raises(hvdtrain.ray.RayJobError) as e:
         hvdtrain.ray.run(ray_train.fails, args=[1], num_workers=2)
@@ -247,12 +304,21 @@ def test_bad_input_is_one_line_before_any_worker_starts(cluster, tmp_path):
         (["nosuchtask"], 2, "'nosuchtask'"),
         (["--num-workers", "0", "linear"], 2, "num_workers=0: must be an integer of at least 1"),
         (["no_such_script.py"], 2, "no_such_script.py: no such script"),
-        (["--num-workers", "2", "--min-workers", "1", "linear"], 2,
-         "num_workers or min_workers/max_workers: a job is elastic or not"),
-        (["--min-workers", "3", "--max-workers", "2", "linear"], 2,
-         "max_workers=2: must be at least min_workers=3"),
-        (["--cpus-per-worker", "64", "--placement-timeout", "3", "linear"], 1,
-         "the Ray cluster has no room for 2 workers of 64 CPU each within 3 s"),
+        (
+            ["--num-workers", "2", "--min-workers", "1", "linear"],
+            2,
+            "num_workers or min_workers/max_workers: a job is elastic or not",
+        ),
+        (
+            ["--min-workers", "3", "--max-workers", "2", "linear"],
+            2,
+            "max_workers=2: must be at least min_workers=3",
+        ),
+        (
+            ["--cpus-per-worker", "64", "--placement-timeout", "3", "linear"],
+            1,
+            "the Ray cluster has no room for 2 workers of 64 CPU each within 3 s",
+        ),
     ]
     for args, status, said in cases:
         p = run(ray_cmd(cluster, *args), env, timeout=90)

@@ -5,6 +5,7 @@ input. Each rank is a Spark task in which Horovod's Spark integration starts a p
 starts the rank (hvdtrain.jobs.rank). The namespaced standalone cluster's tests
 (tests/clusters/test_spark_cluster.py) run the same front across machines.
 """
+
 import contextlib
 import io
 import os
@@ -17,15 +18,28 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import (
+    LINEAR,
+    ROOT,
+    TESTS,
+    checkpoints,
+    clean_env,
+    finish,
+    lose_after_first_checkpoint,
+    rank_pids,
+    result,
+    run,
+    script_cmd,
+    start,
+    wait_for,
+)
 from docs_pages import block
-from conftest import (LINEAR, ROOT, TESTS, checkpoints, clean_env, finish,
-                      lose_after_first_checkpoint, rank_pids, result, run, script_cmd, start,
-                      wait_for)
 
 pyspark = pytest.importorskip("pyspark")  # the test extra has it (the "spark" extra's pin)
 if not shutil.which("java") and not os.environ.get("JAVA_HOME"):
-    pytest.skip("no Java (scripts/setup_test.sh installs openjdk-17-jre-headless)",
-                allow_module_level=True)
+    pytest.skip(
+        "no Java (scripts/setup_test.sh installs openjdk-17-jre-headless)", allow_module_level=True
+    )
 
 # Keras 3's pass only: the ranks run hvdtrain as under horovodrun, whose Keras 2 runs are
 # tested there; Horovod's estimator on Spark is tested under both (test_spark_estimator.py).
@@ -34,8 +48,9 @@ MASTER = "local[2]"
 
 
 def driver_env(tmp_path):
-    return clean_env(tmp_path / "home", PYTHONPATH=os.pathsep.join([ROOT, TESTS]),
-                     PYSPARK_PYTHON=sys.executable)
+    return clean_env(
+        tmp_path / "home", PYTHONPATH=os.pathsep.join([ROOT, TESTS]), PYSPARK_PYTHON=sys.executable
+    )
 
 
 def spark_cmd(*args):
@@ -54,17 +69,19 @@ def spark(tmp_path_factory):
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (SparkSession.builder.master(MASTER).appName("hvdtrain-tests")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.local.dir", str(tmp_path_factory.mktemp("spark-local")))
-               .getOrCreate())
+    session = (
+        SparkSession.builder.master(MASTER)
+        .appName("hvdtrain-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.local.dir", str(tmp_path_factory.mktemp("spark-local")))
+        .getOrCreate()
+    )
     yield session
     session.stop()
 
 
-def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(tmp_path,
-                                                                             references):
+def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(tmp_path, references):
     """The linear task on 2 ranks; rank 1's process SIGKILLed after the first checkpoint:
     one line from the driver, the job starts again and resumes to the weights of the same job
     under horovodrun, uninterrupted."""
@@ -72,10 +89,16 @@ def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(tmp_
     run_dir = tmp_path / "run"
     rc, out, err = lose_after_first_checkpoint(
         spark_cmd("--num-proc", 2, "linear", *LINEAR, "--run-dir", run_dir),
-        driver_env(tmp_path), run_dir, lambda pids: os.kill(pids[1], signal.SIGKILL), 240)
+        driver_env(tmp_path),
+        run_dir,
+        lambda pids: os.kill(pids[1], signal.SIGKILL),
+        240,
+    )
     assert rc == 0, err[-3000:]
     # The line the Spark page shows, with this host's name.
-    shown, = block("guides/clusters/spark.md", "hvdtrain.spark: rank 1 on node2 was killed").text.splitlines()
+    (shown,) = block(
+        "guides/clusters/spark.md", "hvdtrain.spark: rank 1 on node2 was killed"
+    ).text.splitlines()
     said = [l for l in err.splitlines() if l.startswith("hvdtrain.spark: ")]
     here = socket.gethostname()
     placed = f"hvdtrain.spark: 2 ranks: rank 0 on {here}, rank 1 on {here}"
@@ -86,8 +109,7 @@ def test_a_killed_rank_restarts_the_job_which_ends_with_horovodruns_weights(tmp_
     assert r["weights_sha256"] == ref["weights_sha256"], err[-3000:]
 
 
-def test_sigterm_to_the_driver_saves_and_75_then_the_same_command_resumes(tmp_path,
-                                                                          references):
+def test_sigterm_to_the_driver_saves_and_75_then_the_same_command_resumes(tmp_path, references):
     ref = references.run("gloo", 2, "linear", *LINEAR)
     run_dir = tmp_path / "run"
     cmd = spark_cmd("--num-proc", 2, "linear", *LINEAR, "--run-dir", run_dir)
@@ -107,29 +129,31 @@ def test_sigterm_to_the_driver_saves_and_75_then_the_same_command_resumes(tmp_pa
     assert not rank_pids(str(run_dir))  # the ranks are gone with it
     p = run(cmd, driver_env(tmp_path), timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert rank_lines(p.stderr + p.stdout, "resumed from") and f"step {step}" in p.stdout + \
-        p.stderr
+    assert rank_lines(p.stderr + p.stdout, "resumed from") and f"step {step}" in p.stdout + p.stderr
     assert result(run_dir)["weights_sha256"] == ref["weights_sha256"]
 
 
 def test_the_python_call_trains_from_a_dataframe_as_horovodrun_trains_the_arrays(
-        spark, tmp_path, monkeypatch, references):
+    spark, tmp_path, monkeypatch, references
+):
     """In a process with its own Spark session: a DataFrame written once to Parquet, read by
     each rank, trained with hk.fit on 2 ranks, ends with the weights of the same hk.fit on
     the same arrays under horovodrun -np 2; the page's call trains MNIST as horovodrun does;
     a function that raises on one rank is a SparkJobError of status 1."""
+    import hvdtrain.spark
     import ray_train
     import spark_train
-
-    import hvdtrain.spark
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, TESTS]))
     with pytest.raises(hvdtrain.spark.SparkJobError) as e:  # before anything starts
         hvdtrain.spark.run("linear", num_proc=2, spark=spark, master="local[1]")
-    assert (e.value.status, str(e.value)) == (2, "master=local[1]: the session given (spark=) "
-                                              "has its own master (local[2]); give one or the "
-                                              "other")
+    assert (e.value.status, str(e.value)) == (
+        2,
+        "master=local[1]: the session given (spark=) "
+        "has its own master (local[2]); give one or the "
+        "other",
+    )
     rows = spark_train.rows()
     df = spark.createDataFrame(rows, ["id", "features", "label"]).repartition(3, "id")
     data = str(tmp_path / "data")
@@ -138,10 +162,14 @@ def test_the_python_call_trains_from_a_dataframe_as_horovodrun_trains_the_arrays
     assert read["features"].shape == (len(rows), 3) and read["label"].shape == (len(rows),)
     np.savez(tmp_path / "data.npz", x=read["features"], y=read["label"])
 
-    got = hvdtrain.spark.run(spark_train.fit_from_parquet, args=[data, str(tmp_path / "a")],
-                             num_proc=2, spark=spark)
-    p = run(script_cmd(2, os.path.join(TESTS, "spark_train.py"), tmp_path / "data.npz",
-                       tmp_path / "b"), clean_env(tmp_path / "home"), timeout=180)
+    got = hvdtrain.spark.run(
+        spark_train.fit_from_parquet, args=[data, str(tmp_path / "a")], num_proc=2, spark=spark
+    )
+    p = run(
+        script_cmd(2, os.path.join(TESTS, "spark_train.py"), tmp_path / "data.npz", tmp_path / "b"),
+        clean_env(tmp_path / "home"),
+        timeout=180,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     ref = result(tmp_path / "b")
     assert (got["size"], got["rows"]) == (2, len(rows))
@@ -157,8 +185,10 @@ def test_the_python_call_trains_from_a_dataframe_as_horovodrun_trains_the_arrays
     py = result(tmp_path / "runs" / "spark-py")
     assert printed.getvalue().strip().splitlines()[-1] == str(py["test_accuracy"])
     assert (py["world_size"], py["epochs"]) == (2, 1)
-    assert py["weights_sha256"] == references.run("gloo", 2, "mnist", "--epochs", "1")[
-        "weights_sha256"]
+    assert (
+        py["weights_sha256"]
+        == references.run("gloo", 2, "mnist", "--epochs", "1")["weights_sha256"]
+    )
 
     with pytest.raises(hvdtrain.spark.SparkJobError) as e:
         hvdtrain.spark.run(ray_train.fails, args=[1], num_proc=2, spark=spark)
@@ -172,9 +202,12 @@ def test_bad_input_is_one_line_before_any_rank_starts(tmp_path):
         (["nosuchtask"], 2, "'nosuchtask'"),
         (["--num-proc", "0", "linear"], 2, "num_proc=0: must be an integer of at least 1"),
         (["no_such_script.py"], 2, "no_such_script.py: no such script"),
-        (["--num-proc", "3", "--start-timeout", "5", "linear"], 1,
-         "Spark did not start 3 tasks for the ranks within 5 s (each rank is one task of one "
-         "core; the application has 2 cores now)"),
+        (
+            ["--num-proc", "3", "--start-timeout", "5", "linear"],
+            1,
+            "Spark did not start 3 tasks for the ranks within 5 s (each rank is one task of one "
+            "core; the application has 2 cores now)",
+        ),
     ]
     for args, status, said in cases:
         p = run(spark_cmd(*args), env, timeout=120)
@@ -188,9 +221,8 @@ def test_the_pages_dataframe_driver_runs_as_printed_under_spark_submit(tmp_path)
     master local): it writes the DataFrame, trains on 2 ranks and prints a loss near 0."""
     code = block("guides/clusters/spark.md", '"""Train on a DataFrame with hvdtrain.spark').text
     (tmp_path / "spark_fit.py").write_text(code)
-    line, = block("guides/clusters/spark.md", "spark-submit --master").commands()
-    argv = shlex.split(line.replace("spark://HEAD:7077", MASTER)
-                       .replace("/shared", str(tmp_path)))
+    (line,) = block("guides/clusters/spark.md", "spark-submit --master").commands()
+    argv = shlex.split(line.replace("spark://HEAD:7077", MASTER).replace("/shared", str(tmp_path)))
     argv[0] = os.path.join(os.path.dirname(sys.executable), argv[0])
     p = run(argv, driver_env(tmp_path), timeout=240, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -8,6 +8,7 @@ pytest's environment, its Keras included) and KerasModel.transform predicts ever
 data module's exact sharding is checked on its own, with ranks 0 and 1 of 2 given by hand,
 on Parquet files that Spark wrote.
 """
+
 import os
 import sys
 
@@ -32,11 +33,14 @@ def spark():
 
     # The executors' Python is this venv's (Spark's default is the first python3 on PATH).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (SparkSession.builder.master("local[2]").appName("hvdtrain-estimator")
-               .config("spark.ui.enabled", "false")
-               .config("spark.driver.memory", "1g")
-               .config("spark.sql.shuffle.partitions", "2")
-               .getOrCreate())
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("hvdtrain-estimator")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.memory", "1g")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
@@ -44,11 +48,13 @@ def spark():
 
 def frame(spark, rows):
     from pyspark.ml.feature import VectorAssembler
+
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, size=(rows, 2))
     df = spark.createDataFrame(
         [(i, float(a), float(b), float(target(a, b))) for i, (a, b) in enumerate(x)],
-        ["id", "x1", "x2", "y"])
+        ["id", "x1", "x2", "y"],
+    )
     return VectorAssembler(inputCols=["x1", "x2"], outputCol="features").transform(df)
 
 
@@ -63,16 +69,26 @@ def fitted(spark, tmp_path_factory):
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
     df = frame(spark, ROWS)
     estimator = KerasEstimator(
-        num_proc=2, store=Store.create(str(tmp_path_factory.mktemp("store"))), model=model,
-        optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="mse",
-        feature_cols=["features"], label_cols=["y"], validation=0.2,
-        batch_size=16, epochs=4, random_seed=1, verbose=0)
+        num_proc=2,
+        store=Store.create(str(tmp_path_factory.mktemp("store"))),
+        model=model,
+        optimizer=keras.optimizers.SGD(learning_rate=0.1),
+        loss="mse",
+        feature_cols=["features"],
+        label_cols=["y"],
+        validation=0.2,
+        batch_size=16,
+        epochs=4,
+        random_seed=1,
+        verbose=0,
+    )
     return estimator, estimator.fit(df), df
 
 
 def test_the_estimator_trains_on_two_ranks_and_the_model_predicts_every_row(fitted):
     estimator, keras_model, df = fitted
     from horovod.spark.keras.datamodule import ParquetDataModule
+
     assert estimator.getDataModule() is ParquetDataModule
     model = keras_model.getModel()
     assert type(model).__module__.split(".")[0] == keras_flavour()
@@ -90,6 +106,7 @@ def test_the_estimator_trains_on_two_ranks_and_the_model_predicts_every_row(fitt
     # The driver's tf.keras is still the Keras this process chose: under Keras 2 the estimator
     # once loaded Keras 3 as tf.keras (and every later tf.keras call of the driver ran on it).
     import tensorflow as tf
+
     assert tf.keras.Model.__module__.split(".")[0] == keras_flavour()
     assert len(out) == ROWS and sorted(out["id"]) == list(range(ROWS))
     assert out["y__output"].notna().all()
@@ -102,26 +119,41 @@ def shard_ids(data_module, path, passes):
     rows = pq.read_table(path).num_rows
     count = data_module.shard_count
     per_pass = (rows - data_module.cur_shard + count - 1) // count
-    ids = [int(row["id"]) for row in
-           data_module.dataset(path, data_module.shuffle).take(per_pass * passes)
-           .as_numpy_iterator()]
-    return [ids[p * per_pass:(p + 1) * per_pass] for p in range(passes)]
+    ids = [
+        int(row["id"])
+        for row in data_module.dataset(path, data_module.shuffle)
+        .take(per_pass * passes)
+        .as_numpy_iterator()
+    ]
+    return [ids[p * per_pass : (p + 1) * per_pass] for p in range(passes)]
 
 
 def test_each_pass_the_ranks_together_see_every_row_exactly_once(spark, tmp_path):
     from horovod.spark.keras.datamodule import ParquetDataModule
+
     rows = 101  # 51 rows for rank 0, 50 for rank 1
     path = str(tmp_path / "train")
     from pyspark.ml.functions import vector_to_array
+
     # As the estimator writes its Store's files: vectors as arrays.
-    (frame(spark, rows).select("id", vector_to_array("features").alias("features"), "y")
-     .repartition(3).write.parquet(path))
+    (
+        frame(spark, rows)
+        .select("id", vector_to_array("features").alias("features"), "y")
+        .repartition(3)
+        .write.parquet(path)
+    )
     assert len([f for f in os.listdir(path) if f.endswith(".parquet")]) == 3
 
     def module(rank, shuffle, seed=7):
-        return ParquetDataModule(train_dir=path, val_dir=None, cur_shard=rank, shard_count=2,
-                                 shuffle=shuffle, random_seed=seed,
-                                 schema_fields=["id", "features", "y"])
+        return ParquetDataModule(
+            train_dir=path,
+            val_dir=None,
+            cur_shard=rank,
+            shard_count=2,
+            shuffle=shuffle,
+            random_seed=seed,
+            schema_fields=["id", "features", "y"],
+        )
 
     # Unshuffled: rank r gets rows r::2 of the files in their sorted order, every pass.
     files = sorted(f for f in os.listdir(path) if f.endswith(".parquet"))

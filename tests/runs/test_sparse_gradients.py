@@ -10,6 +10,7 @@ sparse gradient, each way, against numpy). The timelines say what crossed the ne
 the same global batches, run in this interpreter. Under Keras 2 the fit path is Horovod's own
 wrapper, which gathers sparse gradients itself.
 """
+
 import collections
 import json
 import os
@@ -23,8 +24,9 @@ from hvdtrain.bench.cases import timeline_collectives
 
 pytestmark = pytest.mark.keras2
 
-SCRIPT = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "sparse_gradients.py")).read()
+SCRIPT = open(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sparse_gradients.py")
+).read()
 NAMES = ("fit", "task", "task_dense", "fit_only_sparse", "fit_small_table", "reductions")
 ROWS, COLUMNS, STEPS = 1_000_000, 16, 8
 GATHERED = 2 * 16 * 4  # both ranks' lookups in a step: 2 ranks x 16 examples x 4 ids
@@ -38,8 +40,11 @@ def two(tmp_path_factory):
     folder = usercode.write(base, {"sparse_gradients": SCRIPT})
     out = base / "two"
     out.mkdir()
-    p = run(usercode.two_ranks(folder / "sparse_gradients.py", out, *NAMES),
-            usercode.env_with(folder, base, HOROVOD_TIMELINE="DYNAMIC"), timeout=240)
+    p = run(
+        usercode.two_ranks(folder / "sparse_gradients.py", out, *NAMES),
+        usercode.env_with(folder, base, HOROVOD_TIMELINE="DYNAMIC"),
+        timeout=240,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     for name in NAMES:
         for r in (0, 1):
@@ -51,8 +56,10 @@ def two(tmp_path_factory):
 def collectives(out, name):
     """{(kind, dtype, shape): count} of the run's allreduces and allgathers, and their bytes."""
     found = timeline_collectives(str(out / f"{name}.timeline.json"))
-    return (collections.Counter((c["kind"], c["dtype"], tuple(c["shape"])) for c in found),
-            sum(c["bytes"] for c in found))
+    return (
+        collections.Counter((c["kind"], c["dtype"], tuple(c["shape"])) for c in found),
+        sum(c["bytes"] for c in found),
+    )
 
 
 @pytest.mark.parametrize("name", ["fit", "task"])
@@ -90,10 +97,14 @@ def test_with_every_gradient_gathered_the_step_flags_still_ride_once_a_step(two)
     out, _ = two
     counts, _ = collectives(out, "fit_only_sparse")
     assert {key: n for key, n in counts.items() if key[1] == "float32"} == {
-        ("ALLGATHER", "float32", (GATHERED, 2)): STEPS, ("ALLREDUCE", "float32", (2,)): STEPS}
+        ("ALLGATHER", "float32", (GATHERED, 2)): STEPS,
+        ("ALLREDUCE", "float32", (2,)): STEPS,
+    }
     assert counts[("ALLGATHER", "int32", (GATHERED,))] == STEPS, counts
-    host = {name: sum(n for key, n in collectives(out, name)[0].items() if key[1] == "float64")
-            for name in ("fit", "fit_only_sparse")}
+    host = {
+        name: sum(n for key, n in collectives(out, name)[0].items() if key[1] == "float64")
+        for name in ("fit", "fit_only_sparse")
+    }
     assert host["fit_only_sparse"] == host["fit"] < STEPS + 4, host  # the run's questions
 
 
@@ -137,8 +148,12 @@ def test_two_ranks_train_the_embedding_as_one_process(two, tmp_path):
         scenarios.hk.init()
         x, _ = scenarios.data()
         assert len(np.unique(x)) == 64 and x.size == STEPS * 32 * 4
-        for name, reference in (("fit", "fit"), ("task", "task"), ("task_dense", "task"),
-                                ("fit_only_sparse", "fit_only_sparse")):
+        for name, reference in (
+            ("fit", "fit"),
+            ("task", "task"),
+            ("task_dense", "task"),
+            ("fit_only_sparse", "fit_only_sparse"),
+        ):
             res = result(out / name)
             assert res["ranks_identical"] is True and res["global_step"] == STEPS, res
             one = tmp_path / reference
@@ -148,8 +163,11 @@ def test_two_ranks_train_the_embedding_as_one_process(two, tmp_path):
             two_w, one_w = np.load(out / name / "weights.npz"), np.load(one / "weights.npz")
             apart = max(float(np.abs(two_w[k] - one_w[k]).max()) for k in one_w.files)
             start = (scenarios.embedding_only if "only" in name else scenarios.model)()
-            moved = float(np.abs(one_w["arr_0"][7::ROWS // 64]
-                                 - start.get_weights()[0][7::ROWS // 64]).max())
+            moved = float(
+                np.abs(
+                    one_w["arr_0"][7 :: ROWS // 64] - start.get_weights()[0][7 :: ROWS // 64]
+                ).max()
+            )
             assert apart < 1e-6 < moved, (name, apart, moved)
     finally:
         sys.path.remove(str(folder))

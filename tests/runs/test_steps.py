@@ -5,6 +5,7 @@ trained: the same weights bit for bit, checkpoints at the same steps. And the st
 flags travel in the gradients' grouped allreduce: a Horovod timeline of a real 2-process run
 shows one negotiation round per step, not two.
 """
+
 import json
 import os
 import sys
@@ -17,11 +18,23 @@ from hvdtrain.bench.cases import read_timeline, summarize_timeline
 
 def _train(env, tmp_path, np_, k):
     run_dir = tmp_path / f"np{np_}-k{k}"
-    args = ["--epochs", "2", "--learning-rate", "0.5", "--checkpoint-every", "7",
-            "--keep-checkpoints", "100", "--steps-per-execution", str(k), "--verbose", "0",
-            "--run-dir", str(run_dir)]
-    p = run(module_cmd("mnist", *args) if np_ == 1 else launch("gloo", np_, "mnist", *args),
-            env)
+    args = [
+        "--epochs",
+        "2",
+        "--learning-rate",
+        "0.5",
+        "--checkpoint-every",
+        "7",
+        "--keep-checkpoints",
+        "100",
+        "--steps-per-execution",
+        str(k),
+        "--verbose",
+        "0",
+        "--run-dir",
+        str(run_dir),
+    ]
+    p = run(module_cmd("mnist", *args) if np_ == 1 else launch("gloo", np_, "mnist", *args), env)
     assert p.returncode == 0, p.stderr
     checkpoints = sorted(os.listdir(run_dir / "checkpoints"))
     return result(run_dir), checkpoints
@@ -46,21 +59,40 @@ def test_steps_per_call_do_not_change_what_is_trained(np_, env, tmp_path):
 def test_one_negotiation_round_per_step(env, tmp_path):
     """The gradients and the [stop, diverged] flags: one grouped allreduce per step."""
     timeline = tmp_path / "timeline.json"
-    p = run(launch("mpi", 2, "mnist", "--epochs", "2", "--checkpoint-every", "0",
-                   "--verbose", "0", "--run-dir", str(tmp_path / "r")),
-            dict(env, HOROVOD_TIMELINE=str(timeline)))
+    p = run(
+        launch(
+            "mpi",
+            2,
+            "mnist",
+            "--epochs",
+            "2",
+            "--checkpoint-every",
+            "0",
+            "--verbose",
+            "0",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ),
+        dict(env, HOROVOD_TIMELINE=str(timeline)),
+    )
     assert p.returncode == 0, p.stderr
     steps = result(tmp_path / "r")["global_step"]
     assert steps == 40
     events = read_timeline(str(timeline))
-    tensors = {e["pid"]: e["args"]["name"] for e in events
-               if e.get("name") == "process_name" and "name" in e.get("args", {})}
+    tensors = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("name") == "process_name" and "name" in e.get("args", {})
+    }
     # The step's one grouped allreduce: kernel and bias gradients, and the two flags.
     grouped = sorted(t for t in tensors.values() if "GroupedAllreduce" in t)
     assert [t[-4:] for t in grouped] == ["1of3", "2of3", "3of3"], tensors
     assert not any("stop" in t for t in tensors.values()), tensors  # no allreduce of its own
-    negotiated = [tensors[e["pid"]] for e in events
-                  if e.get("ph") == "B" and e.get("name") == "NEGOTIATE_ALLREDUCE"]
+    negotiated = [
+        tensors[e["pid"]]
+        for e in events
+        if e.get("ph") == "B" and e.get("name") == "NEGOTIATE_ALLREDUCE"
+    ]
     assert all(negotiated.count(t) == steps for t in grouped)
     # Between the first step and the last, 4 host rounds per epoch: the metric sums, the
     # epoch record's and the checkpoint's write checks, the ranks' agreement before it
@@ -115,19 +147,24 @@ def riders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("riders")
     script = tmp / "riders.py"
     script.write_text(RIDERS)
-    p = run([HOROVODRUN, "-np", "2", "--mpi", sys.executable, str(script), ",".join(OPS),
-             str(tmp)], clean_env(tmp / "home"))
+    p = run(
+        [HOROVODRUN, "-np", "2", "--mpi", sys.executable, str(script), ",".join(OPS), str(tmp)],
+        clean_env(tmp / "home"),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return [json.loads((tmp / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
 @pytest.mark.keras2
-@pytest.mark.parametrize("op, flag, kernel", [
-    # kernel gradients 6 (rank 0) and 24 (rank 1) per weight, lr 0.1, initial weights 1:
-    ("average", 0.5, -0.5),   # mean 15
-    ("sum", 1.0, -2.0),       # 30
-    ("adasum", 1.0, -0.5),    # Adasum of parallel 6 and 24: -1 * 6 + 0.875 * 24 = 15; the
-])                            # flags then travel in a sum of their own
+@pytest.mark.parametrize(
+    "op, flag, kernel",
+    [
+        # kernel gradients 6 (rank 0) and 24 (rank 1) per weight, lr 0.1, initial weights 1:
+        ("average", 0.5, -0.5),  # mean 15
+        ("sum", 1.0, -2.0),  # 30
+        ("adasum", 1.0, -0.5),  # Adasum of parallel 6 and 24: -1 * 6 + 0.875 * 24 = 15; the
+    ],
+)  # flags then travel in a sum of their own
 def test_flags_ride_with_every_reduction(op, flag, kernel, riders):
     """The step's flags reach every rank whatever the wrapper's op; Adasum included, which
     Horovod's grouped allreduce cannot do (hvdtrain reduces it tensor by tensor)."""

@@ -6,6 +6,7 @@ BatchNormalization at the global batch of 16, to 1e-5; in inference it runs no c
 in one process it is BatchNormalization, to the bit. Then through a Task and through hk.fit on
 2 ranks: ranks identical, and the weights of one process at the global batch.
 """
+
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ from conftest import KERAS2, result, run, script_cmd
 # alone) through a SyncBatchNormalization model; beside it, locally (no collective), a
 # BatchNormalization model on the whole global batch (one process's reference) and one on
 # the rank's rows alone (per-rank BN: what SyncBN must not be). Writes out_prefix<rank>.json.
-EXACT = textwrap.dedent('''
+EXACT = textwrap.dedent("""
 import json, sys
 import numpy as np
 import tensorflow as tf
@@ -145,7 +146,7 @@ out["trained"] = diff(sync.trainable_weights, build(BN).trainable_weights)
 out["gamma_grad_seen"] = bool(diff([sync.layers[1].gamma], [np.ones(3)]) > 0)
 with open(f"{sys.argv[1]}{world.rank}.json", "w") as f:
     json.dump(out, f)
-''')
+""")
 
 # The BN tests' data, model and Task (tests/usercode.py), with SyncBatchNormalization.
 COMMON = usercode.bn_common("hvdtrain.SyncBatchNormalization()")
@@ -173,8 +174,9 @@ FIT = textwrap.dedent("""
 
 @pytest.fixture
 def code(tmp_path):
-    return usercode.write(tmp_path, {"exact": EXACT, "common": COMMON, "bn_task": TASK,
-                                     "bn_fit": FIT})
+    return usercode.write(
+        tmp_path, {"exact": EXACT, "common": COMMON, "bn_task": TASK, "bn_fit": FIT}
+    )
 
 
 env_with, two_ranks = usercode.env_with, usercode.two_ranks
@@ -215,7 +217,7 @@ def test_two_ranks_uneven_batches_give_one_process_at_the_global_batch(code, tmp
 
 @pytest.mark.keras2
 def test_one_process_is_batch_normalization_to_the_bit(code, tmp_path):
-    out, = exact(code, tmp_path, 1)
+    (out,) = exact(code, tmp_path, 1)
     assert out["stats"] == out["outputs"] == out["trainable"] == out["moving"] == 0.0, out
     assert out["masked"] == 0.0
     assert out["ops_train"] == [] and out["ops_inference"] == []
@@ -225,6 +227,7 @@ def test_one_process_is_batch_normalization_to_the_bit(code, tmp_path):
 def saved_weights(run_dir):
     """model.keras, loaded in this process without hvdtrain.layers: a plain Keras model."""
     from hvdtrain.compat import keras
+
     model = keras().models.load_model(os.path.join(run_dir, "model.keras"), compile=False)
     assert [type(l).__name__ for l in model.layers][1] == "BatchNormalization"
     assert type(model.layers[1]) is keras().layers.BatchNormalization
@@ -271,6 +274,7 @@ def test_fit_two_ranks_identical_and_one_process_at_the_global_batch(code, tmp_p
 @pytest.mark.skipif(not KERAS2, reason="Keras 2's own arguments")
 def test_keras2_refuses_the_fused_kernel_and_ghost_batches():
     from hvdtrain.layers import SyncBatchNormalization
+
     with pytest.raises(ValueError, match="fused=True"):
         SyncBatchNormalization(fused=True)
     with pytest.raises(ValueError, match="virtual_batch_size"):

@@ -2,6 +2,7 @@
 negative, adding up to ``wall``, ``other`` small, ``wall`` within the process's real elapsed
 time as measured here from outside; the ``verbose 2`` line. No assertion is on a speed.
 """
+
 import sys
 import textwrap
 import time
@@ -11,10 +12,11 @@ import pytest
 import usercode
 from conftest import HOROVODRUN, clean_env, launch, module_cmd, result, run
 from hvdtrain import distributed
-from hvdtrain.distributed import horovod_setup
 
 # A fit script with validation (evaluation) and mid-epoch checkpoints: 256 examples, 2 epochs.
 from hvdtrain.base import timings
+from hvdtrain.distributed import horovod_setup
+
 FIT = textwrap.dedent("""
     import sys
     import numpy as np
@@ -35,8 +37,17 @@ FIT = textwrap.dedent("""
 """)
 # Phases every one of these runs spends measurable time in (a fit script builds its model;
 # one rank agrees with itself at no cost).
-SPENT = ("imports", "horovod_init", "data", "first_call", "training", "evaluation",
-         "checkpoints", "model_save", "results")
+SPENT = (
+    "imports",
+    "horovod_init",
+    "data",
+    "first_call",
+    "training",
+    "evaluation",
+    "checkpoints",
+    "model_save",
+    "results",
+)
 
 
 def timed_run(cmd, env):
@@ -97,18 +108,22 @@ def test_phases_nest_and_add_up(monkeypatch):
     every phase it is the script's. (A clock read from a list: no sleeps.)"""
     ticks = iter([0.0, 1.0, 3.0, 4.0, 7.0, 8.0, 10.0, 11.0, 15.0])
     monkeypatch.setattr(timings, "_now", lambda: next(ticks))
-    clock = timings.Clock()                  # 0: hvdtrain's first code
-    with clock.phase("training"):            # 1: script 1
-        with clock.phase("checkpoints"):     # 3: training 2
-            pass                             # 4: checkpoints 1
-        clock.enter("first_call")            # 7: training 3, and first_call left open
+    clock = timings.Clock()  # 0: hvdtrain's first code
+    with clock.phase("training"):  # 1: script 1
+        with clock.phase("checkpoints"):  # 3: training 2
+            pass  # 4: checkpoints 1
+        clock.enter("first_call")  # 7: training 3, and first_call left open
     # 8: first_call 1, closed with training
-    depth = clock.enter("evaluation")        # 10: script 2
-    clock.leave(depth)                       # 11: evaluation 1
-    t = clock.report()                       # 15: script 4; a start at 0 s: not /proc's
-    assert {k: t[k] for k in ("script", "training", "checkpoints", "first_call",
-                              "evaluation")} == {"script": 7, "training": 5, "checkpoints": 1,
-                                                 "first_call": 1, "evaluation": 1}
+    depth = clock.enter("evaluation")  # 10: script 2
+    clock.leave(depth)  # 11: evaluation 1
+    t = clock.report()  # 15: script 4; a start at 0 s: not /proc's
+    assert {k: t[k] for k in ("script", "training", "checkpoints", "first_call", "evaluation")} == {
+        "script": 7,
+        "training": 5,
+        "checkpoints": 1,
+        "first_call": 1,
+        "evaluation": 1,
+    }
     assert t["wall"] == 15 == sum(t[k] for k in timings.PHASES)
     assert (t["since"], t["launcher"], t["startup"]) == ("hvdtrain", 0, 0)
     assert t["training_share"] == pytest.approx(5 / 15, abs=1e-4)
@@ -128,17 +143,21 @@ def test_launchers_are_recognised():
 
 # --- the cuts (docs/performance/startup.md, "Where a short run's time goes") -----------
 
+
 @pytest.mark.quick
 def test_horovodrun_transports_on_one_host_leave_libfabric_out():
     """horovodrun --mpi's "-mca btl ^openib" reaches each rank as OMPI_MCA_btl: on one host
     the ofi transport is left out too; across hosts, or a user's own value, is left alone."""
+
     def chosen(**environ):
         return horovod_setup._horovod_defaults(environ).get("OMPI_MCA_btl")
 
     one_host = dict(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_SIZE="2")
     assert chosen(OMPI_MCA_btl="^openib", **one_host) == "^openib,ofi"
-    assert chosen(OMPI_MCA_btl="^openib", OMPI_COMM_WORLD_SIZE="4",
-                  OMPI_COMM_WORLD_LOCAL_SIZE="2") is None
+    assert (
+        chosen(OMPI_MCA_btl="^openib", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_SIZE="2")
+        is None
+    )
     assert chosen(OMPI_MCA_btl="self,vader,ofi", **one_host) is None
     assert chosen(**one_host) is None
 
@@ -146,6 +165,7 @@ def test_horovodrun_transports_on_one_host_leave_libfabric_out():
 @pytest.mark.quick
 def test_one_rank_skips_horovods_host_collectives():
     """A Horovod world of one rank (not elastic) answers its host collectives itself."""
+
     class Refuses:  # any call into Horovod fails the test
         def __getattr__(self, name):
             raise AssertionError(f"hvd.{name} called with one rank")
@@ -213,11 +233,15 @@ def test_keras_import_defers_matplotlib_until_used(tmp_path):
         p = run([sys.executable, "-c", script, str(tmp_path), importer], env)
         assert p.returncode == 0, p.stderr[-2000:]
         assert p.stdout.split() == ["none", "True", "True", "True", "True", "True"], (
-            importer, p.stdout)
+            importer,
+            p.stdout,
+        )
     # A script that turned the collector off keeps it off.
-    first = ("import gc, matplotlib.pyplot as plt, hvdtrain; gc.disable(); "
-             "from hvdtrain.base.compat import keras; keras(); "
-             "from keras.src.visualization import plot_image_gallery as g; "
-             "print(g.plt is plt, gc.isenabled(), gc.get_freeze_count())")
+    first = (
+        "import gc, matplotlib.pyplot as plt, hvdtrain; gc.disable(); "
+        "from hvdtrain.base.compat import keras; keras(); "
+        "from keras.src.visualization import plot_image_gallery as g; "
+        "print(g.plt is plt, gc.isenabled(), gc.get_freeze_count())"
+    )
     p = run([sys.executable, "-c", first], env)
     assert (p.returncode, p.stdout) == (0, "True False 0\n"), p.stderr[-2000:]

@@ -6,6 +6,7 @@ command again; an unreachable server; a plain Horovod script with MLflow's autol
 ``wandb.init()`` on every rank; chief-only callbacks that fail on rank 0.
 
 What it costs: the server starts in about 8 s; the module's six launches about 2 minutes."""
+
 import glob
 import json
 import os
@@ -19,8 +20,22 @@ import urllib.request
 
 import pytest
 
-from conftest import (ROOT, as_printed, checkout_like, clean_env, finish, free_port, launch,
-                      rank_pids, result, run, running, script_cmd, start, wait_for)
+from conftest import (
+    ROOT,
+    as_printed,
+    checkout_like,
+    clean_env,
+    finish,
+    free_port,
+    launch,
+    rank_pids,
+    result,
+    run,
+    running,
+    script_cmd,
+    start,
+    wait_for,
+)
 from docs_pages import block
 from hvdtrain.engine.tracking import flat
 
@@ -31,7 +46,6 @@ COMMANDS = block("guides/tracking.md", "horovodrun -np 2 python -m hvdtrain.mnis
 def untagged(line: str) -> str:
     """A rank's line without horovodrun's ``[0]<stderr>:`` tag."""
     return re.sub(r"^\[\d+\]<std(out|err)>:", "", line)
-
 
 
 def up(url) -> bool:
@@ -51,15 +65,29 @@ def server(tmp_path_factory):
     url = f"http://127.0.0.1:{free_port()}"
     log = open(d / "server.log", "w")
     proc = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--host",
-         "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{d}/mlflow.db",
-         "--artifacts-destination", str(d / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"))
+        [
+            os.path.join(os.path.dirname(sys.executable), "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            url.rsplit(":", 1)[1],
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{d}/mlflow.db",
+            "--artifacts-destination",
+            str(d / "artifacts"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"),
+    )
     try:
-        assert wait_for(lambda: up(url) or proc.poll() is not None, 120) and proc.poll() is None, \
-            (d / "server.log").read_text()[-3000:]
+        assert wait_for(lambda: up(url) or proc.poll() is not None, 120) and proc.poll() is None, (
+            d / "server.log"
+        ).read_text()[-3000:]
         yield url, MlflowClient(url)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -73,9 +101,15 @@ def server(tmp_path_factory):
 
 def tracked_env(tmp_path, url, experiment):
     # MLflow's telemetry waits for a network this sandbox does not have at every exit.
-    return clean_env(tmp_path / "home", MLFLOW_TRACKING_URI=url,
-                     MLFLOW_EXPERIMENT_NAME=experiment, MLFLOW_DISABLE_TELEMETRY="true",
-                     WANDB_MODE="offline", WANDB_SILENT="true", HVDTRAIN_PROGRESS_SECONDS="0.2")
+    return clean_env(
+        tmp_path / "home",
+        MLFLOW_TRACKING_URI=url,
+        MLFLOW_EXPERIMENT_NAME=experiment,
+        MLFLOW_DISABLE_TELEMETRY="true",
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        HVDTRAIN_PROGRESS_SECONDS="0.2",
+    )
 
 
 def records(run_dir):
@@ -91,8 +125,9 @@ def sigterm_after_first_epoch(cmd, env, cwd, printed_run_dir):
     run_dir = os.path.join(cwd, printed_run_dir)
     proc = start(cmd, env, cwd=cwd)
     try:
-        pids = wait_for(lambda: (lambda d: d if len(d) == 2 else None)(
-            rank_pids(printed_run_dir)), 90)
+        pids = wait_for(
+            lambda: (lambda d: d if len(d) == 2 else None)(rank_pids(printed_run_dir)), 90
+        )
         assert pids and wait_for(lambda: records(run_dir), 120), "no epoch was logged"
         os.kill(pids[1], signal.SIGTERM)
         rc, out, err = finish(proc, 60)
@@ -119,12 +154,12 @@ def wandb_records(path):
         if left < 7:  # the block's tail is padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         pos += 7
         if kind == 0 and length == 0:
             pos += left - 7
             continue
-        chunk, pos = chunk + data[pos:pos + length], pos + length
+        chunk, pos = chunk + data[pos : pos + length], pos + length
         if kind in (1, 4):  # a whole record, or a record's last chunk
             record = pb.Record()
             record.ParseFromString(chunk)
@@ -140,8 +175,12 @@ def wandb_history(run_dir, run_id):
     for folder in folders:
         for record in wandb_records(os.path.join(folder, f"run-{run_id}.wandb")):
             if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
+                rows.append(
+                    {
+                        item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                        for item in record.history.item
+                    }
+                )
     return folders, rows
 
 
@@ -161,12 +200,18 @@ def check_tracked(run_dir, client, experiment, first):
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert tracked.data.params == {k: str(v) for k, v in flat(config).items()}
     for metric in ("loss", "accuracy", "epoch"):
-        history = sorted((m.step, m.value) for m in client.get_metric_history(
-            tracked.info.run_id, metric))
+        history = sorted(
+            (m.step, m.value) for m in client.get_metric_history(tracked.info.run_id, metric)
+        )
         assert history == [(r["global_step"], float(r[metric])) for r in epochs], metric
     artifacts = {a.path for a in client.list_artifacts(tracked.info.run_id)}
-    assert {"model.keras", "config.json", "result.json", "metrics.jsonl",
-            "checkpoints.json"} <= artifacts, artifacts
+    assert {
+        "model.keras",
+        "config.json",
+        "result.json",
+        "metrics.jsonl",
+        "checkpoints.json",
+    } <= artifacts, artifacts
     # W&B offline: one run id for both sessions, each epoch once across them.
     folders, rows = wandb_history(run_dir, saved["wandb"]["run_id"])
     # A folder per session that reached W&B: the stopped one (unless it was stopped before its
@@ -175,21 +220,26 @@ def check_tracked(run_dir, client, experiment, first):
     logged = [(r["_step"], r["epoch"], r["loss"]) for r in rows if "epoch" in r]
     assert logged == [(r["global_step"], r["epoch"], r["loss"]) for r in epochs]
     # TensorBoard: the settings as hyperparameters, beside the scalars.
-    events = b"".join(open(p, "rb").read() for p in
-                      glob.glob(os.path.join(run_dir, "tensorboard", "events.*")))
+    events = b"".join(
+        open(p, "rb").read() for p in glob.glob(os.path.join(run_dir, "tensorboard", "events.*"))
+    )
     assert b"hparams" in events and b"learning_rate" in events
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param("task", id="task"), pytest.param("fit", id="fit", marks=pytest.mark.keras2)])
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param("task", id="task"), pytest.param("fit", id="fit", marks=pytest.mark.keras2)],
+)
 def test_the_guides_commands_track_one_run_continued_after_sigterm(path, server, tmp_path):
     """The guide's command of each path, as printed: stopped by SIGTERM after its first epoch,
     then run again: one MLflow run and one W&B run, each epoch once, continued."""
     url, client = server
     cwd = checkout_like(tmp_path / "cwd")
     line = COMMANDS[0 if path == "task" else 1]
-    assert line.startswith("horovodrun -np 2 python " + (
-        "-m hvdtrain.mnist " if path == "task" else "examples/keras_fit_tracked.py ")), line
+    assert line.startswith(
+        "horovodrun -np 2 python "
+        + ("-m hvdtrain.mnist " if path == "task" else "examples/keras_fit_tracked.py ")
+    ), line
     printed = line.split("--run-dir ")[1].split()[0]
     run_dir = cwd / printed
     env = tracked_env(tmp_path, url, path)
@@ -200,8 +250,14 @@ def test_the_guides_commands_track_one_run_continued_after_sigterm(path, server,
     check_tracked(run_dir, client, path, first)
     # The periodic progress lines of a log (HVDTRAIN_PROGRESS_SECONDS): rank 0's alone.
     shown = [l for l in p.stdout.splitlines() if "epoch ETA" in l]
-    assert all(re.match(r"\[(1,)?0\]<stdout>:Epoch \d+/\d+  step \d+/\d+  .* samples/s  "
-                        r"epoch ETA \d", l) for l in shown), shown
+    assert all(
+        re.match(
+            r"\[(1,)?0\]<stdout>:Epoch \d+/\d+  step \d+/\d+  .* samples/s  "
+            r"epoch ETA \d",
+            l,
+        )
+        for l in shown
+    ), shown
     assert shown or path == "task", p.stdout  # the Task path's epochs may take under 0.2 s
 
 
@@ -213,17 +269,35 @@ def test_an_unreachable_server_is_a_warning_and_the_same_training(tmp_path):
     args = ["--batch-size", "20", "--epochs", "2", "--no-download", "--verbose", "0"]
     plain = run(launch("gloo", 2, "mnist", "--run-dir", str(tmp_path / "plain"), *args), env)
     assert plain.returncode == 0, plain.stderr
-    tracked = run(launch("gloo", 2, "mnist", "--run-dir", str(tmp_path / "tracked"), *args,
-                         "--track", "mlflow"), env)
+    tracked = run(
+        launch(
+            "gloo", 2, "mnist", "--run-dir", str(tmp_path / "tracked"), *args, "--track", "mlflow"
+        ),
+        env,
+    )
     assert tracked.returncode == 0, tracked.stderr
     warnings = [l for l in tracked.stderr.splitlines() if "warning: tracker mlflow" in l]
     assert len(warnings) == 1, tracked.stderr
     shown = block("guides/tracking.md", "hvdtrain: warning: tracker mlflow failed").text.strip()
     assert untagged(warnings[0]) == shown.replace("http://127.0.0.1:5000", down), tracked.stderr
-    assert (result(tmp_path / "tracked")["weights_sha256"]
-            == result(tmp_path / "plain")["weights_sha256"])
-    required = run(launch("gloo", 2, "mnist", "--run-dir", str(tmp_path / "required"), *args,
-                          "--track", "mlflow", "--track-required"), env)
+    assert (
+        result(tmp_path / "tracked")["weights_sha256"]
+        == result(tmp_path / "plain")["weights_sha256"]
+    )
+    required = run(
+        launch(
+            "gloo",
+            2,
+            "mnist",
+            "--run-dir",
+            str(tmp_path / "required"),
+            *args,
+            "--track",
+            "mlflow",
+            "--track-required",
+        ),
+        env,
+    )
     assert required.returncode == 1, required.stderr
     lines = [l for l in required.stderr.splitlines() if "tracker mlflow failed" in l]
     assert len(lines) == 1 and "--track-required" in lines[0], required.stderr
@@ -237,7 +311,9 @@ def test_a_plain_horovod_script_with_autolog_and_wandb_init_makes_one_run(server
     url, client = server
     cwd = checkout_like(tmp_path / "cwd")
     env = tracked_env(tmp_path, url, "plain-horovod")
-    (line,) = block("guides/tracking.md", "horovodrun -np 2 python examples/horovod_keras_autolog").commands()
+    (line,) = block(
+        "guides/tracking.md", "horovodrun -np 2 python examples/horovod_keras_autolog"
+    ).commands()
     p = run(as_printed(line), env, cwd=str(cwd))
     assert p.returncode == 0, p.stderr
     runs = client.search_runs([client.get_experiment_by_name("plain-horovod").experiment_id])
@@ -263,25 +339,32 @@ def test_a_chief_callback_that_fails_stops_every_rank(mode, tmp_path):
     if mode == "raise":  # the guide's line, but for the script's name
         shown = block("guides/tracking.md", "train.py: error: hk.on_chief").text.strip()
         assert untagged(said[0]) == shown.replace(
-            f"(train.py:{RAISE_LINE})", f"({script}:{RAISE_LINE})").replace(
-            "train.py: error", "chief_callback_script.py: error"), said[0]
+            f"(train.py:{RAISE_LINE})", f"({script}:{RAISE_LINE})"
+        ).replace("train.py: error", "chief_callback_script.py: error"), said[0]
     else:
-        assert "raised TimeoutError: did not return within 3 s (hk.on_chief's timeout) (" \
-            f"{script}:" in said[0], said[0]
+        assert (
+            "raised TimeoutError: did not return within 3 s (hk.on_chief's timeout) ("
+            f"{script}:" in said[0]
+        ), said[0]
     # Rank 0 alone ran it: its epochs, never rank 1's.
     assert "on rank 1" not in p.stdout and p.stdout.count("chief callback: epoch") == 2, p.stdout
     assert took < 60, took
 
 
-RAISE_LINE = next(i for i, l in enumerate(open(os.path.join(ROOT, "tests",
-                  "chief_callback_script.py")), 1) if "raise RuntimeError" in l)
+RAISE_LINE = next(
+    i
+    for i, l in enumerate(open(os.path.join(ROOT, "tests", "chief_callback_script.py")), 1)
+    if "raise RuntimeError" in l
+)
 
 
 def test_the_guides_callback_lines_are_the_scripts():
     """The guide's hk.on_chief excerpts are lines of the script the test above runs."""
     script = open(os.path.join(ROOT, "tests", "chief_callback_script.py")).read().splitlines()
-    for excerpt in (block("guides/tracking.md", "class Tracker(k.callbacks.Callback)"),
-                    block("guides/tracking.md", "    hk.fit(model, hk.dataset(")):
+    for excerpt in (
+        block("guides/tracking.md", "class Tracker(k.callbacks.Callback)"),
+        block("guides/tracking.md", "    hk.fit(model, hk.dataset("),
+    ):
         for line in excerpt.text.splitlines():
             assert line in script, line
 

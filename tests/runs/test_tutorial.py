@@ -8,6 +8,7 @@ gives what the script's synthetic one does. One launch sequence, shared by the m
 Keras 3 only: the Keras 2 pass would make the three launches again (a minute or more on two
 cores); under Keras 2 the fit path's exact resume after a signal is test_resume_edges',
 test_models' and test_accumulate's."""
+
 import importlib.util
 import json
 import math
@@ -23,13 +24,16 @@ from conftest import ROOT, as_printed, checkout_like, clean_env, finish, run, st
 from docs_pages import block
 
 PAGE = "tutorials/resnet-cifar.md"
-COMMAND = block("tutorials/resnet-cifar.md",
-                "horovodrun -np 2 python examples/resnet_cifar.py").commands()
+COMMAND = block(
+    "tutorials/resnet-cifar.md", "horovodrun -np 2 python examples/resnet_cifar.py"
+).commands()
 STOPPED = block("tutorials/resnet-cifar.md", "Epoch 1/6 - ")
 RESUMED = block("tutorials/resnet-cifar.md", "hvdtrain: resumed from")
-EXCERPTS = [block("tutorials/resnet-cifar.md", "def augment(seeds, image, label):"),
-            block("tutorials/resnet-cifar.md", "def residual_block(x, filters, strides):"),
-            block("tutorials/resnet-cifar.md", "    hk.init()")]
+EXCERPTS = [
+    block("tutorials/resnet-cifar.md", "def augment(seeds, image, label):"),
+    block("tutorials/resnet-cifar.md", "def residual_block(x, filters, strides):"),
+    block("tutorials/resnet-cifar.md", "    hk.init()"),
+]
 CIFAR = block("tutorials/resnet-cifar.md", "def load_data(samples):\n    (x_train")
 SCRIPT = os.path.join(ROOT, "examples", "resnet_cifar.py")
 EPOCHS, STEPS = 6, 2048 // (32 * 2)  # the command's --epochs; --samples // global batch
@@ -51,7 +55,7 @@ def read(run_dir, name):
 
 def checkpoint_steps(run_dir):
     names = os.listdir(os.path.join(run_dir, "checkpoints"))
-    return sorted(int(n[len("ckpt-"):-len(".hvdt")]) for n in names if n.endswith(".hvdt"))
+    return sorted(int(n[len("ckpt-") : -len(".hvdt")]) for n in names if n.endswith(".hvdt"))
 
 
 def lines(out):
@@ -80,18 +84,29 @@ def runs(tmp_path_factory):
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: to the terminal's foreground group
     finally:
         rc, out, err = finish(proc, 120)
-    stopped = SimpleNamespace(returncode=rc, stdout=out, stderr=err, metrics=metrics(run_dir),
-                              checkpoints=checkpoint_steps(run_dir),
-                              finished=os.path.exists(os.path.join(run_dir, "result.json")))
+    stopped = SimpleNamespace(
+        returncode=rc,
+        stdout=out,
+        stderr=err,
+        metrics=metrics(run_dir),
+        checkpoints=checkpoint_steps(run_dir),
+        finished=os.path.exists(os.path.join(run_dir, "result.json")),
+    )
     resumed = run(as_printed(line), env, timeout=180, cwd=str(cut))
-    return SimpleNamespace(uninterrupted=uninterrupted, whole=str(whole / "runs" / "resnet"),
-                           stopped=stopped, resumed=resumed, run_dir=run_dir)
+    return SimpleNamespace(
+        uninterrupted=uninterrupted,
+        whole=str(whole / "runs" / "resnet"),
+        stopped=stopped,
+        resumed=resumed,
+        run_dir=run_dir,
+    )
 
 
 @pytest.fixture(scope="module")
 def stop_step(runs):
-    found = re.findall(r"stopped by SIGTERM at step (\d+); checkpoint saved in (\S+);",
-                       runs.stopped.stderr)
+    found = re.findall(
+        r"stopped by SIGTERM at step (\d+); checkpoint saved in (\S+);", runs.stopped.stderr
+    )
     assert len(found) == 1, runs.stopped.stderr[-3000:]
     step, where = int(found[0][0]), found[0][1]
     assert where == os.path.join(runs.run_dir, "checkpoints")
@@ -102,9 +117,15 @@ def test_the_page_runs_the_script_at_the_size_it_says():
     [line] = COMMAND
     assert line.startswith("horovodrun -np 2 python examples/resnet_cifar.py ")
     flags = dict(zip(line.split()[5::2], line.split()[6::2]))
-    assert flags == {"--samples": "2048", "--width": "8", "--blocks": "1", "--epochs": "6",
-                     "--batch-size": "32", "--mixed-precision": "bfloat16",
-                     "--run-dir": "runs/resnet"}
+    assert flags == {
+        "--samples": "2048",
+        "--width": "8",
+        "--blocks": "1",
+        "--epochs": "6",
+        "--batch-size": "32",
+        "--mixed-precision": "bfloat16",
+        "--run-dir": "runs/resnet",
+    }
 
 
 def test_ctrl_c_stops_every_rank_at_one_step_with_a_checkpoint(runs, stop_step):
@@ -126,15 +147,17 @@ def test_the_same_command_continues_where_it_stopped(runs, stop_step):
     assert epochs == list(range(first, EPOCHS + 1)), r.stdout  # nothing trained twice
     records = metrics(runs.run_dir)
     assert [m["epoch"] for m in records] == list(range(1, EPOCHS + 1))  # each epoch once
-    assert records[:len(s.metrics)] == s.metrics  # the first run's lines kept as they were
+    assert records[: len(s.metrics)] == s.metrics  # the first run's lines kept as they were
     assert [m["global_step"] for m in records] == [STEPS * e for e in range(1, EPOCHS + 1)]
     res = read(runs.run_dir, "result.json")
     assert res["epochs"] == EPOCHS and res["global_step"] == EPOCHS * STEPS
     assert res["world_size"] == 2 and res["ranks_identical"] is True
     assert res["batch_size"] == 32 and res["global_batch_size"] == 64
     assert res["sharding"] == "data" and res["examples_left_out"] == 0
-    said = (f"hvdtrain: resumed from {runs.run_dir}/checkpoints/ckpt-{stop_step:09d}.hvdt at "
-            f"epoch {first}, step {stop_step}")
+    said = (
+        f"hvdtrain: resumed from {runs.run_dir}/checkpoints/ckpt-{stop_step:09d}.hvdt at "
+        f"epoch {first}, step {stop_step}"
+    )
     assert said in lines(r.stderr), r.stderr[-3000:]
     steps = checkpoint_steps(runs.run_dir)
     assert len(steps) == 3 and steps[-1] == EPOCHS * STEPS  # the newest 3, one at the end
@@ -160,8 +183,10 @@ def test_it_learns_and_ends_as_the_run_that_was_not_stopped(runs):
 
 
 def test_the_printed_output_is_what_the_runs_print(runs, stop_step):
-    for printed, out in ((STOPPED, runs.stopped.stdout + "\n" + runs.stopped.stderr),
-                         (RESUMED, runs.resumed.stdout + "\n" + runs.resumed.stderr)):
+    for printed, out in (
+        (STOPPED, runs.stopped.stdout + "\n" + runs.stopped.stderr),
+        (RESUMED, runs.resumed.stdout + "\n" + runs.resumed.stderr),
+    ):
         assert printed.lang == "text"
         real = lines(out)
         for line in printed.text.splitlines():
@@ -188,10 +213,16 @@ def test_the_cifar10_load_data_gives_what_the_script_takes(monkeypatch):
     spec.loader.exec_module(script)
     synthetic = script.load_data(100)
     rng = np.random.default_rng(0)
-    fake = ((rng.integers(0, 256, (300, 32, 32, 3), dtype=np.uint8),
-             rng.integers(0, 10, (300, 1), dtype=np.uint8)),
-            (rng.integers(0, 256, (60, 32, 32, 3), dtype=np.uint8),
-             rng.integers(0, 10, (60, 1), dtype=np.uint8)))
+    fake = (
+        (
+            rng.integers(0, 256, (300, 32, 32, 3), dtype=np.uint8),
+            rng.integers(0, 10, (300, 1), dtype=np.uint8),
+        ),
+        (
+            rng.integers(0, 256, (60, 32, 32, 3), dtype=np.uint8),
+            rng.integers(0, 10, (60, 1), dtype=np.uint8),
+        ),
+    )
     cifar10 = SimpleNamespace(load_data=lambda: fake)
     keras_module = SimpleNamespace(datasets=SimpleNamespace(cifar10=cifar10))
     monkeypatch.setattr(script, "keras", lambda: keras_module)
@@ -202,7 +233,9 @@ def test_the_cifar10_load_data_gives_what_the_script_takes(monkeypatch):
         assert mine.dtype == theirs.dtype == np.uint8
         assert mine.shape[1:] == theirs.shape[1:] == (32, 32, 3)
     for mine, theirs in ((y, synthetic[0][1]), (yt, synthetic[1][1])):  # labels 0 to 9
-        assert mine.ndim == theirs.ndim == 1 and mine.dtype.kind in "iu" and theirs.dtype.kind in "iu"
+        assert (
+            mine.ndim == theirs.ndim == 1 and mine.dtype.kind in "iu" and theirs.dtype.kind in "iu"
+        )
     assert len(x) == len(y) == 100 and len(xt) == len(yt) == 60
     assert (y == fake[0][1][:100, 0]).all() and (xt == fake[1][0]).all()
     images, labels = next(iter(script.pipeline(x, y, 32, training=True)))

@@ -3,6 +3,7 @@
 The picture's floors are the layers contract, each row of the table one package's forbidden
 contract (what it may not import), the contracts hold of the code, and a backward import breaks
 them; the layout block names what the repository holds."""
+
 import ast
 import os
 import re
@@ -22,13 +23,17 @@ LINT_IMPORTS = os.path.join(os.path.dirname(sys.executable), "lint-imports")
 
 
 def packages():
-    return sorted(d for d in os.listdir(PACKAGE)
-                  if os.path.exists(os.path.join(PACKAGE, d, "__init__.py")))
+    return sorted(
+        d for d in os.listdir(PACKAGE) if os.path.exists(os.path.join(PACKAGE, d, "__init__.py"))
+    )
 
 
 def faces():
-    return sorted(f[:-3] for f in os.listdir(PACKAGE) if f.endswith(".py") and f != "__init__.py"
-                  and f != "__main__.py")
+    return sorted(
+        f[:-3]
+        for f in os.listdir(PACKAGE)
+        if f.endswith(".py") and f != "__init__.py" and f != "__main__.py"
+    )
 
 
 def contracts():
@@ -59,8 +64,9 @@ FACE_PACKAGES = ("bench", "jobs", "ray", "spark")
 def may_import():
     """The architecture page's table: package -> the names its "may import" cell gives."""
     out = {}
-    for row in re.findall(r"^\| `hvdtrain/(\w+)/` \|.*\| ([^|]*) \|$",
-                          docs_text("concepts/architecture.md"), re.M):
+    for row in re.findall(
+        r"^\| `hvdtrain/(\w+)/` \|.*\| ([^|]*) \|$", docs_text("concepts/architecture.md"), re.M
+    ):
         out[row[0]] = set(re.findall(r"`(\w+)`", row[1]))
     return out
 
@@ -72,8 +78,13 @@ def everything_but(*names):
 
 def lint_imports(cwd=ROOT):
     """lint-imports on the hvdtrain and pyproject.toml in CWD: (status, its output)."""
-    out = subprocess.run([LINT_IMPORTS, "--no-cache", "--no-logo"], cwd=cwd, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [LINT_IMPORTS, "--no-cache", "--no-logo"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return out.returncode, out.stdout + out.stderr
 
 
@@ -116,8 +127,9 @@ def test_each_row_of_the_table_is_a_contract():
     # Nothing imports the bench (the developers' optional part): no face here, and no package
     # below by the package contracts above.
     faces_rule = held["faces"]
-    assert set(faces_rule["source_modules"]) == everything_but("bench", "_version", *level), \
+    assert set(faces_rule["source_modules"]) == everything_but("bench", "_version", *level), (
         faces_rule
+    )
     assert faces_rule["forbidden_modules"] == ["hvdtrain.bench"]
     assert all("hvdtrain.bench" in held[p]["forbidden_modules"] for p in level), held
 
@@ -131,11 +143,13 @@ def test_the_contracts_hold():
 def test_a_backward_import_fails_the_check(tmp_path):
     """The check above can fail: base importing the engine is caught, by both the floors and
     base's own contract."""
-    shutil.copytree(PACKAGE, tmp_path / "hvdtrain",
-                    ignore=shutil.ignore_patterns("__pycache__", "resources"))
+    shutil.copytree(
+        PACKAGE, tmp_path / "hvdtrain", ignore=shutil.ignore_patterns("__pycache__", "resources")
+    )
     shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path)
     (tmp_path / "hvdtrain" / "base" / "bad.py").write_text(
-        "from hvdtrain.engine.run import Run\nimport hvdtrain.base.config\n")
+        "from hvdtrain.engine.run import Run\nimport hvdtrain.base.config\n"
+    )
     status, out = lint_imports(tmp_path)
     assert status == 1, out
     assert f"Contracts: {len(contracts()) - 2} kept, 2 broken." in out, out
@@ -150,12 +164,15 @@ def test_the_layout_block_names_what_the_repository_holds():
     named = set(re.findall(r"([\w.-]+\.(?:py|sh|txt))\b", layout))
     where = {"examples/": "examples", "scripts/": "scripts", "tests/": "tests"}
     for top, folder in where.items():
-        section = layout[layout.index(top):]
+        section = layout[layout.index(top) :]
         nxt = [layout.index(t) for t in tops if layout.index(t) > layout.index(top)]
-        section = layout[layout.index(top):min(nxt) if nxt else len(layout)]
+        section = layout[layout.index(top) : min(nxt) if nxt else len(layout)]
         here = set(re.findall(r"([\w.-]+\.(?:py|sh))\b", section))
-        files = {f for f in os.listdir(os.path.join(ROOT, folder))
-                 if f.endswith((".py", ".sh")) and f not in ("__init__.py",)}
+        files = {
+            f
+            for f in os.listdir(os.path.join(ROOT, folder))
+            if f.endswith((".py", ".sh")) and f not in ("__init__.py",)
+        }
         assert here <= files, (top, here - files)  # each one named exists
         assert files <= here, (top, files - here)  # each one there is named
     assert named
@@ -174,10 +191,18 @@ def test_no_test_module_imports_one_of_another_tier():
     for module, tier in tier_of.items():
         path = os.path.join(tests, tier, module + ".py")
         for node in ast.walk(ast.parse(open(path).read())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
-            crossing += [f"{tier}/{module} imports {tier_of[n]}/{n}" for n in names
-                         if n in tier_of and tier_of[n] != tier]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
+            crossing += [
+                f"{tier}/{module} imports {tier_of[n]}/{n}"
+                for n in names
+                if n in tier_of and tier_of[n] != tier
+            ]
     assert len(tier_of) > 30 and not crossing, crossing
 
 
@@ -185,13 +210,14 @@ def test_the_drivers_set_no_attribute_of_the_run_and_fit_run_declares_its_own():
     """The engine's contract: neither driver assigns to an attribute of the Run (they call
     its methods), and FitRun, the controller Keras' callback talks to, first sets every
     attribute of its own in __init__."""
+
     def tree(path):
         return ast.parse(open(os.path.join(ROOT, "hvdtrain", path)).read())
 
     def targets(node):
         for n in ast.walk(node):
             if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
                     yield from (e for e in ast.walk(t) if isinstance(e, ast.Attribute))
 
     def owner(attribute):  # run.x, self.run_.x, run.dog.x -> "run", "run_", ...
@@ -203,16 +229,21 @@ def test_the_drivers_set_no_attribute_of_the_run_and_fit_run_declares_its_own():
         return value.id if isinstance(value, ast.Name) else None
 
     for path in ("tasks/train.py", "fit/driver.py"):
-        set_on_run = [f"{path}:{t.lineno}" for t in targets(tree(path))
-                      if owner(t) in ("run", "run_")]
+        set_on_run = [
+            f"{path}:{t.lineno}" for t in targets(tree(path)) if owner(t) in ("run", "run_")
+        ]
         assert not set_on_run, set_on_run
-    fit_run, = [n for n in tree("fit/driver.py").body
-                if isinstance(n, ast.ClassDef) and n.name == "FitRun"]
+    (fit_run,) = [
+        n for n in tree("fit/driver.py").body if isinstance(n, ast.ClassDef) and n.name == "FitRun"
+    ]
     methods = {f.name: f for f in fit_run.body if isinstance(f, ast.FunctionDef)}
 
     def own(function):
-        return {t.attr for t in targets(function)
-                if isinstance(t.value, ast.Name) and t.value.id == "self"}
+        return {
+            t.attr
+            for t in targets(function)
+            if isinstance(t.value, ast.Name) and t.value.id == "self"
+        }
 
     declared = own(methods.pop("__init__"))
     later = {name: own(f) - declared for name, f in methods.items()}

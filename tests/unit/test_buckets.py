@@ -1,6 +1,7 @@
 """The gradients' buckets (HorovodWorld.allreduce_gradients): cut from the last tensor to the
 first by static size alone, and HVDTRAIN_BUCKET_BYTES read with a one-line refusal. Their
 overlap with the backward pass, on 2 ranks: runs/test_overlap.py."""
+
 import pytest
 
 from hvdtrain.base.errors import EnvError
@@ -12,8 +13,13 @@ def test_buckets_are_cut_in_backward_order_by_static_size():
     import tensorflow as tf
 
     # float32: 8, 40,000, 40, 10,000, 12 bytes; the flags (riders) go in front
-    tensors = [tf.zeros([2]), tf.zeros([100, 100]), tf.zeros([10]), tf.zeros([50, 50]),
-               tf.zeros([3])]
+    tensors = [
+        tf.zeros([2]),
+        tf.zeros([100, 100]),
+        tf.zeros([10]),
+        tf.zeros([50, 50]),
+        tf.zeros([3]),
+    ]
     # the small ones (12, 40, 8 bytes) gather, the first tensors last, each large one alone
     # where the backward pass produces it: 10,000 bytes, a bucket's worth; 40,000 over 20,000
     assert _buckets(tensors, 10_000) == [[3], [1], [0, 2, 4]]
@@ -24,10 +30,8 @@ def test_buckets_are_cut_in_backward_order_by_static_size():
     assert _buckets(tensors, 10**9, alone_bytes=10**9) == [[0, 1, 2, 3, 4]]
     assert _buckets([], 10_000) == []
     # the front bucket's first tensors, up to last_bytes, go last on their own: two or more
-    assert _buckets(tensors, 10**9, alone_bytes=10**9, last_bytes=40_048) == [[3, 4],
-                                                                             [0, 1, 2]]
-    assert _buckets(tensors, 10**9, alone_bytes=10**9, last_bytes=40_047) == [[2, 3, 4],
-                                                                             [0, 1]]
+    assert _buckets(tensors, 10**9, alone_bytes=10**9, last_bytes=40_048) == [[3, 4], [0, 1, 2]]
+    assert _buckets(tensors, 10**9, alone_bytes=10**9, last_bytes=40_047) == [[2, 3, 4], [0, 1]]
     # the flags alone would be a round for nothing: they stay with the front bucket
     assert _buckets(tensors, 10**9, alone_bytes=10**9, last_bytes=39_999) == [[0, 1, 2, 3, 4]]
     # values do not matter, only shapes and dtypes: every rank cuts the same buckets
@@ -65,8 +69,13 @@ def test_the_last_bucket_of_a_convolutional_net_is_its_first_megabyte():
     assert buckets == [list(range(73, 82)), list(range(16, 73)), list(range(16))]
     assert sum(tensors[i].shape.num_elements() * 4 for i in buckets[-1]) <= LAST_BUCKET_BYTES
     # a model under 4 MiB whose first kernel does not fit in the last megabyte: one bucket
-    small = [tf.zeros([2]), tf.zeros([784, 1024]), tf.zeros([1024]), tf.zeros([1024, 10]),
-             tf.zeros([10])]
+    small = [
+        tf.zeros([2]),
+        tf.zeros([784, 1024]),
+        tf.zeros([1024]),
+        tf.zeros([1024, 10]),
+        tf.zeros([10]),
+    ]
     assert _buckets(small, BUCKET_BYTES) == [[0, 1, 2, 3, 4]]
 
 
@@ -79,5 +88,6 @@ def test_bucket_bytes_setting(raw, value):
 def test_a_bad_bucket_bytes_is_one_line_naming_it(raw):
     with pytest.raises(EnvError) as e:
         configured_bucket_bytes({"HVDTRAIN_BUCKET_BYTES": raw})
-    assert str(e.value).startswith(f"HVDTRAIN_BUCKET_BYTES={raw.strip()}: ") \
-        and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"HVDTRAIN_BUCKET_BYTES={raw.strip()}: ") and "\n" not in str(
+        e.value
+    )

@@ -1,12 +1,14 @@
 """Loaders on real and corrupt files, the bundled sample, and the per-rank shard plan."""
+
 import gzip
 import os
 
 import numpy as np
 import pytest
 
-from hvdtrain.inputs import arrays as A, loaders as D
 from hvdtrain.distributed import World
+from hvdtrain.inputs import arrays as A
+from hvdtrain.inputs import loaders as D
 from idx_files import corrupt, make_idx_dir, write_idx
 
 # Data files and plans, in this process: the inner loop runs them.
@@ -31,11 +33,14 @@ def test_npz_round_trip(tmp_path):
     assert len(data.x_train) == 30 and len(data.y_test) == 5
 
 
-@pytest.mark.parametrize("victim, how, message", [
-    ("train-images-idx3-ubyte.gz", "truncate", "truncated gzip"),
-    ("train-labels-idx1-ubyte.gz", "flip", "corrupt gzip"),
-    ("t10k-images-idx3-ubyte.gz", "empty", "truncated"),
-])
+@pytest.mark.parametrize(
+    "victim, how, message",
+    [
+        ("train-images-idx3-ubyte.gz", "truncate", "truncated gzip"),
+        ("train-labels-idx1-ubyte.gz", "flip", "corrupt gzip"),
+        ("t10k-images-idx3-ubyte.gz", "empty", "truncated"),
+    ],
+)
 def test_corrupt_gzip_names_the_file(tmp_path, victim, how, message):
     make_idx_dir(tmp_path)
     corrupt(tmp_path / victim, how)
@@ -49,8 +54,11 @@ def test_truncated_raw_idx_says_by_how_much(tmp_path):
     make_idx_dir(tmp_path, compress=False)
     path = tmp_path / "train-images-idx3-ubyte"
     corrupt(path, "truncate")
-    with pytest.raises(D.DataError, match=r"train-images-idx3-ubyte: truncated: \d+ bytes, "
-                                          r"shape \(60, 28, 28\) needs 47056"):
+    with pytest.raises(
+        D.DataError,
+        match=r"train-images-idx3-ubyte: truncated: \d+ bytes, "
+        r"shape \(60, 28, 28\) needs 47056",
+    ):
         D.load_dir(str(tmp_path), "mnist")
 
 
@@ -114,8 +122,9 @@ def test_keras_cache_is_used_and_checked(tmp_path, monkeypatch):
         D.load_mnist_format("mnist", None, False, World(), print)
 
 
-@pytest.mark.parametrize("n, batch, size", [(1000, 500, 2), (4000, 100, 2), (103, 10, 3),
-                                            (60000, 100, 1)])
+@pytest.mark.parametrize(
+    "n, batch, size", [(1000, 500, 2), (4000, 100, 2), (103, 10, 3), (60000, 100, 1)]
+)
 def test_epoch_plan_is_disjoint_equal_and_deterministic(n, batch, size):
     steps = A.steps_per_epoch(n, batch, size)
     plans = [A.epoch_plan(n, batch, r, size, seed=3, epoch=1) for r in range(size)]
@@ -141,25 +150,38 @@ def test_test_shards_cover_every_example_once():
 def keras_npz(path, **change):
     """A small Keras-format mnist.npz; ``change`` replaces arrays."""
     rng = np.random.default_rng(0)
-    arrays = dict(x_train=rng.integers(0, 256, (20, 28, 28), dtype=np.uint8),
-                  y_train=rng.integers(0, 10, 20).astype(np.uint8),
-                  x_test=rng.integers(0, 256, (10, 28, 28), dtype=np.uint8),
-                  y_test=rng.integers(0, 10, 10).astype(np.uint8))
+    arrays = dict(
+        x_train=rng.integers(0, 256, (20, 28, 28), dtype=np.uint8),
+        y_train=rng.integers(0, 10, 20).astype(np.uint8),
+        x_test=rng.integers(0, 256, (10, 28, 28), dtype=np.uint8),
+        y_test=rng.integers(0, 10, 10).astype(np.uint8),
+    )
     arrays.update(change)
     np.savez(path, **arrays)
 
 
-@pytest.mark.parametrize("change, message", [
-    # Images scaled to [0, 1]: cast to bytes they would all be 0 and train to chance.
-    (dict(x_train=np.random.default_rng(1).random((20, 28, 28), dtype=np.float32)),
-     r"mnist.npz: x_train are float32 \(values \S+\.\.0\.\d+\); MNIST-format pixels are "
-     r"integers 0-255"),
-    (dict(x_test=np.full((10, 28, 28), 300, np.int32)), r"pixel value 300 outside 0-255 in x_test"),
-    (dict(y_train=np.full(20, 10, np.int64)), r"mnist.npz: label 10 outside 0-9 in y_train"),
-    (dict(y_test=np.full(10, -1, np.int64)), r"mnist.npz: label -1 outside 0-9 in y_test"),
-    (dict(y_train=np.zeros(20, np.float32)), r"y_train are float32; expected integer classes"),
-    (dict(y_train=np.zeros((20, 10), np.uint8)), r"y_train have shape \(20, 10\), expected one"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # Images scaled to [0, 1]: cast to bytes they would all be 0 and train to chance.
+        (
+            dict(x_train=np.random.default_rng(1).random((20, 28, 28), dtype=np.float32)),
+            r"mnist.npz: x_train are float32 \(values \S+\.\.0\.\d+\); MNIST-format pixels are "
+            r"integers 0-255",
+        ),
+        (
+            dict(x_test=np.full((10, 28, 28), 300, np.int32)),
+            r"pixel value 300 outside 0-255 in x_test",
+        ),
+        (dict(y_train=np.full(20, 10, np.int64)), r"mnist.npz: label 10 outside 0-9 in y_train"),
+        (dict(y_test=np.full(10, -1, np.int64)), r"mnist.npz: label -1 outside 0-9 in y_test"),
+        (dict(y_train=np.zeros(20, np.float32)), r"y_train are float32; expected integer classes"),
+        (
+            dict(y_train=np.zeros((20, 10), np.uint8)),
+            r"y_train have shape \(20, 10\), expected one",
+        ),
+    ],
+)
 def test_npz_values_are_checked_not_cast(tmp_path, change, message):
     keras_npz(tmp_path / "mnist.npz", **change)
     with pytest.raises(D.DataError, match=message):

@@ -2,6 +2,7 @@
 as errors (a broken link or anchor, a page left out of the navigation), the README stays a
 short front door, what the README prints is what the examples and the guides hold, and no
 page speaks of the project's own history (that is CHANGELOG.md's)."""
+
 import html as html_module
 import os
 import re
@@ -35,10 +36,23 @@ def mkdocs_command():
 def strict_build(tmp_path_factory):
     """The site, built once with warnings as errors: (the build's output, the site's folder)."""
     site = tmp_path_factory.mktemp("strict") / "site"
-    p = subprocess.run([*mkdocs_command(), "build", "--strict", "--clean",
-                        "-f", os.path.join(ROOT, "mkdocs.yml"), "-d", str(site)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    p = subprocess.run(
+        [
+            *mkdocs_command(),
+            "build",
+            "--strict",
+            "--clean",
+            "-f",
+            os.path.join(ROOT, "mkdocs.yml"),
+            "-d",
+            str(site),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )
     return p, site
 
 
@@ -52,16 +66,21 @@ def test_the_site_builds_with_warnings_as_errors(strict_build):
     import dataclasses
 
     from hvdtrain.base.config import Config
+
     html = (site / "reference" / "cli" / "index.html").read_text()
     for f in dataclasses.fields(Config):
         assert "--" + f.name.replace("_", "-") in html, f.name
 
 
 # The modules the Python API reference (docs/reference/api/) documents, by their source file.
-API_MODULES = {"hvdtrain": "hvdtrain/__init__.py", "hvdtrain.keras": "hvdtrain/keras.py",
-               "hvdtrain.data": "hvdtrain/data.py", "hvdtrain.layers": "hvdtrain/layers.py",
-               "hvdtrain.ray": "hvdtrain/ray/__init__.py",
-               "hvdtrain.spark": "hvdtrain/spark/__init__.py"}
+API_MODULES = {
+    "hvdtrain": "hvdtrain/__init__.py",
+    "hvdtrain.keras": "hvdtrain/keras.py",
+    "hvdtrain.data": "hvdtrain/data.py",
+    "hvdtrain.layers": "hvdtrain/layers.py",
+    "hvdtrain.ray": "hvdtrain/ray/__init__.py",
+    "hvdtrain.spark": "hvdtrain/spark/__init__.py",
+}
 
 
 def public_names(module: str) -> list:
@@ -70,8 +89,11 @@ def public_names(module: str) -> list:
     import ast
 
     tree = ast.parse(open(os.path.join(ROOT, API_MODULES[module])).read())
-    found = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-             and any(getattr(t, "id", None) == "__all__" for t in n.targets)]
+    found = [
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+    ]
     assert len(found) == 1, (module, found)
     return found[0]
 
@@ -84,7 +106,7 @@ def documented_objects(site) -> dict:
         html = page.read_text()
         headings = list(re.finditer(r'<h\d id="([^"]+)" class="doc doc-heading">', html))
         for here, after in zip(headings, headings[1:] + [None]):
-            body = html[here.end():after.start() if after else len(html)]
+            body = html[here.end() : after.start() if after else len(html)]
             first = re.search(r'<div class="doc doc-contents[^"]*">.*?<p>(.*?)</p>', body, re.S)
             text = re.sub(r"<[^>]+>", "", first.group(1)).strip() if first else ""
             out[here.group(1)] = "" if text.endswith(":") else text  # "Returns:": no summary
@@ -99,8 +121,9 @@ def test_every_public_name_is_in_the_api_reference(strict_build):
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     documented = documented_objects(site)
     assert documented["hvdtrain.keras.fit"].startswith("model.fit on every rank")
-    missing = [f"{m}.{n}" for m in API_MODULES for n in public_names(m)
-               if not documented.get(f"{m}.{n}")]
+    missing = [
+        f"{m}.{n}" for m in API_MODULES for n in public_names(m) if not documented.get(f"{m}.{n}")
+    ]
     assert not missing, f"not in docs/reference/api/, or without a docstring: {missing}"
 
 
@@ -115,9 +138,12 @@ def test_the_api_reference_speaks_to_users(strict_build):
     assert len(pages) >= 5
     for page in pages:
         text = page.read_text()
-        text = html.unescape(re.sub(r"<[^>]+>", "", text[text.index("<article"):]))
-        found = [m.group(0) for pattern in (HISTORY, PROJECT_WORDS, re.compile(r"\bdocs/\S+"))
-                 for m in pattern.finditer(text)]
+        text = html.unescape(re.sub(r"<[^>]+>", "", text[text.index("<article") :]))
+        found = [
+            m.group(0)
+            for pattern in (HISTORY, PROJECT_WORDS, re.compile(r"\bdocs/\S+"))
+            for m in pattern.finditer(text)
+        ]
         assert not found, (str(page.relative_to(site)), found)
 
 
@@ -138,8 +164,9 @@ def built_site(strict_build):
 
 
 def site_pages(site):
-    return sorted(str(p.relative_to(site)) for p in site.rglob("index.html")
-                  if p.parent.name != "search")
+    return sorted(
+        str(p.relative_to(site)) for p in site.rglob("index.html") if p.parent.name != "search"
+    )
 
 
 def too_wide(language, line, limit=CODE_LINE_LIMIT):
@@ -175,18 +202,24 @@ def test_nothing_is_cut_at_1280_px(built_site):
     for page in pages:
         html = (built_site / page).read_text()
         assert "stylesheets/extra.css" in html, page
-        content = html[html.index('<article class="md-content__inner'):]
-        content = content[:content.index("</article>")]
+        content = html[html.index('<article class="md-content__inner') :]
+        content = content[: content.index("</article>")]
         pres = re.findall(r"<pre\b", content)
         # The API reference's signatures are blocks too ("language-python doc-signature"):
         # not copied, they scroll sideways as program output does.
-        blocks = re.findall(r'<div class="language-(\w+(?: doc-signature)?) highlight"><pre>'
-                            r'<span></span><code>(.*?)</code></pre></div>', content, re.S)
-        blocks = [("text" if "signature" in language else language, code)
-                  for language, code in blocks]
+        blocks = re.findall(
+            r'<div class="language-(\w+(?: doc-signature)?) highlight"><pre>'
+            r"<span></span><code>(.*?)</code></pre></div>",
+            content,
+            re.S,
+        )
+        blocks = [
+            ("text" if "signature" in language else language, code) for language, code in blocks
+        ]
         assert len(blocks) == len(pres), (page, len(blocks), len(pres))
-        assert all(not re.search(r"<table\s+class=", t) for t in re.findall(r"<table[^>]*>",
-                                                                            content)), page
+        assert all(
+            not re.search(r"<table\s+class=", t) for t in re.findall(r"<table[^>]*>", content)
+        ), page
         for language, code in blocks:
             text = html_module.unescape(re.sub(r"<[^>]+>", "", code))
             wide += [(page, len(l), l[:60]) for l in text.splitlines() if too_wide(language, l)]
@@ -202,8 +235,13 @@ def test_the_screenshot_commands_parse_and_the_screenshots_are_shown():
     for line in lines:
         words = shlex.split(line)
         assert words[:2] == ["python", "tools/docs_screenshots.py"], line
-        p = subprocess.run([sys.executable, *words[1:], "--help"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
+        p = subprocess.run(
+            [sys.executable, *words[1:], "--help"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert p.returncode == 0 and "usage:" in p.stdout, p.stderr
         for flag in words[2:]:
             assert flag in p.stdout, flag
@@ -223,15 +261,16 @@ def test_the_fit_guide_says_which_settings_hk_fit_takes():
     import dataclasses
 
     from hvdtrain.base.config import Config, fit_refusals
+
     text, refused = docs_text("guides/keras-fit.md"), fit_refusals()
     assert refused
     for f in dataclasses.fields(Config):
-        row = (f"| `{f.name}` | refused |" if f.name in refused
-               else f"| `{f.name}` | `{f.name}=` |")
+        row = f"| `{f.name}` | refused |" if f.name in refused else f"| `{f.name}` | `{f.name}=` |"
         assert row in text, f.name
     # What an argument left at None does, not a literal "none" (hk.fit's docstring says it).
-    assert ("| `run_dir` | `run_dir=` | an argument of hk.fit, default none "
-            "(`runs/fit-<time>`) |") in text
+    assert (
+        "| `run_dir` | `run_dir=` | an argument of hk.fit, default none (`runs/fit-<time>`) |"
+    ) in text
 
 
 def test_the_cli_page_splits_the_tasks_defaults_out():
@@ -242,15 +281,21 @@ def test_the_cli_page_splits_the_tasks_defaults_out():
     from hvdtrain.base.config import Config
     from hvdtrain.tasks.linear import LinearTask
     from hvdtrain.tasks.mnist import MnistTask
+
     text = docs_text("reference/cli.md")
     assert "| flag | default | defines the run | hk.fit | meaning |" in text
     tables = text.split("| flag | default | linear | mnist |")
     assert len(tables) == 2
     rows = [l for l in tables[1].split("\n\n")[0].splitlines() if l.startswith("| `--")]
     config = Config()
-    differ = [f.name for f in dataclasses.fields(Config)
-              if any(t.defaults.get(f.name, getattr(config, f.name)) != getattr(config, f.name)
-                     for t in (LinearTask, MnistTask))]
+    differ = [
+        f.name
+        for f in dataclasses.fields(Config)
+        if any(
+            t.defaults.get(f.name, getattr(config, f.name)) != getattr(config, f.name)
+            for t in (LinearTask, MnistTask)
+        )
+    ]
     assert differ and len(rows) == len(differ), (rows, differ)
     assert "| `--learning-rate` | 0.01 | 0.5 | 0.001 |" in rows
 
@@ -296,7 +341,9 @@ def test_fences_without_a_language_are_found():
 def test_every_code_block_names_its_language(page):
     with open(os.path.join(ROOT, page), encoding="utf-8") as f:
         missing = fences_without_a_language(f.read())
-    assert not missing, f"{page}: fences with no language (```bash, ```text, ...) at lines {missing}"
+    assert not missing, (
+        f"{page}: fences with no language (```bash, ```text, ...) at lines {missing}"
+    )
 
 
 def test_the_gpu_status_is_said_where_a_newcomer_looks():
@@ -329,8 +376,9 @@ def test_the_readme_fit_diff_is_the_examples_diff():
 def test_the_readme_task_example_is_the_guides():
     """tests/runs/test_examples.py runs the README's Task example as printed; the Tasks guide
     prints the same."""
-    assert (block("README.md", "import keras\n").text ==
-            block("guides/tasks.md", "import keras\n").text)
+    assert (
+        block("README.md", "import keras\n").text == block("guides/tasks.md", "import keras\n").text
+    )
 
 
 def test_the_launch_commands_are_the_readmes():
@@ -341,26 +389,35 @@ def test_the_launch_commands_are_the_readmes():
     cluster = block("README.md", "mpirun -np 8 --hostfile hosts").commands()
     assert len(run) == len(cluster) == 2
     three = [run[0], cluster[0], run[1]]
-    assert block("getting-started.md", "horovodrun -np 2 python -m hvdtrain.mnist ").commands() \
+    assert (
+        block("getting-started.md", "horovodrun -np 2 python -m hvdtrain.mnist ").commands()
         == three
+    )
     assert block("index.md", "horovodrun -np 2 python -m hvdtrain.mnist ").commands() == three
 
 
 def test_the_output_sample_is_the_readmes():
     """Getting started prints the README's output sample, which tests/runs/test_multiprocess.py
     compares with what the README's first command prints."""
-    assert (block("getting-started.md", "hvdtrain: no MNIST found").text ==
-            block("README.md", "hvdtrain: no MNIST found").text)
+    assert (
+        block("getting-started.md", "hvdtrain: no MNIST found").text
+        == block("README.md", "hvdtrain: no MNIST found").text
+    )
 
 
 def test_the_guides_commands_are_the_readmes():
     """The Keras fit guide's and the Tasks guide's run commands are the README's, which
     tests/runs/test_keras_fit.py and tests/runs/test_examples.py run as printed."""
-    assert (block("guides/keras-fit.md", "horovodrun -np 2 python examples/keras_fit_mnist.py")
-            .commands() ==
-            block("README.md", "horovodrun -np 2 python examples/keras_fit_mnist.py").commands())
-    assert (block("guides/tasks.md", "python xor.py").commands() ==
-            block("README.md", "python xor.py").commands())
+    assert (
+        block(
+            "guides/keras-fit.md", "horovodrun -np 2 python examples/keras_fit_mnist.py"
+        ).commands()
+        == block("README.md", "horovodrun -np 2 python examples/keras_fit_mnist.py").commands()
+    )
+    assert (
+        block("guides/tasks.md", "python xor.py").commands()
+        == block("README.md", "python xor.py").commands()
+    )
 
 
 def test_the_readme_commands_name_what_exists():
@@ -370,23 +427,27 @@ def test_the_readme_commands_name_what_exists():
         for module in re.findall(r"python -m (hvdtrain[\w.]*)", text):
             path = os.path.join(ROOT, *module.split("."))
             assert os.path.exists(path + ".py") or os.path.exists(
-                os.path.join(path, "__main__.py")), module
+                os.path.join(path, "__main__.py")
+            ), module
         for script, args in re.findall(r"python (examples/\w+\.py)([^\n#]*)", text):
             source = open(os.path.join(ROOT, script)).read()
             for flag in re.findall(r"(--[\w-]+)", args):
                 assert f'"{flag}"' in source, (script, flag)
 
 
-HISTORY = re.compile(r"(?<!horovod)#\d{2,}\b|\b[Ii]ssues? \d+|\b[Rr]ound \d\b|"
-                     r"\b(this|later|other|previous|earlier) sessions?\b|"
-                     r"\bprevious (stack|commit|main)\b|\bthe commit before\b")
+HISTORY = re.compile(
+    r"(?<!horovod)#\d{2,}\b|\b[Ii]ssues? \d+|\b[Rr]ound \d\b|"
+    r"\b(this|later|other|previous|earlier) sessions?\b|"
+    r"\bprevious (stack|commit|main)\b|\bthe commit before\b"
+)
 
 
 # The Changelog page is CHANGELOG.md, whose subject is the history.
-@pytest.mark.parametrize("page", ["README.md"] + [f"docs/{p}" for p in docs_pages()
-                                                  if p != "changelog.md"])
+@pytest.mark.parametrize(
+    "page", ["README.md"] + [f"docs/{p}" for p in docs_pages() if p != "changelog.md"]
+)
 def test_no_page_tells_the_projects_history(page):
-    text = readme_text() if page == "README.md" else docs_text(page[len("docs/"):])
+    text = readme_text() if page == "README.md" else docs_text(page[len("docs/") :])
     found = [m.group(0) for m in HISTORY.finditer(text)]
     assert not found, found
 
@@ -394,16 +455,24 @@ def test_no_page_tells_the_projects_history(page):
 # The project's own words rather than the reader's: the built-in tasks' origin ("the seeds":
 # say "the reference programs", which Synchronous training introduces), and the machines it
 # is developed on ("tested here", "busy cores", "this project's machines").
-PROJECT_WORDS = re.compile(r"\bthe seeds?\b(?!\s*(=|of\b|for\b|\)))|\bseed's\b|"
-                           r"(?<!random )\bseeds'|"
-                           r"\bseed (documents?|tasks?|programs?)\b|"
-                           r"\btested here\b|\bbusy cores\b|\bthis project's machines?\b|"
-                           r"\bmachines? this project has\b", re.I)
+PROJECT_WORDS = re.compile(
+    r"\bthe seeds?\b(?!\s*(=|of\b|for\b|\)))|\bseed's\b|"
+    r"(?<!random )\bseeds'|"
+    r"\bseed (documents?|tasks?|programs?)\b|"
+    r"\btested here\b|\bbusy cores\b|\bthis project's machines?\b|"
+    r"\bmachines? this project has\b",
+    re.I,
+)
 
 
 def test_project_words_are_found():
-    for said in ("the seed's MNIST", "as the seeds do", "not tested here", "on 2 busy cores",
-                 "on this project's machines"):
+    for said in (
+        "the seed's MNIST",
+        "as the seeds do",
+        "not tested here",
+        "on 2 busy cores",
+        "on this project's machines",
+    ):
         assert PROJECT_WORDS.search(said), said
     for said in ("the seed of the shuffle", "seed=0", "hk.dataset's seed"):
         assert not PROJECT_WORDS.search(said), said
@@ -414,20 +483,33 @@ def test_project_words_are_found():
 # the manifests), what "the tests" check or where a thing is "tested in", what the cluster
 # emulation proves, what was "seen here". Telling a user to run the tests (`scripts/test.sh
 # --quick`) is not among them; the Development section may say all of it.
-TEST_WORDS = re.compile(r"(?<![\w.-])tests/(?!k8s_manifests\.py\b)|\bthe tests (check|show)|"
-                        r"\btested in\b|\bemulation proves\b|\bseen here\b|"
-                        r"\bthe tests here\b|\bhvdtrain's tests\b", re.I)
+TEST_WORDS = re.compile(
+    r"(?<![\w.-])tests/(?!k8s_manifests\.py\b)|\bthe tests (check|show)|"
+    r"\btested in\b|\bemulation proves\b|\bseen here\b|"
+    r"\bthe tests here\b|\bhvdtrain's tests\b",
+    re.I,
+)
 
 
 def test_test_words_are_found():
-    for said in ("(tested in tests/runs/test_fit.py)", "`tests/clusters/test_slurm.py` builds",
-                 "the tests check that every rank stops", "What the emulation proves",
-                 "seen here, not a test", "1 of 6 such stops in the tests here",
-                 "hvdtrain's tests do not cover it"):
+    for said in (
+        "(tested in tests/runs/test_fit.py)",
+        "`tests/clusters/test_slurm.py` builds",
+        "the tests check that every rank stops",
+        "What the emulation proves",
+        "seen here, not a test",
+        "1 of 6 such stops in the tests here",
+        "hvdtrain's tests do not cover it",
+    ):
         assert TEST_WORDS.search(said), said
-    for said in ("scripts/test.sh --quick", "python tests/k8s_manifests.py DIR",
-                 "the test accuracy", "pip install \".[test,bench,docs]\"",
-                 "interested in", "every rank stops at the same step"):
+    for said in (
+        "scripts/test.sh --quick",
+        "python tests/k8s_manifests.py DIR",
+        "the test accuracy",
+        'pip install ".[test,bench,docs]"',
+        "interested in",
+        "every rank stops at the same step",
+    ):
         assert not TEST_WORDS.search(said), said
 
 
@@ -452,18 +534,28 @@ def development_pages():
 
 def test_the_development_section_holds_the_lab_pages():
     dev = development_pages()
-    assert {"development.md", "concepts/architecture.md", "reference/horovod-upstream.md",
-            "performance/speed.md", "changelog.md"} <= dev
-    assert not dev & {"index.md", "performance/index.md", "performance/reproduce.md",
-                      "reference/cli.md", "guides/gpus.md"}
+    assert {
+        "development.md",
+        "concepts/architecture.md",
+        "reference/horovod-upstream.md",
+        "performance/speed.md",
+        "changelog.md",
+    } <= dev
+    assert not dev & {
+        "index.md",
+        "performance/index.md",
+        "performance/reproduce.md",
+        "reference/cli.md",
+        "guides/gpus.md",
+    }
 
 
-@pytest.mark.parametrize("page", ["README.md"] + [
-    f"docs/{p}" for p in docs_pages() if p not in development_pages()])
+@pytest.mark.parametrize(
+    "page", ["README.md"] + [f"docs/{p}" for p in docs_pages() if p not in development_pages()]
+)
 def test_no_user_page_speaks_the_projects_own_words(page):
-    text = readme_text() if page == "README.md" else docs_text(page[len("docs/"):])
-    found = [m.group(0) for pattern in (PROJECT_WORDS, TEST_WORDS)
-             for m in pattern.finditer(text)]
+    text = readme_text() if page == "README.md" else docs_text(page[len("docs/") :])
+    found = [m.group(0) for pattern in (PROJECT_WORDS, TEST_WORDS) for m in pattern.finditer(text)]
     assert not found, found
 
 
@@ -476,8 +568,10 @@ def test_the_help_speaks_to_users():
     from hvdtrain.tasks.mnist import MnistSettings, MnistTask
 
     said = [LinearTask.description, MnistTask.description] + [
-        f.metadata.get("help", "") for cls in (Config, LinearSettings, MnistSettings)
-        for f in dataclasses.fields(cls)]
+        f.metadata.get("help", "")
+        for cls in (Config, LinearSettings, MnistSettings)
+        for f in dataclasses.fields(cls)
+    ]
     found = [m.group(0) for text in said for m in PROJECT_WORDS.finditer(text)]
     assert not found, found
 
@@ -495,14 +589,12 @@ def test_the_tasks_guide_command_lines_parse(tmp_path):
         argv = [sys.executable, *words[1:]]
         if "workers" not in words and "--help" not in words:
             argv.append("--help")
-        p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
-                           timeout=120)
+        p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, (words, p.stderr[-2000:])
         if "workers" in words:
             assert p.stdout.strip() == "2", p.stdout
         else:
             assert "--learning-rate" in p.stdout, p.stdout[-500:]
-
 
 
 def test_the_test_commands_are_what_ci_and_the_inner_loop_run(tmp_path):
@@ -518,19 +610,33 @@ def test_the_test_commands_are_what_ci_and_the_inner_loop_run(tmp_path):
     env.pop("PYTEST_ADDOPTS", None)
 
     def collected(argv):
-        p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=180)
+        p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
         assert p.returncode == 0, (argv, p.stdout[-2000:], p.stderr[-2000:])
         return p.stdout, {l for l in p.stdout.splitlines() if "::" in l}
 
     out, by_script = collected(["bash", "-c", quick + " --collect-only -q -p no:cacheprovider"])
     assert "quick pass" in out, out[-500:]  # its closing summary
-    _, marked = collected([sys.executable, "-m", "pytest", "-m", "quick", "--collect-only",
-                           "-q", "-p", "no:cacheprovider"])
-    _, everything = collected([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                               "-p", "no:cacheprovider"])
+    _, marked = collected(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "quick",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ]
+    )
+    _, everything = collected(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    )
     assert by_script == marked and 0 < len(marked) < len(everything), (
-        len(by_script), len(marked), len(everything))
+        len(by_script),
+        len(marked),
+        len(everything),
+    )
 
 
 def test_the_documentation_commands_install_serve_and_build(tmp_path):
@@ -541,16 +647,25 @@ def test_the_documentation_commands_install_serve_and_build(tmp_path):
     install, serve, build = block("development.md", 'pip install -e ".[docs]"').commands()
     words = shlex.split(install)
     assert words[:2] == ["pip", "install"]
-    p = subprocess.run([sys.executable, "-m", *words, "--dry-run", "--no-index",
-                        "--no-build-isolation"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", *words, "--dry-run", "--no-index", "--no-build-isolation"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0 and "Would install hvdtrain" in p.stdout, p.stdout + p.stderr
     words = shlex.split(build)
     assert words[:3] == ["mkdocs", "build", "--strict"]
     site = tmp_path / "site"
-    p = subprocess.run([*mkdocs_command(), *words[1:], "-d", str(site)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    p = subprocess.run(
+        [*mkdocs_command(), *words[1:], "-d", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert (site / "index.html").exists() and not os.path.exists(os.path.join(ROOT, "site"))
     if shutil.which("unshare") is None or os.geteuid() != 0:
@@ -573,9 +688,13 @@ finally:
     server.terminate()
     server.wait(timeout=30)
 """
-    p = subprocess.run(["unshare", "--net", "--fork", sys.executable, "-c", driver],
-                       capture_output=True, text=True, timeout=180,
-                       env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    p = subprocess.run(
+        ["unshare", "--net", "--fork", sys.executable, "-c", driver],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     status, mentions = p.stdout.split()
     assert status == "200" and int(mentions) > 0, p.stdout
@@ -591,18 +710,29 @@ def test_the_cli_pages_summary_lines_run(tmp_path):
     (tmp_path / "xor.py").write_text(block("README.md", "import keras\n").text)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
     for line in lines:
-        filled = (line.replace("package.module:Class", "xor:Xor").replace("TASK", "linear"))
+        filled = line.replace("package.module:Class", "xor:Xor").replace("TASK", "linear")
         words = shlex.split(filled)
         assert words[:2] == ["python", "-m"], line
         if "workers" in words:
             words = [w for w in words if w != "[flags]"] + ["--num-workers", "3"]
         elif "run-dir" in words:
-            words = [w for w in words if w != "[flags]"] + ["--run-dir", "runs/a", "--epochs",
-                                                            "2", "--run-dir=runs/b"]
+            words = [w for w in words if w != "[flags]"] + [
+                "--run-dir",
+                "runs/a",
+                "--epochs",
+                "2",
+                "--run-dir=runs/b",
+            ]
         else:
             words = [w for w in words if w != "[flags]"] + ["--help"]
-        p = subprocess.run([sys.executable, *words[1:]], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, *words[1:]],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == 0, (line, p.stderr[-2000:])
         if "workers" in words:
             assert p.stdout.strip() == "3", p.stdout
@@ -615,6 +745,7 @@ def test_the_cli_pages_summary_lines_run(tmp_path):
 def held_blocks():
     """(page, first) of every block(PAGE, FIRST) call with literal strings in tests/."""
     import ast
+
     held = {}
     tests = os.path.join(ROOT, "tests")
     for folder, dirs, files in os.walk(tests):
@@ -625,12 +756,17 @@ def held_blocks():
             path = os.path.join(folder, name)
             for node in ast.walk(ast.parse(open(path).read())):
                 func = getattr(node, "func", None)
-                if (isinstance(node, ast.Call) and len(node.args) == 2
-                        and getattr(func, "id", getattr(func, "attr", None)) == "block"
-                        and all(isinstance(a, ast.Constant) and isinstance(a.value, str)
-                                for a in node.args)):
+                if (
+                    isinstance(node, ast.Call)
+                    and len(node.args) == 2
+                    and getattr(func, "id", getattr(func, "attr", None)) == "block"
+                    and all(
+                        isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args
+                    )
+                ):
                     held.setdefault(tuple(a.value for a in node.args), []).append(
-                        os.path.relpath(path, tests))
+                        os.path.relpath(path, tests)
+                    )
     return held
 
 
@@ -639,6 +775,7 @@ def test_every_code_block_is_held_by_a_test():
     checked by a test, which names it with docs_pages.block(PAGE, FIRST): a block no test
     names fails here, with where it is."""
     from docs_pages import all_pages, block, code_blocks
+
     held = held_blocks()
     bound = {repr(block(page, first)) for page, first in held}  # each names exactly one block
     loose = [repr(b) for page in all_pages() for b in code_blocks(page) if repr(b) not in bound]

@@ -1,6 +1,7 @@
 """python -m hvdtrain.doctor: this machine passes, with the commands and the report the cluster
 guide prints; each known bad combination, made real in a child process, gives exit 1 and
 exactly one fix line."""
+
 import ctypes
 import importlib.util
 import json
@@ -61,8 +62,9 @@ def doctor(env, *args):
 def patched(tmp_path, module, attribute, value, prelude=""):
     shim = tmp_path / "shim"
     shim.mkdir()
-    (shim / "sitecustomize.py").write_text(PATCH.format(module=module, attribute=attribute,
-                                                        value=value, prelude=prelude))
+    (shim / "sitecustomize.py").write_text(
+        PATCH.format(module=module, attribute=attribute, value=value, prelude=prelude)
+    )
     return clean_env(tmp_path / "home", PYTHONPATH=f"{shim}{os.pathsep}{ROOT}")
 
 
@@ -97,16 +99,20 @@ def test_this_machine_is_well(report):
     # the build carries every patch in scripts/patches/ (setup.sh rebuilds when one changes),
     # then those of scripts/patches/python/ (all inside the wheel, applied before it was built)
     patches = os.path.join(ROOT, "scripts", "patches")
-    assert r["horovod"]["patches"] == sorted(f for f in os.listdir(patches) if f.endswith(".patch")) + [
-        f"python/{f}" for f in sorted(os.listdir(os.path.join(patches, "python")))]
+    assert r["horovod"]["patches"] == sorted(
+        f for f in os.listdir(patches) if f.endswith(".patch")
+    ) + [f"python/{f}" for f in sorted(os.listdir(os.path.join(patches, "python")))]
     assert len(r["horovod"]["patches"]) == 15 and r["horovod"]["patches_changed"] == {}
     # the list the doctor checks an installed wheel against, without the repository
     from hvdtrain.doctor import PATCHES
+
     assert list(PATCHES) == r["horovod"]["patches"]
     assert r["horovod"]["version"] == "0.28.1" and r["horovod"]["frameworks"] == ["tensorflow"]
     # horovodrun --check-build says [X] PyTorch here; setup.sh builds without it.
     assert r["horovod"]["framework_status"]["torch"] == {
-        "built": False, "installed": importlib.util.find_spec("torch") is not None}
+        "built": False,
+        "installed": importlib.util.find_spec("torch") is not None,
+    }
     assert r["horovod"]["framework_status"]["tensorflow"] == {"built": True, "installed": True}
     assert r["horovod"]["built"]["mpi"] is True and r["horovod"]["built"]["gloo"] is True
     assert set(r["horovod"]["built"]) == {"mpi", "gloo", "nccl", "ddl", "ccl", "cuda", "rocm"}
@@ -115,6 +121,7 @@ def test_this_machine_is_well(report):
     assert all(os.access(r["launchers"][n], os.X_OK) for n in ("horovodrun", "mpirun"))
     # glibc and THP as this machine has them; run by hand (no launcher), it did not re-execute
     from hvdtrain.base import malloc
+
     h = r["hugepages"]
     assert h["glibc"] == os.confstr("CS_GNU_LIBC_VERSION").split()[1]
     assert f"[{h['thp']}]" in open(malloc.THP).read()
@@ -126,8 +133,9 @@ def test_this_machine_is_well(report):
 def test_the_doctor_as_a_launched_rank_started_with_huge_pages(tmp_path):
     """A process a launcher started (its size variable set) re-executes itself with the
     tunable before the doctor runs: the doctor sees it in what its process started with."""
-    env = clean_env(tmp_path / "home", OMPI_COMM_WORLD_SIZE="2",
-                    GLIBC_TUNABLES="glibc.malloc.arena_max=4")
+    env = clean_env(
+        tmp_path / "home", OMPI_COMM_WORLD_SIZE="2", GLIBC_TUNABLES="glibc.malloc.arena_max=4"
+    )
     p = run([*DOCTOR, "--json"], env, timeout=120)
     h = json.loads(p.stdout)["hugepages"]
     assert h["this_process"] == "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"
@@ -156,16 +164,24 @@ def test_text_report(env):
     assert out[-1] == "all good"
     assert any(l.split()[:2] == ["tensorflow", "2.21.0"] for l in out)
     assert any(l.split()[:2] == ["keras", "keras"] and l.split()[2].startswith("3.") for l in out)
-    assert any("hvdtrain patches: horovod-0.28.1-gcc14.patch, "
-               "horovod-0.28.1-gpu-stream-handle.patch, "
-               "horovod-0.28.1-launch-without-tensorflow.patch, "
-               "horovod-0.28.1-no-xla-ops.patch" in l for l in out)
+    assert any(
+        "hvdtrain patches: horovod-0.28.1-gcc14.patch, "
+        "horovod-0.28.1-gpu-stream-handle.patch, "
+        "horovod-0.28.1-launch-without-tensorflow.patch, "
+        "horovod-0.28.1-no-xla-ops.patch" in l
+        for l in out
+    )
     assert any("controllers MPI, Gloo" in l for l in out)
-    assert any(l.split()[:2] == ["horovod", "0.28.1:"] and "frameworks tensorflow (PyTorch not "
-               "built into horovod, MXNet not built into horovod);" in l for l in out)
+    assert any(
+        l.split()[:2] == ["horovod", "0.28.1:"]
+        and "frameworks tensorflow (PyTorch not built into horovod, MXNet not built into horovod);"
+        in l
+        for l in out
+    )
     if not has_driver():  # no NVIDIA driver: one line says so, not TensorFlow's cuInit errors
         assert [l for l in out if "gpus" in l.split()[:1]] == [
-            "  gpus        none visible: no NVIDIA driver (libcuda.so.1 not found)"]
+            "  gpus        none visible: no NVIDIA driver (libcuda.so.1 not found)"
+        ]
         assert "cuInit" not in p.stdout + p.stderr
 
     sample = block("guides/clusters/index.md", "  python ").text.splitlines()
@@ -173,6 +189,7 @@ def test_text_report(env):
 
     def form(line):
         return re.sub(r"\d+", "N", line.replace(venv, "VENV").replace(SAMPLE_VENV, "VENV"))
+
     assert [label(l) for l in out] == [label(l) for l in sample], (out, sample)
     for got, shown in zip(out, sample):
         if label(got) in MACHINE:
@@ -189,6 +206,7 @@ def test_the_gpu_build_sample_is_what_the_doctor_prints_for_it(report, monkeypat
     build_info), the CUDA runtime and NCCL that scripts/test_gpu_build.sh (CI's GPU build)
     requires the doctor to report, and no driver."""
     from hvdtrain import doctor as D
+
     p, r = report
     assert r is not None, p.stdout + p.stderr
     sample = block("guides/clusters/index.md", "  horovod ").text.splitlines()
@@ -205,13 +223,21 @@ def test_the_gpu_build_sample_is_what_the_doctor_prints_for_it(report, monkeypat
 
     def no_driver(name, *args, **kwargs):
         raise OSError(f"{name}: cannot open shared object file")
+
     monkeypatch.setattr(D.ctypes, "CDLL", no_driver)
-    horovod = dict(r["horovod"], built=dict(r["horovod"]["built"], nccl=True, cuda=True),
-                   gpu_build={"cuda_runtime_wheel": runtime, "nccl": nccl, "nccl_built": nccl,
-                              "cuda_runtime": re.search(r"'cuda_version', '([\d.]+)'",
-                                                        build_info).group(1),
-                              "compiler": f"release {nvcc.group(2)}, V{nvcc.group(1)}",
-                              "cubin": [f"sm_{a}" for a in archs], "ptx": [f"sm_{archs[-1]}"]})
+    horovod = dict(
+        r["horovod"],
+        built=dict(r["horovod"]["built"], nccl=True, cuda=True),
+        gpu_build={
+            "cuda_runtime_wheel": runtime,
+            "nccl": nccl,
+            "nccl_built": nccl,
+            "cuda_runtime": re.search(r"'cuda_version', '([\d.]+)'", build_info).group(1),
+            "compiler": f"release {nvcc.group(2)}, V{nvcc.group(1)}",
+            "cubin": [f"sm_{a}" for a in archs],
+            "ptx": [f"sm_{archs[-1]}"],
+        },
+    )
     gpu = dict(r, horovod=horovod, gpus=[], driver=None, no_gpu=D.cuda_driver()[1])
     shown = {label(l) for l in sample}
     assert [l for l in D.render(gpu, []).splitlines() if label(l) in shown] == sample
@@ -220,6 +246,7 @@ def test_the_gpu_build_sample_is_what_the_doctor_prints_for_it(report, monkeypat
 def test_a_framework_counts_only_when_built_and_installed(tmp_path):
     """horovod/torch/ with Horovod's Python files alone is what --check-build marks [X]."""
     from hvdtrain.doctor import frameworks
+
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     for sub in ("tensorflow", "torch", "mxnet"):
         (tmp_path / sub).mkdir()
@@ -239,7 +266,8 @@ def test_the_venv_launchers_count_without_path(tmp_path):
     p, problems, fixes = doctor(env, "--json")
     assert p.returncode == 0, p.stdout
     assert json.loads(p.stdout)["launchers"]["horovodrun"] == os.path.join(
-        os.path.dirname(sys.executable), "horovodrun")
+        os.path.dirname(sys.executable), "horovodrun"
+    )
 
 
 def test_horovod_missing(tmp_path):
@@ -284,15 +312,22 @@ def test_horovod_built_without_mpi(tmp_path):
 
 def test_horovod_tensorflow_does_not_load(tmp_path):
     """A horovod compiled against another TensorFlow: TensorFlow cannot load its op library."""
-    prelude = ("def refuse_horovod(original):\n"
-               "    def load_op_library(filename):\n"
-               "        if 'horovod' in filename:\n"
-               "            raise RuntimeError(filename + ': undefined symbol: '\n"
-               "                               '_ZN10tensorflow8OpKernel11TraceStringB5cxx11')\n"
-               "        return original(filename)\n"
-               "    return load_op_library\n")
-    env = patched(tmp_path, "tensorflow.python.framework.load_library", "load_op_library",
-                  "refuse_horovod(original)", prelude)
+    prelude = (
+        "def refuse_horovod(original):\n"
+        "    def load_op_library(filename):\n"
+        "        if 'horovod' in filename:\n"
+        "            raise RuntimeError(filename + ': undefined symbol: '\n"
+        "                               '_ZN10tensorflow8OpKernel11TraceStringB5cxx11')\n"
+        "        return original(filename)\n"
+        "    return load_op_library\n"
+    )
+    env = patched(
+        tmp_path,
+        "tensorflow.python.framework.load_library",
+        "load_op_library",
+        "refuse_horovod(original)",
+        prelude,
+    )
     p, problems, fixes = doctor(env)
     assert p.returncode == 1, p.stdout + p.stderr
     assert len(problems) == 1 and "horovod.tensorflow cannot be imported" in problems[0]
@@ -319,13 +354,19 @@ def test_keras_backend_not_tensorflow(tmp_path):
 
 def test_tf_keras_of_another_release(tmp_path):
     """Keras 2 asked for, but tf_keras is not TensorFlow's release (a pip install by hand)."""
-    env = patched(tmp_path, "importlib.metadata", "version",
-                  "lambda d: '2.18.0' if d == 'tf_keras' else original(d)")
+    env = patched(
+        tmp_path,
+        "importlib.metadata",
+        "version",
+        "lambda d: '2.18.0' if d == 'tf_keras' else original(d)",
+    )
     env["TF_USE_LEGACY_KERAS"] = "1"
     p, problems, fixes = doctor(env)
     assert p.returncode == 1, p.stdout + p.stderr
-    assert problems == ["problem: TF_USE_LEGACY_KERAS=1 with tf_keras 2.18.0 on TensorFlow "
-                        "2.21.0: tf_keras must be the same release as TensorFlow"]
+    assert problems == [
+        "problem: TF_USE_LEGACY_KERAS=1 with tf_keras 2.18.0 on TensorFlow "
+        "2.21.0: tf_keras must be the same release as TensorFlow"
+    ]
     assert fixes == ["fix: pip install tf-keras==2.21.* (or scripts/setup.sh)"]
 
 
@@ -333,8 +374,9 @@ def test_keras_2_asked_but_tf_keras_missing(tmp_path):
     shim = tmp_path / "shim" / "tf_keras"
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'tf_keras'\")\n")
-    env = clean_env(tmp_path / "home", PYTHONPATH=f"{shim.parent}{os.pathsep}{ROOT}",
-                    TF_USE_LEGACY_KERAS="1")
+    env = clean_env(
+        tmp_path / "home", PYTHONPATH=f"{shim.parent}{os.pathsep}{ROOT}", TF_USE_LEGACY_KERAS="1"
+    )
     p, problems, fixes = doctor(env)
     assert p.returncode == 1, p.stdout + p.stderr
     assert len(problems) == 1 and "tf_keras does not import" in problems[0]
@@ -343,8 +385,10 @@ def test_keras_2_asked_but_tf_keras_missing(tmp_path):
 
 def test_doctor_does_not_import_horovod_into_hvdtrain(env):
     """Only hvdtrain.distributed imports horovod, and only when training starts."""
-    code = ("import sys, hvdtrain, hvdtrain.doctor, hvdtrain.linear, hvdtrain.mnist\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('horovod', 'tensorflow', 'mpi4py')))\n")
+    code = (
+        "import sys, hvdtrain, hvdtrain.doctor, hvdtrain.linear, hvdtrain.mnist\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('horovod', 'tensorflow', 'mpi4py')))\n"
+    )
     p = run([sys.executable, "-c", code], env, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr

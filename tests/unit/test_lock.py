@@ -1,6 +1,7 @@
 """The lock (constraints.txt): this venv holds exactly its versions, pyproject.toml's pins agree
 with it, every pin installs on each Python the docs claim (the distributions' own included:
 Debian 12's 3.11.2), and pyproject.toml and scripts/setup.sh ask for that range."""
+
 import importlib.metadata
 import os
 import re
@@ -64,8 +65,9 @@ def test_a_drift_is_one_line_naming_the_package():
 def test_pyproject_pins_are_the_locked_versions():
     kw = project()
     pins = locked()
-    exact = [r for r in kw["dependencies"] + sum(kw["optional-dependencies"].values(), [])
-             if "==" in r]
+    exact = [
+        r for r in kw["dependencies"] + sum(kw["optional-dependencies"].values(), []) if "==" in r
+    ]
     assert exact
     for r in exact:
         name, version = r.split("==")
@@ -131,6 +133,10 @@ def test_the_venv_is_made_from_the_python_asked_for():
     path = shutil.which(asked)
     assert path, f"PYTHON={asked} not found"
     assert os.path.realpath(sys._base_executable) == os.path.realpath(path)
-    theirs = subprocess.run([path, "-c", "import platform; print(platform.python_version())"],
-                            capture_output=True, text=True, timeout=60).stdout.strip()
+    theirs = subprocess.run(
+        [path, "-c", "import platform; print(platform.python_version())"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
     assert platform.python_version() == theirs

@@ -1,6 +1,7 @@
 """glibc's huge-page tunable (hvdtrain/base/malloc.py): the decision, the launch scripts' copy
 of it (scripts/hugetlb.sh) agreeing with it, and a launched rank's re-exec in one real
 process (the launcher's size variable set by hand: no launcher needed to start it)."""
+
 import os
 import subprocess
 import sys
@@ -15,36 +16,58 @@ HUGE = "glibc.malloc.hugetlb=1"
 NEW, OLD, NONE = ((2, 36), "madvise"), ((2, 34), "madvise"), (None, "madvise")
 
 
-@pytest.mark.parametrize("environ,machine,want", [
-    ({}, NEW, HUGE),
-    ({}, ((2, 35), "always"), HUGE),
-    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, NEW, "glibc.malloc.arena_max=2:" + HUGE),
-    ({"GLIBC_TUNABLES": ""}, NEW, HUGE),
-    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, NEW, None),     # the user's choice
-    ({"GLIBC_TUNABLES": "a.b=1:glibc.malloc.hugetlb=2"}, NEW, None),
-    ({"HVDTRAIN_HUGETLB": "0"}, NEW, None),                         # the off switch
-    ({"HVDTRAIN_HUGETLB": "1"}, NEW, HUGE),
-    ({}, OLD, None), ({}, NONE, None),                              # no such tunable
-    ({}, ((2, 36), "never"), None), ({}, ((2, 36), None), None),    # no THP
-])
+@pytest.mark.parametrize(
+    "environ,machine,want",
+    [
+        ({}, NEW, HUGE),
+        ({}, ((2, 35), "always"), HUGE),
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, NEW, "glibc.malloc.arena_max=2:" + HUGE),
+        ({"GLIBC_TUNABLES": ""}, NEW, HUGE),
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, NEW, None),  # the user's choice
+        ({"GLIBC_TUNABLES": "a.b=1:glibc.malloc.hugetlb=2"}, NEW, None),
+        ({"HVDTRAIN_HUGETLB": "0"}, NEW, None),  # the off switch
+        ({"HVDTRAIN_HUGETLB": "1"}, NEW, HUGE),
+        ({}, OLD, None),
+        ({}, NONE, None),  # no such tunable
+        ({}, ((2, 36), "never"), None),
+        ({}, ((2, 36), None), None),  # no THP
+    ],
+)
 def test_the_decision(environ, machine, want):
     assert malloc.tunables(environ, machine) == want
 
 
 def shell_decides(env):
     """GLIBC_TUNABLES after scripts/hugetlb.sh's hvdtrain_hugetlb in ``env`` (None: unset)."""
-    p = subprocess.run(["bash", "-c", f'source {ROOT}/scripts/hugetlb.sh; hvdtrain_hugetlb; '
-                        'printf "%s" "${GLIBC_TUNABLES-<unset>}"'],
-                       env=env, capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"source {ROOT}/scripts/hugetlb.sh; hvdtrain_hugetlb; "
+            'printf "%s" "${GLIBC_TUNABLES-<unset>}"',
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 0 and p.stderr == "", p.stderr
     return None if p.stdout == "<unset>" else p.stdout
 
 
-@pytest.mark.parametrize("extra", [
-    {}, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, {"GLIBC_TUNABLES": ""},
-    {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"},
-    {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0"},
-    {"HVDTRAIN_HUGETLB": "0"}, {"HVDTRAIN_HUGETLB": "1"}], ids=repr)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
+        {"GLIBC_TUNABLES": ""},
+        {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"},
+        {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0"},
+        {"HVDTRAIN_HUGETLB": "0"},
+        {"HVDTRAIN_HUGETLB": "1"},
+    ],
+    ids=repr,
+)
 def test_the_launch_scripts_decide_as_hvdtrain(extra, tmp_path):
     """On this machine (glibc and THP as they are), the shell's GLIBC_TUNABLES is the one
     base/malloc.py gives a rank of the same environment (or the environment's own)."""
@@ -79,8 +102,14 @@ def launched(tmp_path, before="", extra=None, argv=("a b", "--x=1"), python=(), 
     script.write_text(PROGRAM.format(before=before))
     env = clean_env(tmp_path / "home", **dict({"OMPI_COMM_WORLD_SIZE": "2"}, **(extra or {})))
     cmd = [sys.executable, *python, *([] if stdin else [str(script)]), *argv]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120,
-                       input=script.read_text() if stdin else "")
+    p = subprocess.run(
+        cmd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        input=script.read_text() if stdin else "",
+    )
     assert p.returncode == 0, p.stderr
     lines = [l.split(" ", 2) for l in p.stdout.splitlines()]
     return [l[1] for l in lines if l[0] == "start"], [l[1:] for l in lines if l[0] == "env"]
@@ -96,16 +125,25 @@ def test_a_launched_rank_starts_again_once_with_the_tunable(tmp_path):
     assert envs == [[starts[0], f"glibc.malloc.arena_max=2:{HUGE} ['a b', '--x=1']"]]
 
 
-@pytest.mark.parametrize("case,before,extra,python,stdin", [
-    ("not launched", "", {"OMPI_COMM_WORLD_SIZE": "1"}, (), False),
-    ("off switch", "", {"HVDTRAIN_HUGETLB": "0"}, (), False),
-    ("user's hugetlb=0", "", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, (), False),
-    ("a thread of the program's", "import threading, time\n"
-     "threading.Thread(target=time.sleep, args=(2,), daemon=True).start()", {}, (), False),
-    ("program from stdin", "", {}, ("-",), True),
-    ("interactive", "", {}, ("-i",), False),
-    ("a test runner", "import _pytest", {}, (), False),
-])
+@pytest.mark.parametrize(
+    "case,before,extra,python,stdin",
+    [
+        ("not launched", "", {"OMPI_COMM_WORLD_SIZE": "1"}, (), False),
+        ("off switch", "", {"HVDTRAIN_HUGETLB": "0"}, (), False),
+        ("user's hugetlb=0", "", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, (), False),
+        (
+            "a thread of the program's",
+            "import threading, time\n"
+            "threading.Thread(target=time.sleep, args=(2,), daemon=True).start()",
+            {},
+            (),
+            False,
+        ),
+        ("program from stdin", "", {}, ("-",), True),
+        ("interactive", "", {}, ("-i",), False),
+        ("a test runner", "import _pytest", {}, (), False),
+    ],
+)
 def test_no_re_exec(tmp_path, case, before, extra, python, stdin):
     starts, envs = launched(tmp_path, before, extra, python=python, stdin=stdin)
     assert len(starts) == 1, case

@@ -1,5 +1,6 @@
 """The scaling projection's cost model (``python -m hvdtrain.bench project``) at its edges, its
 calibration from this machine's allreduce figures, and its check against published points."""
+
 import math
 
 import pytest
@@ -39,9 +40,11 @@ def test_fusion_splits_the_gradients_into_calls():
     fabric = p.Fabric("f", 1e15, hop=0.0)  # bandwidth free: only the calls' latency remains
     for nbytes, calls in ((1, 1), (p.FUSION, 1), (p.FUSION + 1, 2), (10 * p.FUSION, 10)):
         assert p.reduce_seconds(2, nbytes, fabric, software=1e-3) == pytest.approx(
-            calls * 1e-3, rel=1e-3), nbytes
-    assert p.reduce_seconds(2, 3 * p.FUSION, fabric, fusion=p.FUSION * 4,
-                            software=1e-3) == pytest.approx(1e-3, rel=1e-3)
+            calls * 1e-3, rel=1e-3
+        ), nbytes
+    assert p.reduce_seconds(
+        2, 3 * p.FUSION, fabric, fusion=p.FUSION * 4, software=1e-3
+    ) == pytest.approx(1e-3, rel=1e-3)
 
 
 def test_bandwidth_bound_and_latency_bound_regimes():
@@ -68,8 +71,7 @@ def test_the_network_is_the_bottleneck_beyond_one_node():
 def test_efficiency_never_exceeds_one_and_falls_with_more_gpus_per_network():
     for model in p.MODELS.values():
         for fabric in p.FABRICS.values():
-            effs = [p.project(model, n, fabric)["efficiency"] for n in p.GPUS
-                    if fabric.reaches(n)]
+            effs = [p.project(model, n, fabric)["efficiency"] for n in p.GPUS if fabric.reaches(n)]
             assert all(0 < e <= 1 for e in effs), (model.name, fabric.name, effs)
             assert effs == sorted(effs, reverse=True), (model.name, fabric.name, effs)
     # overlap 1 hides the whole reduction: efficiency 1 at any scale
@@ -132,8 +134,13 @@ def test_the_models_measured_here_projected_on_the_host_path():
     2 processes on the calibrated host path add one pass of the gradient's bytes and the
     calls' latency, of which the share the Task path's timeline showed hidden is taken off
     (none without a timeline)."""
-    row = {"model": "mlp", "batch_per_rank": 32, "gradient_bytes": 151e6,
-           "samples_per_sec": {"one": 200.0}, "efficiency": {"task": 0.7, "tape": 0.8}}
+    row = {
+        "model": "mlp",
+        "batch_per_rank": 32,
+        "gradient_bytes": 151e6,
+        "samples_per_sec": {"one": 200.0},
+        "efficiency": {"task": 0.7, "tape": 0.8},
+    }
     compute = 32 / 200.0
     reduce = 151e6 / p.HOST_BUSBW + 2 * p.HOST_LATENCY  # 151 MB: two 128 MiB fusion calls
     ((name, overlap, projected, measured),) = p.host_rows({"models": {"rows": [row]}})
@@ -141,8 +148,13 @@ def test_the_models_measured_here_projected_on_the_host_path():
     assert projected == pytest.approx(compute / (compute + reduce))
     # a timeline: 30 of 120 ms not hidden, so a quarter of the reduction exposed
     split = {"step": 0.3, "compute": 0.16, "not_hidden": 0.030, "communication": 0.120}
-    ((_, overlap, projected, _),) = p.host_rows({"models": {"rows": [
-        dict(row, step_split={"task": split, "tape": dict(split, not_hidden=0.0)})]}})
+    ((_, overlap, projected, _),) = p.host_rows(
+        {
+            "models": {
+                "rows": [dict(row, step_split={"task": split, "tape": dict(split, not_hidden=0.0)})]
+            }
+        }
+    )
     assert overlap == pytest.approx(0.75)
     assert projected == pytest.approx(compute / (compute + 0.25 * reduce))
     assert p.measured_overlap(dict(split, not_hidden=0.5)) == 0.0  # more than it: none hidden
@@ -153,7 +165,8 @@ def test_the_default_overlap_is_the_buckets_and_zero_is_one_reduction_after_the_
     assert p.plan([]).overlap == 0.5
     after = p.project(MODEL, 64, IB100, overlap=0.0)["step"]
     assert p.project(MODEL, 64, IB100)["step"] == pytest.approx(
-        MODEL.compute + 0.5 * (after - MODEL.compute))
+        MODEL.compute + 0.5 * (after - MODEL.compute)
+    )
 
 
 def test_the_assumed_hop_latency_barely_moves_the_large_models():
@@ -161,10 +174,17 @@ def test_the_assumed_hop_latency_barely_moves_the_large_models():
     ResNet-50 or BERT-large figure moves by more than 0.2 %; the MLP's few-ms steps, by up to
     7 %."""
     import dataclasses
+
     for name, bound in (("resnet50", 0.002), ("bert-large", 0.002), ("mlp-4096", 0.07)):
         model = p.MODELS[name]
-        worst = max(abs(p.project(model, n, f)["samples_per_sec"]
-                        / p.project(model, n, dataclasses.replace(f, hop=0.0))["samples_per_sec"]
-                        - 1)
-                    for f in p.FABRICS.values() for n in p.GPUS if f.reaches(n))
+        worst = max(
+            abs(
+                p.project(model, n, f)["samples_per_sec"]
+                / p.project(model, n, dataclasses.replace(f, hop=0.0))["samples_per_sec"]
+                - 1
+            )
+            for f in p.FABRICS.values()
+            for n in p.GPUS
+            if f.reaches(n)
+        )
         assert worst <= bound, (name, worst)

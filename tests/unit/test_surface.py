@@ -1,5 +1,6 @@
 """The public surface: hvdtrain.keras holds its public names only, and every name that moved
 away from a public module still works, with a DeprecationWarning naming what to use."""
+
 import dataclasses
 
 import pytest
@@ -17,15 +18,21 @@ def test_hvdtrain_keras_public_names_are_its_all():
     assert len(hk.__all__) == 14
 
 
-@pytest.mark.parametrize("name, new, says", [
-    ("Dataset", "hvdtrain.inputs.arrays:ArrayBatches", "hvdtrain.inputs.arrays.ArrayBatches"),
-    ("EXIT_PREEMPTED", "hvdtrain.base.errors:EXIT_PREEMPTED", "hk.Preempted.status"),
-    ("STOP_CHECK_EVERY", "hvdtrain.fit.driver:STOP_CHECK_EVERY",
-     "hvdtrain.fit.driver.STOP_CHECK_EVERY"),
-    ("ConfigError", "hvdtrain.base.errors:ConfigError", "hvdtrain.ConfigError"),
-    ("DataError", "hvdtrain.base.errors:DataError", "hvdtrain.data.DataError"),
-    ("pipeline", "hvdtrain.inputs.pipeline:", "hvdtrain.inputs.pipeline"),
-])
+@pytest.mark.parametrize(
+    "name, new, says",
+    [
+        ("Dataset", "hvdtrain.inputs.arrays:ArrayBatches", "hvdtrain.inputs.arrays.ArrayBatches"),
+        ("EXIT_PREEMPTED", "hvdtrain.base.errors:EXIT_PREEMPTED", "hk.Preempted.status"),
+        (
+            "STOP_CHECK_EVERY",
+            "hvdtrain.fit.driver:STOP_CHECK_EVERY",
+            "hvdtrain.fit.driver.STOP_CHECK_EVERY",
+        ),
+        ("ConfigError", "hvdtrain.base.errors:ConfigError", "hvdtrain.ConfigError"),
+        ("DataError", "hvdtrain.base.errors:DataError", "hvdtrain.data.DataError"),
+        ("pipeline", "hvdtrain.inputs.pipeline:", "hvdtrain.inputs.pipeline"),
+    ],
+)
 def test_a_name_that_left_hvdtrain_keras_warns_and_works(monkeypatch, name, new, says):
     import importlib
 
@@ -33,12 +40,15 @@ def test_a_name_that_left_hvdtrain_keras_warns_and_works(monkeypatch, name, new,
     module, _, attribute = new.partition(":")
     expected = importlib.import_module(module)
     expected = getattr(expected, attribute) if attribute else expected
-    with pytest.warns(DeprecationWarning, match=rf"^hvdtrain\.keras\.{name} is deprecated: "
-                                                rf"use {says.replace('.', '[.]')}"):
+    with pytest.warns(
+        DeprecationWarning,
+        match=rf"^hvdtrain\.keras\.{name} is deprecated: "
+        rf"use {says.replace('.', '[.]')}",
+    ):
         assert getattr(hk, name) is expected
     assert name not in hk.__all__
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-        hk.nothing  # noqa: B018
+        hk.nothing
 
 
 def test_the_built_in_tasks_keep_their_names():

@@ -7,6 +7,7 @@ by hand (a GPU build test once needed `patchelf`, which nothing installed).
 The commands are found by reading the code (``shutil.which("X")``, ``command -v X``,
 ``subprocess.run(["X", ...``); each must be in COMMANDS below, required or optional (a test
 skips without it), so that a new one is classified when it is written."""
+
 import glob
 import os
 import re
@@ -20,50 +21,86 @@ import pytest
 from conftest import ROOT
 from docs_pages import block
 
-pytestmark = [pytest.mark.quick,
-              pytest.mark.skipif(shutil.which("dpkg-query") is None, reason="not Debian")]
+pytestmark = [
+    pytest.mark.quick,
+    pytest.mark.skipif(shutil.which("dpkg-query") is None, reason="not Debian"),
+]
 
 # command: None (required: some test or CI step runs it unconditionally), or why it may be
 # missing (what skips or falls back without it).
 COMMANDS = {
     # scripts/setup.sh's build and launch needs (it installs them as root)
-    "c++": None, "g++": None, "gcc": None, "make": None, "cmake": None, "patch": None,
-    "mpicxx": None, "mpirun": None, "ompi_info": None,
+    "c++": None,
+    "g++": None,
+    "gcc": None,
+    "make": None,
+    "cmake": None,
+    "patch": None,
+    "mpicxx": None,
+    "mpirun": None,
+    "ompi_info": None,
     "mpiexec": "mpirun is enough (setup.sh accepts either)",
     "mpichversion": "MPICH's tool; this machine's MPI is Open MPI",
-    "apt-get": None, "dpkg-query": None, "dpkg": None,
+    "apt-get": None,
+    "dpkg-query": None,
+    "dpkg": None,
     # scripts/setup_test.sh's
-    "patchelf": None, "shellcheck": None, "sshd": None, "ssh": None, "ssh-keygen": None,
-    "ip": None, "java": None,
-    "sbatch": None, "srun": None, "slurmd": None, "slurmctld": None, "munged": None,
+    "patchelf": None,
+    "shellcheck": None,
+    "sshd": None,
+    "ssh": None,
+    "ssh-keygen": None,
+    "ip": None,
+    "java": None,
+    "sbatch": None,
+    "srun": None,
+    "slurmd": None,
+    "slurmctld": None,
+    "munged": None,
     # util-linux, mount, coreutils, sh: every Debian system
-    "setpriv": None, "unshare": None, "nsenter": None, "mount": None, "umount": None,
-    "bash": None, "sh": None, "rm": None, "env": None, "grep": None,
+    "setpriv": None,
+    "unshare": None,
+    "nsenter": None,
+    "mount": None,
+    "umount": None,
+    "bash": None,
+    "sh": None,
+    "rm": None,
+    "env": None,
+    "grep": None,
     # the venv's own (scripts/setup.sh installs them with pip)
-    "python": None, "horovodrun": None, "mkdocs": None, "pip": None,
+    "python": None,
+    "horovodrun": None,
+    "mkdocs": None,
+    "pip": None,
     # optional: the tests that use them skip without them
     "kubectl": "the Kubernetes checks run kubectl's own where it is installed",
     "docker": "the image tests build with docker or podman where one is installed",
     "podman": "the image tests build with docker or podman where one is installed",
     "debootstrap": "the Debian roots are made by hand (docs/reference/versions.md)",
-    "nvidia-smi": "a GPU machine's", "nvcc": "a GPU machine's (the GPU build brings its own)",
+    "nvidia-smi": "a GPU machine's",
+    "nvcc": "a GPU machine's (the GPU build brings its own)",
 }
 # What a machine that runs the README's commands has before them: the clone, and the Python.
 GIVEN = {"git", "python3.11", "python3.12", "python3.13"}
 GIVEN_PACKAGES = {"git", *(f"python3.{m}{s}" for m in (11, 12, 13) for s in ("", "-minimal"))}
 
-FOUND = (r'shutil\.which\("([A-Za-z0-9_.+-]+)"\)',
-         r"command -v ([A-Za-z0-9_.+-]+)",
-         r'subprocess\.(?:run|Popen|check_output|check_call)\(\["([A-Za-z0-9_.+-]+)"')
+FOUND = (
+    r'shutil\.which\("([A-Za-z0-9_.+-]+)"\)',
+    r"command -v ([A-Za-z0-9_.+-]+)",
+    r'subprocess\.(?:run|Popen|check_output|check_call)\(\["([A-Za-z0-9_.+-]+)"',
+)
 
 
 def commands_in_code():
     """{command: first file that runs it} from the tests, the scripts and the package."""
     found = {}
-    files = (glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True)
-             + glob.glob(os.path.join(ROOT, "scripts", "*.sh"))
-             + glob.glob(os.path.join(ROOT, "hvdtrain", "**", "*.py"), recursive=True)
-             + [os.path.join(ROOT, ".ci", "run")])
+    files = (
+        glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True)
+        + glob.glob(os.path.join(ROOT, "scripts", "*.sh"))
+        + glob.glob(os.path.join(ROOT, "hvdtrain", "**", "*.py"), recursive=True)
+        + [os.path.join(ROOT, ".ci", "run")]
+    )
     for path in files:
         if path == os.path.abspath(__file__):
             continue
@@ -95,21 +132,26 @@ def apt_lists():
 
 
 def dpkg(*args):
-    return subprocess.run(["dpkg-query", *args], capture_output=True, text=True,
-                          timeout=60).stdout
+    return subprocess.run(["dpkg-query", *args], capture_output=True, text=True, timeout=60).stdout
 
 
 def owners(paths):
     """{path: the Debian package that installed it, or None}: one dpkg -S for all, each path
     asked as itself, after links, and under usrmerge's other name (/bin is /usr/bin)."""
+
     def names(path):
         real = os.path.realpath(path)
         for p in dict.fromkeys([path, real]):
             yield p
             yield re.sub(r"^/usr(/s?bin/)", r"\1", p) if p.startswith("/usr/") else "/usr" + p
+
     asked = {path: list(dict.fromkeys(names(path))) for path in paths}
-    out = subprocess.run(["dpkg", "-S", *sorted({n for ns in asked.values() for n in ns})],
-                         capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run(
+        ["dpkg", "-S", *sorted({n for ns in asked.values() for n in ns})],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     found = {}
     for line in out.splitlines():
         packages, _, p = line.partition(": ")
@@ -126,8 +168,7 @@ def depends(packages):
 
 
 def test_every_command_the_code_runs_is_classified():
-    unknown = {c: f for c, f in commands_in_code().items()
-               if c not in COMMANDS and c not in GIVEN}
+    unknown = {c: f for c, f in commands_in_code().items() if c not in COMMANDS and c not in GIVEN}
     assert unknown == {}, f"add these to COMMANDS (required, or why optional): {unknown}"
 
 
@@ -139,8 +180,12 @@ def unmet(commands, installed):
     for command in commands:
         # The venv's commands where the tests find them (its bin/, which CI's PATH lacks),
         # and the daemons' sbin/ directories, which a user's PATH may lack.
-        path = shutil.which(command, path=os.pathsep.join(
-            [os.path.join(sys.prefix, "bin"), os.environ.get("PATH", ""), "/usr/sbin:/sbin"]))
+        path = shutil.which(
+            command,
+            path=os.pathsep.join(
+                [os.path.join(sys.prefix, "bin"), os.environ.get("PATH", ""), "/usr/sbin:/sbin"]
+            ),
+        )
         if path is None:
             problems.append(f"{command}: not installed")
         elif not os.path.abspath(path).startswith(sys.prefix + os.sep):  # else the venv's
@@ -150,8 +195,11 @@ def unmet(commands, installed):
         package = packages[path]
         if package is None:
             problems.append(f"{command}: {path} belongs to no Debian package")
-        elif package not in allowed and package not in GIVEN_PACKAGES and \
-                dpkg("-W", "-f=${Priority}", package) != "required":
+        elif (
+            package not in allowed
+            and package not in GIVEN_PACKAGES
+            and dpkg("-W", "-f=${Priority}", package) != "required"
+        ):
             problems.append(f"{command}: from {package}, which no set-up script installs")
     return problems
 
@@ -170,12 +218,14 @@ def test_a_command_from_a_package_nobody_installs_is_named():
     was), the GPU build's patchelf is named; a required package's command (coreutils') is
     never a problem."""
     assert unmet(["patchelf", "rm"], apt_lists() - {"patchelf"}) == [
-        "patchelf: from patchelf, which no set-up script installs"]
+        "patchelf: from patchelf, which no set-up script installs"
+    ]
 
 
 def test_the_java_the_spark_page_installs_is_what_the_tests_run_on():
-    line, = block("guides/clusters/spark.md", "apt-get install -y openjdk").commands()
+    (line,) = block("guides/clusters/spark.md", "apt-get install -y openjdk").commands()
     package = line.split()[-1]
     assert package in apt_lists(), package
     assert "java" in {os.path.basename(p) for p in dpkg("-L", package).split()} | {
-        os.path.basename(os.path.realpath(shutil.which("java") or ""))}
+        os.path.basename(os.path.realpath(shutil.which("java") or ""))
+    }

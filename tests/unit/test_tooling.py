@@ -2,6 +2,7 @@
 and the pre-commit hooks run, their tools are in the test extra and the lock, and each check
 fails on what it is there for (an unused import, a type error; the layers' in
 test_architecture.py)."""
+
 import os
 import re
 import shlex
@@ -35,8 +36,9 @@ def test_the_page_s_commands_are_the_checks_and_the_hooks():
         tool = re.match(r'    "\$venv/bin/([\w-]+)" ', line)
         if tool and tool.group(1) in TOOLS:  # the checks: one line each
             words = [tool.group(1), *shlex.split(line.split(" || ")[0])[1:]]
-            ran.append([w for word in words
-                        for w in (paths.split() if word == "${checks[@]}" else [word])])
+            ran.append(
+                [w for word in words for w in (paths.split() if word == "${checks[@]}" else [word])]
+            )
     # The page's fix what they can; the checks only say (--check, no --fix), without a cache
     # or lint-imports' logo.
     as_run = [[w for w in c if w not in ("--fix",)] for c in checked]
@@ -52,8 +54,11 @@ def test_the_page_s_commands_are_the_checks_and_the_hooks():
 
 def test_the_tools_are_in_the_test_extra_and_the_lock():
     extra = pyproject()["project"]["optional-dependencies"]["test"]
-    lock = {re.sub(r"[-_.]+", "-", line.split("==")[0]).lower()
-            for line in open(os.path.join(ROOT, "constraints.txt")) if "==" in line}
+    lock = {
+        re.sub(r"[-_.]+", "-", line.split("==")[0]).lower()
+        for line in open(os.path.join(ROOT, "constraints.txt"))
+        if "==" in line
+    }
     for name in [*TOOLS.values(), "pre-commit"]:
         assert any(re.match(rf"{name}\b", r) for r in extra), name
         assert name in lock, name
@@ -70,16 +75,29 @@ def project(tmp_path):
 
 def test_an_unused_import_fails_ruff(project):
     (project / "hvdtrain" / "base" / "planted.py").write_text('"""Planted."""\nimport os\n')
-    p = subprocess.run([os.path.join(BIN, "ruff"), "check", "--no-cache", "hvdtrain"],
-                       cwd=project, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [os.path.join(BIN, "ruff"), "check", "--no-cache", "hvdtrain"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 1 and "F401 [*] `os` imported but unused" in p.stdout, p.stdout
 
 
 def test_a_type_error_fails_mypy(project):
     (project / "hvdtrain" / "base" / "planted.py").write_text(
-        '"""Planted."""\n\n\ndef steps(n: int) -> int:\n    return str(n)\n')
-    p = subprocess.run([os.path.join(BIN, "mypy"), "--no-incremental",
-                        "hvdtrain/base/planted.py"], cwd=project, capture_output=True, text=True, timeout=120)
+        '"""Planted."""\n\n\ndef steps(n: int) -> int:\n    return str(n)\n'
+    )
+    p = subprocess.run(
+        [os.path.join(BIN, "mypy"), "--no-incremental", "hvdtrain/base/planted.py"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 1, p.stdout
-    assert ('planted.py:5: error: Incompatible return value type (got "str", expected "int")'
-            in p.stdout), p.stdout
+    assert (
+        'planted.py:5: error: Incompatible return value type (got "str", expected "int")'
+        in p.stdout
+    ), p.stdout
