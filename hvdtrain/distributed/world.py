@@ -8,14 +8,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from hvdtrain.base.errors import EnvError, LaunchError, RankError
-
-if TYPE_CHECKING:  # for the annotation only: horovod_world imports this module
-    from hvdtrain.distributed.horovod_world import Reduction
 
 
 @dataclasses.dataclass
@@ -62,6 +59,22 @@ def steps_done(progress, step_examples: int, steps: int) -> int:
 QUESTIONS = ("hvdtrain.any", "hvdtrain.same")
 
 
+class GradientReduction(Protocol):
+    """What an optimizer's gradients go through before each update (``World.reduction``; in
+    a Horovod job, ``horovod_world.Reduction``)."""
+
+    carries_riders: bool  # whether other tensors (the step's flags) may ride in its round
+
+    def __call__(self, grads) -> list:
+        """The gradients reduced over the ranks."""
+
+    def sum(self, tensor):
+        """A tensor summed over the ranks in a round of its own."""
+
+    def keras2_optimizer(self, optimizer, backward_passes_per_step: int = 1):
+        """Keras 2: the optimizer wrapped so that it reduces before it applies."""
+
+
 class World:
     """One process's view of the job. The single-process world needs no Horovod."""
 
@@ -81,7 +94,7 @@ class World:
 
     def reduction(
         self, op: str = "average", compression: str = "none", gradient_predivide_factor: float = 1.0
-    ) -> Reduction | None:
+    ) -> GradientReduction | None:
         """How an optimizer's gradients are reduced over the ranks: None in one process
         (there is nothing to reduce); the arguments and HVDTRAIN_BUCKET_BYTES are checked all
         the same."""

@@ -3,13 +3,26 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hvdtrain.base import compat
 from hvdtrain.fit.script import steps_per_execution
 
-if TYPE_CHECKING:  # for the annotation only: the driver imports this module
-    from hvdtrain.fit.driver import FitRun
+
+class FitEvents(Protocol):
+    """What the callback tells the driver (``driver.FitRun``), one method per Keras event."""
+
+    def epoch_begin(self, epoch: int) -> None: ...
+
+    def batch_begin(self) -> None: ...
+
+    def batch_end(self, batch: int, logs) -> None: ...
+
+    def test_begin(self) -> None: ...
+
+    def test_end(self, logs) -> None: ...
+
+    def epoch_end(self, epoch: int, logs) -> None: ...
 
 
 class Calls:
@@ -43,7 +56,7 @@ class Calls:
             self.full = None
 
 
-def keras_callback(keras, run: FitRun):
+def keras_callback(keras, run: FitEvents):
     """The Keras callback (of the Keras in use) that hands fit's events to ``run``."""
 
     class HorovodFit(keras.callbacks.Callback):
