@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import re
+from typing import Any
 
 # The exit statuses. 1 and 2 are the user's to fix: the same command fails the same way again.
 # 69, 73, 74 and 75 are the infrastructure's: the same command, run again later, resumes from
@@ -65,6 +66,7 @@ class Error(Exception):
 
     status = EXIT_FAILED
     together = False
+    said: bool = False  # its line was said already (the watchdog's verdict): not again
 
 
 class Together(Error):
@@ -238,6 +240,7 @@ class Preempted(Together, RuntimeError):
     """
 
     status = EXIT_PREEMPTED
+    world: Any = None  # the run's World (Run.preempt): the ranks wait for rank 0's line
 
 
 # TensorFlow's op errors begin with a header and a trace of where the op was defined; the

@@ -105,6 +105,7 @@ class Checkpoints:
         """Rank 0 writes ``state``, the position and the epoch's metric sums so far."""
         if not self.world.is_chief:
             return
+        assert progress.offset is not None  # set by the drivers before training starts
         meta = {
             "epoch": progress.epoch,
             "offset": progress.offset,

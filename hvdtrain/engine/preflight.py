@@ -169,7 +169,7 @@ def check(world, mine: dict) -> None:
         if all(v == values[0] for v in values):
             continue
         label, shown = _first_difference(key, values)
-        groups = {}
+        groups: dict[str, list[int]] = {}
         for rank, value in enumerate(shown):
             groups.setdefault(
                 value if isinstance(value, str) else _describe(key, value), []

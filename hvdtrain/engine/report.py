@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from hvdtrain.base.config import env_number
 from hvdtrain.base.errors import StorageError
@@ -29,7 +30,10 @@ from hvdtrain.base.files import (
     write_json_atomic,
     writing,
 )
-from hvdtrain.engine.rundir import RunDir
+from hvdtrain.engine.rundir import RunDir, RunLock
+
+if TYPE_CHECKING:
+    from hvdtrain.engine.tracking import Trackers
 
 # Where no live progress bar is drawn (a launcher's pipe, a SLURM or Kubernetes log), rank 0
 # prints a plain line this often inside an epoch (HVDTRAIN_PROGRESS_SECONDS; 0: never).
@@ -82,10 +86,8 @@ class EpochRecord:
     def from_dict(cls, record: dict) -> EpochRecord:
         """A record as ``as_dict`` made it (a checkpoint's, a line of metrics.jsonl)."""
         fields = {f.name for f in dataclasses.fields(cls)} - {"metrics"}
-        return cls(
-            metrics={k: v for k, v in record.items() if k not in fields},
-            **{k: record.get(k) for k in fields},
-        )
+        given: dict[str, Any] = {k: record.get(k) for k in fields}  # as the record has them
+        return cls(metrics={k: v for k, v in record.items() if k not in fields}, **given)
 
 
 def _scalars(values: dict) -> bytes:
@@ -120,10 +122,10 @@ class Reporter:
     ):
         self.world, self._verbose, self.dir = world, verbose, run_dir
         self._track, self._track_required = tuple(track), track_required
-        self.trackers = None  # tracking.Trackers, on rank 0 once the run starts
-        self._config = None  # config.json's dict, once the run starts
-        self._tb = None
-        self._lock = None
+        self.trackers: Trackers | None = None  # on rank 0 once the run starts
+        self._config: dict | None = None  # config.json's dict, once the run starts
+        self._tb: Any | None = None  # rank 0's tf.summary file writer (start)
+        self._lock: RunLock | None = None
         self._progress_every = env_number(
             "HVDTRAIN_PROGRESS_SECONDS",
             PROGRESS_SECONDS,
@@ -263,6 +265,7 @@ class Reporter:
         if self._track and self.trackers is None:
             from hvdtrain.engine.tracking import Trackers
 
+            assert self._config is not None  # start() kept it before any call here
             self.trackers = Trackers(self._track, self.dir, self._track_required, self.notice)
             self.trackers.start(self._config, self.records())
 
@@ -289,6 +292,7 @@ class Reporter:
                 raise
         import tensorflow as tf
 
+        assert self._tb is not None  # start() made it on this rank (rank 0)
         with writing(self.dir.tensorboard, also=(tf.errors.OpError,)):
             with self._tb.as_default(step=record["global_step"]):
                 # The epoch's scalars in one Summary, written by one op (what

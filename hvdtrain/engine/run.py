@@ -29,6 +29,7 @@ and writes files (``report.Reporter``).
 from __future__ import annotations
 
 import signal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -96,12 +97,14 @@ class Run:
         # The newest finished epoch's record (kept in checkpoints: result.json's final_*).
         self.last_record: EpochRecord | None = None
         self.global_batch = 0  # examples of one update over all ranks (start)
-        self.model = self.optimizer = None
+        self.model: Any | None = None  # Keras' model and optimizer (restore)
+        self.optimizer: Any | None = None
         self.state: list = []  # model and optimizer variables: what a checkpoint holds
         self.moving = MovingStatistics(world, [])
         self._handlers: dict = {}  # the signal handlers the run replaced while it trains
-        self.stop_signal = None  # the name of the one that stopped it
-        self.pipeline, self.input = None, {}  # the driver's tf.data input (use_input)
+        self.stop_signal: str | None = None  # the name of the one that stopped it
+        self.pipeline: Any | None = None  # the driver's tf.data input (use_input)
+        self.input: dict = {}  # what identifies it besides the settings
         self._said_input_bound = False
 
     # --- the run's frame: watchdog, SIGTERM, errors ---------------------------------------------
@@ -113,7 +116,7 @@ class Run:
         ).start()
         return self
 
-    def __exit__(self, kind, e, tb) -> bool:
+    def __exit__(self, kind, e, tb) -> Literal[False]:
         for signum, handler in self._handlers.items():
             signal.signal(signum, handler)
         self._handlers = {}
@@ -184,6 +187,7 @@ class Run:
     def unchanged(self) -> str:
         """A rerun of a finished run (``finished``): what the driver says instead of training."""
         done = self.finished
+        assert done is not None  # the drivers ask only when check_run_dir found one
         return (
             f"hvdtrain: {self.dir} holds a finished run ({done.get('epochs')} "
             f"epochs, step {done.get('global_step')}): nothing to train, nothing "
@@ -318,15 +322,16 @@ class Run:
         """Elastic: remember this step in memory; may raise Horovod's hosts-updated interrupt."""
         self.sync_state()
         progress.sums = list(partial_sums)
-        progress.last_record = self.last_record and self.last_record.as_dict()
+        progress.last_record = None if self.last_record is None else self.last_record.as_dict()
         progress.commit()
 
     def check_weights(self) -> None:
         """Every rank holds the same weights, so every rank decides the same here: a
         checkpoint of NaN weights would make the "last good" one useless."""
-        if self.config.stop_on_divergence and not all(
-            np.isfinite(v.numpy()).all() for v in self.model.trainable_variables
-        ):
+        if not self.config.stop_on_divergence:
+            return
+        assert self.model is not None  # restore() set it before any save
+        if not all(np.isfinite(v.numpy()).all() for v in self.model.trainable_variables):
             raise self.diverged(f"the weights became NaN or infinite by step {self.global_step}")
 
     def check_agreement(self) -> None:

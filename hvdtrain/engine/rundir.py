@@ -77,7 +77,7 @@ class RunDir:
         """Why this directory cannot hold a new or continued run (``run_dir_problem``)."""
         return run_dir_problem(self.path)
 
-    def lock(self, wait: float = None) -> RunLock:
+    def lock(self, wait: float | None = None) -> RunLock:
         """Hold this directory for this run (``RunLock``)."""
         return RunLock(self.path, wait)
 
@@ -173,11 +173,11 @@ class RunLock:
     refused at once (``RunDirBusy``: two runs on one directory, the user's to fix).
     """
 
-    def __init__(self, run_dir: str, wait: float = None):
+    def __init__(self, run_dir: str, wait: float | None = None):
         path = os.path.join(run_dir, LOCK)
         with writing(path):
             make_dirs(run_dir)
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         if not self._take():
             holder, identity = self._holder()
             wait = lock_wait() if wait is None else wait
@@ -201,6 +201,7 @@ class RunLock:
             )
 
     def _take(self) -> bool:
+        assert self._fd is not None  # open from __init__ until release()
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -208,6 +209,7 @@ class RunLock:
         return True
 
     def _holder(self):
+        assert self._fd is not None  # open from __init__ until release()
         lines = os.pread(self._fd, 1024, 0).decode(errors="replace").splitlines() + ["", ""]
         return lines[0].strip() or "unknown", lines[1].strip()
 
@@ -241,6 +243,7 @@ class RunLock:
         return False
 
     def _write(self, text: str) -> None:
+        assert self._fd is not None  # open from __init__ until release()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, text.encode(), 0)
 

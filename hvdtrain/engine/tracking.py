@@ -94,7 +94,8 @@ class MLflow:
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        self.mlflow, self.client, self.run_id = mlflow, MlflowClient(), None
+        self.mlflow, self.client = mlflow, MlflowClient()
+        self.run_id: str | None = None  # the MLflow run's, once started
 
     def start(self, saved: dict, run_name: str, settings: dict, run_dir: str) -> dict:
         from mlflow.entities import Param
@@ -152,6 +153,7 @@ class MLflow:
     def metrics(self, values: dict, step: int) -> None:
         from mlflow.entities import Metric
 
+        assert self.run_id is not None  # called only on a started tracker (Trackers.live)
         now = int(time.time() * 1000)
         self.client.log_batch(
             self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()]
@@ -162,6 +164,7 @@ class MLflow:
             self.client.log_artifact(self.run_id, path)
 
     def end(self, status: str) -> None:
+        assert self.run_id is not None  # called only on a started tracker (Trackers.live)
         self.client.set_terminated(self.run_id, status)
 
 
@@ -198,18 +201,22 @@ class Wandb:
         return {"run_id": run_id, "project": self.run.project, "run_name": run_name, "mode": mode}
 
     def metrics(self, values: dict, step: int) -> None:
+        assert self.run is not None  # called only on a started tracker (Trackers.live)
         self.run.log(dict(values), step=step)
 
     def summary(self, values: dict) -> None:
+        assert self.run is not None  # called only on a started tracker (Trackers.live)
         self.run.summary.update(values)
 
     def artifacts(self, paths: list) -> None:
+        assert self.run is not None  # called only on a started tracker (Trackers.live)
         artifact = self.wandb.Artifact(f"run-{self.run.id}", type="model")
         for path in paths:
             artifact.add_file(path)
         self.run.log_artifact(artifact)
 
     def end(self, status: str) -> None:
+        assert self.run is not None  # called only on a started tracker (Trackers.live)
         self.run.finish(exit_code={"FINISHED": 0, "KILLED": 75}.get(status, 1))
 
 
@@ -234,7 +241,11 @@ class TensorBoard:
     metrics = artifacts = end = staticmethod(lambda *args: None)
 
 
-BACKENDS = {"mlflow": MLflow, "wandb": Wandb, "tensorboard": TensorBoard}
+BACKENDS: dict[str, type[MLflow | Wandb | TensorBoard]] = {
+    "mlflow": MLflow,
+    "wandb": Wandb,
+    "tensorboard": TensorBoard,
+}
 
 
 class Trackers:
