@@ -15,10 +15,10 @@ which): ``base`` (errors, settings, files, the Keras in use); ``inputs`` and
 ``distributed`` (the data each rank trains on; everything rank-dependent, Horovod); ``engine``
 (one run's life, its checkpoints and run directory); the two drivers over it, ``tasks`` (the
 Task path, with the built-in tasks) and ``fit`` (``hk.fit``); then the public modules here
-(``keras``, ``cli``, ``doctor``, ``datasets``; ``mnist`` and ``linear``, the built-in tasks'
-commands; ``compat``, ``data`` and ``layers`` hand on their public names). ``bench`` (the
-benchmarks and their process harness, ``python -m hvdtrain.bench``; its plots need the
-``bench`` extra) is for developers: nothing else imports it.
+(``keras``, ``cli``, ``doctor`` over ``doctor_probes``, ``datasets``; ``mnist`` and
+``linear``, the built-in tasks' commands; ``compat``, ``data`` and ``layers`` hand on their
+public names). ``bench`` (the benchmarks and their process harness, ``python -m
+hvdtrain.bench``; its plots need the ``bench`` extra) is for developers: nothing else imports it.
 """
 
 # hvdtrain's first code: a launched rank whose environment lacks glibc's huge-page tunable

@@ -10,8 +10,8 @@ python -m hvdtrain run-dir [--job NAME] TASK [flags]   # the run directory they 
 
 import sys
 
-from hvdtrain.base.config import parse_args
 from hvdtrain.base.errors import Error, SpecError
+from hvdtrain.base.flags import parse_args
 from hvdtrain.tasks.task import BUILTIN, load_task
 
 USAGE = (

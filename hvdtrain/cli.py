@@ -23,8 +23,8 @@ import sys
 import threading
 
 from hvdtrain import distributed
-from hvdtrain.base.config import given_run_dir, parse_args
 from hvdtrain.base.errors import RETRIED, Error, Preempted, RunDirBusy
+from hvdtrain.base.flags import given_run_dir, parse_args
 from hvdtrain.engine.rundir import RunDir, job_run_dir
 from hvdtrain.tasks.train import train
 

@@ -3,6 +3,7 @@
 - ``errors``: every error hvdtrain reports, in one line, with its exit status;
 - ``config``: ``Config``, the training settings every run shares, and what each field means
   for a run (a command-line flag, a fit script's argument or not, defines the run or not);
+- ``flags``: a task's command line, one flag per field of ``Config`` and of its ``Settings``;
 - ``files``: files that readers see whole or not at all, and storage errors said in one line;
 - ``compat``: which Keras hvdtrain trains with (Keras 3, or tf_keras) and its variables;
 - ``precision``: Keras' mixed-precision policies and dynamic loss scaling;

@@ -6,6 +6,8 @@
 - ``metrics``: the epoch and validation metrics made exact over all ranks;
 - ``driver``: ``FitRun``, one ``hk.fit`` on this rank: restore, broadcast, ``model.fit``,
   checkpoints and stops at the same step on every rank, the result;
+- ``steps``: where the driver stands in its steps (``FitCounters``), SIGTERM on any rank
+  checked (``StopCheck``), and the call boundaries that pass a multiple of steps;
 - ``callback``: the Keras side: the callback that hands Keras' events to the driver, and
   Keras 3's compiled calls cut to an epoch's last steps;
 - ``chief``: callbacks that run on rank 0 only (``hk.on_chief``, the trackers' own), each

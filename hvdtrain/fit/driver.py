@@ -16,50 +16,28 @@ for the first call boundary that ends an update, so no checkpoint holds half an 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
 
 from hvdtrain.base import compat, timings
 from hvdtrain.base.errors import ConfigError, step_failed
-from hvdtrain.distributed.optimizer import StopFlags
 from hvdtrain.distributed.world import Progress, steps_done
 from hvdtrain.engine import preflight
 from hvdtrain.engine.report import EpochRecord
 from hvdtrain.engine.run import Run
 from hvdtrain.fit.callback import Calls, keras_callback
 from hvdtrain.fit.metrics import GlobalMetrics
-from hvdtrain.fit.script import applied_optimizers, check_validation, steps_per_execution
-from hvdtrain.inputs import nest, pipeline
-from hvdtrain.inputs.arrays import test_shard
-from hvdtrain.inputs.sources import is_dataset
+from hvdtrain.fit.script import (
+    applied_optimizers,
+    check_validation,
+    steps_per_execution,
+    validation_shard,
+)
+from hvdtrain.fit.steps import STOP_CHECK_EVERY, FitCounters, StopCheck, passed
+from hvdtrain.inputs import pipeline
 
-# Steps between two checks for a SIGTERM on any rank. A host allreduce every step halved
-# fit's throughput against Horovod's own Keras wrapper, and every 10 steps still cost a
-# quarter of it at steps_per_execution 1 (a round trip per 10 steps of a small model). With
-# calls shorter than this, the flag rides in the gradients' allreduce instead
-# (optimizer.StopFlags), and a check reads it: no round trip of its own.
-STOP_CHECK_EVERY = 10
-"""Steps between two checks for a SIGTERM on any rank, at most: a preempted ``hk.fit`` stops
-every rank within that many steps of the signal (at the end of a compiled call when a call
-is longer)."""
-
-
-@dataclasses.dataclass
-class FitCounters:
-    """Where one ``hk.fit`` stands, counted from Keras' events (every rank counts the same)."""
-
-    epoch: int = 0  # the epoch in training (Keras' index, from 0)
-    step: int = 0  # the Keras steps of it done
-    started: int = 0  # the step it started from in this process (> 0 after a resume)
-    first_step: int = 0  # the step the next epoch starts from (a resume inside it: its own)
-    micro: int = 0  # the Keras steps (micro-batches when accumulating) since the run began
-    global_step: int = 0  # the updates since the run began (the run's step)
-    epochs_done: int = 0  # the epochs finished
-    tick: float = 0.0  # when the epoch's steps began (time.perf_counter)
-    stop_pending: bool = False  # a SIGTERM reached a rank: stop at the next update's end
-    save_pending: bool = False  # a checkpoint is due at the next update's end
+__all__ = ["STOP_CHECK_EVERY", "FitCounters", "FitRun"]
 
 
 class FitRun:
@@ -82,9 +60,7 @@ class FitRun:
         if isinstance(train, pipeline.Batches):  # the examples: FitSettings' (train_examples)
             run.use_input(train, {"train_files": train.train_files})
         self.calls = Calls(model)
-        # optimizer.StopFlags, when the stop flag rides in the updates: the flags' count and
-        # the updates that carried them at the last question; whether any update carried them
-        self.flags, self.stop_base, self.carried, self.rode = None, 0.0, 0, False
+        self.stops = StopCheck(run)  # SIGTERM on any rank, asked every STOP_CHECK_EVERY steps
         self.saved_sums = None  # a mid-epoch resume's part of the epoch's metric sums
         self.train_logs: dict = {}  # the epoch's training metrics over every rank
         self.val_logs: dict = {}  # its validation metrics over every rank
@@ -102,12 +78,7 @@ class FitRun:
         (_, first), *others = applied_optimizers(self.model)
         progress = run.restore(self.model, first, [o for _, o in others])
         run.broadcast()
-        # The stop flags ride in the first optimizer's updates when calls are shorter than
-        # STOP_CHECK_EVERY steps (a longer call takes one host check per call, which decides
-        # at the call's end rather than one call later).
-        if not self.world.alone and steps_per_execution(self.model) < STOP_CHECK_EVERY:
-            self.flags = StopFlags.attach(first)
-            self.stop_base, self.carried = self.flags.read()
+        self.stops.attach(self.model, first)
         if progress.epoch is None:
             progress.epoch, progress.offset = 0, 0
         return progress
@@ -155,7 +126,10 @@ class FitRun:
                 "already; training on from there"
             )
         run.start(progress, self.global_batch)
-        val, val_steps, validation_batch_size = self._validation_shard(validation_batch_size)
+        with timings.phase("data"):  # this rank's part of the arrays, or the user's pipeline
+            val, val_steps, validation_batch_size = validation_shard(
+                self.validation_data, self.world, validation_batch_size
+            )
         callback = keras_callback(keras, self)
         shown = self.out.verbose if self.out.interactive else 0  # rank 0, on a terminal
         histories = []
@@ -293,23 +267,6 @@ class FitRun:
                 history.history.setdefault(k, []).append(v)
         return history
 
-    @timings.timed("data")
-    def _validation_shard(self, batch_size):
-        """(validation input, its steps or None, its batch size) for model.fit: this rank's
-        part of the arrays (each example on one rank), or the user's batched pipeline."""
-        if self.validation_data is None:
-            return None, None, batch_size
-        if (
-            isinstance(self.validation_data, tuple)
-            and len(self.validation_data) == 2
-            and is_dataset(self.validation_data[0])
-        ):
-            # Batched by the user; its counted batches: Keras 3 warns when it runs dry.
-            return (*self.validation_data, None)
-        n = len(nest.leaves(self.validation_data[0])[0][1])
-        part = test_shard(n, self.world.rank, self.world.size)
-        return tuple(nest.take(a, part) for a in self.validation_data), None, batch_size
-
     # --- the callback's work --------------------------------------------------------------------
     def epoch_begin(self, epoch):
         if isinstance(self.train, pipeline.Batches):  # all ranks: no input changed since
@@ -321,8 +278,7 @@ class FitRun:
 
     def batch_begin(self):
         self.calls.begin(self.train.steps - self.at.step)
-        if self.flags is not None and self.run_.stop_requested:
-            self.flags.raise_local()  # this call's updates tell every rank
+        self.stops.raise_local()
 
     def batch_end(self, batch, logs):
         world, run, at = self.world, self.run_, self.at
@@ -342,11 +298,11 @@ class FitRun:
         updated, at.global_step = at.global_step, at.micro // self.passes
         run.reached(at.global_step)
         last = at.step == self.train.steps
-        if not last and self._any_stop(done):
+        if not last and self.stops.any(at.step, done):
             at.stop_pending = True
         # At the first call boundary at or after each multiple of checkpoint_every updates
         # (the multiple itself when steps_per_execution is 1 or divides it).
-        if _passed(at.global_step, at.global_step - updated, run.config.checkpoint_every):
+        if passed(at.global_step, at.global_step - updated, run.config.checkpoint_every):
             at.save_pending = True
         if last:  # before validation resets the metrics
             self.train_logs, stop = self.metrics.reduce(stop=run.stop_requested)
@@ -373,28 +329,6 @@ class FitRun:
             # The state between updates.
             at.save_pending = False
             run.save(self._position(), self.metrics.summed())
-
-    def _any_stop(self, done: int) -> bool:
-        """All ranks, after a call of ``done`` steps: did SIGTERM reach any rank? Asked when
-        the call passes a multiple of STOP_CHECK_EVERY steps (all ranks count the same
-        steps, so all ask at the same call and decide the same); the epoch's end asks in the
-        metric sums' allreduce.
-
-        The answer is in the flags that rode in the updates since the last question (their
-        sums over ranks: the same on every rank); a call of micro-batches inside an update
-        carries none, and a later update's will tell. When they never rode (Horovod's own
-        DistributedOptimizer, a train function traced before they were attached), a
-        one-number host allreduce asks the ranks: a round trip of its own."""
-        if not _passed(self.at.step, done, STOP_CHECK_EVERY):
-            return False
-        if self.flags is not None:
-            stop, carried = self.flags.read()
-            if carried > self.carried:  # updates since the last question carried the flags
-                self.carried, self.rode = carried, True
-                return stop > self.stop_base
-            if self.rode:  # they ride, in updates only
-                return False
-        return self.run_.should_stop()
 
     def test_begin(self):
         self.evaluating = timings.enter("evaluation")
@@ -444,8 +378,3 @@ class FitRun:
 
     def _position(self) -> Progress:
         return Progress(epoch=self.at.epoch, offset=self.at.step * self.examples_per_step)
-
-
-def _passed(step: int, done: int, every: int) -> bool:
-    """Did the last ``done`` steps, ending at ``step``, reach a multiple of ``every``?"""
-    return bool(every) and step // every > (step - done) // every

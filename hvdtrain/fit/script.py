@@ -17,6 +17,7 @@ from hvdtrain.base.errors import ConfigError, TaskError
 from hvdtrain.distributed.optimizer import accumulation, reduce_before_loss_scaling
 from hvdtrain.fit.chief import chief_only, keras_proxy
 from hvdtrain.inputs import nest, pipeline
+from hvdtrain.inputs.arrays import test_shard
 from hvdtrain.inputs.sources import is_dataset
 
 # Keras callbacks that write files: rank 0 runs them, the other ranks leave them out (each
@@ -226,6 +227,23 @@ def check_validation(validation_data, train, world, sharded=False):
             "of it, and none may be empty",
         )
     return parts
+
+
+def validation_shard(validation_data, world, batch_size):
+    """(validation input, its steps or None, its batch size) for model.fit: this rank's
+    part of the arrays (each example on one rank), or the user's batched pipeline."""
+    if validation_data is None:
+        return None, None, batch_size
+    if (
+        isinstance(validation_data, tuple)
+        and len(validation_data) == 2
+        and is_dataset(validation_data[0])
+    ):
+        # Batched by the user; its counted batches: Keras 3 warns when it runs dry.
+        return (*validation_data, None)
+    n = len(nest.leaves(validation_data[0])[0][1])
+    part = test_shard(n, world.rank, world.size)
+    return tuple(nest.take(a, part) for a in validation_data), None, batch_size
 
 
 def _number(optimizer, name):

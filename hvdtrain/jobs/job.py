@@ -53,7 +53,7 @@ def job_for(
             raise error(f"{target}: no such script", 2)
         return {"kind": "script", "script": os.path.abspath(target), "argv": argv}, None
     if isinstance(target, (str, Task)):
-        from hvdtrain.base.config import parse_args
+        from hvdtrain.base.flags import parse_args
         from hvdtrain.tasks.task import load_task
 
         task = load_task(target) if isinstance(target, str) else target

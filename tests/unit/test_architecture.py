@@ -228,7 +228,7 @@ def test_the_drivers_set_no_attribute_of_the_run_and_fit_run_declares_its_own():
             value = value.value
         return value.id if isinstance(value, ast.Name) else None
 
-    for path in ("tasks/train.py", "fit/driver.py"):
+    for path in ("tasks/train.py", "tasks/epochs.py", "fit/driver.py", "fit/steps.py"):
         set_on_run = [
             f"{path}:{t.lineno}" for t in targets(tree(path)) if owner(t) in ("run", "run_")
         ]

@@ -8,7 +8,8 @@ import pytest
 
 import hvdtrain
 from conftest import module_cmd, run
-from hvdtrain.base.config import Config, ConfigError, build_parser, parse_args, values
+from hvdtrain.base.config import Config, ConfigError, values
+from hvdtrain.base.flags import build_parser, parse_args
 from hvdtrain.tasks.linear import LinearSettings, LinearTask
 from hvdtrain.tasks.mnist import MnistSettings, MnistTask
 

@@ -206,6 +206,7 @@ def test_the_gpu_build_sample_is_what_the_doctor_prints_for_it(report, monkeypat
     build_info), the CUDA runtime and NCCL that scripts/test_gpu_build.sh (CI's GPU build)
     requires the doctor to report, and no driver."""
     from hvdtrain import doctor as D
+    from hvdtrain import doctor_probes
 
     p, r = report
     assert r is not None, p.stdout + p.stderr
@@ -224,7 +225,7 @@ def test_the_gpu_build_sample_is_what_the_doctor_prints_for_it(report, monkeypat
     def no_driver(name, *args, **kwargs):
         raise OSError(f"{name}: cannot open shared object file")
 
-    monkeypatch.setattr(D.ctypes, "CDLL", no_driver)
+    monkeypatch.setattr(doctor_probes.ctypes, "CDLL", no_driver)
     horovod = dict(
         r["horovod"],
         built=dict(r["horovod"]["built"], nccl=True, cuda=True),

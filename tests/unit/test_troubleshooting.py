@@ -275,7 +275,7 @@ def test_out_of_memory_lines_are_tensorflows_and_hvdtrains():
     with open(os.path.join(folder, lib), "rb") as f:
         assert b"OOM when allocating tensor" in f.read()
     assert 'f"{where} failed on rank {rank}: {first_line(e)}"' in source("base", "errors.py")
-    assert 'f"training step {failed}"' in source("tasks", "train.py")
+    assert 'f"training step {failed}"' in source("tasks", "epochs.py")
     assert "`training step N failed on rank R: `" in section("Out of memory")
 
 
