@@ -2,7 +2,8 @@
 compiled loop and ``hvdtrain.fit``'s ``model.fit``).
 
 - ``run``: ``Run``, the order of a run's calls: watchdog, SIGTERM, restore and broadcast,
-  epoch records, divergence, the result; ``fronts``: what the engine serves (a Task from the
+  epoch records, divergence, the result; ``frame``: ``RunFrame``, ``Run``'s base (the
+  watchdog, SIGTERM and SIGINT, errors on every rank together); ``fronts``: what the engine serves (a Task from the
   command line, or a fit script), which words its refusals use;
 - ``checkpoints``: a run's checkpoints (found, checked against the run's settings, loaded,
   saved); ``checkpoint_file``: the checkpoint file format (one self-verifying file);
