@@ -13,6 +13,7 @@ compiled loop and ``hvdtrain.fit``'s ``model.fit``).
 - ``report``: the console lines and the files of the run directory, written by rank 0, and
   ``EpochRecord``, an epoch's line of metrics.jsonl;
   ``tracking``: the experiment trackers (MLflow, W&B, TensorBoard) it feeds, from a thread;
+  ``tracker_backends``: each tracker's client;
 - ``watchdog``: no rank waits forever on a dead or frozen peer;
 - ``preflight``: before step 0, the checks that every rank agrees with rank 0.
 
