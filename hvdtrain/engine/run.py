@@ -23,13 +23,13 @@ storage (rank 0's ``StorageError`` is every rank's, at the write); divergence (N
 never checkpointed: ``Diverged``); the result (every rank's weights compared, the model saved,
 result.json last); errors (raised on every rank together: said once; one rank's: the others
 stopped by the watchdog; a failed collective: one line naming the rank). Only rank 0 reads
-and writes files (``report.Reporter``).
+and writes files (``report.Reporter``). The frame of a run (watchdog, stop signals, errors
+on every rank together) is ``frame.RunFrame``, the base of ``Run``.
 """
 
 from __future__ import annotations
 
-import signal
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -40,35 +40,26 @@ from hvdtrain.base.errors import (
     ConfigError,
     Diverged,
     EnvError,
-    Error,
-    Preempted,
-    RankError,
     RanksDiffer,
     RunDirBusy,
     RunDirHeld,
     StorageError,
-    TaskError,
-    error_line,
-    first_line,
-    user_code,
 )
 from hvdtrain.distributed.optimizer import updates
 from hvdtrain.distributed.statistics import MovingStatistics
 from hvdtrain.distributed.world import Progress, World
 from hvdtrain.engine.agreement import ranks_differ_line, weights_agreement
 from hvdtrain.engine.checkpoints import Checkpoints
+from hvdtrain.engine.frame import RunFrame
 from hvdtrain.engine.fronts import CommandLine, FitScript
 from hvdtrain.engine.report import EpochRecord, Reporter
 from hvdtrain.engine.rundir import RunDir
-from hvdtrain.engine.watchdog import Watchdog
 
-# The signals that preempt a run: a checkpoint at a step every rank agrees on, exit 75.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # An epoch whose steps waited for input this share of its time (slowest rank) is input-bound.
 INPUT_BOUND = 0.5
 
 
-class Run:
+class Run(RunFrame):
     """One run on this rank: see the module docstring for the order of calls.
 
     ``front`` is what the run serves (``fronts.CommandLine(task name)`` or
@@ -76,14 +67,13 @@ class Run:
     ``settings`` is the driver's own settings dataclass (a task's ``Settings``), or None. The
     driver tells the run its input (``use_input``) and, at each start, its global batch
     (``start``: it changes with the world size in elastic runs); it sets no attribute.
+    Its frame (the watchdog, SIGTERM and SIGINT, errors on every rank) is ``frame.RunFrame``.
     """
 
     def __init__(self, world: World, config: Config, front: CommandLine | FitScript, settings=None):
-        self.world, self.config, self.front, self.settings = world, config, front, settings
+        super().__init__(world, config)  # the watchdog, the stop signals (frame.RunFrame)
+        self.front, self.settings = front, settings
         self.name = front.name  # the task's, or "fit"
-        # Elastic runs: nothing before Horovod's driver may be a collective (a worker that
-        # joins later runs the setup alone while the others wait inside the driver's sync).
-        self.collective = not config.elastic
         with timings.phase("agreement"):  # the default run directory: rank 0's name for it
             self.dir = RunDir.resolve(config.run_dir, front.name, world)
         self.out = Reporter(world, self.dir, config.verbose, config.track, config.track_required)
@@ -93,7 +83,6 @@ class Run:
         rate = config.learning_rate
         self.learning_rate = rate if rate is None or not config.scale_lr else rate * world.size
         self.finished: dict | None = None  # a finished run's result.json (check_run_dir)
-        self.stop_requested = False
         # The newest finished epoch's record (kept in checkpoints: result.json's final_*).
         self.last_record: EpochRecord | None = None
         self.global_batch = 0  # examples of one update over all ranks (start)
@@ -101,67 +90,9 @@ class Run:
         self.optimizer: Any | None = None
         self.state: list = []  # model and optimizer variables: what a checkpoint holds
         self.moving = MovingStatistics(world, [])
-        self._handlers: dict = {}  # the signal handlers the run replaced while it trains
-        self.stop_signal: str | None = None  # the name of the one that stopped it
         self.pipeline: Any | None = None  # the driver's tf.data input (use_input)
         self.input: dict = {}  # what identifies it besides the settings
         self._said_input_bound = False
-
-    # --- the run's frame: watchdog, SIGTERM, errors ---------------------------------------------
-    @timings.timed("agreement")  # the watchdog's handshake
-    def __enter__(self) -> Run:
-        # Elastic runs survive a lost worker by design: Horovod's driver, not the watchdog, acts.
-        self.dog = Watchdog(
-            self.world, 0 if self.config.elastic else self.config.peer_timeout
-        ).start()
-        return self
-
-    def __exit__(self, kind, e, tb) -> Literal[False]:
-        for signum, handler in self._handlers.items():
-            signal.signal(signum, handler)
-        self._handlers = {}
-        self.out.release()
-        try:
-            _stop_watching(self.dog, self.world, e)
-        finally:  # after the watchdog: the other ranks need not wait for the trackers
-            self.out.close_trackers(e)
-        return False
-
-    def _on_signal(self, signum, frame) -> None:
-        if not self.stop_requested:
-            self.stop_signal = signal.Signals(signum).name
-        self.stop_requested = True
-
-    def rank0_writes(self, fn, *args):
-        """Rank 0's ``fn(*args)`` (the run directory's files); its ``StorageError`` (disk
-        full, read-only, ...) raised on every rank at once, so all stop together with one
-        line (a one-number allreduce: the others wait for the write; the message is
-        broadcast only when there is one)."""
-        value, error = None, None
-        try:
-            value = fn(*args)
-        except StorageError as e:
-            error = str(e)
-        if self.collective and self.world.any_true(error is not None):
-            error = self.world.broadcast_object(error)
-        if error is not None:
-            raise StorageError(error)
-        return value
-
-    def agree(self, fn, catch, merge=None):
-        """``fn()`` on every rank, failing on all if it failed on one (``World.agree``); alone
-        in elastic runs."""
-        return self.world.agree(fn, catch=catch, merge=merge) if self.collective else fn()
-
-    def user(self, what: str, fn, *args, catch=()):
-        """The user's ``fn(*args)`` on every rank: an exception from it (or ``catch``) on any
-        rank stops every rank with one line naming it and the user's file and line."""
-
-        def call():
-            with user_code(what):
-                return fn(*args)
-
-        return self.agree(call, catch=(TaskError,) + tuple(catch), merge=TaskError)
 
     # --- before training ----------------------------------------------------------------------
     @timings.timed("agreement")
@@ -234,8 +165,7 @@ class Run:
         fields = self.agree(load, catch=(CheckpointError,))
         if self.collective:
             fields = self.world.broadcast_object(fields)
-        for signum in STOP_SIGNALS:
-            self._handlers.setdefault(signum, signal.signal(signum, self._on_signal))
+        self.catch_signals()
         return Progress(**fields) if fields else Progress()
 
     @timings.timed("agreement")
@@ -286,11 +216,6 @@ class Run:
     @property
     def global_step(self) -> int:
         return updates(self.optimizer)  # optimizer updates, also when accumulating
-
-    def should_stop(self) -> bool:
-        """All ranks: did SIGTERM or SIGINT reach any rank? (A host allreduce of its own: the
-        Task loop puts this flag in the step's gradient round instead.)"""
-        return self.world.allreduce_sum([float(self.stop_requested)])[0] > 0
 
     def sync_state(self) -> None:
         """All ranks: the model's moving statistics averaged over the ranks (once a step)."""
@@ -360,27 +285,6 @@ class Run:
         kept = self._kept()
         return Diverged(f"{what}: training stopped ({kept}); {self.front.diverged_advice}")
 
-    def preempt(self, global_step: int) -> None:
-        """After the checkpoint of a SIGTERM'd (SIGINT'd) step: every rank stops here."""
-        # The process is ending with 75: a second SIGTERM (srun sends its own when the job
-        # is cancelled) or Ctrl-C must not turn that into a death by signal (143) or an
-        # interrupt, now or on the way out, so they stay ignored.
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, signal.SIG_IGN)
-        self._handlers = {}
-        # Nobody exits (and gets the job killed) before the save; the signal the ranks saw.
-        seen = [
-            s
-            for s in self.world.allgather_object(self.stop_signal if self.stop_requested else None)
-            if s
-        ] or ["SIGTERM"]
-        stop = Preempted(
-            f"stopped by {seen[0]} at step {global_step}; checkpoint saved in "
-            f"{self.dir.checkpoints}; run the same command to resume"
-        )
-        stop.world = self.world  # report(): no rank exits before rank 0 has said the line
-        raise stop
-
     @timings.timed("results")
     def epoch_end(self, record: EpochRecord) -> None:
         """All ranks. An epoch's record: metrics.jsonl and TensorBoard (rank 0); kept for
@@ -441,30 +345,3 @@ class Run:
                 f"(ranks_identical: false)"
             )
         return out
-
-
-def _stop_watching(dog: Watchdog, world: World, e: BaseException | None) -> None:
-    """End the watchdog as the run ended: normally, together, or on this rank alone."""
-    if e is None or getattr(e, "together", False):
-        dog.close()  # every rank ended here together; nobody waits for anyone
-    elif isinstance(e, Exception) and "Horovod" in str(e):
-        # A collective failed because a peer is gone; the watchdog, which names that peer,
-        # usually ends this process first. When Horovod's error wins the race, give the
-        # watchdog's verdict a moment to arrive, then say it in one line.
-        dog.await_verdict(5.0)
-        dog.abort(error_line(e))
-        raise RankError(
-            f"rank {world.rank}: a collective failed (a peer is gone?): {first_line(str(e))}"
-        ) from None
-    else:
-        # This rank alone: stop the others too. Rank 0 says the line, once (for another
-        # rank's error, the verdict it relays; for its own, its report).
-        if dog.abort(one_rank_line(e, world.rank)) and isinstance(e, Error):
-            e.said = True
-
-
-def one_rank_line(e: BaseException, rank: int) -> str:
-    """The line that says one rank's error: its own text when it names the rank (a failed
-    step's), else ``rank R failed: ...``."""
-    text = str(e) if isinstance(e, Error) else error_line(e)
-    return text if f"on rank {rank}" in text else f"rank {rank} failed: {text}"

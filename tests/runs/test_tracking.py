@@ -37,7 +37,7 @@ from conftest import (
     wait_for,
 )
 from docs_pages import block
-from hvdtrain.engine.tracking import flat
+from hvdtrain.engine.tracker_backends import flat
 
 pytestmark = pytest.mark.timeout(420)
 COMMANDS = block("guides/tracking.md", "horovodrun -np 2 python -m hvdtrain.mnist").commands()

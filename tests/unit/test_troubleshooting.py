@@ -168,7 +168,7 @@ def test_the_watchdogs_lines_are_its_format():
         line,
     )
     assert m, line
-    code = source("engine", "watchdog.py")
+    code = source("engine", "watchdog.py") + source("engine", "watchdog_link.py")
     assert 'f"rank {self.rank} ({self.host}, pid {self.pid})"' in code
     assert 'f"hvdtrain: error: {message}\\n"' in code
     assert re.search(
