@@ -279,7 +279,11 @@ def test_k8s_launcher_says_in_one_line_that_it_cannot_write_the_run_directory(tm
                 "--epochs",
                 "1",
             ],
-            env=dict(os.environ, OMPI_MCA_orte_default_hostfile=str(hostfile)),
+            # The launcher asks hvdtrain for the run directory with PYTHON, the image's venv by
+            # default; CI exports PYTHON for scripts/setup.sh (Debian's Python, no numpy).
+            env=dict(
+                os.environ, OMPI_MCA_orte_default_hostfile=str(hostfile), PYTHON=sys.executable
+            ),
             capture_output=True,
             text=True,
             timeout=60,
