@@ -1,7 +1,8 @@
 """The tutorial (docs/tutorials/resnet-cifar.md) as a reader follows it: its command run as
 printed with the real horovodrun on two processes, once through (the uninterrupted run), and
 once stopped with Ctrl-C after epoch 2's line (SIGINT to the launcher's process group, as a
-terminal sends it) and run again; the output it prints is what those runs print, the
+terminal sends it) and run again (the stop tried once more when Open MPI cut it short, which
+the page says can happen on a loaded machine); the output it prints is what those runs print, the
 excerpts of examples/resnet_cifar.py it prints are the script's, and its CIFAR-10 load_data
 gives what the script's synthetic one does. One launch sequence, shared by the module's tests.
 
@@ -76,22 +77,36 @@ def runs(tmp_path_factory):
     [line] = COMMAND
     whole = checkout_like(base / "whole")  # the command once through
     uninterrupted = run(as_printed(line), env, timeout=180, cwd=str(whole))
-    cut = checkout_like(base / "cut")  # the command stopped by Ctrl-C, then run again
-    run_dir = str(cut / "runs" / "resnet")
-    proc = start(as_printed(line), env, cwd=str(cut))
-    try:
-        assert wait_for(lambda: len(metrics(run_dir)) >= 2, 150), "no epoch 2"
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: to the terminal's foreground group
-    finally:
-        rc, out, err = finish(proc, 120)
-    stopped = SimpleNamespace(
-        returncode=rc,
-        stdout=out,
-        stderr=err,
-        metrics=metrics(run_dir),
-        checkpoints=checkpoint_steps(run_dir),
-        finished=os.path.exists(os.path.join(run_dir, "result.json")),
-    )
+    # The command stopped by Ctrl-C, then run again. Open MPI (horovodrun's launcher here)
+    # kills the ranks one second after its SIGTERM: on a loaded machine a stop can need longer
+    # (up to ten steps and the checkpoint), and then no stop line and no checkpoint at the stop
+    # come, as the page says. Such a cut-short stop is checked for what the page promises of it
+    # and the stop tried once more, in a new directory.
+    for attempt in (1, 2):
+        cut = checkout_like(base / f"cut{attempt}")
+        run_dir = str(cut / "runs" / "resnet")
+        proc = start(as_printed(line), env, cwd=str(cut))
+        try:
+            assert wait_for(lambda: len(metrics(run_dir)) >= 2, 150), "no epoch 2"
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: to the terminal's foreground group
+        finally:
+            rc, out, err = finish(proc, 120)
+        stopped = SimpleNamespace(
+            returncode=rc,
+            stdout=out,
+            stderr=err,
+            metrics=metrics(run_dir),
+            checkpoints=checkpoint_steps(run_dir),
+            finished=os.path.exists(os.path.join(run_dir, "result.json")),
+        )
+        if "stopped by SIGTERM at step" in err or attempt == 2:
+            break
+        # Cut short: killed before the stop's checkpoint; what is left is the epochs'
+        # checkpoints, the newest at the last epoch's end, from which the command resumes.
+        assert rc == -signal.SIGINT and not stopped.finished, (rc, err[-3000:])
+        assert stopped.checkpoints and all(c % STEPS == 0 for c in stopped.checkpoints)
+        newest = max(stopped.checkpoints)  # the metrics line comes just before the checkpoint
+        assert STEPS * (len(stopped.metrics) - 1) <= newest <= STEPS * len(stopped.metrics)
     resumed = run(as_printed(line), env, timeout=180, cwd=str(cut))
     return SimpleNamespace(
         uninterrupted=uninterrupted,

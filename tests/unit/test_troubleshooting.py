@@ -160,6 +160,26 @@ def test_exit_statuses_and_a_bad_flags_line(tmp_path):
     assert p.returncode == errors.EXIT_USAGE and p.stderr.strip() == example, p.stderr
 
 
+def test_open_mpis_kill_delay_is_one_second_and_the_pages_export_sets_it(tmp_path):
+    """The page's cause (Open MPI kills one second after its SIGTERM) is Open MPI's default,
+    and its export is the setting's name as Open MPI reads it from the environment."""
+    text = section("Ctrl-C left no checkpoint at the stop")
+    assert "kills the processes one second after" in text
+    (line,) = block("guides/troubleshooting.md", "export OMPI_MCA_odls").commands()
+    name, value = line.removeprefix("export ").split("=")
+
+    def current(env):
+        out = run(["ompi_info", "--param", "odls", "base", "--level", "9"], env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        (m,) = re.findall(r'"odls_base_sigkill_timeout" \(current value: "(\d+)"', out.stdout)
+        return int(m)
+
+    env = clean_env(tmp_path / "home")
+    env.pop(name, None)
+    assert current(env) == 1  # Open MPI's default: one second
+    assert current({**env, name: value}) == int(value) == 30
+
+
 def test_the_watchdogs_lines_are_its_format():
     (line,) = block("guides/troubleshooting.md", "hvdtrain: error: rank 1 (node7").text.splitlines()
     m = re.fullmatch(
