@@ -82,10 +82,21 @@ class FakeWorld(World):
         return [obj] + self.others
 
 
-def clean_env(home, **extra):
+# The packages this venv has for the test, track, bench and Spark extras that an install of
+# hvdtrain alone lacks, and that Keras 3 and TensorFlow import at start-up when they are there
+# (scikit-learn for Keras' wrappers, with SciPy; pandas and pyarrow for its data adapters;
+# matplotlib for its visualization): about a third of each launched process's start-up CPU
+# (1.2 of 3.7 s here). tests/base_install/ holds a package of each name that raises
+# ImportError, first on the PYTHONPATH of what the tests launch, so those processes start as
+# on a user's base install; a test whose processes use them (tracking, Spark, the bench's
+# plots) asks clean_env(extras=True).
+BASE_INSTALL = os.path.join(ROOT, "tests", "base_install")
+
+
+def clean_env(home, extras=False, **extra):
     # No Keras cache, no download attempt: tests never depend on this machine's state.
     env = harness.environment(HOME=str(home))
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = ROOT if extras else ROOT + os.pathsep + BASE_INSTALL
     env.pop("KERAS_BACKEND", None)
     # glibc's huge-page tunable as hvdtrain decides it, whatever this shell exported.
     for name in ("GLIBC_TUNABLES", "HVDTRAIN_HUGETLB", "HVDTRAIN_HUGETLB_REEXEC"):

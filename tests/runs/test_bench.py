@@ -216,7 +216,7 @@ def smoke(tmp_path_factory):
             "--out",
             str(out),
         ],
-        clean_env(tmp / "home"),
+        clean_env(tmp / "home", extras=True),  # the plots' matplotlib
         timeout=900,
         cwd=ROOT,
     )
@@ -725,7 +725,7 @@ def test_models_case_through_the_real_launchers(tmp_path):
             "--out",
             str(out),
         ],
-        clean_env(tmp_path / "home"),
+        clean_env(tmp_path / "home", extras=True),  # the plots' matplotlib
         timeout=900,
         cwd=ROOT,
     )

@@ -167,7 +167,7 @@ def test_the_python_call_trains_from_a_dataframe_as_horovodrun_trains_the_arrays
     )
     p = run(
         script_cmd(2, os.path.join(TESTS, "spark_train.py"), tmp_path / "data.npz", tmp_path / "b"),
-        clean_env(tmp_path / "home"),
+        clean_env(tmp_path / "home", extras=True),  # Spark's pandas and pyarrow
         timeout=180,
     )
     assert p.returncode == 0, p.stderr[-3000:]
