@@ -228,7 +228,7 @@ def test_keras_import_defers_matplotlib_until_used(tmp_path):
         import matplotlib.patches
         print(plot_bounding_box_gallery.patches.Patch is matplotlib.patches.Patch)
     """)
-    env = clean_env(tmp_path / "home", MPLBACKEND="Agg")
+    env = clean_env(tmp_path / "home", extras=True, MPLBACKEND="Agg")  # matplotlib there
     for importer in ("hvdtrain", "script"):
         p = run([sys.executable, "-c", script, str(tmp_path), importer], env)
         assert p.returncode == 0, p.stderr[-2000:]
