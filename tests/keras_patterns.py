@@ -146,6 +146,25 @@ def tl_data():
     return x, (x[:, 0] * x[:, 1] > 0).astype("int64")
 
 
+def page_transfer(run_dir):
+    """The patterns page's opening script, transfer.py beside this file (the test writes it
+    as the page prints it), run as a script in run_dir: its runs/tl/head and runs/tl/finetune."""
+    import runpy
+
+    os.makedirs(run_dir)
+    here = os.getcwd()
+    os.chdir(run_dir)
+    try:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transfer.py")
+        ns = runpy.run_path(script, run_name="__main__")
+    finally:
+        os.chdir(here)
+    return {
+        "digest": digest(ns["model"]),
+        "loss": [ns["head"].history["loss"], ns["whole"].history["loss"]],
+    }
+
+
 def digest(model):
     import hashlib
 

@@ -13,6 +13,8 @@ one-process references run in this interpreter. Scenarios:
   ``lr_changed``: run, then run again by a second launch as the same command (``again``):
   a finished run trains nothing and rewrites nothing, more epochs train on, other settings
   are refused naming the script's own arguments with the values as written;
+- ``page_transfer``: the patterns page's opening script, as printed, run as a script on the
+  same 2 ranks: it trains the weights ``two_phase`` trains;
 - ``gan``, ``gan_plain_d``: Keras' GAN pattern (two optimizers, its own train_step, a model
   Keras cannot save whole): trains when both are distributed, refused naming the other;
 - ``embed_adam``, ``task_embed_adam``: Adam and an Embedding (a sparse gradient) on both
@@ -31,6 +33,7 @@ import pytest
 
 import usercode
 from conftest import KERAS2, result, run
+from docs_pages import block
 
 # Every scenario under Keras 2 too: its lookup layers keep tables and handlers otherwise, and
 # its optimizer wrapper reduced nothing in a train_step of the model's own (a GAN's).
@@ -47,6 +50,7 @@ NAMES = (
     "norm_per_rank",
     "task_norm_per_rank",
     "two_phase",
+    "page_transfer",
     "early",
     "grown",
     "lr_changed",
@@ -62,7 +66,8 @@ AGAIN = ("two_phase", "early", "grown", "lr_changed")  # run again, as the same 
 @pytest.fixture(scope="module")
 def code(tmp_path_factory):
     base = tmp_path_factory.mktemp("patterns")
-    return usercode.write(base, {"patterns": SCENARIOS}), base
+    page = block("guides/keras-fit-patterns.md", "import numpy as np\n").text
+    return usercode.write(base, {"patterns": SCENARIOS, "transfer": page}), base
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +261,19 @@ def test_two_phases_of_transfer_learning_each_train_in_their_own_run_dir(two, ag
     assert rerun[0]["loss"] == first[0]["loss"]  # the History from metrics.jsonl
     assert {f: open(f, "rb").read() for f in before["two_phase"]} == before["two_phase"]
     assert p.stderr.count("holds a finished run (2 epochs, step 16): nothing to train") >= 2
+
+
+def test_the_pages_transfer_script_as_printed_trains_what_two_phase_trains(two):
+    """The patterns page's opening script, run as a script on the 2 ranks: both phases, each
+    in its own run directory, end with the weights and losses of the two_phase scenario."""
+    outcomes, out, _ = two
+    page = [o["result"] for o in outcomes["page_transfer"]]
+    first = outcomes["two_phase"][0]["result"]
+    assert page[0]["digest"] == page[1]["digest"] == first["digest"]
+    assert page[0]["loss"] == first["loss"]
+    for phase in ("head", "finetune"):
+        res = result(out / "page_transfer" / "runs" / "tl" / phase)
+        assert res["ranks_identical"] is True and res["global_step"] == 2 * 256 // 32
 
 
 def test_a_rerun_of_a_finished_early_stopped_run_does_not_train(two, again):
