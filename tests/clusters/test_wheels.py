@@ -12,9 +12,11 @@ and installs the two wheels into it as the guide's "existing environment" does, 
 pinned stack (TensorFlow, Keras, ...) is this venv's, reached through a directory of links to
 its site-packages without horovod and hvdtrain (a .pth file): no compile, no download, and
 only the wheels bring Horovod and hvdtrain. From that venv, with no PYTHONPATH and outside the
-checkout: the getting-started page's 2-rank MNIST job trains to the README's accuracy,
-Horovod's API probe (a plain Horovod script) passes under Keras 3, and the doctor (activated
-as the README says) lists every patch; after one patched file is changed, it names that patch.
+checkout: the getting-started page's 2-rank MNIST job trains to the README's accuracy, and
+the doctor (activated as the README says) lists every patch, each file the wheel's own; after
+one patched file is changed, it names that patch. Horovod's API probe runs from the
+development venv (tests/runs/test_horovod_api.py): that Horovod is this same wheel, file by
+file, which is what the doctor checks here.
 """
 
 import glob
@@ -37,7 +39,6 @@ from hvdtrain.doctor import PATCHES
 
 pytestmark = pytest.mark.timeout(900)  # the first test includes the fixture, a build if uncached
 SITE = sysconfig.get_paths()["purelib"]
-EXACT = 1e-6
 # A cluster without root: module load; setup.sh --wheels ~/hvdtrain-wheels; a venv on a shared
 # directory; pip install -c the lock and the wheels into it; its doctor.
 CLUSTER = block("guides/install.md", "module load gcc cmake openmpi").commands()
@@ -327,29 +328,6 @@ def test_the_getting_started_mnist_job_trains_to_the_readme_accuracy(installed):
     r = json.load(open(os.path.join(run_dir, "result.json")))
     assert (r["world_size"], r["backend"], r["ranks_identical"]) == (2, "horovod", True)
     assert f"{r['test_accuracy']:.4f}" == accuracy
-
-
-def test_the_horovod_api_probe_passes_under_keras_3(installed):
-    uid, d, env, venv, _ = installed
-    probe = os.path.join(d, "horovod_api_probe.py")  # a user's script, outside the checkout
-    shutil.copy(os.path.join(ROOT, "tests", "horovod_api_probe.py"), probe)
-    out = os.path.join(d, "probe")
-    os.mkdir(out)
-    os.chown(out, uid, uid)
-    p = user_run(installed, ["horovodrun", "-np", "2", "--mpi", "python", probe, out])
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    r = json.load(open(os.path.join(out, "probe.json")))
-    assert r["size"] == 2 and r["keras"].startswith("keras")
-    probes = {k: v for k, v in r.items() if isinstance(v, dict)}
-    assert len(probes) >= 15
-    assert {k: v["error"] for k, v in probes.items() if "traceback" in v} == {}
-    errs = {
-        f"{k}.{f}": x
-        for k, v in probes.items()
-        for f, x in v.items()
-        if f.startswith("err") and isinstance(x, float)
-    }
-    assert len(errs) >= 10 and max(errs.values()) < EXACT, errs
 
 
 def test_the_doctor_lists_every_patch_and_names_a_changed_one(installed):
