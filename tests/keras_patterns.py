@@ -151,7 +151,7 @@ def page_transfer(run_dir):
     as the page prints it), run as a script in run_dir: its runs/tl/head and runs/tl/finetune."""
     import runpy
 
-    os.makedirs(run_dir)
+    os.makedirs(run_dir, exist_ok=True)  # every rank: the script's cwd
     here = os.getcwd()
     os.chdir(run_dir)
     try:
