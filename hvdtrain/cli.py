@@ -70,10 +70,35 @@ def note_exit(status: int, cause: str = "") -> None:
         pass  # the launcher then retries: the safe side
 
 
+# Seconds a rank's Horovod shutdown may take at the end of a run. Under mpirun it is
+# MPI_Finalize, which waits for mpirun: a launcher whose node is gone (no connection closed:
+# a Kubernetes launcher pod's node lost) never answers, and the rank, with everything written
+# (every rank left the run's last collective), would wait forever. Normally it takes 1-2 s.
+FINALIZE_WAIT = 30
+
+
+def horovod_shutdown_hangs() -> bool:
+    """Shut Horovod down if it runs (its atexit handler is then a no-op), waiting at most
+    FINALIZE_WAIT seconds: True when it did not end in time."""
+    hvd = sys.modules.get("horovod.tensorflow")
+    try:
+        running = hvd is not None and hvd.is_initialized()
+    except Exception:  # noqa: BLE001 (a half-loaded Horovod: its own atexit handler decides)
+        return False
+    if not running:
+        return False
+    t = threading.Thread(target=hvd.shutdown, name="horovod-shutdown", daemon=True)
+    t.start()
+    t.join(FINALIZE_WAIT)
+    return t.is_alive()
+
+
 def exit_now(status: int) -> None:
     """End this process with ``status``: what Python does at exit for any program (wait for
     its non-daemon threads, run the atexit handlers, Horovod's shutdown among them, flush
-    stdout and stderr), but not the interpreter's teardown of every module after it.
+    stdout and stderr), but not the interpreter's teardown of every module after it; and
+    Horovod's shutdown first, bounded (``FINALIZE_WAIT``): a rank whose launcher is gone
+    exits instead of waiting for it forever.
 
     hvdtrain's own command line owns its process, and when ``run`` returns, everything the
     run writes is written and closed. Tearing down TensorFlow's and Keras' thousands of
@@ -84,7 +109,14 @@ def exit_now(status: int) -> None:
     if shutdown is None:  # not CPython: its ordinary exit
         raise SystemExit(status)
     shutdown()
-    atexit._run_exitfuncs()
+    if horovod_shutdown_hangs():
+        print(
+            f"hvdtrain: warning: Horovod's shutdown (MPI_Finalize) did not end within "
+            f"{FINALIZE_WAIT} s (the launcher gone?): exiting with status {status} without it",
+            file=sys.stderr,
+        )
+    else:
+        atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

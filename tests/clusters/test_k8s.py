@@ -347,8 +347,9 @@ def test_k8s_emulated_launcher_replaced_while_its_ranks_run_resumes(
     cluster, uninterrupted, tmp_path
 ):
     """The launcher's node dies; its ranks, on the workers, train on (nothing tells them);
-    the Job's next launcher pod stops them first (each saves at a shared step), then
-    resumes: no RunDirBusy taken for the user's mistake, the uninterrupted weights."""
+    the Job's next launcher pod stops them first (each saves at a shared step and exits, not
+    waiting for its gone mpirun), then resumes: no RunDirBusy taken for the user's mistake,
+    the uninterrupted weights."""
     claim = tmp_path / "claim"
     claim.mkdir()
     run_dir = on_claim(claim)
@@ -364,6 +365,9 @@ def test_k8s_emulated_launcher_replaced_while_its_ranks_run_resumes(
         run.remove()
     assert rc == 0, logs
     assert "an earlier launcher's ranks still run here: stopping them" in logs, logs
+    # ... and they stopped: saved, then exited without waiting for their gone mpirun's MPI
+    # shutdown (FINALIZE_WAIT), not killed at the end of the drain's 100 s.
+    assert "ranks still running after" not in logs, logs
     # The old ranks' own lines went to their dead mpirun; the new ones resumed from a checkpoint.
     assert "resumed from" in run.launcher.log(), logs
     assert not (run_dir / "k8s-launcher-failed").exists(), logs
