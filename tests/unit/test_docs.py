@@ -693,7 +693,8 @@ finally:
         capture_output=True,
         text=True,
         timeout=180,
-        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+        # TMPDIR: the site mkdocs serve builds (a mkdtemp folder it leaves when terminated)
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1", TMPDIR=str(tmp_path)),
     )
     assert p.returncode == 0, p.stderr[-2000:]
     status, mentions = p.stdout.split()
