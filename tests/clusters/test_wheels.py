@@ -13,10 +13,10 @@ pinned stack (TensorFlow, Keras, ...) is this venv's, reached through a director
 its site-packages without horovod and hvdtrain (a .pth file): no compile, no download, and
 only the wheels bring Horovod and hvdtrain. From that venv, with no PYTHONPATH and outside the
 checkout: the getting-started page's 2-rank MNIST job trains to the README's accuracy, and
-the doctor (activated as the README says) lists every patch, each file the wheel's own; after
-one patched file is changed, it names that patch. Horovod's API probe runs from the
-development venv (tests/runs/test_horovod_api.py): that Horovod is this same wheel, file by
-file, which is what the doctor checks here.
+the doctor (activated as the README says) lists every patch, each patched file as built;
+after one patched file is changed, it names that patch. Horovod's API probe runs from the
+development venv instead (tests/runs/test_horovod_api.py): setup.sh installs this same wheel
+there, and checks every installed file against the wheel's RECORD.
 """
 
 import glob
