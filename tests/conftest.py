@@ -164,6 +164,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(
         key=lambda item: LONGEST.index(groups[item]) if groups[item] in LONGEST else len(LONGEST)
     )
+    # The bench tier (the bench's own cases through their launchers, beyond the smoke that
+    # runs with the suite) runs only when named: pytest -m bench; scripts/test.sh skips it.
+    if "bench" not in (config.option.markexpr or ""):
+        for item in items:
+            if item.get_closest_marker("bench"):
+                item.add_marker(pytest.mark.skip(reason="the bench tier: pytest -m bench"))
     if TIME_SCALE == 1:
         return
     default = float(config.getini("timeout") or 0)

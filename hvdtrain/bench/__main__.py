@@ -241,7 +241,14 @@ def main(argv=None) -> int:
             elif case == "models":
                 size, batches, steps, epochs, repeats = s["models"]
                 results[case] = model_cases.models(
-                    out, args.models, size, batches, steps, epochs, repeats
+                    out,
+                    args.models,
+                    size,
+                    batches,
+                    steps,
+                    epochs,
+                    repeats,
+                    timeline_apart=level != "smoke",
                 )
             elif case == "models_np1":  # the models case's settings, one process each
                 size, batches, steps, epochs, repeats = s["models"]

@@ -11,7 +11,8 @@ processes are ``model_workers``. Launches go round-robin ``repeats`` times (a bu
 from elsewhere hits every variant alike); each variant's samples/s is the median of its
 launches, with the least and the most beside it. Then one launch each of the Task path and the
 tape loop under HOROVOD_TIMELINE splits their step into compute, communication not hidden
-behind it, and the rest (``step_split``). Each round's launches make one pair per hvdtrain path
+behind it, and the rest (``step_split``; at the smoke level, the round's own launches of
+those two run under it instead). Each round's launches make one pair per hvdtrain path
 and Horovod reference (``paired``): the ratio of the two, per round, so that the load a round
 saw cancels out of its ratio.
 
@@ -102,18 +103,36 @@ def paired(runs, pairs) -> dict:
     return out
 
 
-def models(out, names, size, batches, steps, epochs, repeats, timeline=TIMELINE_VARIANTS) -> dict:
+def models(
+    out,
+    names,
+    size,
+    batches,
+    steps,
+    epochs,
+    repeats,
+    timeline=TIMELINE_VARIANTS,
+    timeline_apart=True,
+) -> dict:
     """samples/s per model and variant (median of ``repeats`` round-robin launches, with the
     least and the most), scaling efficiency against the one-process run, gradient bytes, and
-    the timeline's step split of the ``timeline`` variants."""
+    the timeline's step split of the ``timeline`` variants: from launches of their own after
+    the rounds (``timeline_apart``: the timeline's writes stay out of the samples/s), or from
+    the last round's launches of those variants (the smoke level's, whose numbers mean
+    nothing: two launches fewer)."""
     rows = []
     for name in names:
         batch = batches[name]
-        runs, record = collections.defaultdict(list), {}
-        for _ in range(repeats):
+        runs, record, traced = collections.defaultdict(list), {}, {}
+        for round_ in range(repeats):
             for variant in VARIANTS:
-                record = _launch(out, variant, name, size, batch, steps, epochs)
+                extra, tag = None, ""
+                if not timeline_apart and variant in timeline and round_ == repeats - 1:
+                    extra, tag = _timeline_env(out, name, variant), "-timeline"
+                record = _launch(out, variant, name, size, batch, steps, epochs, extra, tag)
                 runs[variant].append(_steady(record["epochs"]))
+                if extra:
+                    traced[variant] = (extra["HOROVOD_TIMELINE"], record)
                 progress(f"models {name} {variant}: {runs[variant][-1]:,.1f} samples/s")
         # Horovod's best Keras fit, round by round: its defaults or tuned, the faster
         runs["hvd_fit_best"] = [max(a, b) for a, b in zip(runs["hvd_fit"], runs["hvd_fit_tuned"])]
@@ -123,20 +142,11 @@ def models(out, names, size, batches, steps, epochs, repeats, timeline=TIMELINE_
         one_step = batch / median["one"]
         splits = {}
         for variant in timeline:
-            path = os.path.join(out, f"timeline-{name}-{variant}.json")
-            if os.path.exists(path):
-                os.remove(path)
-            rec = _launch(
-                out,
-                variant,
-                name,
-                size,
-                batch,
-                steps,
-                epochs,
-                {"HOROVOD_TIMELINE": path},
-                tag="-timeline",
-            )
+            if variant not in traced:
+                extra = _timeline_env(out, name, variant)
+                rec = _launch(out, variant, name, size, batch, steps, epochs, extra, "-timeline")
+                traced[variant] = (extra["HOROVOD_TIMELINE"], rec)
+            path, rec = traced[variant]
             step = NP * batch / _steady(rec["epochs"])
             splits[variant] = step_split(path, step, one_step)
         rows.append(
@@ -163,6 +173,14 @@ def models(out, names, size, batches, steps, epochs, repeats, timeline=TIMELINE_
         "variants": dict(VARIANTS),
         "rows": rows,
     }
+
+
+def _timeline_env(out, name, variant) -> dict:
+    """HOROVOD_TIMELINE for a launch of ``variant`` on model ``name``: a file of its own, new."""
+    path = os.path.join(out, f"timeline-{name}-{variant}.json")
+    if os.path.exists(path):
+        os.remove(path)
+    return {"HOROVOD_TIMELINE": path}
 
 
 def alone(out, names, size, batches, steps, epochs, repeats, kerases=tuple(KERASES)) -> dict:

@@ -197,11 +197,9 @@ def test_the_performance_pages_commands_run_the_cases_they_say():
     assert e.value.code == 2
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    """One ``--smoke`` run of the four cases that launch (allreduce, keras_speed, pipeline,
-    sparse): the bench's own start and machine figures once for the four tests below."""
-    tmp = tmp_path_factory.mktemp("smoke")
+def _bench_smoke(tmp, cases_):
+    """One ``python -m hvdtrain.bench --smoke`` of ``cases_`` (the models cases on the mlp,
+    the allreduce case at 4 and 64 KiB): (its process, its output directory)."""
     out = tmp / "out"
     proc = run(
         [
@@ -210,7 +208,9 @@ def smoke(tmp_path_factory):
             "hvdtrain.bench",
             "--smoke",
             "--cases",
-            "allreduce,keras_speed,pipeline,sparse",
+            cases_,
+            "--models",
+            "mlp",
             "--sizes",
             "4096,65536",
             "--out",
@@ -221,6 +221,24 @@ def smoke(tmp_path_factory):
         cwd=ROOT,
     )
     return proc, out
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The bench's smoke tier in CI: one ``--smoke`` run of the allreduce case and the models
+    case (9 launches: 44 s here), the cases the tests below follow through their launchers.
+    The other launching cases are the ``bench`` tier's (``bench_smoke``)."""
+    return _bench_smoke(tmp_path_factory.mktemp("smoke"), "allreduce,models")
+
+
+@pytest.fixture(scope="module")
+def bench_smoke(tmp_path_factory):
+    """The rest of the launching cases at their smallest: keras_speed, pipeline, sparse and
+    models_np1 (22 launches: about 2 minutes here). Marked ``bench``: ``pytest -m bench
+    tests/runs/test_bench.py`` runs them before a measurement; ``scripts/test.sh`` does not."""
+    return _bench_smoke(
+        tmp_path_factory.mktemp("bench_smoke"), "keras_speed,pipeline,sparse,models_np1"
+    )
 
 
 def test_tiny_allreduce_case_through_the_real_launchers(smoke):
@@ -410,11 +428,12 @@ def test_keras_speed_paired_fits_row_and_table():
     assert "paired fits" not in report.markdown(results, "cmd")
 
 
-def test_keras_speed_case_through_the_real_launchers(smoke):
+@pytest.mark.bench
+def test_keras_speed_case_through_the_real_launchers(bench_smoke):
     """The keras_speed case end to end, at its smallest (--smoke: the bundled sample, every
     launch once): hk.fit and Horovod's Keras fit under horovodrun, the Task path and plain
     model.fit in one process, the BN mlp synced and not."""
-    proc, out = smoke
+    proc, out = bench_smoke
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["level"] == "smoke"
@@ -484,11 +503,12 @@ def test_pipeline_acceptance_rows_and_tables():
     assert "| 1.4 | >= 1.3 | yes |" in text
 
 
-def test_pipeline_case_through_the_real_launchers(smoke):
+@pytest.mark.bench
+def test_pipeline_case_through_the_real_launchers(bench_smoke):
     """The pipeline case end to end, at its smallest (--smoke: the bundled sample): the
     TFRecord files written once, hk.fit from arrays and from the files under horovodrun,
     MultiWorkerMirroredStrategy's fit on the same files as two workers."""
-    proc, out = smoke
+    proc, out = bench_smoke
     assert proc.returncode == 0, proc.stderr[-3000:]
     pl = json.loads((out / "results.json").read_text())["pipeline"]
     assert set(pl["samples_per_sec"]) == set(fit_cases.PIPELINE_VARIANTS)
@@ -506,11 +526,12 @@ def test_pipeline_case_through_the_real_launchers(smoke):
     assert "hk.fit / MultiWorkerMirroredStrategy fit" in text
 
 
-def test_sparse_case_through_the_real_launchers(smoke):
+@pytest.mark.bench
+def test_sparse_case_through_the_real_launchers(bench_smoke):
     """The sparse case at its smallest (an Embedding of 20,000 x 8, 16 examples of 4 ids per
     rank, 3 steps): gathered, the step's largest tensor is both ranks' 128 rows and each
     step puts out under 10 KB; dense, it is the table, 640 KB a step. Both trained."""
-    proc, out = smoke
+    proc, out = bench_smoke
     assert proc.returncode == 0, proc.stderr[-3000:]
     sp = json.loads((out / "results.json").read_text())["sparse"]
     gathered, dense = sp["variants"]["gathered"], sp["variants"]["dense"]
@@ -704,31 +725,12 @@ def test_the_models_pages_commands_and_projection_tables():
     assert f"| {projection.HOST_BUSBW / 1e9:.2f} GB/s |" in page
 
 
-def test_models_case_through_the_real_launchers(tmp_path):
+def test_models_case_through_the_real_launchers(smoke):
     """The models case end to end on its smallest model (--smoke: a 26,000-parameter MLP):
-    every variant launched as the bench launches it (one process; the Task path, hk.fit,
+    every variant launched once as the bench launches it (one process; the Task path, hk.fit,
     Horovod's Keras fit at its defaults and tuned, Horovod's tape under horovodrun -np 2;
-    MWMS as two workers), then the Task path and the tape under HOROVOD_TIMELINE; and the
-    one-process comparison (models_np1: a plain Keras fit, the Task path, hk.fit, alone,
-    under Keras 3 and tf_keras). Outside the smoke fixture: its 15 launches took 75 s here."""
-    out = tmp_path / "out"
-    proc = run(
-        [
-            sys.executable,
-            "-m",
-            "hvdtrain.bench",
-            "--smoke",
-            "--cases",
-            "models,models_np1",
-            "--models",
-            "mlp",
-            "--out",
-            str(out),
-        ],
-        clean_env(tmp_path / "home", extras=True),  # the plots' matplotlib
-        timeout=900,
-        cwd=ROOT,
-    )
+    MWMS as two workers), the Task path's and the tape's launches under HOROVOD_TIMELINE."""
+    proc, out = smoke
     assert proc.returncode == 0, proc.stderr[-3000:]
     from hvdtrain.bench import model_cases
 
@@ -741,6 +743,12 @@ def test_models_case_through_the_real_launchers(tmp_path):
     assert row["efficiency"]["task"] == pytest.approx(
         row["samples_per_sec"]["task"] / (2 * row["samples_per_sec"]["one"])
     )
+    # at the smoke level the round's own task and tape launches wrote the timelines
+    launched = sorted(p.name for p in (out / "raw").glob("models-mlp-*.json"))
+    assert launched == sorted(
+        f"models-mlp-{v}{'-timeline' if v in model_cases.TIMELINE_VARIANTS else ''}.json"
+        for v in model_cases.VARIANTS
+    )
     for variant in model_cases.TIMELINE_VARIANTS:  # each step's reductions seen and split
         split = row["step_split"][variant]
         assert split["tensors"] >= 6 and split["steps"] >= 3, split
@@ -748,6 +756,8 @@ def test_models_case_through_the_real_launchers(tmp_path):
         assert split["rest"] == pytest.approx(
             split["step"] - split["compute"] - split["not_hidden"]
         )
+        step = 2 * row["batch_per_rank"] / row["samples_per_sec"][variant]  # 1 round: median
+        assert split["step"] == pytest.approx(step)
     # each round's hvdtrain path against each Horovod reference, paired (1 round: least = most)
     assert set(row["paired"]) == {
         f"{a}/{b}" for a in ("task", "hk_fit") for b in model_cases.HOROVOD_REFERENCES
@@ -756,6 +766,19 @@ def test_models_case_through_the_real_launchers(tmp_path):
     assert row["paired"]["task/hvd_fit_best"] == pytest.approx(
         [row["samples_per_sec"]["task"] / best] * 3
     )
+    text = (out / "results.md").read_text()
+    assert "### Models users train" in text
+    assert (out / "bench_models.png").stat().st_size > 0
+
+
+@pytest.mark.bench
+def test_models_np1_case_through_the_real_launchers(bench_smoke):
+    """The one-process comparison at its smallest (models_np1 on the mlp): a plain Keras fit,
+    the Task path and hk.fit, alone, under Keras 3 and tf_keras."""
+    proc, out = bench_smoke
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from hvdtrain.bench import model_cases
+
     alone = json.loads((out / "results.json").read_text())["models_np1"]
     assert [(r["keras"], r["model"]) for r in alone["rows"]] == [("k3", "mlp"), ("k2", "mlp")]
     for r, keras in zip(alone["rows"], ("keras 3.", "tf_keras 2.")):
@@ -766,7 +789,6 @@ def test_models_case_through_the_real_launchers(tmp_path):
             r["samples_per_sec"]["task"] / r["samples_per_sec"]["fit"]
         )
     text = (out / "results.md").read_text()
-    assert "### Models users train" in text and "one process, no launcher" in text
+    assert "one process, no launcher" in text
     assert "| models, 1 process, paired by round: hk_fit/fit | mlp, batch 8, tf_keras" in text
-    assert (out / "bench_models.png").stat().st_size > 0
     assert (out / "bench_models_np1.png").stat().st_size > 0
