@@ -23,8 +23,9 @@ import sys
 import threading
 
 from hvdtrain import distributed
-from hvdtrain.base.errors import RETRIED, Error, Preempted, RunDirBusy
+from hvdtrain.base.errors import RETRIED, Error, Preempted, RunDirBusy, first_line
 from hvdtrain.base.flags import given_run_dir, parse_args
+from hvdtrain.base.waits import call_within
 from hvdtrain.engine.rundir import RunDir, job_run_dir
 from hvdtrain.tasks.train import train
 
@@ -87,10 +88,10 @@ def horovod_shutdown_hangs() -> bool:
         return False
     if not running:
         return False
-    t = threading.Thread(target=hvd.shutdown, name="horovod-shutdown", daemon=True)
-    t.start()
-    t.join(FINALIZE_WAIT)
-    return t.is_alive()
+    ended, error = call_within(hvd.shutdown, FINALIZE_WAIT, name="horovod-shutdown")
+    if error is not None:
+        print(f"hvdtrain: warning: Horovod's shutdown: {first_line(str(error))}", file=sys.stderr)
+    return not ended
 
 
 def exit_now(status: int) -> None:

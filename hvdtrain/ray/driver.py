@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from hvdtrain.base.errors import EXIT_FAILED
+from hvdtrain.base.waits import call_within
 from hvdtrain.jobs.job import JobError
 from hvdtrain.jobs.outcome import Console, Stop, failed, forwarded_env, outcome, restart_or_raise
 
@@ -85,21 +86,10 @@ def _hub():
 def bounded(fn, what: str, seconds: float = RELEASE_SECONDS) -> None:
     """``fn()`` in a thread, waited for at most ``seconds``: a Ray call whose daemons are gone
     (a local Ray instance killed with this process's group) blocks forever."""
-    errors = []
-
-    def call():
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 (said below; the job's status stands)
-            errors.append(e)
-
-    t = threading.Thread(target=call, daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive() or errors:
+    ended, error = call_within(fn, seconds, name="ray-release")
+    if not ended or error is not None:
         say(
-            f"{what}: {'no answer from Ray within %g s' % seconds if t.is_alive() else errors[0]}"
-            " (left to Ray)"
+            f"{what}: {error if ended else 'no answer from Ray within %g s' % seconds} (left to Ray)"
         )
 
 
