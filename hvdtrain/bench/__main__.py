@@ -13,6 +13,7 @@ python -m hvdtrain.bench --smoke --cases fit   # each case at its smallest, on t
                                                # its numbers mean nothing (the tests')
 python -m hvdtrain.bench --cases allreduce,tta --out /tmp/b
 python -m hvdtrain.bench --cases models --models mlp   # one model users train
+python -m hvdtrain.bench --cases models --variants task,tape   # two paths (and one process)
 python -m hvdtrain.bench --cases models_np1            # the same, one process, both Keras
 python -m hvdtrain.bench project --model resnet50      # projected scaling on GPU clusters
 """
@@ -172,6 +173,13 @@ def plan(argv=None) -> argparse.Namespace:
         help=f"the models cases' models, comma-separated subset of {','.join(MODELS)}",
     )
     p.add_argument(
+        "--variants",
+        default=",".join(model_cases.VARIANTS),
+        help="the models case's variants, comma-separated subset of "
+        f"{','.join(model_cases.VARIANTS)} (default: all; one always runs: the others' "
+        "reference)",
+    )
+    p.add_argument(
         "--sizes",
         type=lambda v: [int(x) for x in v.split(",")],
         help="allreduce sizes in bytes, comma-separated (default: 4 KiB to 64 MiB)",
@@ -185,6 +193,11 @@ def plan(argv=None) -> argparse.Namespace:
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     if set(args.models) - set(MODELS) or not args.models:
         p.error(f"--models: unknown {args.models}; choose from {', '.join(MODELS)}")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if set(args.variants) - set(model_cases.VARIANTS) or not args.variants:
+        p.error(
+            f"--variants: unknown {args.variants}; choose from {', '.join(model_cases.VARIANTS)}"
+        )
     args.out = os.path.abspath(args.out)
     args.level = "smoke" if args.smoke else "quick" if args.quick else "full"
     return args
@@ -249,6 +262,7 @@ def main(argv=None) -> int:
                     epochs,
                     repeats,
                     timeline_apart=level != "smoke",
+                    variants=args.variants,
                 )
             elif case == "models_np1":  # the models case's settings, one process each
                 size, batches, steps, epochs, repeats = s["models"]

@@ -113,19 +113,26 @@ def models(
     repeats,
     timeline=TIMELINE_VARIANTS,
     timeline_apart=True,
+    variants=tuple(VARIANTS),
 ) -> dict:
     """samples/s per model and variant (median of ``repeats`` round-robin launches, with the
     least and the most), scaling efficiency against the one-process run, gradient bytes, and
     the timeline's step split of the ``timeline`` variants: from launches of their own after
     the rounds (``timeline_apart``: the timeline's writes stay out of the samples/s), or from
     the last round's launches of those variants (the smoke level's, whose numbers mean
-    nothing: two launches fewer)."""
+    nothing: two launches fewer). ``variants``: the variants to launch, in ``VARIANTS``'
+    order; "one" always runs (every other is measured against it)."""
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise bench.BenchError(f"models: unknown variants {sorted(unknown)}")
+    variants = [v for v in VARIANTS if v == "one" or v in variants]
+    timeline = [v for v in timeline if v in variants]
     rows = []
     for name in names:
         batch = batches[name]
         runs, record, traced = collections.defaultdict(list), {}, {}
         for round_ in range(repeats):
-            for variant in VARIANTS:
+            for variant in variants:
                 extra, tag = None, ""
                 if not timeline_apart and variant in timeline and round_ == repeats - 1:
                     extra, tag = _timeline_env(out, name, variant), "-timeline"
@@ -135,8 +142,19 @@ def models(
                     traced[variant] = (extra["HOROVOD_TIMELINE"], record)
                 progress(f"models {name} {variant}: {runs[variant][-1]:,.1f} samples/s")
         # Horovod's best Keras fit, round by round: its defaults or tuned, the faster
-        runs["hvd_fit_best"] = [max(a, b) for a, b in zip(runs["hvd_fit"], runs["hvd_fit_tuned"])]
-        ratios = paired(runs, [(a, b) for a in ("task", "hk_fit") for b in HOROVOD_REFERENCES])
+        if "hvd_fit" in runs and "hvd_fit_tuned" in runs:
+            runs["hvd_fit_best"] = [
+                max(a, b) for a, b in zip(runs["hvd_fit"], runs["hvd_fit_tuned"])
+            ]
+        ratios = paired(
+            runs,
+            [
+                (a, b)
+                for a in ("task", "hk_fit")
+                for b in HOROVOD_REFERENCES
+                if a in runs and b in runs
+            ],
+        )
         runs = {v: r for v, r in runs.items() if v in VARIANTS}
         median = {v: statistics.median(r) for v, r in runs.items()}
         one_step = batch / median["one"]
@@ -170,7 +188,7 @@ def models(
         "steps": steps,
         "epochs": epochs,
         "repeats": repeats,
-        "variants": dict(VARIANTS),
+        "variants": {v: VARIANTS[v] for v in variants},
         "rows": rows,
     }
 

@@ -197,9 +197,10 @@ def test_the_performance_pages_commands_run_the_cases_they_say():
     assert e.value.code == 2
 
 
-def _bench_smoke(tmp, cases_):
+def _bench_smoke(tmp, cases_, *more):
     """One ``python -m hvdtrain.bench --smoke`` of ``cases_`` (the models cases on the mlp,
-    the allreduce case at 4 and 64 KiB): (its process, its output directory)."""
+    the allreduce case at 4 and 64 KiB), with ``more`` flags: (its process, its output
+    directory)."""
     out = tmp / "out"
     proc = run(
         [
@@ -213,6 +214,7 @@ def _bench_smoke(tmp, cases_):
             "mlp",
             "--sizes",
             "4096,65536",
+            *more,
             "--out",
             str(out),
         ],
@@ -223,27 +225,37 @@ def _bench_smoke(tmp, cases_):
     return proc, out
 
 
+# The bench's smoke tier in CI: the models case on its smallest model, hvdtrain's two paths
+# against Horovod's tape and one process: 4 launches, the two paths' under the timeline.
+CI_VARIANTS = ("one", "task", "hk_fit", "tape")
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """The bench's smoke tier in CI: one ``--smoke`` run of the allreduce case and the models
-    case (9 launches: 44 s here), the cases the tests below follow through their launchers.
-    The other launching cases are the ``bench`` tier's (``bench_smoke``)."""
-    return _bench_smoke(tmp_path_factory.mktemp("smoke"), "allreduce,models")
+    """The bench's smoke tier in CI: one ``--smoke`` run of the models case's ``CI_VARIANTS``
+    (4 launches). Every other launching case and variant is the ``bench`` tier's
+    (``bench_smoke``)."""
+    return _bench_smoke(
+        tmp_path_factory.mktemp("smoke"), "models", "--variants", ",".join(CI_VARIANTS)
+    )
 
 
 @pytest.fixture(scope="module")
 def bench_smoke(tmp_path_factory):
-    """The rest of the launching cases at their smallest: keras_speed, pipeline, sparse and
-    models_np1 (22 launches: about 2 minutes here). Marked ``bench``: ``pytest -m bench
-    tests/runs/test_bench.py`` runs them before a measurement; ``scripts/test.sh`` does not."""
+    """Every launching case at its smallest: allreduce, keras_speed, pipeline, sparse, models
+    (every variant) and models_np1 (34 launches: about 2.5 minutes here). Marked ``bench``:
+    ``pytest -m bench tests/runs/test_bench.py`` runs them before a measurement;
+    ``scripts/test.sh`` does not."""
     return _bench_smoke(
-        tmp_path_factory.mktemp("bench_smoke"), "keras_speed,pipeline,sparse,models_np1"
+        tmp_path_factory.mktemp("bench_smoke"),
+        "allreduce,keras_speed,pipeline,sparse,models,models_np1",
     )
 
 
-def test_tiny_allreduce_case_through_the_real_launchers(smoke):
+@pytest.mark.bench
+def test_tiny_allreduce_case_through_the_real_launchers(bench_smoke):
     """memcpy, hvd.allreduce under horovodrun --mpi and --gloo, mpi4py under mpirun."""
-    proc, out = smoke
+    proc, out = bench_smoke
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     series = results["allreduce"]["series"]
@@ -662,6 +674,15 @@ def test_models_case_and_projection_on_the_command_line(capsys):
     with pytest.raises(SystemExit) as e:
         bench_plan("python -m hvdtrain.bench --models vgg")
     assert e.value.code == 2
+    from hvdtrain.bench import model_cases
+
+    assert bench_plan("python -m hvdtrain.bench").variants == list(model_cases.VARIANTS)
+    assert bench_plan("python -m hvdtrain.bench --variants tape,task").variants == ["tape", "task"]
+    with pytest.raises(SystemExit) as e:
+        bench_plan("python -m hvdtrain.bench --variants task,ddp")
+    assert e.value.code == 2
+    with pytest.raises(bench.BenchError, match=r"unknown variants \['ddp'\]"):
+        model_cases.models("/nonexistent", ["mlp"], "smoke", {"mlp": 8}, 3, 2, 1, variants=["ddp"])
     size, batches, steps, epochs, repeats = settings("full")["models"]
     assert (size, repeats, epochs) == ("full", 3, 3) and set(batches) == set(MODELS)
     assert settings("smoke")["models"][0] == "smoke"
@@ -725,29 +746,31 @@ def test_the_models_pages_commands_and_projection_tables():
     assert f"| {projection.HOST_BUSBW / 1e9:.2f} GB/s |" in page
 
 
-def test_models_case_through_the_real_launchers(smoke):
-    """The models case end to end on its smallest model (--smoke: a 26,000-parameter MLP):
-    every variant launched once as the bench launches it (one process; the Task path, hk.fit,
-    Horovod's Keras fit at its defaults and tuned, Horovod's tape under horovodrun -np 2;
-    MWMS as two workers), the Task path's and the tape's launches under HOROVOD_TIMELINE."""
-    proc, out = smoke
+def check_models_smoke(proc, out, variants):
+    """A ``--smoke`` models run on the mlp: ``variants`` launched once each (the Task path's
+    and the tape's under HOROVOD_TIMELINE, their steps split), samples/s, efficiency,
+    gradient bytes, the paired ratios of the pairs launched, the report and the plot."""
     assert proc.returncode == 0, proc.stderr[-3000:]
     from hvdtrain.bench import model_cases
 
-    (row,) = json.loads((out / "results.json").read_text())["models"]["rows"]
+    models = json.loads((out / "results.json").read_text())["models"]
+    assert list(models["variants"]) == list(variants)
+    (row,) = models["rows"]
     assert row["model"] == "mlp" and row["ranks"] == 2
     # 64 -> 128 -> 128 -> 10, float32: the trainable variables' bytes
     assert row["gradient_bytes"] == 4 * (64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10)
-    assert set(row["samples_per_sec"]) == set(model_cases.VARIANTS)
+    assert set(row["samples_per_sec"]) == set(variants)
     assert all(v > 0 for v in row["samples_per_sec"].values())
     assert row["efficiency"]["task"] == pytest.approx(
         row["samples_per_sec"]["task"] / (2 * row["samples_per_sec"]["one"])
     )
     # at the smoke level the round's own task and tape launches wrote the timelines
-    launched = sorted(p.name for p in (out / "raw").glob("models-mlp-*.json"))
+    launched = sorted(
+        p.name for p in (out / "raw").glob("models-mlp-*.json") if "-alone-" not in p.name
+    )  # (models_np1's launches, in the same folder, are its own)
     assert launched == sorted(
         f"models-mlp-{v}{'-timeline' if v in model_cases.TIMELINE_VARIANTS else ''}.json"
-        for v in model_cases.VARIANTS
+        for v in variants
     )
     for variant in model_cases.TIMELINE_VARIANTS:  # each step's reductions seen and split
         split = row["step_split"][variant]
@@ -758,17 +781,39 @@ def test_models_case_through_the_real_launchers(smoke):
         )
         step = 2 * row["batch_per_rank"] / row["samples_per_sec"][variant]  # 1 round: median
         assert split["step"] == pytest.approx(step)
-    # each round's hvdtrain path against each Horovod reference, paired (1 round: least = most)
-    assert set(row["paired"]) == {
-        f"{a}/{b}" for a in ("task", "hk_fit") for b in model_cases.HOROVOD_REFERENCES
-    }
-    best = max(row["samples_per_sec"]["hvd_fit"], row["samples_per_sec"]["hvd_fit_tuned"])
-    assert row["paired"]["task/hvd_fit_best"] == pytest.approx(
-        [row["samples_per_sec"]["task"] / best] * 3
-    )
+    # each round's hvdtrain path against each Horovod reference launched (1 round: least =
+    # most); Horovod's best Keras fit only where both of its fits ran
+    references = [
+        b
+        for b in model_cases.HOROVOD_REFERENCES
+        if b == "tape" or {"hvd_fit", "hvd_fit_tuned"} <= set(variants)
+    ]
+    assert set(row["paired"]) == {f"{a}/{b}" for a in ("task", "hk_fit") for b in references}
+    s = row["samples_per_sec"]
+    assert row["paired"]["task/tape"] == pytest.approx([s["task"] / s["tape"]] * 3)
+    if "hvd_fit_best" in references:
+        best = max(s["hvd_fit"], s["hvd_fit_tuned"])
+        assert row["paired"]["task/hvd_fit_best"] == pytest.approx([s["task"] / best] * 3)
     text = (out / "results.md").read_text()
     assert "### Models users train" in text
+    assert "| models, 2 processes, paired by round: hk_fit/tape | mlp, batch 8 per rank" in text
     assert (out / "bench_models.png").stat().st_size > 0
+
+
+def test_models_case_through_the_real_launchers(smoke):
+    """The models case end to end on its smallest model (--smoke: a 26,000-parameter MLP), as
+    CI runs it: one process, the Task path and hk.fit, and Horovod's tape under horovodrun
+    -np 2, the Task path's and the tape's launches under HOROVOD_TIMELINE."""
+    check_models_smoke(*smoke, CI_VARIANTS)
+
+
+@pytest.mark.bench
+def test_every_models_variant_through_the_real_launchers(bench_smoke):
+    """... and every variant: Horovod's Keras fit at its defaults and tuned, and MWMS as two
+    workers, besides."""
+    from hvdtrain.bench import model_cases
+
+    check_models_smoke(*bench_smoke, tuple(model_cases.VARIANTS))
 
 
 @pytest.mark.bench
