@@ -190,17 +190,20 @@ def plan(argv=None) -> argparse.Namespace:
     unknown = set(args.chosen) - set(CASES)
     if unknown:
         p.error(f"--cases: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CASES)}")
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    if set(args.models) - set(MODELS) or not args.models:
-        p.error(f"--models: unknown {args.models}; choose from {', '.join(MODELS)}")
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if set(args.variants) - set(model_cases.VARIANTS) or not args.variants:
-        p.error(
-            f"--variants: unknown {args.variants}; choose from {', '.join(model_cases.VARIANTS)}"
-        )
+    args.models = _names(p, "--models", args.models, MODELS)
+    args.variants = _names(p, "--variants", args.variants, model_cases.VARIANTS)
     args.out = os.path.abspath(args.out)
     args.level = "smoke" if args.smoke else "quick" if args.quick else "full"
     return args
+
+
+def _names(p, flag, raw, choices) -> list:
+    """``raw``, a comma-separated list, as names; exits 2 with one line (argparse's error)
+    when one is not in ``choices`` or none is given."""
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    if set(names) - set(choices) or not names:
+        p.error(f"{flag}: unknown {names}; choose from {', '.join(choices)}")
+    return names
 
 
 def main(argv=None) -> int:
