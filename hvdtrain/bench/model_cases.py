@@ -262,7 +262,8 @@ def step_split(path, step_seconds, compute_seconds) -> dict:
     allgather's rows of every rank), against the gradients' dense bytes the page states.
 
     The per-step tensors: the largest set negotiated equally often (the steps' gradients; the
-    broadcasts at the start, the metric sums at epoch ends come at other counts)."""
+    broadcasts at the start, the metric sums at epoch ends come at other counts), and those
+    one count off whose negotiations each fall within a step (the timeline cut in the last)."""
     events = read_timeline(path)
     ready, done, start, size = (collections.defaultdict(list) for _ in range(4))
     open_at = {}
@@ -284,10 +285,11 @@ def step_split(path, step_seconds, compute_seconds) -> dict:
                     if "shape" in args
                     else 0
                 )
-    # The steps' tensors: the largest set of tensors negotiated equally often (a run's other
-    # collectives, its metric sums and agreement checks, come at other counts); a tensor's
-    # last reduction may lack its end (the timeline stops with the process): steps that every
-    # tensor finished count.
+    # The steps' tensors: the largest set of tensors negotiated equally often, give or take the
+    # last step (a run's other collectives, its metric sums and agreement checks, come at other
+    # counts). The timeline stops with the process, without its last writes: the last step's
+    # negotiations may have ended for some tensors only, its reductions lack their ends. The
+    # steps that every tensor was seen to finish count.
     counts = collections.Counter(len(v) for v in ready.values())
     if not counts:
         return {
@@ -302,7 +304,21 @@ def step_split(path, step_seconds, compute_seconds) -> dict:
         }
     per_step = max(counts, key=lambda c: (counts[c], c))
     tensors = [p for p, v in ready.items() if len(v) == per_step and done[p]]
-    most = min(min(len(done[p]), per_step) for p in tensors)
+    # a tensor one count off is a step's, the last step cut, where each of its negotiations
+    # ended within its step: after the step before ended negotiating, before the next began
+    after = [max(ready[p][i] for p in tensors) for i in range(per_step)]
+    before = [min(ready[p][i] for p in tensors) for i in range(per_step)]
+    tensors += [
+        p
+        for p, v in ready.items()
+        if len(v) in (per_step - 1, per_step + 1)
+        and done[p]
+        and all(
+            (i == 0 or after[i - 1] < ts) and (i + 1 == per_step or ts < before[i + 1])
+            for i, ts in enumerate(v[:per_step])
+        )
+    ]
+    most = min(min(len(done[p]), len(ready[p]), per_step) for p in tensors)
     exposed, busy, carried = [], [], []
     for i in range(most // 3, most):
         carried.append(sum(size[p][i] for p in tensors if i < len(size[p])))

@@ -610,6 +610,35 @@ def test_step_split_from_a_timeline(tmp_path):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("ended", [1, 2], ids=["one-ended", "two-ended"])
+def test_step_split_when_the_timeline_stops_among_a_steps_negotiations(tmp_path, ended):
+    """The timeline stops with the process without its last writes: a 7th step whose
+    negotiations ended for ``ended`` of the 3 tensors only. All 3 tensors still count, with
+    the 6 steps each finished; a collective of the run's own negotiated one time fewer than
+    the steps, after them, does not."""
+    from hvdtrain.bench import model_cases
+
+    path = tmp_path / "t.json"
+    events = _timeline_events(steps=6, tensors=3, ready_gap_us=1000, reduce_us=400)
+    for i in range(5):  # e.g. a metric's sums at the end, as often as the steps less one
+        events += [
+            {"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 90_000 + i, "pid": 50},
+            {"ph": "E", "ts": 90_001 + i, "pid": 50},
+        ]
+    last = _timeline_events(steps=7, tensors=3, ready_gap_us=1000, reduce_us=400)[-12:]
+    events += [  # each tensor's negotiation began; the first ``ended`` ended, their reductions
+        e  # began; no reduction ended
+        for e in last
+        if e.get("name") == "NEGOTIATE_ALLREDUCE" or (e["pid"] < ended and "args" not in e)
+    ]
+    path.write_text(json.dumps(events))
+    split = model_cases.step_split(str(path), step_seconds=0.010, compute_seconds=0.008)
+    assert (split["tensors"], split["steps"]) == (3, 6), split
+    assert split["not_hidden"] == pytest.approx(400e-6)
+    assert split["bytes"] == 4 * (1000 + 2000 + 3000)
+
+
+@pytest.mark.quick
 def test_models_section_reports_median_spread_and_efficiency():
     from hvdtrain.bench import model_cases
 
