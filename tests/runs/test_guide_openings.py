@@ -135,9 +135,9 @@ def test_ctrl_c_on_the_faults_pages_command_and_the_same_command_again(stopped):
     )
     steps = [int(m.group(1)) for l in said for m in [re.search(pattern + "$", l)] if m]
     assert len(steps) == 1, said  # one line, rank 0's
-    assert 2 * 500 <= steps[0] < 100 * 500  # after epoch 2 (500 steps an epoch), before the end
+    assert 2 * 500 <= steps[0] < 40 * 500  # after epoch 2 (500 steps an epoch), before the end
     again, whole = result(stopped["run_dir"]), result(cwd / "runs" / "whole")
-    assert again["global_step"] == whole["global_step"] == 100 * 500
+    assert again["global_step"] == whole["global_step"] == 40 * 500
     assert again["weights_sha256"] == whole["weights_sha256"] and again["ranks_identical"]
     # the second run trained only from the stop on: its first epoch line is a later epoch
     lines = [l for l in stopped["again"].stdout.splitlines() if "Epoch: " in l]
