@@ -34,6 +34,7 @@ from conftest import (
     wait_for,
 )
 from docs_pages import block
+from spark_cluster import JAVA_OPTS
 
 pyspark = pytest.importorskip("pyspark")  # the test extra has it (the "spark" extra's pin)
 if not shutil.which("java") and not os.environ.get("JAVA_HOME"):
@@ -48,8 +49,17 @@ MASTER = "local[2]"
 
 
 def driver_env(tmp_path):
+    """A driver's environment: this venv's Python for the executors, and the JVM settings of
+    the tests' clusters (spark_cluster.JAVA_OPTS: no C2 compiler, one GC thread; half the CPU
+    of a driver's start here) through SPARK_CONF_DIR, as a user's spark-defaults.conf."""
+    conf = tmp_path / "spark-conf"
+    conf.mkdir(exist_ok=True)
+    (conf / "spark-defaults.conf").write_text(f"spark.driver.extraJavaOptions {JAVA_OPTS}\n")
     return clean_env(
-        tmp_path / "home", PYTHONPATH=os.pathsep.join([ROOT, TESTS]), PYSPARK_PYTHON=sys.executable
+        tmp_path / "home",
+        PYTHONPATH=os.pathsep.join([ROOT, TESTS]),
+        PYSPARK_PYTHON=sys.executable,
+        SPARK_CONF_DIR=str(conf),
     )
 
 
@@ -74,6 +84,7 @@ def spark(tmp_path_factory):
         .appName("hvdtrain-tests")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.extraJavaOptions", JAVA_OPTS)
         .config("spark.local.dir", str(tmp_path_factory.mktemp("spark-local")))
         .getOrCreate()
     )

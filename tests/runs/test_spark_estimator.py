@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import keras_flavour
+from spark_cluster import JAVA_OPTS
 
 pytestmark = [pytest.mark.keras2, pytest.mark.timeout(600)]
 
@@ -37,6 +38,7 @@ def spark():
         SparkSession.builder.master("local[2]")
         .appName("hvdtrain-estimator")
         .config("spark.ui.enabled", "false")
+        .config("spark.driver.extraJavaOptions", JAVA_OPTS)  # the tests' clusters' settings
         .config("spark.driver.memory", "1g")
         .config("spark.sql.shuffle.partitions", "2")
         .getOrCreate()
